@@ -1,0 +1,189 @@
+"""The order of an epoch: position -> dataset index, as a pure function of (seed, epoch, position).
+
+Why a keyed bijection instead of a stored permutation: resuming at position 5e8 of a 1e9-sample epoch must
+cost O(1) time and memory, and every rank must agree on the order without exchanging it. A Feistel network on
+the smallest even bit width that covers N, with cycle walking back into [0, N), gives exactly that: a
+permutation of range(N) evaluated independently at each position, vectorised over numpy uint64 arrays.
+
+The same keyed mixer derives per-sample seeds, so augmentations depend on (seed, epoch, index) only, never on
+which rank or worker loads a sample.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import numpy as np
+
+ROUNDS = 6
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+_MIX_1 = np.uint64(0xFF51AFD7ED558CCD)
+_MIX_2 = np.uint64(0xC4CEB9FE1A85EC53)
+_SALT_ORDER = 0x6F72646572  # distinct key streams for the order, the blocks and the sample seeds
+_SALT_BLOCKS = 0x626C6F636B73
+_SALT_SAMPLE = 0x73616D706C65
+
+SHUFFLE_MODES = ("none", "global", "blocks")
+
+
+def _fmix64(x: np.ndarray) -> np.ndarray:
+    """MurmurHash3's 64-bit finaliser: a cheap bijective mixer with full avalanche."""
+    x = x ^ (x >> np.uint64(33))
+    x = x * _MIX_1
+    x = x ^ (x >> np.uint64(33))
+    x = x * _MIX_2
+    return x ^ (x >> np.uint64(33))
+
+
+def _u64(values) -> np.ndarray:
+    """Python ints of any sign and size, reduced modulo 2**64, as a uint64 array."""
+    return np.asarray(np.asarray(values, dtype=object) % (1 << 64), dtype=np.uint64)
+
+
+def _stream_key(seed: int, epoch: int, salt: int) -> np.uint64:
+    """One 64-bit key per (seed, epoch, purpose); distinct inputs give independent-looking keys."""
+    with np.errstate(over="ignore"):
+        key = _fmix64(_u64([seed]) ^ _u64([salt]))
+        key = _fmix64(key ^ _fmix64(_u64([epoch]) + _GOLDEN))
+    return key[0]
+
+
+def _round_keys(stream_key: np.ndarray) -> np.ndarray:
+    """Keys of shape (ROUNDS, *stream_key.shape): a splitmix64 sequence per stream key."""
+    steps = np.arange(1, ROUNDS + 1, dtype=np.uint64).reshape((ROUNDS,) + (1,) * np.ndim(stream_key))
+    with np.errstate(over="ignore"):
+        return _fmix64(np.asarray(stream_key, dtype=np.uint64) + steps * _GOLDEN)
+
+
+def _half_bits(n: np.ndarray) -> np.ndarray:
+    """Half of the smallest even width >= bit_length(n - 1), at least 1, per element.
+
+    bit_length(n - 1), not ceil(log2(n)) or bit_length(n): for n = 2**k + 1 the largest value is 2**k, which needs
+    k + 1 bits; for n = 2**k it is 2**k - 1, which needs k bits. Computed on the distinct sizes only (one for a
+    global order, a few block sizes per batch for a block order)."""
+    sizes, where = np.unique(n, return_inverse=True)
+    halves = np.array([(max(int(size) - 1, 1).bit_length() + 1) // 2 for size in sizes], dtype=np.uint64)
+    return halves[where.reshape(np.shape(n))]
+
+
+def _feistel(x: np.ndarray, half: np.ndarray, keys: np.ndarray) -> np.ndarray:
+    """One pass of a balanced Feistel network on 2*half bits; a bijection of [0, 4**half)."""
+    mask = (np.uint64(1) << half) - np.uint64(1)
+    left, right = x >> half, x & mask
+    with np.errstate(over="ignore"):
+        for key in keys:
+            left, right = right, left ^ (_fmix64(right ^ key) & mask)
+    return (left << half) | right
+
+
+def permute(x: np.ndarray, n, keys: np.ndarray) -> np.ndarray:
+    """Keyed permutation of range(n) applied to the 1-D array x (all x < n); n and keys may vary per element.
+
+    keys has shape (ROUNDS,) for one permutation, or (ROUNDS, len(x)) for one per element. Cycle walking: the
+    Feistel domain is less than 4n, so on average fewer than four passes map a value back into [0, n); the walk
+    ends because x itself lies on its own cycle."""
+    x = np.asarray(x, dtype=np.uint64)
+    n = np.broadcast_to(np.asarray(n, dtype=np.uint64), x.shape)
+    half = _half_bits(n)
+    keys = np.broadcast_to(keys.reshape(ROUNDS, -1), (ROUNDS,) + x.shape)
+    out = _feistel(x, half, keys)
+    outside = np.nonzero(out >= n)[0]
+    while outside.size:
+        walked = _feistel(out[outside], half[outside], keys[:, outside])
+        out[outside] = walked
+        outside = outside[walked >= n[outside]]
+    return out
+
+
+def sample_seed(seed: int, epoch: int, index) -> np.ndarray | int:
+    """A 63-bit seed for one sample's randomness, from (seed, epoch, dataset index) only.
+
+    Vectorised: pass an array of indices to get an array of seeds; an int gives an int."""
+    key = _stream_key(seed, epoch, _SALT_SAMPLE)
+    with np.errstate(over="ignore"):
+        mixed = _fmix64(_u64(index) ^ key) >> np.uint64(1)
+    return int(mixed) if np.ndim(index) == 0 else mixed.astype(np.int64)
+
+
+def block_sizes_for_window(num_samples: int, window: int) -> list[int]:
+    """Blocks of `window` consecutive indices (the last one shorter) for block-local shuffling."""
+    if not isinstance(window, int) or isinstance(window, bool) or window <= 0:
+        raise ValueError(f"shuffle_blocks: a window must be a positive int, got {window!r}")
+    full, rest = divmod(num_samples, window)
+    return [window] * full + ([rest] if rest else [])
+
+
+@dataclass(frozen=True)
+class Order:
+    """Which dataset index sits at each position of an epoch.
+
+    shuffle="none" is the identity; "global" permutes all of range(N); "blocks" permutes the blocks (e.g. shards),
+    then the positions inside each block, so a reader visits one block at a time and reads it sequentially-ish.
+    """
+
+    num_samples: int
+    seed: int = 0
+    shuffle: str = "global"
+    block_sizes: tuple[int, ...] | None = None
+    _block_starts: np.ndarray = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.num_samples, int) or self.num_samples < 0:
+            raise ValueError(f"num_samples must be a non-negative int, got {self.num_samples!r}")
+        if self.shuffle not in SHUFFLE_MODES:
+            raise ValueError(f"shuffle must be one of {SHUFFLE_MODES}, got {self.shuffle!r}")
+        if (self.shuffle == "blocks") != (self.block_sizes is not None):
+            raise ValueError('block_sizes are needed exactly when shuffle="blocks"')
+        if self.block_sizes is not None:
+            sizes = np.asarray(self.block_sizes, dtype=np.int64)
+            if sizes.ndim != 1 or (sizes < 0).any() or int(sizes.sum()) != self.num_samples:
+                raise ValueError(
+                    f"shuffle_blocks: block sizes must be non-negative and sum to the dataset length "
+                    f"{self.num_samples}, got {len(sizes)} blocks summing to {int(sizes.sum())}"
+                )
+            object.__setattr__(self, "_block_starts", np.concatenate(([0], np.cumsum(sizes)[:-1])).astype(np.int64))
+
+    def fingerprint(self) -> dict:
+        """What must match between a saved progress and the current run for positions to mean the same ids."""
+        blocks = None
+        if self.block_sizes is not None:
+            digest = hashlib.sha256(np.asarray(self.block_sizes, dtype="<i8").tobytes()).hexdigest()[:16]
+            blocks = f"{len(self.block_sizes)}:{digest}"
+        return {"num_samples": self.num_samples, "seed": self.seed, "shuffle": self.shuffle, "blocks": blocks}
+
+    def for_epoch(self, epoch: int) -> "EpochOrder":
+        return EpochOrder(self, epoch)
+
+
+class EpochOrder:
+    """An Order bound to one epoch, with that epoch's keys (and block layout) computed once: O(#blocks)."""
+
+    def __init__(self, order: Order, epoch: int):
+        self.order = order
+        self.epoch = epoch
+        if order.shuffle == "global":
+            self._keys = _round_keys(_stream_key(order.seed, epoch, _SALT_ORDER))
+        elif order.shuffle == "blocks":
+            sizes = np.asarray(order.block_sizes, dtype=np.int64)
+            block_key = _stream_key(order.seed, epoch, _SALT_BLOCKS)
+            self._block_at = permute(np.arange(len(sizes)), len(sizes), _round_keys(block_key)).astype(np.int64)
+            self._block_offsets = np.concatenate(([0], np.cumsum(sizes[self._block_at])))
+            self._inner_key = _stream_key(order.seed, epoch, _SALT_ORDER)
+
+    def __call__(self, positions: np.ndarray) -> np.ndarray:
+        """Dataset indices (int64) at the given positions of this epoch."""
+        positions = np.asarray(positions, dtype=np.int64)
+        shuffle = self.order.shuffle
+        if shuffle == "none":
+            return positions
+        if shuffle == "global":
+            return permute(positions, self.order.num_samples, self._keys).astype(np.int64)
+        slot = np.searchsorted(self._block_offsets, positions, side="right") - 1
+        block = self._block_at[slot]
+        sizes = np.asarray(self.order.block_sizes, dtype=np.int64)[block]
+        with np.errstate(over="ignore"):
+            keys = _round_keys(_fmix64(block.astype(np.uint64) ^ self._inner_key))
+        inner = permute(positions - self._block_offsets[slot], sizes, keys).astype(np.int64)
+        return self.order._block_starts[block] + inner

@@ -1,0 +1,142 @@
+"""The stateful rank sampler: this rank's micro-batches of dataset indices, from committed progress on.
+
+It yields; it does not count. The loader tells it when a batch is *delivered* (handed to the training loop), so
+batches that workers prefetched are never progress, and `state_dict` reports only micro-batches of completed
+updates. Iterating reads the cursor (epoch, delivered) once, so a new pass continues right after the last
+delivered batch, whatever was prefetched before.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterator
+
+import numpy as np
+
+from loader.order import EpochOrder, Order
+from loader.partition import EpochPlan, Layout
+from loader.progress import Remaining
+from loader.state import Progress, RankProgress, check_fingerprint, merge_states
+
+CHUNK_SAMPLES = 8192  # ids computed per vectorised call: amortises numpy overhead, keeps the first batch fast
+
+
+@dataclass(frozen=True)
+class EpochView:
+    """Everything needed to turn (rank, micro-batch number) into dataset indices within one epoch."""
+
+    epoch: int
+    remaining: Remaining
+    plan: EpochPlan
+    order: EpochOrder
+
+    def indices(self, rank: int, batches: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Dataset indices of the given micro-batches, flat, and the offsets that split them per batch."""
+        starts, stops = self.plan.batch_bounds(rank, batches)
+        sizes = stops - starts
+        offsets = np.concatenate(([0], np.cumsum(sizes)))
+        within = np.arange(offsets[-1], dtype=np.int64) - np.repeat(offsets[:-1], sizes)
+        return self.order(self.remaining.positions(np.repeat(starts, sizes) + within)), offsets
+
+
+class ResumableSampler:
+    """Deals this rank its share of each epoch, resuming from any committed progress at any world size."""
+
+    def __init__(self, order: Order, layout: Layout, rank: int):
+        if not isinstance(rank, int) or isinstance(rank, bool) or not 0 <= rank < layout.world_size:
+            raise ValueError(f"rank must be an int in [0, world_size={layout.world_size}), got {rank!r}")
+        self.order, self.layout, self.rank = order, layout, rank
+        self._start_epoch(0)
+
+    # -- the cursor ------------------------------------------------------------------------------------------------
+
+    def _start_epoch(self, epoch: int, base: Progress | None = None) -> None:
+        self._base = base or Progress(self.order.fingerprint(), epoch, {})
+        self._epoch, self._delivered, self._view = epoch, 0, None
+
+    def view(self, epoch: int | None = None) -> EpochView:
+        epoch = self._epoch if epoch is None else epoch
+        if self._view is None or self._view.epoch != epoch:
+            remaining = Remaining(self._base.committed_in(epoch), self.order.num_samples)
+            view = EpochView(epoch, remaining, EpochPlan(remaining.count, self.layout), self.order.for_epoch(epoch))
+            if epoch != self._epoch:
+                return view
+            self._view = view
+        return self._view
+
+    @property
+    def epoch(self) -> int:
+        return self._epoch
+
+    @property
+    def exhausted(self) -> bool:
+        return self._delivered >= self.view().plan.batches_per_rank
+
+    def set_epoch(self, epoch: int) -> None:
+        """Same epoch: nothing changes (so the usual set_epoch call after a resume keeps the progress). The next
+        epoch after a finished pass: the natural advance. Any other epoch: start it fresh, abandoning the rest."""
+        if not isinstance(epoch, int) or isinstance(epoch, bool) or epoch < 0:
+            raise ValueError(f"epoch must be a non-negative int, got {epoch!r}")
+        if epoch == self._epoch:
+            return
+        if epoch == self._epoch + 1 and self.exhausted:
+            self._epoch, self._delivered, self._view = epoch, 0, None
+        else:
+            self._start_epoch(epoch)
+
+    def begin_pass(self) -> None:
+        """Called when a pass starts: after a finished pass, move on to the next epoch."""
+        if self.exhausted:
+            self.set_epoch(self._epoch + 1)
+
+    def deliver(self) -> None:
+        """The loader handed one more micro-batch to the training loop."""
+        self._delivered += 1
+
+    @property
+    def update_complete(self) -> bool:
+        """True when the micro-batch just delivered completes an optimizer update: step now."""
+        return self._delivered > 0 and self.view().plan.completed(self._delivered) == self._delivered
+
+    def last_indices(self) -> np.ndarray:
+        """Dataset indices of the micro-batch delivered last in this epoch."""
+        if self._delivered == 0:
+            raise RuntimeError("no batch has been delivered in this epoch yet")
+        ids, _ = self.view().indices(self.rank, np.array([self._delivered - 1]))
+        return ids
+
+    # -- iteration -------------------------------------------------------------------------------------------------
+
+    def __iter__(self) -> Iterator[list[int]]:
+        view, first = self.view(), self._delivered
+        per_chunk = max(1, CHUNK_SAMPLES // self.layout.batch_size)
+        for low in range(first, view.plan.batches_per_rank, per_chunk):
+            batches = np.arange(low, min(low + per_chunk, view.plan.batches_per_rank))
+            ids, offsets = view.indices(self.rank, batches)
+            flat, cuts = ids.tolist(), offsets.tolist()
+            for a, b in zip(cuts[:-1], cuts[1:]):
+                yield flat[a:b]
+
+    def __len__(self) -> int:
+        """Micro-batches a pass started now would yield."""
+        if self.exhausted:
+            return self.view(self._epoch + 1).plan.batches_per_rank
+        return self.view().plan.batches_per_rank - self._delivered
+
+    # -- state -----------------------------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict:
+        completed = self.view().plan.completed(self._delivered)
+        return RankProgress(self._base, self.layout, self.rank, self._epoch, completed).to_dict()
+
+    def load_state_dict(self, state) -> None:
+        """Accepts a merged (global) state, a list of per-rank states, or the state of a one-rank run.
+
+        Everything is validated before anything changes: a rejected state leaves the sampler as it was."""
+        if isinstance(state, (list, tuple)):
+            state = merge_states(list(state))
+        elif isinstance(state, dict) and state.get("kind") == "rank":
+            state = merge_states([state])
+        progress = Progress.from_dict(state)
+        check_fingerprint(progress.fingerprint, self.order.fingerprint())
+        self._start_epoch(progress.epoch, progress)

@@ -1,0 +1,306 @@
+"""The progress state: its serialised format, validation, and the merge of per-rank states.
+
+A rank's state is O(1) beyond the progress it started from (its *base*): the layout it ran under, its rank, its
+epoch and how many micro-batches it delivered in completed updates. `merge_states` turns the states of all ranks
+into the global progress: per epoch, the committed positions as intervals, which a restart at any world size
+reads as one small object. Everything is plain Python types, so a state is JSON- and torch.save-able.
+
+Map-style datasets get the full guarantee. A plain IterableDataset has no random access; its ("stream") state
+can only be restored by the same rank at the same world size, and the merge keeps the per-rank states side by
+side for that.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from loader.partition import EpochPlan, Layout
+from loader.progress import EMPTY, Remaining, complement, normalize, union
+
+FORMAT = "loader.progress"
+VERSION = 1
+FINGERPRINT_FIELDS = ("num_samples", "seed", "shuffle", "blocks")
+
+
+class StateError(ValueError):
+    """A state that cannot be loaded into this loader; the message says which field and what to do."""
+
+
+def intervals_to_json(intervals: np.ndarray) -> list[int]:
+    """The JSON form: [start0, stop0, start1, stop1, ...]."""
+    return intervals.reshape(-1).tolist()
+
+
+def intervals_from_json(flat, n: int, what: str) -> np.ndarray:
+    """Parse and check the JSON form; `what` names the field in the error message."""
+    if not isinstance(flat, (list, tuple)) or len(flat) % 2 or not all(
+        isinstance(v, int) and not isinstance(v, bool) for v in flat
+    ):
+        raise StateError(f"{what} must be a flat list of int pairs [start, stop, ...], got {str(flat)[:80]!r}")
+    spans = np.asarray(flat, dtype=np.int64).reshape(-1, 2)
+    if len(spans) and (
+        (spans[:, 0] < 0).any()
+        or (spans[:, 1] > n).any()
+        or (spans[:, 1] <= spans[:, 0]).any()
+        or (spans[1:, 0] <= spans[:-1, 1]).any()
+    ):
+        raise StateError(
+            f"{what} must be sorted, disjoint, non-touching, non-empty intervals inside [0, {n}); "
+            f"the state is corrupted or belongs to a dataset of another length"
+        )
+    return spans
+
+
+def _get(state: dict, key: str, kind, where: str):
+    if not isinstance(state, dict):
+        raise StateError(f"{where} must be a dict, got {type(state).__name__}: the state is corrupted")
+    if key not in state:
+        raise StateError(f"{where} has no field {key!r}: the state is truncated or not a loader state")
+    value = state[key]
+    if kind is int and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
+        raise StateError(f"{where}.{key} must be a non-negative int, got {value!r}: the state is corrupted")
+    if kind is not int and not isinstance(value, kind):
+        raise StateError(f"{where}.{key} must be of type {kind}, got {value!r}: the state is corrupted")
+    return value
+
+
+def _check_header(state: dict, kinds: tuple[str, ...], where: str) -> str:
+    if _get(state, "format", str, where) != FORMAT:
+        raise StateError(f"{where}.format is {state['format']!r}, expected {FORMAT!r}: not a loader state")
+    version = _get(state, "version", int, where)
+    if version != VERSION:
+        raise StateError(
+            f"{where}.version is {version}, this loader reads version {VERSION}: "
+            f"load it with the loader release that wrote it"
+        )
+    kind = _get(state, "kind", str, where)
+    if kind not in kinds:
+        raise StateError(f"{where}.kind is {kind!r}, expected one of {kinds}")
+    return kind
+
+
+def check_fingerprint(saved: dict, current: dict, where: str = "state") -> None:
+    """Positions mean the same dataset indices only if these match; say exactly which does not."""
+    for name in FINGERPRINT_FIELDS:
+        if name not in saved:
+            raise StateError(f"{where}.fingerprint has no field {name!r}: the state is truncated")
+        if saved[name] != current[name]:
+            hint = {
+                "num_samples": "the dataset changed length; this progress cannot be applied to it",
+                "seed": f"construct the loader with seed={saved[name]!r} to resume this run",
+                "shuffle": f"construct the loader with the shuffle mode {saved[name]!r} of the saved run",
+                "blocks": "construct the loader with the shuffle_blocks of the saved run",
+            }[name]
+            raise StateError(
+                f"{where}.fingerprint.{name} is {saved[name]!r} in the saved state but {current[name]!r} in this "
+                f"loader: {hint}"
+            )
+
+
+@dataclass(frozen=True)
+class Progress:
+    """Global progress: every epoch before `epoch` is finished; `committed` holds epochs >= `epoch`."""
+
+    fingerprint: dict
+    epoch: int
+    committed: dict[int, np.ndarray]
+    finished: tuple[tuple[int, np.ndarray], ...] = ()  # (epoch, positions dropped by policy) of the epochs
+    # finished by the merge that made this progress (or, when it finished none, its base's)
+
+    @property
+    def num_samples(self) -> int:
+        return self.fingerprint["num_samples"]
+
+    def committed_in(self, epoch: int) -> np.ndarray:
+        return self.committed.get(epoch, EMPTY)
+
+    def to_dict(self) -> dict:
+        return {
+            "format": FORMAT,
+            "version": VERSION,
+            "kind": "global",
+            "fingerprint": dict(self.fingerprint),
+            "epoch": self.epoch,
+            "committed": [[e, intervals_to_json(spans)] for e, spans in sorted(self.committed.items())],
+            "finished": [{"epoch": e, "dropped": intervals_to_json(dropped)} for e, dropped in self.finished],
+        }
+
+    @classmethod
+    def from_dict(cls, state: dict, where: str = "state") -> "Progress":
+        _check_header(state, ("global",), where)
+        fingerprint = _get(state, "fingerprint", dict, where)
+        n = _get(fingerprint, "num_samples", int, f"{where}.fingerprint")
+        epoch = _get(state, "epoch", int, where)
+        committed = {}
+        for entry in _get(state, "committed", list, where):
+            if not (isinstance(entry, list) and len(entry) == 2 and isinstance(entry[0], int) and entry[0] >= epoch):
+                raise StateError(f"{where}.committed entries must be [epoch >= {epoch}, intervals], got {entry!r}")
+            committed[entry[0]] = intervals_from_json(entry[1], n, f"{where}.committed[epoch {entry[0]}]")
+        finished = []
+        for i, record in enumerate(_get(state, "finished", list, where)):
+            done = _get(record, "epoch", int, f"{where}.finished[{i}]")
+            dropped = _get(record, "dropped", list, f"{where}.finished[{i}]")
+            finished.append((done, intervals_from_json(dropped, n, f"{where}.finished[{i}].dropped")))
+        return cls(fingerprint, epoch, committed, tuple(finished))
+
+
+@dataclass(frozen=True)
+class RankProgress:
+    """One rank's progress: its base, the layout it ran under, and micro-batches of completed updates."""
+
+    base: Progress
+    layout: Layout
+    rank: int
+    epoch: int
+    completed: int
+
+    def to_dict(self) -> dict:
+        return {
+            "format": FORMAT,
+            "version": VERSION,
+            "kind": "rank",
+            "base": self.base.to_dict(),
+            "layout": self.layout.as_dict(),
+            "rank": self.rank,
+            "epoch": self.epoch,
+            "completed": self.completed,
+        }
+
+    @classmethod
+    def from_dict(cls, state: dict, where: str = "state") -> "RankProgress":
+        _check_header(state, ("rank",), where)
+        base = Progress.from_dict(_get(state, "base", dict, where), f"{where}.base")
+        saved_layout = _get(state, "layout", dict, where)
+        try:
+            layout = Layout(**saved_layout)
+        except (TypeError, ValueError) as err:
+            raise StateError(f"{where}.layout is invalid ({err}): the state is corrupted") from None
+        rank = _get(state, "rank", int, where)
+        if rank >= layout.world_size:
+            raise StateError(f"{where}.rank is {rank}, outside world_size {layout.world_size}")
+        epoch = _get(state, "epoch", int, where)
+        if epoch < base.epoch:
+            raise StateError(f"{where}.epoch is {epoch}, before its base epoch {base.epoch}: the state is corrupted")
+        return cls(base, layout, rank, epoch, _get(state, "completed", int, where))
+
+
+def _delivered_spans(plan: EpochPlan, completed: list[int]) -> np.ndarray:
+    """Remaining-index intervals delivered by ranks 0..W-1 that completed the given micro-batch counts.
+
+    What every rank completed is a prefix of whole updates; only the uneven part beyond it is enumerated, so the
+    cost grows with how far the ranks drifted apart, not with the position."""
+    K = plan.layout.grad_accum
+    common = min(min(completed) // K, plan.full_updates)
+    spans = [np.array([[0, common * plan.layout.global_batch]], dtype=np.int64)]
+    for rank, done in enumerate(completed):
+        starts, stops = plan.batch_bounds(rank, np.arange(common * K, done))
+        spans.append(np.stack((starts, stops), axis=1))
+    return normalize(np.concatenate(spans))
+
+
+def merge(ranks: list[RankProgress]) -> Progress:
+    """The global progress committed by all ranks of one layout (given in rank order)."""
+    base, layout = ranks[0].base, ranks[0].layout
+    n = base.num_samples
+    epoch, finished = base.epoch, []
+    committed = {e: spans for e, spans in base.committed.items() if e > max(r.epoch for r in ranks)}
+    for e in range(base.epoch, max(r.epoch for r in ranks) + 1):
+        remaining = Remaining(base.committed_in(e), n)
+        plan = EpochPlan(remaining.count, layout)
+        completed = [plan.batches_per_rank if r.epoch > e else r.completed if r.epoch == e else 0 for r in ranks]
+        for r, done in zip(ranks, completed):
+            if done > plan.batches_per_rank:
+                raise StateError(
+                    f"rank {r.rank} reports {done} completed micro-batches in epoch {e}, but its share is "
+                    f"{plan.batches_per_rank}: the state is corrupted or belongs to another run"
+                )
+        spans = union(base.committed_in(e), remaining.covering_spans(_delivered_spans(plan, completed)))
+        if all(done == plan.batches_per_rank for done in completed):
+            epoch = e + 1
+            finished.append((e, complement(spans, n)))
+        elif len(spans):
+            committed[e] = spans
+    return Progress(base.fingerprint, epoch, committed, tuple(finished) or base.finished)
+
+
+def merge_states(states: list[dict]) -> dict:
+    """Combine the states of all ranks, saved at one step of one world size, into the global progress.
+
+    A pure function: usable without torch.distributed, e.g. offline on saved files. Stream states (IterableDataset)
+    cannot be merged into positions; they are checked and kept side by side per rank."""
+    if isinstance(states, dict) or not states:
+        raise StateError("merge_states takes a non-empty list of per-rank state dicts (one per rank)")
+    kinds = {_check_header(s, ("rank", "stream"), f"states[{i}]") for i, s in enumerate(states)}
+    if len(kinds) > 1:
+        raise StateError("merge_states got map-style and stream states mixed: they come from different loaders")
+    if kinds == {"stream"}:
+        return merge_stream_states(states)
+    ranks = [RankProgress.from_dict(s, f"states[{i}]") for i, s in enumerate(states)]
+    first = ranks[0]
+    for i, r in enumerate(ranks):
+        for name, mine, theirs in (("layout", r.layout, first.layout), ("base", r.base.to_dict(), first.base.to_dict())):
+            if mine != theirs:
+                raise StateError(
+                    f"states[{i}] (rank {r.rank}) has another {name} than states[0] (rank {first.rank}): "
+                    f"pass the states of one step of one run"
+                )
+    _check_ranks([r.rank for r in ranks], first.layout.world_size)
+    return merge(sorted(ranks, key=lambda r: r.rank)).to_dict()
+
+
+def _check_ranks(ranks: list[int], world_size: int) -> None:
+    if sorted(ranks) != list(range(world_size)):
+        missing = sorted(set(range(world_size)) - set(ranks))
+        repeated = sorted({r for r in ranks if ranks.count(r) > 1})
+        raise StateError(
+            f"the states were saved at world_size {world_size}; missing ranks {missing}, repeated ranks {repeated}: "
+            f"pass exactly one state per rank"
+        )
+
+
+# -- IterableDataset ("stream") states ---------------------------------------------------------------------------
+
+
+def stream_state(world_size: int, rank: int, epoch: int, batches: int, finished: bool, dataset_state) -> dict:
+    return {
+        "format": FORMAT,
+        "version": VERSION,
+        "kind": "stream",
+        "world_size": world_size,
+        "rank": rank,
+        "epoch": epoch,
+        "batches": batches,
+        "finished": finished,
+        "dataset": dataset_state,
+    }
+
+
+def merge_stream_states(states: list[dict]) -> dict:
+    for i, s in enumerate(states):
+        for key in ("world_size", "rank", "epoch", "batches"):
+            _get(s, key, int, f"states[{i}]")
+    world_size = states[0]["world_size"]
+    if any(s["world_size"] != world_size for s in states):
+        raise StateError("stream states were saved at different world sizes: pass the states of one step")
+    _check_ranks([s["rank"] for s in states], world_size)
+    ordered = sorted(states, key=lambda s: s["rank"])
+    return {"format": FORMAT, "version": VERSION, "kind": "streams", "world_size": world_size, "ranks": ordered}
+
+
+def stream_state_for(state, world_size: int, rank: int) -> dict:
+    """This rank's stream state out of a merged one, a list, or a single state; refuses another world size."""
+    if isinstance(state, (list, tuple)):
+        state = merge_states(list(state))
+    kind = _check_header(state, ("stream", "streams"), "state")
+    if kind == "stream":
+        state = merge_stream_states([state])
+    saved = _get(state, "world_size", int, "state")
+    if saved != world_size:
+        raise StateError(
+            f"this IterableDataset progress was saved at world_size {saved}, the loader runs at {world_size}: an "
+            f"IterableDataset has no random access, so its progress cannot be repartitioned. Restart at world_size "
+            f"{saved}, or use a map-style dataset (or a loader.sources source) to change the world size"
+        )
+    return state["ranks"][rank]

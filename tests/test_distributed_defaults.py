@@ -1,0 +1,28 @@
+"""Rank and world size come from torch.distributed when it is initialised: real gloo groups, no mocks."""
+
+import torch
+import torch.distributed as dist
+
+from loader import ResumableDataLoader, merge_states
+from tests.conftest import IndexDataset
+from tests.distributed import run_group
+
+
+def _rank_job(rank, world_size):
+    dl = ResumableDataLoader(IndexDataset(50), batch_size=3, shuffle=True, seed=4)
+    delivered = [b.tolist() for b in dl]
+    gathered = [None] * world_size
+    dist.all_gather_object(gathered, dl.state_dict())  # the merge a checkpoint does: one small collective
+    counts = torch.tensor([len(delivered)])
+    dist.all_reduce(counts, op=dist.ReduceOp.MIN)
+    return dl.rank, dl.world_size, delivered, merge_states(gathered), int(counts)
+
+
+def test_rank_and_world_size_default_to_the_process_group():
+    results = run_group(_rank_job, 3)
+    assert [(r[0], r[1]) for r in results] == [(0, 3), (1, 3), (2, 3)]
+    assert len({len(r[2]) for r in results}) == 1 == len({r[4] for r in results})  # equal batch counts
+    ids = sorted(i for r in results for batch in r[2] for i in batch)
+    assert ids == sorted(set(ids)) and len(ids) >= 50 - 2  # disjoint; at most W - 1 dropped by policy
+    merged = results[0][3]
+    assert all(r[3] == merged for r in results) and merged["epoch"] == 1

@@ -1,0 +1,116 @@
+"""The partition and the interval arithmetic, checked against brute-force models."""
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from loader.partition import EpochPlan, Layout
+from loader.progress import Remaining, complement, normalize, union
+from loader.state import StateError, intervals_from_json, intervals_to_json
+
+layouts = st.builds(
+    Layout,
+    world_size=st.integers(1, 6),
+    grad_accum=st.integers(1, 4),
+    batch_size=st.integers(1, 9),
+    drop_last=st.booleans(),
+)
+
+
+def rank_batches(plan, rank):
+    starts, stops = plan.batch_bounds(rank, np.arange(plan.batches_per_rank))
+    return [list(range(a, b)) for a, b in zip(starts.tolist(), stops.tolist())]
+
+
+@settings(max_examples=300, deadline=None)
+@given(remaining=st.integers(0, 400), layout=layouts)
+def test_ranks_get_disjoint_nonempty_batches_covering_what_is_served(remaining, layout):
+    plan = EpochPlan(remaining, layout)
+    batches = [rank_batches(plan, r) for r in range(layout.world_size)]
+    served = sorted(i for per_rank in batches for batch in per_rank for i in batch)
+    assert served == list(range(plan.served))
+    for per_rank in batches:
+        assert len(per_rank) == plan.batches_per_rank  # every rank yields as many micro-batches
+        assert all(1 <= len(batch) <= layout.batch_size for batch in per_rank)
+    dropped = remaining - plan.served
+    if layout.drop_last:
+        assert dropped == remaining % layout.global_batch
+        assert all(len(batch) == layout.batch_size for per_rank in batches for batch in per_rank)
+    else:
+        assert dropped == (remaining % layout.global_batch) % layout.world_size < layout.world_size
+
+
+@settings(max_examples=200, deadline=None)
+@given(remaining=st.integers(0, 600), micro_batch=st.sampled_from([1, 2]), worlds=st.permutations([1, 2, 3, 4, 6]))
+def test_update_composition_does_not_depend_on_the_world_size(remaining, micro_batch, worlds):
+    """With the same global batch, update g is the same set of samples at every world size."""
+    global_batch = 24
+
+    def updates(world):
+        layout = Layout(world, global_batch // (world * micro_batch), micro_batch, drop_last=True)
+        plan = EpochPlan(remaining, layout)
+        per_rank = [rank_batches(plan, r) for r in range(world)]
+        K = layout.grad_accum
+        return [
+            sorted(i for r in range(world) for batch in per_rank[r][g * K : (g + 1) * K] for i in batch)
+            for g in range(plan.full_updates)
+        ]
+
+    reference = updates(worlds[0])
+    assert all(updates(w) == reference for w in worlds[1:])
+    assert reference == [list(range(g * global_batch, (g + 1) * global_batch)) for g in range(len(reference))]
+
+
+def test_completed_counts_whole_updates_only():
+    plan = EpochPlan(50, Layout(2, 3, 4, drop_last=False))  # G = 24: 2 full updates, tail 2 -> 1 per rank
+    assert plan.batches_per_rank == 7
+    assert [plan.completed(d) for d in range(8)] == [0, 0, 0, 3, 3, 3, 6, 7]
+
+
+def test_layout_validation():
+    with pytest.raises(ValueError, match="batch_size must be a positive int, got 0"):
+        Layout(1, 1, 0, False)
+    with pytest.raises(ValueError, match="grad_accum must be a positive int, got -1"):
+        Layout(1, -1, 1, False)
+
+
+intervals = st.lists(st.tuples(st.integers(0, 120), st.integers(0, 120)), max_size=8)
+
+
+def as_set(spans):
+    return {i for a, b in np.asarray(spans).reshape(-1, 2).tolist() for i in range(a, b)}
+
+
+@settings(max_examples=200, deadline=None)
+@given(a=intervals, b=intervals)
+def test_interval_set_algebra(a, b):
+    merged = union(normalize(a), normalize(b))
+    assert as_set(merged) == as_set(a) | as_set(b)
+    assert (merged[1:, 0] > merged[:-1, 1]).all()  # sorted, disjoint, not touching
+    assert as_set(complement(merged, 130)) == set(range(130)) - as_set(merged)
+    assert np.array_equal(intervals_from_json(intervals_to_json(merged), 130, "x"), merged)
+
+
+@settings(max_examples=200, deadline=None)
+@given(committed=intervals, data=st.data())
+def test_remaining_index_maps_to_uncommitted_positions_in_order(committed, data):
+    committed = normalize(committed)
+    remaining = Remaining(committed, 130)
+    expected = sorted(set(range(130)) - as_set(committed))
+    assert remaining.count == len(expected)
+    assert remaining.positions(np.arange(remaining.count)).tolist() == expected
+    if remaining.count:
+        a = data.draw(st.integers(0, remaining.count - 1))
+        b = data.draw(st.integers(a + 1, remaining.count))
+        image = as_set(union(committed, remaining.covering_spans(np.array([[a, b]]))))
+        assert image == as_set(committed) | set(expected[a:b])
+
+
+def test_corrupted_intervals_are_rejected_with_the_field_name():
+    with pytest.raises(StateError, match="committed.*sorted, disjoint"):
+        intervals_from_json([5, 3], 10, "committed")
+    with pytest.raises(StateError, match="committed.*inside \\[0, 10\\)"):
+        intervals_from_json([0, 11], 10, "committed")
+    with pytest.raises(StateError, match="flat list of int pairs"):
+        intervals_from_json([0, 1, 2], 10, "committed")
