@@ -13,6 +13,7 @@ import numpy as np
 import torch.distributed as dist
 from torch.utils.data import DataLoader, IterableDataset
 
+from loader._checks import is_int
 from loader.order import Order, block_sizes_for_window, sample_seed
 from loader.partition import Layout
 from loader.sampler import ResumableSampler
@@ -94,7 +95,7 @@ def _default_rank_and_world(rank: int | None, world_size: int | None) -> tuple[i
     if rank is None:
         rank = dist.get_rank() if initialized else 0
     for name, value in (("world_size", world_size), ("rank", rank)):
-        if not isinstance(value, int) or isinstance(value, bool):
+        if not is_int(value):
             raise ValueError(f"{name} must be an int, got {value!r}")
     if world_size <= 0:
         raise ValueError(f"world_size must be a positive int, got {world_size}")
@@ -111,7 +112,7 @@ def _order_for(dataset, shuffle: bool, seed: int, shuffle_blocks) -> Order:
         return Order(num_samples, seed, "none")
     if shuffle_blocks is None:
         return Order(num_samples, seed, "global")
-    if isinstance(shuffle_blocks, int) and not isinstance(shuffle_blocks, bool):
+    if is_int(shuffle_blocks):
         shuffle_blocks = block_sizes_for_window(num_samples, shuffle_blocks)
     return Order(num_samples, seed, "blocks", tuple(int(size) for size in shuffle_blocks))
 
@@ -163,9 +164,9 @@ class ResumableDataLoader(DataLoader):
             )
         if not in_order:
             raise ValueError("in_order=False delivers batches out of order, so delivered progress would have holes")
-        if batch_size is not None and (not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size <= 0):
+        if batch_size is not None and (not is_int(batch_size) or batch_size <= 0):
             raise ValueError(f"batch_size must be a positive int or None, got {batch_size!r}")
-        if not isinstance(seed, int) or isinstance(seed, bool):
+        if not is_int(seed):
             raise ValueError(f"seed must be an int, got {seed!r}")
         rank, world_size = _default_rank_and_world(rank, world_size)
         layout = Layout(world_size, grad_accum, batch_size or 1, bool(drop_last))

@@ -17,6 +17,8 @@ from typing import Sequence
 
 import numpy as np
 
+from loader._checks import check_positive_int
+
 ROUNDS = 6
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 _MIX_1 = np.uint64(0xFF51AFD7ED558CCD)
@@ -109,8 +111,7 @@ def sample_seed(seed: int, epoch: int, index) -> np.ndarray | int:
 
 def block_sizes_for_window(num_samples: int, window: int) -> list[int]:
     """Blocks of `window` consecutive indices (the last one shorter) for block-local shuffling."""
-    if not isinstance(window, int) or isinstance(window, bool) or window <= 0:
-        raise ValueError(f"shuffle_blocks: a window must be a positive int, got {window!r}")
+    check_positive_int("shuffle_blocks (a window)", window)
     full, rest = divmod(num_samples, window)
     return [window] * full + ([rest] if rest else [])
 

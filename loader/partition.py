@@ -18,10 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-
-def _positive_int(value, name: str) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
+from loader._checks import check_positive_int
 
 
 @dataclass(frozen=True)
@@ -34,9 +31,8 @@ class Layout:
     drop_last: bool
 
     def __post_init__(self) -> None:
-        _positive_int(self.world_size, "world_size")
-        _positive_int(self.grad_accum, "grad_accum")
-        _positive_int(self.batch_size, "batch_size")
+        for name in ("world_size", "grad_accum", "batch_size"):
+            check_positive_int(name, getattr(self, name))
         if not isinstance(self.drop_last, bool):
             raise ValueError(f"drop_last must be a bool, got {self.drop_last!r}")
 

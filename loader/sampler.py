@@ -13,6 +13,7 @@ from typing import Iterator
 
 import numpy as np
 
+from loader._checks import is_int
 from loader.order import EpochOrder, Order
 from loader.partition import EpochPlan, Layout
 from loader.progress import Remaining
@@ -43,7 +44,7 @@ class ResumableSampler:
     """Deals this rank its share of each epoch, resuming from any committed progress at any world size."""
 
     def __init__(self, order: Order, layout: Layout, rank: int):
-        if not isinstance(rank, int) or isinstance(rank, bool) or not 0 <= rank < layout.world_size:
+        if not is_int(rank) or not 0 <= rank < layout.world_size:
             raise ValueError(f"rank must be an int in [0, world_size={layout.world_size}), got {rank!r}")
         self.order, self.layout, self.rank = order, layout, rank
         self._start_epoch(0)
@@ -75,7 +76,7 @@ class ResumableSampler:
     def set_epoch(self, epoch: int) -> None:
         """Same epoch: nothing changes (so the usual set_epoch call after a resume keeps the progress). The next
         epoch after a finished pass: the natural advance. Any other epoch: start it fresh, abandoning the rest."""
-        if not isinstance(epoch, int) or isinstance(epoch, bool) or epoch < 0:
+        if not is_int(epoch) or epoch < 0:
             raise ValueError(f"epoch must be a non-negative int, got {epoch!r}")
         if epoch == self._epoch:
             return

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from loader._checks import is_int
 from loader.partition import EpochPlan, Layout
 from loader.progress import EMPTY, Remaining, complement, normalize, union
 
@@ -36,7 +37,7 @@ def intervals_to_json(intervals: np.ndarray) -> list[int]:
 def intervals_from_json(flat, n: int, what: str) -> np.ndarray:
     """Parse and check the JSON form; `what` names the field in the error message."""
     if not isinstance(flat, (list, tuple)) or len(flat) % 2 or not all(
-        isinstance(v, int) and not isinstance(v, bool) for v in flat
+        is_int(v) for v in flat
     ):
         raise StateError(f"{what} must be a flat list of int pairs [start, stop, ...], got {str(flat)[:80]!r}")
     spans = np.asarray(flat, dtype=np.int64).reshape(-1, 2)
@@ -59,7 +60,7 @@ def _get(state: dict, key: str, kind, where: str):
     if key not in state:
         raise StateError(f"{where} has no field {key!r}: the state is truncated or not a loader state")
     value = state[key]
-    if kind is int and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
+    if kind is int and (not is_int(value) or value < 0):
         raise StateError(f"{where}.{key} must be a non-negative int, got {value!r}: the state is corrupted")
     if kind is not int and not isinstance(value, kind):
         raise StateError(f"{where}.{key} must be of type {kind}, got {value!r}: the state is corrupted")

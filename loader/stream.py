@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 
+from loader._checks import is_int
 from loader.state import StateError, stream_state, stream_state_for
 
 
@@ -28,7 +29,7 @@ class StreamProgress:
         self._snapshot = snapshot  # (batches, dataset state) at the last completed update, or None
 
     def set_epoch(self, epoch: int) -> None:
-        if not isinstance(epoch, int) or isinstance(epoch, bool) or epoch < 0:
+        if not is_int(epoch) or epoch < 0:
             raise ValueError(f"epoch must be a non-negative int, got {epoch!r}")
         if epoch != self.epoch:
             self._set(epoch, 0, False, None)
