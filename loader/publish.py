@@ -1,0 +1,359 @@
+"""Atomic, durable publication of checkpoint directories.
+
+Why: a worker can be SIGKILLed halfway through writing a checkpoint, and a restart must never load a torn one. So a
+checkpoint is written into a private ``step-NNNNNNNNN.tmp-<host>-<pid>-<random>`` directory, every file and directory
+is fsynced, ``manifest.json`` (sizes and sha256 of every file) is written last, and only then is the directory renamed
+to ``step-NNNNNNNNN``. A rename within one filesystem is atomic, so a published name always holds a complete
+checkpoint; anything else (a leftover ``.tmp-*``, a directory without manifest, a file whose size or checksum no
+longer matches) is skipped by :func:`latest` with a :class:`CheckpointWarning`.
+
+Assumption: one publisher per run directory. In a torchrun job only rank 0 calls :func:`publish` (after the other
+ranks have written their shards into the directory it hands out, if they write any). Two publishers of the same step
+are refused by name, but pruning and stale-tmp cleanup assume nobody else is publishing into ``run_dir``.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import json
+import os
+import re
+import secrets
+import shutil
+import socket
+import warnings
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any, Callable, Mapping
+
+FORMAT_VERSION = 1
+MANIFEST_NAME = "manifest.json"
+_CHUNK = 1 << 20
+_NAME = re.compile(r"step-(\d{9,})(?:\.tmp-(.+))?")
+_HEX64 = re.compile(r"[0-9a-f]{64}")
+_IN_FLIGHT: set[Path] = set()  # tmp directories this process is writing right now (async saves in threads)
+
+
+class CheckpointError(ValueError):
+    """A checkpoint directory is torn, corrupted or not a checkpoint at all."""
+
+
+class CheckpointWarning(UserWarning):
+    """:func:`latest` skipped a checkpoint directory; the message names it and says why."""
+
+
+@dataclass(frozen=True)
+class FileEntry:
+    size: int
+    sha256: str
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """The verified content of a checkpoint's ``manifest.json``; ``extra`` is the caller's ``manifest_extra``."""
+
+    path: Path
+    step: int
+    created: str
+    files: Mapping[str, FileEntry]
+    extra: Mapping[str, Any]
+
+
+def publish(
+    run_dir: str | os.PathLike,
+    step: int,
+    write_files: Callable[[Path], None],
+    *,
+    manifest_extra: dict[str, Any],
+    keep_last: int | None = 3,
+) -> Path:
+    """Write a checkpoint with ``write_files(tmp_dir)`` and publish it atomically as ``run_dir/step-NNNNNNNNN``.
+
+    On any exception only this call's temporary directory is removed; published checkpoints are never touched. After
+    success, published checkpoints beyond the newest ``keep_last`` (``None``: keep all) are pruned, never the one just
+    written, and temporary directories of lower steps left by crashed writers are removed (not those of a writer that
+    is still alive on this host, e.g. an async save in another thread).
+    """
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        raise ValueError(f"step must be a non-negative int, got {step!r}")
+    if keep_last is not None and (not isinstance(keep_last, int) or isinstance(keep_last, bool) or keep_last < 1):
+        raise ValueError(f"keep_last must be a positive int or None (keep all), got {keep_last!r}")
+    if not isinstance(manifest_extra, dict):
+        raise TypeError(f"manifest_extra must be a dict, got {type(manifest_extra).__name__}")
+    try:
+        json.dumps(manifest_extra)
+    except (TypeError, ValueError) as e:
+        raise TypeError(f"manifest_extra must be JSON-serialisable (str keys, plain values): {e}") from None
+
+    run_dir = Path(run_dir)
+    _make_run_dir(run_dir)
+    final = run_dir / f"step-{step:09d}"
+    if final.exists():
+        raise _already_published(final)
+    tmp = run_dir / f"{final.name}.tmp-{_host()}-{os.getpid()}-{secrets.token_hex(4)}"
+    tmp.mkdir()
+    _IN_FLIGHT.add(tmp)
+    try:
+        write_files(tmp)
+        files = _seal(tmp)
+        manifest = {
+            "format_version": FORMAT_VERSION,
+            "step": step,
+            "created": datetime.now(timezone.utc).isoformat(),
+            "files": files,
+            "extra": manifest_extra,
+        }
+        with open(tmp / MANIFEST_NAME, "x", encoding="utf-8") as f:
+            json.dump(manifest, f, indent=1, sort_keys=True)
+            f.flush()
+            os.fsync(f.fileno())
+        _fsync(tmp)
+        try:
+            os.rename(tmp, final)
+        except OSError as e:  # a complete checkpoint appeared under that name meanwhile: never replace it
+            if e.errno in (errno.ENOTEMPTY, errno.EEXIST):
+                raise _already_published(final) from None
+            raise
+        _fsync(run_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    finally:
+        _IN_FLIGHT.discard(tmp)
+    _remove_stale_tmp(run_dir, step)
+    if keep_last is not None:
+        _prune(run_dir, keep=keep_last, just_written=final)
+    return final
+
+
+def verify(path: str | os.PathLike, *, check_checksums: bool = True) -> Manifest:
+    """Check that ``path`` is a complete checkpoint: the manifest parses, and every file it lists exists with the
+    recorded size (always) and sha256 (when ``check_checksums``; reads every byte). Files the manifest does not list
+    are ignored. Raises :class:`CheckpointError` naming the directory and the problem."""
+    path = Path(path)
+    try:
+        raw = json.loads((path / MANIFEST_NAME).read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise _broken(path, f"no {MANIFEST_NAME} (a torn write, or not a checkpoint directory)") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise _broken(path, f"unreadable {MANIFEST_NAME}: {e}") from None
+    manifest = _parse_manifest(path, raw)
+    for rel, entry in manifest.files.items():
+        file = path / rel
+        try:
+            size = file.stat().st_size
+            if size != entry.size:
+                raise _broken(path, f"size of {rel!r}: expected {entry.size} bytes, got {size}")
+            if check_checksums and _sha256(file) != entry.sha256:
+                raise _broken(path, f"checksum mismatch for {rel!r}")
+        except FileNotFoundError:
+            raise _broken(path, f"missing file {rel!r}") from None
+        except OSError as e:
+            raise _broken(path, f"cannot read file {rel!r}: {e}") from None
+    return manifest
+
+
+def list_checkpoints(run_dir: str | os.PathLike) -> list[Path]:
+    """Published checkpoint directories (by name, not verified), oldest step first. Missing ``run_dir``: []."""
+    return [p for step, p, tmp in _scan(Path(run_dir)) if not tmp]
+
+
+def latest(run_dir: str | os.PathLike, *, check_checksums: bool = True) -> Path | None:
+    """The newest checkpoint in ``run_dir`` that verifies, or None (also for a missing ``run_dir``: a fresh run).
+
+    Newer directories that are torn (``.tmp-*``, no manifest) or corrupted are skipped with a
+    :class:`CheckpointWarning` naming them and the reason; older ones are not inspected."""
+    for step, path, tmp in reversed(_scan(Path(run_dir))):
+        if tmp:
+            warnings.warn(
+                f"skipping {path}: unfinished write of step {step} (crashed writer, or one still running)",
+                CheckpointWarning,
+                stacklevel=2,
+            )
+            continue
+        try:
+            verify(path, check_checksums=check_checksums)
+        except CheckpointError as e:
+            warnings.warn(f"skipping {e}", CheckpointWarning, stacklevel=2)
+            continue
+        return path
+    return None
+
+
+def _already_published(final: Path) -> FileExistsError:
+    return FileExistsError(
+        f"checkpoint {final} is already published; refusing to overwrite it. Publish a new step, or delete the "
+        f"directory by hand if it really must be replaced"
+    )
+
+
+def _broken(path: Path, problem: str) -> CheckpointError:
+    return CheckpointError(
+        f"checkpoint {path}: {problem}. It cannot be loaded; latest() skips it for an older checkpoint. "
+        f"Delete the directory, or restore it from a copy"
+    )
+
+
+def _parse_manifest(path: Path, raw: Any) -> Manifest:
+    if not isinstance(raw, dict):
+        raise _broken(path, f"{MANIFEST_NAME} is not a JSON object")
+    version = raw.get("format_version")
+    if version != FORMAT_VERSION:
+        raise _broken(
+            path,
+            f"unknown format version {version!r} in {MANIFEST_NAME} (this loader reads version {FORMAT_VERSION}; "
+            f"a newer loader may have written it — upgrade, or use a checkpoint this version wrote)",
+        )
+    step, created, files, extra = (raw.get(k) for k in ("step", "created", "files", "extra"))
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        raise _broken(path, f"malformed {MANIFEST_NAME}: 'step' must be a non-negative int, got {step!r}")
+    name = _NAME.fullmatch(path.name)
+    if name and not name.group(2) and int(name.group(1)) != step:
+        named = int(name.group(1))
+        raise _broken(path, f"{MANIFEST_NAME} says step {step} but the directory is named for step {named}")
+    if not isinstance(created, str) or not isinstance(extra, dict) or not isinstance(files, dict):
+        raise _broken(path, f"malformed {MANIFEST_NAME}: 'created' (str), 'files' and 'extra' (objects) are required")
+    entries = {}
+    for rel, entry in files.items():
+        size = entry.get("size") if isinstance(entry, dict) else None
+        digest = entry.get("sha256") if isinstance(entry, dict) else None
+        parts = Path(rel).parts
+        if (
+            not isinstance(size, int)
+            or isinstance(size, bool)
+            or size < 0
+            or not isinstance(digest, str)
+            or not _HEX64.fullmatch(digest)
+            or not parts
+            or Path(rel).is_absolute()
+            or ".." in parts
+        ):
+            raise _broken(path, f"malformed {MANIFEST_NAME}: bad entry for file {rel!r}: {entry!r}")
+        entries[rel] = FileEntry(size, digest)
+    return Manifest(path, step, created, MappingProxyType(entries), MappingProxyType(extra))
+
+
+def _seal(root: Path) -> dict[str, dict[str, Any]]:
+    """fsync every file and directory under ``root`` (children first) and return the manifest's ``files`` table."""
+    files = {}
+
+    def visit(directory: Path) -> None:
+        with os.scandir(directory) as it:
+            entries = sorted(it, key=lambda e: e.name)
+        for entry in entries:
+            rel = Path(entry.path).relative_to(root).as_posix()
+            if entry.is_dir(follow_symlinks=False):
+                visit(Path(entry.path))
+            elif entry.is_file(follow_symlinks=False):
+                if rel == MANIFEST_NAME:
+                    raise ValueError(f"write_files must not create {MANIFEST_NAME}: publish() writes it")
+                files[rel] = {"size": entry.stat(follow_symlinks=False).st_size, "sha256": _sha256(Path(entry.path))}
+                _fsync(Path(entry.path))
+            else:
+                raise ValueError(
+                    f"write_files created {rel!r}, which is not a regular file or directory (a symlink?); "
+                    f"a checkpoint must be self-contained, so copy the data in instead"
+                )
+        _fsync(directory)
+
+    visit(root)
+    return files
+
+
+def _sha256(file: Path) -> str:
+    digest = hashlib.sha256()
+    with open(file, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _fsync(path: Path) -> None:
+    """Flush a file's data, or a directory's entries, to stable storage (Linux accepts a read-only fd for both)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _make_run_dir(run_dir: Path) -> None:
+    if run_dir.is_dir():
+        return
+    if run_dir.exists():
+        raise NotADirectoryError(f"run_dir {run_dir} exists but is not a directory; pass a directory for checkpoints")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    _fsync(run_dir.parent)
+
+
+def _scan(run_dir: Path) -> list[tuple[int, Path, bool]]:
+    """(step, path, is_tmp) for every checkpoint-named directory, by step; at equal steps tmp ones come first."""
+    try:
+        with os.scandir(run_dir) as it:
+            entries = [(e.name, e.is_dir(follow_symlinks=False)) for e in it]
+    except FileNotFoundError:
+        return []
+    except NotADirectoryError:
+        raise NotADirectoryError(
+            f"run_dir {run_dir} is not a directory (or one of its parents is a file); pass the checkpoint directory"
+        ) from None
+    except PermissionError:
+        raise PermissionError(
+            f"run_dir {run_dir} cannot be listed (permission denied); fix its permissions or pass another directory"
+        ) from None
+    found = []
+    for name, is_dir in entries:
+        match = _NAME.fullmatch(name)
+        if match and is_dir:
+            found.append((int(match.group(1)), run_dir / name, match.group(2) is not None))
+    found.sort(key=lambda entry: (entry[0], not entry[2]))
+    return found
+
+
+def _host() -> str:
+    return socket.gethostname().replace("-", "_")  # no "-": it separates host, pid and nonce in tmp names
+
+
+def _writer_alive(tmp: Path) -> bool:
+    """Whether a tmp directory may still be written: by this process (async save), or by another live process on
+    this host. Our own pid on a directory we are not writing is a dead predecessor's (containers reuse pids);
+    writers on other hosts cannot be checked, and by the one-publisher assumption there are none."""
+    if tmp in _IN_FLIGHT:
+        return True
+    host, _, rest = tmp.name.partition(".tmp-")[2].partition("-")
+    pid = rest.partition("-")[0]
+    if host != _host() or not pid.isdigit() or int(pid) == os.getpid():
+        return False
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, owned by another user
+        pass
+    return True
+
+
+def _remove_stale_tmp(run_dir: Path, step: int) -> None:
+    for tmp_step, path, tmp in _scan(run_dir):
+        if tmp and tmp_step < step and not _writer_alive(path):
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def _prune(run_dir: Path, *, keep: int, just_written: Path) -> None:
+    """Delete all but the newest ``keep`` published checkpoints. Failures only warn: the new checkpoint is already
+    published, so publish() must not report an error for it."""
+    published = list_checkpoints(run_dir)
+    for path in published[: max(len(published) - keep, 0)]:
+        if path == just_written:
+            continue
+        try:
+            # Manifest first: a crash mid-delete then leaves a directory that latest() rejects as torn, not one that
+            # still claims to be complete.
+            (path / MANIFEST_NAME).unlink(missing_ok=True)
+            _fsync(path)
+            shutil.rmtree(path)
+        except OSError as e:
+            warnings.warn(f"could not prune old checkpoint {path}: {e}", CheckpointWarning, stacklevel=3)

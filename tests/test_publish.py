@@ -1,0 +1,362 @@
+"""Atomic checkpoint publication, on real files and real processes."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import multiprocessing
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+
+from loader.publish import (
+    FORMAT_VERSION,
+    MANIFEST_NAME,
+    CheckpointError,
+    CheckpointWarning,
+    latest,
+    list_checkpoints,
+    publish,
+    verify,
+)
+
+FILES = {"model.pt": b"m" * 3000, "optim.pt": b"o" * 1234, "shards/rank0.distcp": b"0" * 77, "shards/rank1.distcp": b""}
+EXTRA = {"epoch": 2, "world_size": 4, "batch_policy": {"global_batch": 64, "micro_batch": 4}, "dataset": "abc123"}
+
+
+def write(files: dict[str, bytes]):
+    def write_files(directory: Path) -> None:
+        for rel, data in files.items():
+            (directory / rel).parent.mkdir(parents=True, exist_ok=True)
+            (directory / rel).write_bytes(data)
+
+    return write_files
+
+
+def snapshot(run_dir: Path) -> dict[str, bytes]:
+    return {p.relative_to(run_dir).as_posix(): p.read_bytes() for p in sorted(run_dir.rglob("*")) if p.is_file()}
+
+
+def publish_steps(run_dir: Path, *steps: int, keep_last: int | None = None) -> None:
+    for step in steps:
+        publish(run_dir, step, write(FILES), manifest_extra=EXTRA, keep_last=keep_last)
+
+
+def test_round_trip_with_subdirectories(tmp_path):
+    files = {**FILES, "big.bin": random.Random(0).randbytes(5 << 19)}  # 2.5 MiB: hashed in several chunks
+    run_dir = tmp_path / "runs" / "a"  # created, parents included
+    path = publish(run_dir, 7, write(files), manifest_extra=EXTRA)
+
+    assert path == run_dir / "step-000000007"
+    assert sorted(p.name for p in run_dir.iterdir()) == ["step-000000007"]
+    manifest = verify(path)
+    assert (manifest.path, manifest.step, dict(manifest.extra)) == (path, 7, EXTRA)
+    assert {rel: (e.size, e.sha256) for rel, e in manifest.files.items()} == {
+        rel: (len(data), hashlib.sha256(data).hexdigest()) for rel, data in files.items()
+    }
+    raw = json.loads((path / MANIFEST_NAME).read_text())
+    assert raw["format_version"] == FORMAT_VERSION and raw["created"] == manifest.created
+    assert {rel: (path / rel).read_bytes() for rel in files} == files
+    assert latest(run_dir) == path
+    assert list_checkpoints(run_dir) == [path]
+
+
+def test_writer_that_raises_leaves_no_trace(tmp_path):
+    publish_steps(tmp_path, 1)
+    before = snapshot(tmp_path)
+
+    def half_then_fail(directory: Path) -> None:
+        write({"model.pt": b"partial"})(directory)
+        raise RuntimeError("disk full")
+
+    with pytest.raises(RuntimeError, match="disk full"):
+        publish(tmp_path, 2, half_then_fail, manifest_extra=EXTRA)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-000000001"]
+    assert snapshot(tmp_path) == before
+    assert latest(tmp_path) == tmp_path / "step-000000001"
+
+
+def _publish_then_sigkill(run_dir: str) -> None:
+    def write_half_then_die(directory: Path) -> None:
+        write(dict(list(FILES.items())[:2]))(directory)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    publish(run_dir, 2, write_half_then_die, manifest_extra=EXTRA)
+
+
+def test_sigkill_during_write_falls_back_and_warns(tmp_path):
+    publish_steps(tmp_path, 1)
+    child = multiprocessing.get_context("fork").Process(target=_publish_then_sigkill, args=(str(tmp_path),))
+    child.start()
+    try:
+        child.join(timeout=30)
+        assert child.exitcode == -signal.SIGKILL
+    finally:
+        if child.is_alive():
+            child.kill()
+            child.join(timeout=10)
+    (torn,) = tmp_path.glob("step-000000002.tmp-*")
+    assert sorted(p.name for p in torn.iterdir()) == ["model.pt", "optim.pt"]
+
+    with pytest.warns(CheckpointWarning, match=f"skipping {torn}: unfinished write of step 2"):
+        assert latest(tmp_path) == tmp_path / "step-000000001"
+
+    publish_steps(tmp_path, 3)  # the writer is dead: its torn directory is cleaned up
+    assert not torn.exists()
+
+
+def _damage(kind: str, ckpt: Path) -> str:
+    """Damage a published checkpoint; returns the reason latest() must give."""
+    model = ckpt / "model.pt"
+    manifest = ckpt / MANIFEST_NAME
+    if kind == "flip":
+        data = bytearray(model.read_bytes())
+        data[100] ^= 1
+        model.write_bytes(bytes(data))
+        return "checksum mismatch for 'model.pt'"
+    if kind == "truncate":
+        with open(ckpt / "shards" / "rank0.distcp", "r+b") as f:
+            f.truncate(10)
+        return "size of 'shards/rank0.distcp': expected 77 bytes, got 10"
+    if kind == "delete":
+        (ckpt / "optim.pt").unlink()
+        return "missing file 'optim.pt'"
+    if kind == "no_manifest":
+        manifest.unlink()
+        return f"no {MANIFEST_NAME}"
+    if kind == "garbage_manifest":
+        manifest.write_text('{"format_version": 1, "step"')
+        return f"unreadable {MANIFEST_NAME}"
+    if kind == "future_version":
+        manifest.write_text(json.dumps({**json.loads(manifest.read_text()), "format_version": 99}))
+        return "unknown format version 99"
+    if kind == "bad_entry":
+        raw = json.loads(manifest.read_text())
+        raw["files"]["../escape"] = {"size": 1, "sha256": "0" * 64}
+        manifest.write_text(json.dumps(raw))
+        return "bad entry for file '../escape'"
+    raise AssertionError(kind)
+
+
+@pytest.mark.parametrize(
+    "kind", ["flip", "truncate", "delete", "no_manifest", "garbage_manifest", "future_version", "bad_entry"]
+)
+def test_damaged_checkpoint_is_skipped_with_reason(tmp_path, kind):
+    publish_steps(tmp_path, 1, 2)
+    broken = tmp_path / "step-000000002"
+    reason = _damage(kind, broken)
+
+    with pytest.raises(CheckpointError) as info:
+        verify(broken)
+    assert str(broken) in str(info.value) and reason in str(info.value)
+    with pytest.warns(CheckpointWarning) as caught:
+        assert latest(tmp_path) == tmp_path / "step-000000001"
+    assert [str(w.message) for w in caught] == [f"skipping {info.value}"]
+
+
+def test_size_check_without_checksums(tmp_path):
+    publish_steps(tmp_path, 1, 2)
+    _damage("flip", tmp_path / "step-000000002")
+    assert verify(tmp_path / "step-000000002", check_checksums=False).step == 2
+    assert latest(tmp_path, check_checksums=False) == tmp_path / "step-000000002"
+    _damage("truncate", tmp_path / "step-000000002")
+    with pytest.warns(CheckpointWarning, match="expected 77 bytes, got 10"):
+        assert latest(tmp_path, check_checksums=False) == tmp_path / "step-000000001"
+
+
+def test_renamed_checkpoint_is_rejected(tmp_path):
+    publish_steps(tmp_path, 1)
+    (tmp_path / "step-000000001").rename(tmp_path / "step-000000005")
+    with pytest.raises(CheckpointError, match="manifest.json says step 1 but the directory is named for step 5"):
+        verify(tmp_path / "step-000000005")
+
+
+def test_keep_last_prunes_only_old_checkpoints(tmp_path):
+    (tmp_path / "notes.txt").write_text("mine")
+    (tmp_path / "step-000000001.bak").mkdir()
+    (tmp_path / "step-000000002").write_text("a file, not a checkpoint")
+    publish_steps(tmp_path, 1, 3, 4, 5, keep_last=2)
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["step-000000004", "step-000000005"]
+    assert (tmp_path / "notes.txt").read_text() == "mine"
+    assert (tmp_path / "step-000000001.bak").is_dir() and (tmp_path / "step-000000002").is_file()
+
+    publish_steps(tmp_path, 0, keep_last=1)  # an older step written after newer ones is still kept
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["step-000000000", "step-000000005"]
+    assert latest(tmp_path) == tmp_path / "step-000000005"
+
+
+def test_failed_prune_warns_but_publishes(tmp_path):
+    publish_steps(tmp_path, 1)
+    manifest = tmp_path / "step-000000001" / MANIFEST_NAME
+    manifest.unlink()
+    manifest.mkdir()  # unlink() of it fails
+    with pytest.warns(CheckpointWarning, match=f"could not prune old checkpoint {tmp_path / 'step-000000001'}"):
+        path = publish(tmp_path, 2, write(FILES), manifest_extra=EXTRA, keep_last=1)
+    assert latest(tmp_path) == path == tmp_path / "step-000000002"
+
+
+def test_keep_last_none_keeps_all(tmp_path):
+    publish_steps(tmp_path, 1, 2, 3, 4, keep_last=None)
+    assert len(list_checkpoints(tmp_path)) == 4
+
+
+def test_refuses_to_overwrite_a_published_step(tmp_path):
+    publish_steps(tmp_path, 1)
+    before = snapshot(tmp_path)
+    called = []
+    with pytest.raises(FileExistsError, match="step-000000001 is already published; refusing to overwrite"):
+        publish(tmp_path, 1, called.append, manifest_extra=EXTRA)
+    assert called == [] and snapshot(tmp_path) == before
+
+
+def test_concurrent_publish_of_the_same_step_never_replaces(tmp_path):
+    def publish_step_1_meanwhile(directory: Path) -> None:
+        publish_steps(tmp_path, 1)
+        write({"other.pt": b"late"})(directory)
+
+    with pytest.raises(FileExistsError, match="already published"):
+        publish(tmp_path, 1, publish_step_1_meanwhile, manifest_extra=EXTRA)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-000000001"]
+    assert set(verify(tmp_path / "step-000000001").files) == set(FILES)
+
+
+def test_stale_tmp_cleanup_spares_live_writers(tmp_path):
+    host = socket.gethostname().replace("-", "_")
+    reaped = subprocess.Popen([sys.executable, "-c", "pass"])
+    reaped.wait(timeout=30)
+    alive = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        names = {
+            "dead_writer": f"step-000000001.tmp-{host}-{reaped.pid}-aa",
+            "our_pid_not_in_flight": f"step-000000001.tmp-{host}-{os.getpid()}-bb",  # a predecessor with our pid
+            "other_host": f"step-000000001.tmp-elsewhere-{alive.pid}-cc",
+            "live_writer": f"step-000000001.tmp-{host}-{alive.pid}-dd",
+            "newer_step": f"step-000000009.tmp-{host}-{reaped.pid}-ee",
+        }
+        for name in names.values():
+            (tmp_path / name).mkdir()
+        publish_steps(tmp_path, 5)
+        assert {key for key, name in names.items() if (tmp_path / name).exists()} == {"live_writer", "newer_step"}
+    finally:
+        alive.kill()
+        alive.wait(timeout=30)
+
+
+def test_async_save_in_flight_is_not_cleaned_up(tmp_path):
+    entered, release = threading.Event(), threading.Event()
+    errors = []
+
+    def slow_writer(directory: Path) -> None:
+        entered.set()
+        assert release.wait(timeout=30)
+        (directory / "model.pt").write_bytes(b"late")  # no mkdir: the directory must have survived
+
+    def background() -> None:
+        try:
+            publish(tmp_path, 1, slow_writer, manifest_extra=EXTRA)
+        except BaseException as e:  # noqa: BLE001 - surfaced by the assertion below
+            errors.append(e)
+
+    thread = threading.Thread(target=background)
+    thread.start()
+    try:
+        assert entered.wait(timeout=30)
+        publish_steps(tmp_path, 2)
+        assert len(list(tmp_path.glob("step-000000001.tmp-*"))) == 1
+    finally:
+        release.set()
+        thread.join(timeout=30)
+    assert not thread.is_alive() and errors == []
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["step-000000001", "step-000000002"]
+    assert verify(tmp_path / "step-000000001").step == 1
+
+
+def test_missing_run_dir_is_a_fresh_run(tmp_path):
+    assert latest(tmp_path / "nothing" / "here") is None
+    assert list_checkpoints(tmp_path / "nothing") == []
+
+
+def test_empty_run_dir_and_only_torn_checkpoints(tmp_path):
+    assert latest(tmp_path) is None
+    (tmp_path / "step-000000003.tmp-x-1-ab").mkdir()
+    with pytest.warns(CheckpointWarning, match="step-000000003.tmp-x-1-ab: unfinished write"):
+        assert latest(tmp_path) is None
+
+
+def test_run_dir_that_is_a_file(tmp_path):
+    run_dir = tmp_path / "run"
+    run_dir.write_text("oops")
+    with pytest.raises(NotADirectoryError, match=f"run_dir {run_dir} is not a directory"):
+        latest(run_dir)
+    with pytest.raises(NotADirectoryError, match=f"run_dir {run_dir} exists but is not a directory"):
+        publish(run_dir, 1, write(FILES), manifest_extra=EXTRA)
+    assert run_dir.read_text() == "oops"
+
+
+def _latest_unprivileged(run_dir: str, conn) -> None:
+    if os.geteuid() == 0:  # root reads everything: drop to nobody first
+        os.setgid(65534)
+        os.setuid(65534)
+    try:
+        conn.send(("returned", latest(run_dir)))
+    except Exception as e:  # noqa: BLE001 - sent to the parent, which asserts on it
+        conn.send((type(e).__name__, str(e)))
+
+
+def test_unreadable_run_dir(tmp_path):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    run_dir.chmod(0)
+    ctx = multiprocessing.get_context("fork")
+    parent_end, child_end = ctx.Pipe(duplex=False)
+    child = ctx.Process(target=_latest_unprivileged, args=(str(run_dir), child_end))
+    child.start()
+    try:
+        assert parent_end.poll(timeout=30), "child did not report"
+        outcome = parent_end.recv()
+        child.join(timeout=30)
+    finally:
+        if child.is_alive():
+            child.kill()
+            child.join(timeout=10)
+        run_dir.chmod(0o755)
+    assert outcome == ("PermissionError", f"run_dir {run_dir} cannot be listed (permission denied); "
+                       "fix its permissions or pass another directory")
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        ({"step": -1}, ValueError, "step must be a non-negative int, got -1"),
+        ({"step": True}, ValueError, "step must be a non-negative int, got True"),
+        ({"step": 1.0}, ValueError, "step must be a non-negative int, got 1.0"),
+        ({"keep_last": 0}, ValueError, "keep_last must be a positive int or None"),
+        ({"manifest_extra": {"lr": object()}}, TypeError, "manifest_extra must be JSON-serialisable"),
+        ({"manifest_extra": [1]}, TypeError, "manifest_extra must be a dict, got list"),
+    ],
+)
+def test_argument_validation(tmp_path, kwargs, error, match):
+    args = {"step": 1, "keep_last": 3, "manifest_extra": EXTRA, **kwargs}
+    with pytest.raises(error, match=match):
+        publish(tmp_path / "run", write_files=write(FILES), **args)
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize(
+    "make, match",
+    [
+        (lambda d: (d / MANIFEST_NAME).write_text("{}"), "must not create manifest.json"),
+        (lambda d: (d / "link").symlink_to("/etc/hostname"), "'link', which is not a regular file or directory"),
+    ],
+)
+def test_bad_write_files_output_is_refused(tmp_path, make, match):
+    with pytest.raises(ValueError, match=match):
+        publish(tmp_path, 1, make, manifest_extra=EXTRA)
+    assert list(tmp_path.iterdir()) == []
