@@ -183,6 +183,7 @@ class ResumableDataLoader(DataLoader):
             pin_memory_device=pin_memory_device,
         )
         self.seed, self.rank, self.world_size, self.grad_accum = seed, rank, world_size, grad_accum
+        self.ledger = None  # a loader.ledger.Ledger records every delivered batch's indices when attached
         if isinstance(dataset, IterableDataset):
             if sample_seeds or shuffle_blocks is not None:
                 raise ValueError("sample_seeds and shuffle_blocks need a map-style dataset (random access)")
@@ -204,10 +205,17 @@ class ResumableDataLoader(DataLoader):
 
     def __iter__(self) -> Iterator[Any]:
         if self._stream is not None:
+            if self.ledger is not None:
+                raise TypeError("a ledger records sample indices, which an IterableDataset does not have")
             skip = self._stream.begin_pass()
             return _Delivery(super().__iter__(), self._stream.deliver, self._stream.end_pass, skip)
         self.resumable_sampler.begin_pass()
-        return _Delivery(super().__iter__(), self.resumable_sampler.deliver)
+        return _Delivery(super().__iter__(), self._deliver)
+
+    def _deliver(self) -> None:
+        self.resumable_sampler.deliver()
+        if self.ledger is not None:
+            self.ledger.record(self.epoch, self.last_indices(), self.update_complete)
 
     def __len__(self) -> int:
         if self._stream is not None:
@@ -221,6 +229,11 @@ class ResumableDataLoader(DataLoader):
     def set_epoch(self, epoch: int) -> None:
         """Same epoch: no change (safe to call after a resume). Another epoch: start it from its beginning."""
         (self._stream or self.resumable_sampler).set_epoch(epoch)
+
+    @property
+    def exhausted(self) -> bool:
+        """True when this rank has delivered its whole share of the current epoch: a new pass starts the next."""
+        return self._stream.finished if self._stream is not None else self.resumable_sampler.exhausted
 
     @property
     def update_complete(self) -> bool:

@@ -1,0 +1,201 @@
+"""Elastic data-parallel training that survives a killed worker: run it under torchrun.
+
+    torchrun --nproc-per-node=4 --max-restarts=3 examples/train_elastic.py --run-dir /tmp/run --ledger \
+        --fail-at-step 7 --fail-rank 2 --fail-mode sigkill
+
+Every launch resumes from the newest checkpoint that verifies (model, optimizer, scheduler, RNG and the loader's
+merged progress of one completed step), at whatever world size torchrun gives it. The global batch stays
+`--global-batch`: the gradient-accumulation steps follow the world size (`loader.batch_policy.BatchPolicy`).
+Fault injection (first launch only): `sigkill` and `exception` strike mid-step (the failing rank has already
+fetched a micro-batch of the next step); `checkpoint` kills rank 0 while it writes the checkpoint of that step.
+Backend: nccl when CUDA is available, else gloo.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import signal
+import sys
+import traceback
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import Dataset
+
+from loader import ResumableDataLoader
+from loader.batch_policy import BatchPolicy
+from loader.checkpoint import resume, save_checkpoint
+from loader.ledger import Ledger
+
+FEATURES = 8
+
+
+class Regression(Dataset):
+    """y = x . w + noise, each sample generated from its own index: any rank can load any sample."""
+
+    def __init__(self, size: int):
+        self.size = size
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __getitem__(self, index):
+        g = torch.Generator().manual_seed(int(index))
+        x = torch.randn(FEATURES, generator=g)
+        return x, x.sum() * 0.5 + 0.1 * torch.randn((), generator=g)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--run-dir", required=True, type=Path)
+    p.add_argument("--samples", type=int, default=480)
+    p.add_argument("--epochs", type=int, default=1)
+    p.add_argument("--global-batch", type=int, default=24)
+    p.add_argument("--micro-batch", type=int, default=2)
+    p.add_argument("--checkpoint-every", type=int, default=3, help="steps between checkpoints")
+    p.add_argument("--keep-last", type=int, default=3)
+    p.add_argument("--workers", type=int, default=0, help="DataLoader num_workers")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--ledger", action="store_true", help="record every delivered sample index for the audit")
+    p.add_argument("--snapshot-dir", type=Path, help="rank 0 saves model and optimizer after every step here")
+    p.add_argument("--uneven", type=int, default=0, help="rank r stops r * UNEVEN steps early (DDP Join)")
+    p.add_argument("--fail-at-step", type=int, help="fail during the step after this many completed steps")
+    p.add_argument("--fail-rank", type=int, default=0)
+    p.add_argument("--fail-mode", choices=("sigkill", "exception", "checkpoint"), default="sigkill")
+    p.add_argument("--timeout", type=float, default=60.0, help="seconds a collective may wait for a dead peer")
+    return p.parse_args(argv)
+
+
+def log(message: str) -> None:
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    print(f"[rank {rank}] {message}", flush=True)
+
+
+class FaultInjector:
+    """Strikes once per run directory (a marker file), so the restarted job trains through."""
+
+    def __init__(self, args):
+        self.args, self.marker = args, args.run_dir / "fault-injected"
+
+    def armed(self, step: int, rank: int) -> bool:
+        a = self.args
+        return a.fail_at_step is not None and step == a.fail_at_step and rank == a.fail_rank and not self.marker.exists()
+
+    def strike_mid_step(self, step: int, rank: int) -> None:
+        if self.args.fail_mode == "checkpoint" or not self.armed(step, rank):
+            return
+        self.marker.touch()
+        log(f"fault injection: {self.args.fail_mode} during step {step + 1}")
+        if self.args.fail_mode == "sigkill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        raise RuntimeError(f"injected failure during step {step + 1}")
+
+    def strike_in_checkpoint(self, step: int, rank: int) -> None:
+        """Kill this rank after the checkpoint's data files are written, before its manifest and rename."""
+        if self.args.fail_mode != "checkpoint" or not self.armed(step, rank):
+            return
+        original = dcp.save
+
+        def save_then_die(*args, **kwargs):
+            original(*args, **kwargs)
+            self.marker.touch()
+            log(f"fault injection: killed while writing the checkpoint of step {step}")
+            os.kill(os.getpid(), signal.SIGKILL)
+
+        dcp.save = save_then_die
+
+
+def train(args) -> int:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}") if torch.cuda.is_available() else torch.device("cpu")
+    torch.manual_seed(args.seed)
+    model = torch.nn.Sequential(torch.nn.Linear(FEATURES, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1)).to(device)
+    ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
+    optimizer = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=10, gamma=0.5)
+    policy = BatchPolicy(args.global_batch, args.micro_batch)
+    accum = policy.grad_accum(world)
+    dataset = Regression(args.samples)
+    loader = ResumableDataLoader(dataset, batch_size=args.micro_batch, shuffle=True, seed=args.seed,
+                                 grad_accum=accum, num_workers=args.workers, drop_last=True)
+    objects = dict(model=ddp, optimizer=optimizer, loader=loader, scheduler=scheduler)
+    step = resume(args.run_dir, **objects)
+    log(f"world size {world}, grad_accum {accum}, resumed at step {step}, epoch {loader.epoch}")
+    if args.ledger:
+        loader.ledger = Ledger.open(args.run_dir, step, len(dataset))
+    faults = FaultInjector(args)
+    scale = world / args.global_batch  # DDP averages over ranks: this makes the gradient sum / global batch
+    saved = step
+
+    def finished() -> bool:
+        return loader.epoch >= args.epochs or (loader.exhausted and loader.epoch + 1 >= args.epochs)
+
+    def run_pass() -> bool:
+        """One pass over this rank's share; True when this rank stopped early (uneven inputs)."""
+        nonlocal step, saved
+        with ddp.join():  # uneven inputs: a rank that stops early shadows the others' all-reduces
+            for x, y in loader:
+                faults.strike_mid_step(step, rank)
+                with contextlib.nullcontext() if loader.update_complete else ddp.no_sync():
+                    loss = torch.nn.functional.mse_loss(ddp(x.to(device)).squeeze(1), y.to(device), reduction="sum")
+                    (loss * scale).backward()
+                if not loader.update_complete:
+                    continue
+                optimizer.step()
+                scheduler.step()
+                optimizer.zero_grad(set_to_none=True)
+                step += 1
+                log(f"step {step} loss {loss.item() / args.micro_batch:.6f}")
+                if args.snapshot_dir is not None and rank == 0:
+                    args.snapshot_dir.mkdir(parents=True, exist_ok=True)
+                    torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()},
+                               args.snapshot_dir / f"step-{step:05d}.pt")
+                if step % args.checkpoint_every == 0 and not args.uneven:  # a joined rank takes no collective
+                    faults.strike_in_checkpoint(step, rank)
+                    save_checkpoint(args.run_dir, step, **objects, keep_last=args.keep_last, ledger=loader.ledger)
+                    saved = step
+                if args.uneven and len(loader) <= rank * args.uneven * accum:
+                    log(f"uneven input: stopping with {len(loader)} micro-batches of epoch {loader.epoch} left")
+                    return True
+        if loader.exhausted:
+            log(f"epoch {loader.epoch} finished: iterator exhausted after step {step}")
+        return False
+
+    stopped_early = False
+    try:
+        while not finished() and not stopped_early:
+            stopped_early = run_pass()
+    except Exception as err:
+        log(f"FAILED during step {step + 1}: {type(err).__name__}: {err}\n{traceback.format_exc()}")
+        raise
+    done = torch.tensor([step])
+    dist.all_reduce(done, op=dist.ReduceOp.MAX)  # a rank that joined early took fewer steps than the job
+    step = int(done)
+    if saved != step:
+        save_checkpoint(args.run_dir, step, **objects, keep_last=args.keep_last, ledger=loader.ledger)
+    if loader.ledger is not None:
+        loader.ledger.close()
+    if rank == 0:
+        torch.save(model.state_dict(), args.run_dir / "final-model.pt")
+    log(f"done at step {step}")
+    return 0
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    dist.init_process_group(backend, timeout=timedelta(seconds=args.timeout))
+    code = train(args)  # on an exception, exit at once: the agent restarts the group, peers may be gone
+    dist.destroy_process_group()
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

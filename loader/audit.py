@@ -1,0 +1,75 @@
+"""`python -m loader audit RUN_DIR`: per epoch, was every sample seen exactly once across all restarts?
+
+Reads the identity ledger (`loader.ledger`) of a run, across generations and world sizes. An epoch is finished
+when its dropped-by-policy record exists; for an epoch still in progress only duplicates can be judged.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+
+import numpy as np
+
+from loader.ledger import read_ledger
+
+
+@dataclass(frozen=True)
+class EpochAudit:
+    epoch: int
+    expected: int
+    finished: bool
+    seen_once: int
+    skipped: np.ndarray
+    duplicated: np.ndarray
+    dropped: int
+
+    @property
+    def clean(self) -> bool:
+        return not len(self.skipped) and not len(self.duplicated)
+
+
+def audit(run_dir) -> list[EpochAudit]:
+    records, dropped, num_samples = read_ledger(run_dir)
+    per_epoch: dict[int, list[np.ndarray]] = defaultdict(list)
+    for record in records:
+        per_epoch[record.epoch].append(record.indices)
+    report = []
+    for epoch in sorted(set(per_epoch) | set(dropped)):
+        counts = np.bincount(np.concatenate(per_epoch[epoch] + [np.zeros(0, np.int64)]), minlength=num_samples)
+        finished = epoch in dropped
+        unseen = np.ones(num_samples, dtype=bool)
+        unseen[counts > 0] = False
+        if finished:
+            unseen[dropped[epoch]] = False
+        report.append(EpochAudit(
+            epoch=epoch,
+            expected=num_samples,
+            finished=finished,
+            seen_once=int((counts == 1).sum()),
+            skipped=np.nonzero(unseen)[0] if finished else np.zeros(0, np.int64),
+            duplicated=np.nonzero(counts > 1)[0],
+            dropped=len(dropped.get(epoch, ())),
+        ))
+    return report
+
+
+def _listed(indices: np.ndarray, limit: int) -> str:
+    shown = ", ".join(map(str, indices[:limit].tolist()))
+    return shown + (f", ... ({len(indices)} in all)" if len(indices) > limit else "")
+
+
+def main(run_dir: str, limit: int = 20) -> int:
+    report = audit(run_dir)
+    print(f"{'epoch':>5} {'state':>11} {'expected':>9} {'seen once':>10} {'skipped':>8} {'duplicated':>11} {'dropped by policy':>18}")
+    for e in report:
+        skipped = str(len(e.skipped)) if e.finished else "-"
+        print(f"{e.epoch:>5} {'finished' if e.finished else 'in progress':>11} {e.expected:>9} {e.seen_once:>10} "
+              f"{skipped:>8} {len(e.duplicated):>11} {e.dropped:>18}")
+        if len(e.skipped):
+            print(f"      skipped indices: {_listed(e.skipped, limit)}")
+        if len(e.duplicated):
+            print(f"      duplicated indices: {_listed(e.duplicated, limit)}")
+    clean = all(e.clean for e in report)
+    print("audit: every sample exactly once" if clean else "audit: FAILED (samples skipped or duplicated)")
+    return 0 if clean else 1

@@ -1,0 +1,139 @@
+"""The identity ledger: each rank appends the dataset indices of every batch it delivers, labelled with the step.
+
+Why: exactly-once is a claim about sample identities across crashes, restarts and world sizes; the ledger is the
+evidence. Each launch of the job is a *generation* that starts from a checkpoint step. A record is labelled with
+the optimizer step its batch feeds, so when a later generation resumes from step S, the records past S of the
+earlier ones are the replayed steps and are discarded by the reader (`read_ledger`); nothing is rewritten in place.
+
+Layout under RUN_DIR/ledger/: gen-NNNNNN/meta.json and gen-NNNNNN/rank-NNNNN.bin (one append-only file per rank),
+and dropped/epoch-NNNNNN.npy (indices dropped by policy when an epoch finished).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch.distributed as dist
+
+_HEADER = struct.Struct("<qqIB")  # step, epoch, number of indices, 1 if the batch completed its update
+
+
+def _ledger_dir(run_dir) -> Path:
+    return Path(run_dir) / "ledger"
+
+
+def _generations(run_dir) -> list[Path]:
+    root = _ledger_dir(run_dir)
+    return sorted(root.glob("gen-[0-9][0-9][0-9][0-9][0-9][0-9]")) if root.is_dir() else []
+
+
+class Ledger:
+    """This rank's append-only record for one generation. Attach it with `loader.ledger = Ledger.open(...)`."""
+
+    def __init__(self, run_dir, path: Path, resumed_step: int):
+        self.run_dir, self.path, self.step = Path(run_dir), path, resumed_step
+        self._file = open(path, "ab")
+
+    @classmethod
+    def open(cls, run_dir, resumed_step: int, num_samples: int, group=None) -> "Ledger":
+        """Start a new generation (rank 0 creates it, every rank learns its number); a collective when
+        torch.distributed is initialised."""
+        distributed = dist.is_available() and dist.is_initialized()
+        rank, world = (dist.get_rank(group), dist.get_world_size(group)) if distributed else (0, 1)
+        box = [None]
+        if rank == 0:
+            box[0] = str(_new_generation(run_dir, resumed_step, world, num_samples))
+        if distributed:
+            dist.broadcast_object_list(box, src=0, group=group)
+        return cls(run_dir, Path(box[0]) / f"rank-{rank:05d}.bin", resumed_step)
+
+    def record(self, epoch: int, indices: np.ndarray, update_complete: bool) -> None:
+        """One delivered batch; flushed at each completed update so a crash loses only the replayed tail."""
+        ids = np.ascontiguousarray(indices, dtype="<i8")
+        self._file.write(_HEADER.pack(self.step + 1, epoch, len(ids), int(update_complete)) + ids.tobytes())
+        if update_complete:
+            self.step += 1
+            self._file.flush()
+
+    def record_finished(self, progress: dict, loader) -> None:
+        """Store the indices dropped by policy of the epochs a merged progress reports finished (rank 0)."""
+        order = loader.resumable_sampler.order
+        root = _ledger_dir(self.run_dir) / "dropped"
+        root.mkdir(parents=True, exist_ok=True)
+        for record in progress.get("finished", []):
+            spans = np.asarray(record["dropped"], dtype=np.int64).reshape(-1, 2)
+            positions = np.concatenate([np.arange(a, b) for a, b in spans] + [np.zeros(0, np.int64)])
+            target = root / f"epoch-{record['epoch']:06d}.npy"
+            if not target.exists():
+                tmp = target.with_suffix(".tmp.npy")
+                np.save(tmp, order.for_epoch(record["epoch"])(positions))
+                os.replace(tmp, target)
+
+    def close(self) -> None:
+        self._file.close()
+
+
+def _new_generation(run_dir, resumed_step: int, world_size: int, num_samples: int) -> Path:
+    root = _ledger_dir(run_dir)
+    root.mkdir(parents=True, exist_ok=True)
+    number = int(_generations(run_dir)[-1].name[4:]) + 1 if _generations(run_dir) else 1
+    while True:
+        path = root / f"gen-{number:06d}"
+        try:
+            path.mkdir()
+            break
+        except FileExistsError:
+            number += 1
+    meta = {"resumed_step": resumed_step, "world_size": world_size, "num_samples": num_samples}
+    (path / "meta.json").write_text(json.dumps(meta))
+    return path
+
+
+@dataclass(frozen=True)
+class Record:
+    generation: int
+    rank: int
+    step: int
+    epoch: int
+    indices: np.ndarray
+    complete: bool
+
+
+def _read_file(path: Path, generation: int, rank: int) -> list[Record]:
+    data, records, at = path.read_bytes(), [], 0
+    while at + _HEADER.size <= len(data):
+        step, epoch, count, complete = _HEADER.unpack_from(data, at)
+        end = at + _HEADER.size + 8 * count
+        if end > len(data):
+            break  # a record torn by a crash: its update never completed, so it is replayed anyway
+        ids = np.frombuffer(data, dtype="<i8", count=count, offset=at + _HEADER.size)
+        records.append(Record(generation, rank, step, epoch, ids, bool(complete)))
+        at = end
+    return records
+
+
+def read_ledger(run_dir) -> tuple[list[Record], dict[int, np.ndarray], int]:
+    """The records that count (completed steps not replayed later), the dropped indices per finished epoch, and N.
+
+    A record of generation g counts when its step is at most the step every later generation resumed from, and
+    at most the last step its rank completed in generation g."""
+    generations = _generations(run_dir)
+    if not generations:
+        raise FileNotFoundError(f"{_ledger_dir(run_dir)} holds no ledger: run the job with a Ledger attached")
+    metas = [json.loads((g / "meta.json").read_text()) for g in generations]
+    counted = []
+    for i, (generation, meta) in enumerate(zip(generations, metas)):
+        cutoff = min((m["resumed_step"] for m in metas[i + 1 :]), default=float("inf"))
+        for path in sorted(generation.glob("rank-*.bin")):
+            records = _read_file(path, i + 1, int(path.stem[5:]))
+            completed = max((r.step for r in records if r.complete), default=meta["resumed_step"])
+            counted += [r for r in records if r.step <= min(cutoff, completed)]
+    dropped = {
+        int(p.stem[6:]): np.load(p) for p in sorted((_ledger_dir(run_dir) / "dropped").glob("epoch-[0-9]*[0-9].npy"))
+    }
+    return counted, dropped, metas[-1]["num_samples"]

@@ -1,0 +1,71 @@
+"""A minimal elastic agent for tests: runs examples/train_elastic.py in forked ranks, like torchrun's agent.
+
+Forked processes (torch already imported) make a generation cost about a second instead of torchrun's ~10 s. As
+torchrun does, the first rank that fails ends the whole generation: the others are killed by pid. Each generation
+gets its own free port; every wait is bounded.
+"""
+
+import contextlib
+import importlib.util
+import io
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import torch.multiprocessing as mp
+
+from tests.distributed import free_port
+
+EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "train_elastic.py"
+
+
+def load_example():
+    spec = importlib.util.spec_from_file_location("train_elastic", EXAMPLE)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _rank_main(rank, world_size, port, argv, log_dir):
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    import torch
+
+    torch.set_num_threads(1)
+    with open(Path(log_dir) / f"rank-{rank}.log", "a", buffering=1) as out:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+            try:
+                code = load_example().main(argv)
+            except BaseException:
+                code = 1
+    os._exit(code)
+
+
+def run_generation(world_size: int, argv: list[str], log_dir: Path, timeout: float = 120.0) -> list[int | None]:
+    """Run one launch of the job; returns each rank's exit code (negative: killed by that signal)."""
+    log_dir.mkdir(parents=True, exist_ok=True)
+    ctx = mp.get_context("fork")
+    port = free_port()
+    procs = [ctx.Process(target=_rank_main, args=(r, world_size, port, argv, str(log_dir))) for r in range(world_size)]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + timeout
+    try:
+        while any(p.is_alive() for p in procs):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"generation of {world_size} ranks still running after {timeout} s")
+            if any(p.exitcode not in (None, 0) for p in procs):
+                break  # a rank failed: the agent stops the others, as torchrun does
+            time.sleep(0.05)
+    finally:
+        for p in procs:
+            if p.is_alive():
+                os.kill(p.pid, signal.SIGKILL)
+            p.join(timeout=10)
+    return [p.exitcode for p in procs]
+
+
+def logs(log_dir: Path) -> dict[int, str]:
+    return {int(p.stem[5:]): p.read_text() for p in sorted(log_dir.glob("rank-*.log"))}

@@ -1,0 +1,125 @@
+"""Real elastic recovery: ranks are real processes, failures are real SIGKILLs, the gloo group is real.
+
+Each scenario runs examples/train_elastic.py through tests/elastic.py (a fork-based agent that, like torchrun's,
+stops the whole generation when a rank fails and starts the next one from the newest verified checkpoint).
+"""
+
+import json
+
+import pytest
+import torch
+
+from loader.audit import audit
+from loader.publish import latest
+from tests.elastic import logs, run_generation
+
+pytestmark = pytest.mark.slow
+
+STEPS_PER_EPOCH = 10  # 240 samples, global batch 24, drop_last
+
+
+def job(run_dir, *extra):
+    return ["--run-dir", str(run_dir), "--samples", "240", "--global-batch", "24", "--micro-batch", "2",
+            "--checkpoint-every", "3", "--ledger", *extra]
+
+
+def assert_audit_clean(run_dir, epochs=1):
+    report = audit(run_dir)
+    assert [e.epoch for e in report if e.finished] == list(range(epochs))
+    for e in report:
+        assert e.clean, f"epoch {e.epoch}: skipped {e.skipped.tolist()} duplicated {e.duplicated.tolist()}"
+        assert e.seen_once + e.dropped == e.expected
+
+
+def final_model(run_dir):
+    return torch.load(run_dir / "final-model.pt")
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """The uninterrupted run at 2 ranks, with model and optimizer saved after every step."""
+    root = tmp_path_factory.mktemp("reference")
+    codes = run_generation(2, job(root / "run", "--snapshot-dir", str(root / "snapshots")), root / "logs")
+    assert codes == [0, 0], logs(root / "logs")
+    return root
+
+
+def snapshot(root, step):
+    return torch.load(root / f"step-{step:05d}.pt")
+
+
+def assert_bitwise_equal(a, b, where):
+    if isinstance(a, torch.Tensor):
+        assert torch.equal(a, b), where
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys(), where
+        for key in a:
+            assert_bitwise_equal(a[key], b[key], f"{where}.{key}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_bitwise_equal(x, y, f"{where}[{i}]")
+    else:
+        assert a == b, where
+
+
+def test_same_world_size_restart_after_sigkill_is_bitwise_equal(tmp_path, reference):
+    run = tmp_path / "run"
+    first = run_generation(2, job(run, "--fail-at-step", "7", "--fail-rank", "1"), tmp_path / "logs1")
+    assert first[1] == -9  # rank 1 was SIGKILLed in the middle of step 8
+    assert run_generation(2, job(run, "--snapshot-dir", str(tmp_path / "snapshots")), tmp_path / "logs2") == [0, 0]
+    assert "resumed at step 6" in logs(tmp_path / "logs2")[0]
+    for step in range(7, STEPS_PER_EPOCH + 1):  # every step after the restart, model and optimizer
+        assert_bitwise_equal(snapshot(tmp_path / "snapshots", step), snapshot(reference / "snapshots", step), f"step {step}")
+    assert_audit_clean(run)
+
+
+@pytest.mark.parametrize("worlds", [(4, 3), (2, 4)])
+def test_world_size_change_keeps_the_trajectory_and_every_sample_once(tmp_path, reference, worlds):
+    before, after = worlds
+    run = tmp_path / "run"
+    codes = run_generation(before, job(run, "--fail-at-step", "4", "--fail-rank", str(before - 1)), tmp_path / "logs1")
+    assert codes[before - 1] == -9
+    assert run_generation(after, job(run), tmp_path / "logs2") == [0] * after
+    assert f"world size {after}, grad_accum {24 // (2 * after)}, resumed at step 3" in logs(tmp_path / "logs2")[0]
+    ours, theirs = final_model(run), final_model(reference / "run")
+    for key in theirs:
+        torch.testing.assert_close(ours[key], theirs[key], rtol=1e-5, atol=1e-6)
+    assert_audit_clean(run)
+
+
+def test_kill_during_checkpoint_write_falls_back_to_the_previous_checkpoint(tmp_path, reference):
+    run = tmp_path / "run"
+    codes = run_generation(2, job(run, "--fail-at-step", "6", "--fail-rank", "0", "--fail-mode", "checkpoint"), tmp_path / "logs1")
+    assert codes[0] == -9
+    torn = [p.name for p in run.iterdir() if ".tmp-" in p.name]
+    assert torn and torn[0].startswith("step-000000006.tmp-")  # the data files were written, the manifest not
+    with pytest.warns(UserWarning, match="step-000000006.tmp-"):
+        assert latest(run).name == "step-000000003"
+    assert run_generation(2, job(run), tmp_path / "logs2") == [0, 0]
+    assert "resumed at step 3" in logs(tmp_path / "logs2")[0]
+    assert_bitwise_equal(final_model(run), final_model(reference / "run"), "final model")
+    assert_audit_clean(run)
+
+
+def test_uneven_consumption_with_join_then_resize(tmp_path):
+    run = tmp_path / "run"
+    assert run_generation(3, job(run, "--uneven", "3"), tmp_path / "logs1") == [0, 0, 0]
+    first = logs(tmp_path / "logs1")
+    assert "uneven input: stopping" in first[1] and "uneven input: stopping" in first[2]
+    manifest = json.loads((latest(run) / "manifest.json").read_text())
+    assert manifest["extra"]["epoch"] == 0  # the epoch is not finished: ranks 1 and 2 left holes
+    assert [e.finished for e in audit(run)] == [False]
+    assert run_generation(2, job(run), tmp_path / "logs2") == [0, 0]
+    assert_audit_clean(run)
+
+
+def test_exception_and_clean_exhaustion_are_told_apart_in_the_logs(tmp_path):
+    failed = run_generation(2, job(tmp_path / "a", "--fail-at-step", "2", "--fail-rank", "1", "--fail-mode", "exception"), tmp_path / "la")
+    assert failed[1] == 1
+    text = logs(tmp_path / "la")
+    assert "FAILED during step 3: RuntimeError: injected failure during step 3" in text[1]
+    assert all("iterator exhausted" not in t for t in text.values())
+    assert run_generation(2, job(tmp_path / "b"), tmp_path / "lb") == [0, 0]
+    for t in logs(tmp_path / "lb").values():
+        assert "epoch 0 finished: iterator exhausted after step 10" in t and "FAILED" not in t
