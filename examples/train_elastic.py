@@ -6,8 +6,9 @@
 Every launch resumes from the newest checkpoint that verifies (model, optimizer, scheduler, RNG and the loader's
 merged progress of one completed step), at whatever world size torchrun gives it. The global batch stays
 `--global-batch`: the gradient-accumulation steps follow the world size (`loader.batch_policy.BatchPolicy`).
-Fault injection (first launch only): `sigkill` and `exception` strike mid-step (the failing rank has already
-fetched a micro-batch of the next step); `checkpoint` kills rank 0 while it writes the checkpoint of that step.
+Fault injection (once per run directory): `sigkill`, `node` and `exception` strike mid-step (the failing rank
+has already fetched a micro-batch of the next step); `node` also kills the rank's torchrun agent, so the job comes
+back with fewer workers; `checkpoint` kills rank 0 while it writes the checkpoint of that step.
 Backend: nccl when CUDA is available, else gloo.
 """
 
@@ -18,6 +19,7 @@ import contextlib
 import os
 import signal
 import sys
+import time
 import traceback
 from datetime import timedelta
 from pathlib import Path
@@ -67,7 +69,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--uneven", type=int, default=0, help="rank r stops r * UNEVEN steps early (DDP Join)")
     p.add_argument("--fail-at-step", type=int, help="fail during the step after this many completed steps")
     p.add_argument("--fail-rank", type=int, default=0)
-    p.add_argument("--fail-mode", choices=("sigkill", "exception", "checkpoint"), default="sigkill")
+    p.add_argument("--fail-mode", choices=("sigkill", "node", "exception", "checkpoint"), default="sigkill",
+                   help="node: SIGKILL this rank's torchrun agent, then the rank: the node is gone for good")
     p.add_argument("--timeout", type=float, default=60.0, help="seconds a collective may wait for a dead peer")
     return p.parse_args(argv)
 
@@ -92,7 +95,9 @@ class FaultInjector:
             return
         self.marker.touch()
         log(f"fault injection: {self.args.fail_mode} during step {step + 1}")
-        if self.args.fail_mode == "sigkill":
+        if self.args.fail_mode == "node":
+            os.kill(os.getppid(), signal.SIGKILL)
+        if self.args.fail_mode in ("sigkill", "node"):
             os.kill(os.getpid(), signal.SIGKILL)
         raise RuntimeError(f"injected failure during step {step + 1}")
 
@@ -125,8 +130,10 @@ def train(args) -> int:
     loader = ResumableDataLoader(dataset, batch_size=args.micro_batch, shuffle=True, seed=args.seed,
                                  grad_accum=accum, num_workers=args.workers, drop_last=True)
     objects = dict(model=ddp, optimizer=optimizer, loader=loader, scheduler=scheduler)
+    started = time.perf_counter()
     step = resume(args.run_dir, **objects)
-    log(f"world size {world}, grad_accum {accum}, resumed at step {step}, epoch {loader.epoch}")
+    log(f"world size {world}, grad_accum {accum}, resumed at step {step}, epoch {loader.epoch} "
+        f"(checkpoint load {time.perf_counter() - started:.3f} s)")
     if args.ledger:
         loader.ledger = Ledger.open(args.run_dir, step, len(dataset))
     faults = FaultInjector(args)
@@ -158,7 +165,9 @@ def train(args) -> int:
                                args.snapshot_dir / f"step-{step:05d}.pt")
                 if step % args.checkpoint_every == 0 and not args.uneven:  # a joined rank takes no collective
                     faults.strike_in_checkpoint(step, rank)
+                    started = time.perf_counter()
                     save_checkpoint(args.run_dir, step, **objects, keep_last=args.keep_last, ledger=loader.ledger)
+                    log(f"checkpoint of step {step} saved in {time.perf_counter() - started:.3f} s")
                     saved = step
                 if args.uneven and len(loader) <= rank * args.uneven * accum:
                     log(f"uneven input: stopping with {len(loader)} micro-batches of epoch {loader.epoch} left")

@@ -238,25 +238,23 @@ def load_checkpoint(
             check_fingerprint(extra["fingerprint"], current, where=f"checkpoint {path}")
     except StateError as err:
         raise CheckpointError(str(err)) from None
-    model_sd, optim_sd = get_state_dict(model, optimizer)
-    state = {
-        "model": model_sd,
-        "optim": optim_sd,
-        "loader": {"progress": ""},
-        "rng": {"all": b""},
-        "extras": {"blob": b""},
-    }
+    # The small parts first: they are checked before DCP loads the model and optimizer in place.
+    state = {"loader": {"progress": ""}, "rng": {"all": b""}, "extras": {"blob": b""}}
     dcp.load(state, checkpoint_id=str(path))
-    try:
+    extras = _from_bytes(state["extras"]["blob"])
+    for name, target in (("scheduler", scheduler), ("scaler", scaler)):
+        if target is not None and extras[name] is None:
+            raise CheckpointError(f"checkpoint {path} has no {name} state, but a {name} was passed to load it into")
+    try:  # validated in full before it changes anything
         loader.load_state_dict(json.loads(state["loader"]["progress"]))
     except StateError as err:
         raise CheckpointError(f"checkpoint {path}: the loader progress does not fit this run: {err}") from None
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
-    extras = _from_bytes(state["extras"]["blob"])
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    weights = {"model": model_sd, "optim": optim_sd}
+    dcp.load(weights, checkpoint_id=str(path))
+    set_state_dict(model, optimizer, model_state_dict=weights["model"], optim_state_dict=weights["optim"])
     for name, target in (("scheduler", scheduler), ("scaler", scaler)):
         if target is not None:
-            if extras[name] is None:
-                raise CheckpointError(f"checkpoint {path} has no {name} state, but a {name} was passed to load it into")
             target.load_state_dict(extras[name])
     rng = pickle.loads(state["rng"]["all"])
     rank = _rank(group)

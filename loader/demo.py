@@ -1,147 +1,188 @@
-"""`python -m loader demo`: train, lose a worker mid-step, resume at another world size, count every sample.
+"""`python -m loader demo`: a real elastic job loses a node mid-step and finishes on fewer workers, exactly once.
 
-Single process: the data-parallel ranks are simulated by one ResumableDataLoader per rank, and their gradients
-are averaged as DDP would. The global batch stays 48 (4 ranks x 3 micro-steps x 4, then 3 ranks x 4 x 4), so the
-resumed run takes the very same optimizer steps as an uninterrupted one. For contrast, the same restart done the
-usual way (DistributedSampler at the new world size, skipping the batches each rank had consumed) is counted too.
+Two torchrun agents on this machine form one job of 4 workers (3 + 1) over a standalone TCP store, as two nodes
+would. During step 9 the single-worker node dies: its worker SIGKILLs its own agent, then itself. The remaining
+agent restarts its workers; they rendezvous as a job of 3, resume from the newest verified checkpoint and finish
+the epoch with the same global batch. Then the ledger is audited, the final model is compared with an
+uninterrupted run, and the restart's measured costs are put next to the replay plan.
 """
 
 from __future__ import annotations
 
-from collections import Counter
+import os
+import queue
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from pathlib import Path
 
 import torch
-from torch.utils.data import Dataset, DistributedSampler
 
-from loader import ResumableDataLoader, merge_states
+from loader.audit import main as audit_main
+from loader.replay import replay_plan
 
-SAMPLES, FEATURES, MICRO_BATCH, GLOBAL_BATCH, SEED = 1008, 8, 4, 48, 0  # 21 global batches
-
-
-class Regression(Dataset):
-    """y = x . w + noise, each sample generated from its index, so any rank can load any sample."""
-
-    def __len__(self) -> int:
-        return SAMPLES
-
-    def __getitem__(self, index):
-        g = torch.Generator().manual_seed(index)
-        x = torch.randn(FEATURES, generator=g)
-        return x, x.sum() * 0.5 + 0.1 * torch.randn((), generator=g), index
+EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "train_elastic.py"
+JOB = ["--samples", "480", "--global-batch", "24", "--micro-batch", "2", "--checkpoint-every", "3", "--ledger"]
+RDZV = "last_call_timeout=2,keep_alive_interval=1,keep_alive_max_attempt=2,join_timeout=60"
+FAIL_AT_STEP = 8
+STEP_LINE = re.compile(r"\[rank 0\] step (\d+) ")
+RESUMED_LINE = re.compile(r"\[rank 0\] world size (\d+), .*resumed at step (\d+).*checkpoint load ([\d.]+) s")
 
 
-class Job:
-    """Model, optimizer and one loader per simulated rank: the coherent state of a data-parallel job."""
+def _free_port() -> int:
+    import socket
 
-    def __init__(self, world_size: int):
-        torch.manual_seed(SEED)
-        self.model = torch.nn.Linear(FEATURES, 1)
-        self.optimizer = torch.optim.SGD(self.model.parameters(), lr=0.05)
-        accum = GLOBAL_BATCH // (world_size * MICRO_BATCH)
-        self.loaders = [
-            ResumableDataLoader(Regression(), batch_size=MICRO_BATCH, shuffle=True, seed=SEED, rank=r,
-                                world_size=world_size, grad_accum=accum)
-            for r in range(world_size)
-        ]
-        self.iterators = [iter(dl) for dl in self.loaders]
-        self.accum = accum
-
-    def step(self, seen: Counter) -> bool:
-        """One optimizer update over all ranks; False when the epoch is over."""
-        self.optimizer.zero_grad()
-        ids = []
-        for _ in range(self.accum):
-            for it in self.iterators:
-                try:
-                    x, y, index = next(it)
-                except StopIteration:
-                    return False
-                loss = torch.nn.functional.mse_loss(self.model(x).squeeze(1), y, reduction="sum") / GLOBAL_BATCH
-                loss.backward()
-                ids += index.tolist()
-                if all(dl.update_complete for dl in self.loaders):
-                    break
-        self.optimizer.step()
-        seen.update(ids)
-        return True
-
-    def checkpoint(self) -> dict:
-        return {
-            "model": {k: v.clone() for k, v in self.model.state_dict().items()},
-            "optimizer": self.optimizer.state_dict(),
-            "loader": merge_states([dl.state_dict() for dl in self.loaders]),
-        }
-
-    def restore(self, ckpt: dict) -> None:
-        self.model.load_state_dict(ckpt["model"])
-        self.optimizer.load_state_dict(ckpt["optimizer"])
-        for dl in self.loaders:
-            dl.load_state_dict(ckpt["loader"])
-        self.iterators = [iter(dl) for dl in self.loaders]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
-def _report(name: str, seen: Counter, dropped: int) -> tuple[int, int]:
-    once = sum(1 for c in seen.values() if c == 1)
-    duplicated = sum(1 for c in seen.values() if c > 1)
-    skipped = SAMPLES - len(seen) - dropped
-    print(f"  {name:<34} seen once {once:5d}   skipped {skipped:4d}   duplicated {duplicated:4d}   dropped by policy {dropped}")
-    return skipped, duplicated
+def _environment() -> dict:
+    return {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
 
 
-def _dropped(job: Job) -> int:
-    """Samples the partition dropped by policy in the finished epoch, as the merged progress records them."""
-    (record,) = merge_states([dl.state_dict() for dl in job.loaders])["finished"]
-    return sum(stop - start for start, stop in zip(record["dropped"][::2], record["dropped"][1::2]))
+def _descendants(pid: int) -> list[int]:
+    """Every process below pid: torchrun's workers run in sessions of their own and outlive a killed agent."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
 
 
-def naive_restart(steps_done: int, old_world: int, new_world: int) -> Counter:
-    """DistributedSampler at the new world size, each rank skipping what one rank consumed before the failure."""
-    seen = Counter()
-    per_rank_before = steps_done * GLOBAL_BATCH // old_world
-    for r in range(old_world):
-        sampler = DistributedSampler(Regression(), num_replicas=old_world, rank=r, shuffle=True, seed=SEED)
-        seen.update(list(sampler)[:per_rank_before])
-    for r in range(new_world):
-        sampler = DistributedSampler(Regression(), num_replicas=new_world, rank=r, shuffle=True, seed=SEED)
-        seen.update(list(sampler)[per_rank_before:])
+class Agent:
+    """One torchrun agent (a node) whose output lines are collected with their arrival times."""
+
+    def __init__(self, name: str, args: list[str], lines: queue.Queue):
+        self.name = name
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "torch.distributed.run", *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            text=True, env=_environment(), start_new_session=True,
+        )
+        threading.Thread(target=self._read, args=(lines,), daemon=True).start()
+
+    def _read(self, lines: queue.Queue) -> None:
+        for line in self.process.stdout:
+            lines.put((time.monotonic(), self.name, line.rstrip()))
+
+    def stop(self) -> None:
+        """End the agent and every worker it started, by pid."""
+        for pid in _descendants(self.process.pid) + [self.process.pid]:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        self.process.wait(timeout=30)
+
+
+def _torchrun_args(nproc: int, endpoint: str, job_id: str, run_dir: Path, extra: list[str]) -> list[str]:
+    return ["--nnodes=1:2", f"--nproc-per-node={nproc}", "--max-restarts=3", "--rdzv-backend=c10d",
+            f"--rdzv-endpoint={endpoint}", f"--rdzv-id={job_id}", f"--rdzv-conf=is_host=0,{RDZV}",
+            str(EXAMPLE), "--run-dir", str(run_dir), *JOB, *extra]
+
+
+def _run_elastic(run_dir: Path, timeout: float) -> list[tuple[float, str, str]]:
+    port = _free_port()
+    store = torch.distributed.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
+    lines: queue.Queue = queue.Queue()
+    endpoint, job_id = f"127.0.0.1:{port}", f"demo-{uuid.uuid4().hex[:8]}"
+    fault = ["--fail-at-step", str(FAIL_AT_STEP), "--fail-rank", "3", "--fail-mode", "node"]
+    agents = [Agent("node A", _torchrun_args(3, endpoint, job_id, run_dir, []), lines),
+              Agent("node B", _torchrun_args(1, endpoint, job_id, run_dir, fault), lines)]
+    seen, deadline = [], time.monotonic() + timeout
+    try:
+        while agents[0].process.poll() is None or not lines.empty():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the elastic job did not finish within {timeout:.0f} s")
+            try:
+                stamp, name, line = lines.get(timeout=0.2)
+            except queue.Empty:
+                continue
+            seen.append((stamp, name, line))
+            _show_progress(line)
+        if agents[0].process.returncode != 0:
+            tail = "\n".join(line for _, _, line in seen[-30:])
+            raise RuntimeError(f"node A exited with {agents[0].process.returncode}:\n{tail}")
+    finally:
+        for agent in agents:
+            agent.stop()
+        del store
+    print()
     return seen
 
 
-def main(fail_at_step: int = 9, old_world: int = 4, new_world: int = 3) -> int:
-    for world in (old_world, new_world):
-        if world <= 0 or GLOBAL_BATCH % (world * MICRO_BATCH):
-            raise SystemExit(f"demo: world size {world} cannot keep the global batch {GLOBAL_BATCH} with micro-batch "
-                             f"{MICRO_BATCH}; use one of 1, 2, 3, 4, 6, 12")
-    if not 0 < fail_at_step < SAMPLES // GLOBAL_BATCH:
-        raise SystemExit(f"demo: --fail-at-step must be in [1, {SAMPLES // GLOBAL_BATCH - 1}], got {fail_at_step}")
-    print(f"demo: {SAMPLES} samples, global batch {GLOBAL_BATCH}, {old_world} ranks; one dies during step "
-          f"{fail_at_step + 1}; the job resumes with {new_world} ranks")
-    reference, reference_seen = Job(old_world), Counter()
-    while reference.step(reference_seen):
-        pass
+def _show_progress(line: str) -> None:
+    if (m := RESUMED_LINE.search(line)) is not None:
+        world, step, _ = m.groups()
+        print(f"\n  {world} workers: training from step {step}", end="", flush=True)
+    elif (m := STEP_LINE.search(line)) is not None:
+        print(f" {m.group(1)}", end="", flush=True)
+    elif "fault injection" in line:
+        print(f"\n  {line.split('] ', 1)[1]} -> node B is gone", end="", flush=True)
 
-    job, seen = Job(old_world), Counter()
-    for step in range(fail_at_step):
-        job.step(seen)
-        print(f"\r  training at {old_world} ranks: step {step + 1}", end="", flush=True)
-    ckpt = job.checkpoint()  # committed together with the model after step `fail_at_step`
-    for it in job.iterators[:2]:  # mid-step: some ranks already fetched their next micro-batch, then one dies
-        next(it)
-    print(f"\n  rank {old_world - 1} killed mid-step {fail_at_step + 1}; restarting at {new_world} ranks "
-          f"from the checkpoint of step {fail_at_step}")
 
-    job = Job(new_world)
-    job.restore(ckpt)
-    steps = fail_at_step
-    while job.step(seen):
-        steps += 1
-        print(f"\r  training at {new_world} ranks: step {steps}", end="", flush=True)
-    print("\n\nafter one epoch:")
-    skipped, duplicated = _report(f"loader (resumed {old_world} -> {new_world} ranks)", seen, _dropped(job))
-    _report("uninterrupted reference", reference_seen, _dropped(reference))
-    _report("DistributedSampler restart", naive_restart(fail_at_step, old_world, new_world), 0)
-    drift = max((a - b).abs().max().item() for a, b in zip(job.model.parameters(), reference.model.parameters()))
-    print(f"\nmax parameter difference to the uninterrupted run: {drift:.2e}")
-    ok = skipped == 0 and duplicated == 0 and seen == reference_seen and drift < 1e-5
-    print("exactly once: yes" if ok else "exactly once: NO")
-    return 0 if ok else 1
+def _reference(run_dir: Path, timeout: float) -> None:
+    args = ["--standalone", "--nproc-per-node=3", str(EXAMPLE), "--run-dir", str(run_dir), *JOB]
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", *args], capture_output=True, text=True,
+                          env=_environment(), timeout=timeout)
+    if done.returncode != 0:
+        raise RuntimeError(f"the reference run failed:\n{done.stdout[-3000:]}{done.stderr[-3000:]}")
+
+
+SAVED_LINE = re.compile(r"\[rank 0\] checkpoint of step \d+ saved in ([\d.]+) s")
+
+
+def _restart_costs(lines: list[tuple[float, str, str]], started: float) -> None:
+    """The replay plan made from what was known before the failure, next to the measured restart."""
+    steps = [(t, int(m.group(1))) for t, _, line in lines if (m := STEP_LINE.search(line))]
+    resumes = [(t, m.groups()) for t, _, line in lines if (m := RESUMED_LINE.search(line))]
+    killed = next(t for t, _, line in lines if "fault injection" in line)
+    (first_launch, _), (resumed_at, (_, s_ckpt, load)) = resumes[0], resumes[1]
+    s_ckpt, load = int(s_ckpt), float(load)
+    before = [(t, s) for t, s in steps if t < resumed_at]
+    s_done = max(s for _, s in before)
+    t_step = (before[-1][0] - before[0][0]) / max(1, before[-1][1] - before[0][1])
+    t_save = [float(m.group(1)) for t, _, line in lines if t < killed and (m := SAVED_LINE.search(line))][-1]
+    caught_up = next(t for t, s in steps if t > resumed_at and s == s_done)
+    launch = resumed_at - killed - load
+    plan = replay_plan(s_done, s_ckpt, t_step, first_launch - started, t_save)
+    print(f"\nrestart budget ({s_done} steps done, checkpoint at step {s_ckpt}):")
+    print(f"  plan     {plan:5.1f} s = {s_done - s_ckpt} x {t_step:.3f} s per step + {first_launch - started:.1f} s "
+          f"launch (the first one) + {t_save:.2f} s load (the last save's time)")
+    print(f"  measured {launch + load + caught_up - resumed_at:5.1f} s = replay {caught_up - resumed_at:.2f} s + "
+          f"launch {launch:.1f} s + load {load:.2f} s")
+
+
+def main() -> int:
+    if not EXAMPLE.exists():
+        raise SystemExit(f"demo: {EXAMPLE} is missing; run the demo from a checkout of the repository")
+    print("demo: one elastic job, 2 nodes (3 + 1 workers), 480 samples, global batch 24; node B dies during "
+          f"step {FAIL_AT_STEP + 1}")
+    with tempfile.TemporaryDirectory(prefix="loader-demo-") as tmp:
+        run, reference = Path(tmp) / "run", Path(tmp) / "reference"
+        started = time.monotonic()
+        lines = _run_elastic(run, timeout=150)
+        print(f"  elastic job finished in {time.monotonic() - started:.0f} s; auditing the ledger:\n")
+        status = audit_main(str(run))
+        print("\nuninterrupted reference run (3 workers) ...", flush=True)
+        _reference(reference, timeout=120)
+        ours, theirs = torch.load(run / "final-model.pt"), torch.load(reference / "final-model.pt")
+        drift = max((ours[k] - theirs[k]).abs().max().item() for k in theirs)
+        same = all(torch.allclose(ours[k], theirs[k], rtol=1e-5, atol=1e-6) for k in theirs)
+        print(f"max parameter difference to the uninterrupted run: {drift:.2e} ({'equal' if same else 'DIFFERENT'} "
+              f"within rtol 1e-5)")
+        _restart_costs(lines, started)
+    return 0 if status == 0 and same else 1

@@ -1,0 +1,65 @@
+"""The ledger and the audit: replayed steps do not count, and skips and duplicates are reported with indices."""
+
+import numpy as np
+
+from loader import ResumableDataLoader, merge_states
+from loader.__main__ import main as cli
+from loader.audit import audit
+from loader.ledger import Ledger, read_ledger
+from tests.conftest import IndexDataset
+
+
+def train(run_dir, dl, resumed_step, micro_batches):
+    dl.ledger = Ledger.open(run_dir, resumed_step, len(dl.dataset))
+    it = iter(dl)
+    for _ in range(micro_batches):
+        next(it)
+    state = merge_states([dl.state_dict()])
+    dl.ledger.record_finished(state, dl)
+    dl.ledger.close()
+    return state
+
+
+def test_replayed_steps_do_not_count_and_the_audit_is_clean(tmp_path, capsys):
+    kw = dict(batch_size=4, shuffle=True, grad_accum=2, seed=3)
+    first = ResumableDataLoader(IndexDataset(40), **kw)
+    state = train(tmp_path, first, 0, 7)  # 3 whole steps, then half of step 4: a crash
+    second = ResumableDataLoader(IndexDataset(40), **kw)
+    second.load_state_dict(state)
+    train(tmp_path, second, 3, len(second))
+    records, dropped, n = read_ledger(tmp_path)
+    assert n == 40 and dropped.keys() == {0}
+    assert max(r.step for r in records if r.generation == 1) == 3  # step 4 of the first launch was replayed
+    (epoch,) = audit(tmp_path)
+    assert epoch.clean and epoch.finished and epoch.seen_once == 40
+    assert cli(["audit", str(tmp_path)]) == 0
+    assert "audit: every sample exactly once" in capsys.readouterr().out
+
+
+def test_skips_and_duplicates_are_reported_with_their_indices(tmp_path, capsys):
+    dl = ResumableDataLoader(IndexDataset(12), batch_size=4)
+    ledger = Ledger.open(tmp_path, 0, 12)
+    ledger.record(0, np.array([0, 1, 2, 3]), True)
+    ledger.record(0, np.array([4, 5, 6, 7]), True)
+    ledger.close()
+    ledger = Ledger.open(tmp_path, 1, 12)  # resumed from step 1: the second batch is replayed...
+    ledger.record(0, np.array([4, 5, 6, 9]), True)  # ...but as different samples, and 8, 10, 11 never come
+    ledger.record(0, np.array([0, 9]), True)
+    ledger.record_finished({"finished": [{"epoch": 0, "dropped": []}]}, dl)
+    ledger.close()
+    (epoch,) = audit(tmp_path)
+    assert epoch.skipped.tolist() == [7, 8, 10, 11] and epoch.duplicated.tolist() == [0, 9]
+    assert cli(["audit", str(tmp_path)]) == 1
+    out = capsys.readouterr().out
+    assert "skipped indices: 7, 8, 10, 11" in out and "duplicated indices: 0, 9" in out and "FAILED" in out
+
+
+def test_a_torn_last_record_is_ignored(tmp_path):
+    ledger = Ledger.open(tmp_path, 0, 8)
+    ledger.record(0, np.arange(4), True)
+    ledger.record(0, np.arange(4, 8), False)
+    ledger.close()
+    path = ledger.path
+    path.write_bytes(path.read_bytes()[:-5])  # a crash in the middle of writing the second record
+    records, _, _ = read_ledger(tmp_path)
+    assert [r.indices.tolist() for r in records] == [[0, 1, 2, 3]]
