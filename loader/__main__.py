@@ -1,9 +1,22 @@
 """Command line: `python -m loader demo` and `python -m loader audit RUN_DIR`."""
 
 import argparse
+import os
 import sys
 
 from loader import audit, demo
+
+
+def _describe_by_key(shards: str):
+    from loader.sources import WebDatasetSource
+
+    source = WebDatasetSource(shards, progress=False)
+
+    def describe(index: int) -> str:
+        shard, key = source.sample_key(index)
+        return f"{index} ({os.path.basename(shard)}:{key})"
+
+    return describe
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -13,9 +26,10 @@ def main(argv: list[str] | None = None) -> int:
     check = commands.add_parser("audit", help="per epoch: samples seen once, skipped, duplicated, dropped by policy")
     check.add_argument("run_dir", help="the run directory whose ledger/ to read")
     check.add_argument("--limit", type=int, default=20, help="offending indices to print per epoch")
+    check.add_argument("--shards", help="the run's WebDataset shards: name samples by shard and key")
     args = parser.parse_args(argv)
     if args.command == "audit":
-        return audit.main(args.run_dir, args.limit)
+        return audit.main(args.run_dir, args.limit, _describe_by_key(args.shards) if args.shards else str)
     return demo.main()
 
 

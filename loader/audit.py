@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 
@@ -54,12 +55,13 @@ def audit(run_dir) -> list[EpochAudit]:
     return report
 
 
-def _listed(indices: np.ndarray, limit: int) -> str:
-    shown = ", ".join(map(str, indices[:limit].tolist()))
+def _listed(indices: np.ndarray, limit: int, describe: Callable[[int], str]) -> str:
+    shown = ", ".join(describe(i) for i in indices[:limit].tolist())
     return shown + (f", ... ({len(indices)} in all)" if len(indices) > limit else "")
 
 
-def main(run_dir: str, limit: int = 20) -> int:
+def main(run_dir: str, limit: int = 20, describe: Callable[[int], str] = str) -> int:
+    """Print the audit; `describe` names a sample (e.g. by its shard and key); exit code 1 if not clean."""
     report = audit(run_dir)
     print(f"{'epoch':>5} {'state':>11} {'expected':>9} {'seen once':>10} {'skipped':>8} {'duplicated':>11} {'dropped by policy':>18}")
     for e in report:
@@ -67,9 +69,9 @@ def main(run_dir: str, limit: int = 20) -> int:
         print(f"{e.epoch:>5} {'finished' if e.finished else 'in progress':>11} {e.expected:>9} {e.seen_once:>10} "
               f"{skipped:>8} {len(e.duplicated):>11} {e.dropped:>18}")
         if len(e.skipped):
-            print(f"      skipped indices: {_listed(e.skipped, limit)}")
+            print(f"      skipped indices: {_listed(e.skipped, limit, describe)}")
         if len(e.duplicated):
-            print(f"      duplicated indices: {_listed(e.duplicated, limit)}")
+            print(f"      duplicated indices: {_listed(e.duplicated, limit, describe)}")
     clean = all(e.clean for e in report)
     print("audit: every sample exactly once" if clean else "audit: FAILED (samples skipped or duplicated)")
     return 0 if clean else 1

@@ -112,6 +112,12 @@ def _fingerprint_of(loader) -> dict | None:
     return None if sampler is None else sampler.order.fingerprint()
 
 
+def _dataset_fingerprint(loader) -> str | None:
+    """A source's own digest (e.g. WebDataset shard names and sizes), when it has one."""
+    fingerprint = getattr(loader.dataset, "fingerprint", None)
+    return fingerprint() if callable(fingerprint) else None
+
+
 def save_checkpoint(
     run_dir: str | Path,
     step: int,
@@ -151,6 +157,7 @@ def save_checkpoint(
         "world_size": world_size,
         "progress_format": [FORMAT, VERSION],
         "fingerprint": _fingerprint_of(loader),
+        "dataset": _dataset_fingerprint(loader),
         **(manifest_extra or {}),
     }
 
@@ -238,6 +245,12 @@ def load_checkpoint(
             check_fingerprint(extra["fingerprint"], current, where=f"checkpoint {path}")
     except StateError as err:
         raise CheckpointError(str(err)) from None
+    saved_dataset, current_dataset = extra.get("dataset"), _dataset_fingerprint(loader)
+    if None not in (saved_dataset, current_dataset) and saved_dataset != current_dataset:
+        raise CheckpointError(
+            f"checkpoint {path}: dataset fingerprint is {saved_dataset!r} in the checkpoint but {current_dataset!r} "
+            f"here: the source's shards (names or sample counts) changed; resume with the shards of the saved run"
+        )
     # The small parts first: they are checked before DCP loads the model and optimizer in place.
     state = {"loader": {"progress": ""}, "rng": {"all": b""}, "extras": {"blob": b""}}
     dcp.load(state, checkpoint_id=str(path))

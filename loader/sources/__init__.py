@@ -1,0 +1,5 @@
+"""Map-style data sources the loader can shuffle, partition and resume."""
+
+from loader.sources.webdataset import MissingKeyError, ShardFormatError, StaleIndexError, WebDatasetSource
+
+__all__ = ["MissingKeyError", "ShardFormatError", "StaleIndexError", "WebDatasetSource"]

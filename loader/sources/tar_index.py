@@ -1,0 +1,401 @@
+"""Per-shard sample index of a WebDataset tar: where each sample's member bytes live.
+
+Random access into a tar needs, for every sample, the offset and size of each of
+its members.  We get them from one pass over the 512-byte tar headers (never the
+member data) and group members into samples exactly as webdataset's streaming
+reader does, so index ``i`` of a shard is the ``i``-th sample webdataset yields.
+
+The headers are parsed here rather than with ``tarfile``: on shards written by
+webdataset (a pax header per member) ``tarfile`` spends ~33 us per member
+building full ``TarInfo`` objects; this parser decodes only name, type and size
+(~8 us per member) and follows ``tarfile``'s naming rules (ustar prefix, GNU long
+names, pax ``path``/``size``).  It is also stricter than ``tarfile``: a bad header
+or a missing end-of-archive marker in the middle of a shard is an error, not a
+silent end of the shard.
+
+Indexes are cached as ``.npz`` files (plain numpy arrays, no pickle): loading
+is a few array reads instead of parsing one JSON object per member, the file is
+~20 bytes per member, and the arrays stay as a handful of buffers that forked
+DataLoader workers share copy-on-write (a list of per-sample Python objects
+would be copied page by page as reference counts change).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import sys
+import uuid
+import warnings
+import zipfile
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from typing import BinaryIO, NamedTuple
+
+import numpy as np
+from webdataset.tariterators import base_plus_ext
+
+INDEX_VERSION = 1
+BLOCK = 512
+_ZERO_BLOCK = bytes(BLOCK)
+_TAR_ENCODING = sys.getfilesystemencoding()  # what tarfile (and so webdataset) decodes names with
+_REGULAR = (b"0", b"\0", b"7")
+_NO_DATA = (b"1", b"2", b"3", b"4", b"5", b"6")  # types whose size field tarfile ignores
+_EXTENSIONS = (b"L", b"K", b"g", b"x", b"X")  # GNU long name/link, pax global/extended (+ Solaris)
+_PAX_RECORD = re.compile(rb"(\d+) ([^=]+)=")
+_META = re.compile(r"__[^/]*__($|/)")  # webdataset's tar_file_iterator skip_meta default
+_RESERVED = ("__key__", "__url__", "__local_path__")  # sample entries webdataset fills in itself
+
+
+class ShardFormatError(ValueError):
+    """A shard is not a complete, uncompressed tar that can be indexed (or read as indexed)."""
+
+
+class StaleIndexError(ValueError):
+    """A shard changed after its index was built; serving bytes from the index would be wrong."""
+
+
+class TarMember(NamedTuple):
+    """A regular file in a tar: its name and where its data lies."""
+
+    name: str
+    offset: int
+    size: int
+
+
+def _fail(shard: str, offset: int, problem: str) -> ShardFormatError:
+    return ShardFormatError(
+        f"{shard}: {problem} (at byte {offset}). The shard is truncated or corrupted; "
+        "re-create or re-download it, or remove it from the shard list."
+    )
+
+
+def _text(field: bytes) -> str:
+    """Decode a NUL-terminated header field like tarfile's ``nts``."""
+    return field.split(b"\0", 1)[0].decode(_TAR_ENCODING, "surrogateescape")
+
+
+def _number(field: bytes) -> int | None:
+    """Decode a numeric header field (octal, or GNU base-256); None when invalid."""
+    if field[0] in (0o200, 0o377):
+        value = int.from_bytes(field[1:], "big")
+        return value - 256 ** (len(field) - 1) if field[0] == 0o377 else value
+    try:
+        return int(field.split(b"\0", 1)[0].strip() or b"0", 8)
+    except ValueError:
+        return None
+
+
+def _checksum_ok(header: bytes) -> bool:
+    """Accept the unsigned and the (historic Sun) signed byte-sum checksums, as tarfile does."""
+    stored = _number(header[148:156])
+    unsigned = 256 + sum(header) - sum(header[148:156])
+    if stored == unsigned:
+        return True
+    summed = header[:148] + header[156:]
+    high_bytes = len(summed) - len(summed.translate(None, bytes(range(128, 256))))
+    return stored == unsigned - 256 * high_bytes
+
+
+def _pax_records(data: bytes, where: str) -> Iterator[tuple[str, str]]:
+    """Yield the ``length key=value`` records of a pax header, parsed as tarfile parses them."""
+    pos = 0
+    while (match := _PAX_RECORD.match(data, pos)) is not None:
+        length = int(match.group(1))
+        if length == 0:
+            raise ShardFormatError(f"{where}: corrupted pax header (zero-length record); re-create the shard")
+        value = data[match.end(2) + 1 : match.start(1) + length - 1]
+        yield match.group(2).decode("utf-8", "surrogateescape"), value.decode("utf-8", "surrogateescape")
+        pos += length
+
+
+def _apply_extensions(name: str, size: int, extensions: list[tuple[bytes, bytes]], where: str) -> tuple[str, int]:
+    """Apply GNU long-name and pax headers; the outermost one wins, as in tarfile's recursion."""
+    for typeflag, data in reversed(extensions):
+        if typeflag == b"L":
+            name = _text(data)
+            continue
+        for key, value in _pax_records(data, where):
+            if key.startswith("GNU.sparse."):
+                raise ShardFormatError(f"{where}: sparse tar members are not supported; repack the shard")
+            if key == "path":
+                name = value.rstrip("/")
+            elif key == "size":
+                if not value.isdigit():
+                    raise ShardFormatError(f"{where}: invalid pax size {value!r}; the shard is corrupted")
+                size = int(value)
+    return name, size
+
+
+def _check_global_pax(data: bytes, where: str) -> None:
+    """Global pax headers only matter to us if they rename or resize members; we refuse those."""
+    for key, _ in _pax_records(data, where):
+        if key in ("path", "size") or key.startswith("GNU.sparse."):
+            raise ShardFormatError(f"{where}: global pax header sets {key!r}; repack the shard")
+
+
+def _blocks(size: int) -> int:
+    """Bytes a member's data occupies: tar pads it to whole blocks."""
+    return -(-size // BLOCK) * BLOCK
+
+
+def _read_exact(f: BinaryIO, offset: int, size: int, shard: str, what: str) -> bytes:
+    f.seek(offset)
+    data = f.read(size)
+    if len(data) != size:
+        raise _fail(shard, offset, f"file ends inside {what}")
+    return data
+
+
+def _check_end(f: BinaryIO, offset: int, shard: str) -> None:
+    """Everything after the first zero block must be zero padding, else a header was corrupted."""
+    f.seek(offset)
+    while chunk := f.read(1 << 20):
+        if chunk.count(0) != len(chunk):
+            raise _fail(shard, offset, "data after the end-of-archive marker (corrupted header?)")
+        offset += len(chunk)
+
+
+def scan_tar(f: BinaryIO, shard: str) -> Iterator[TarMember]:
+    """Yield the regular-file members of an uncompressed tar in order, with data offsets."""
+    file_size = os.fstat(f.fileno()).st_size
+    offset = 0
+    extensions: list[tuple[bytes, bytes]] = []  # long-name/pax headers waiting for their member
+    while True:
+        f.seek(offset)
+        header = f.read(BLOCK)
+        if header == _ZERO_BLOCK and not extensions:
+            _check_end(f, offset, shard)
+            return
+        if len(header) < BLOCK:
+            problem = "empty file" if file_size == 0 else "file ends before the end-of-archive marker"
+            raise _fail(shard, offset, problem)
+        size = _number(header[124:136])
+        if size is None or size < 0 or not _checksum_ok(header):
+            hint = "; compressed shards (.tar.gz etc.) cannot be read randomly" if offset == 0 else ""
+            raise _fail(shard, offset, f"invalid tar header{hint}")
+        typeflag, data_offset = header[156:157], offset + BLOCK
+        where = f"{shard}: tar header at byte {offset}"
+        if typeflag in _EXTENSIONS:
+            data = _read_exact(f, data_offset, size, shard, "an extended header")
+            offset = data_offset + _blocks(size)
+            if typeflag == b"g":
+                _check_global_pax(data, where)
+            elif typeflag != b"K":  # K is a long link target: irrelevant to regular files
+                extensions.append((typeflag, data))
+            continue
+        if typeflag == b"S":
+            raise ShardFormatError(f"{where}: sparse tar members are not supported; repack the shard")
+        name = _text(header[0:100])
+        if typeflag == b"\0" and name.endswith("/"):
+            typeflag = b"5"  # old V7 tars mark directories only by the trailing slash
+        regular = typeflag in _REGULAR
+        if prefix := _text(header[345:500]):
+            name = prefix + "/" + name
+        name, size = _apply_extensions(name, size, extensions, where)
+        extensions = []
+        offset = data_offset + (_blocks(size) if regular or typeflag not in _NO_DATA else 0)
+        if regular:
+            if data_offset + size > file_size:
+                raise _fail(shard, data_offset, f"file ends inside the data of {name!r}")
+            yield TarMember(name, data_offset, size)
+
+
+def group_samples(members: Iterable[TarMember], shard: str) -> Iterator[tuple[str, dict[str, TarMember]]]:
+    """Group consecutive members into samples with webdataset's key rules (base_plus_ext, lower-case suffix)."""
+    key, sample = None, {}
+    for member in members:
+        if _META.match(member.name):
+            continue
+        prefix, suffix = base_plus_ext(member.name)
+        if prefix is None:
+            continue
+        if prefix != key:
+            if sample:
+                yield key, sample
+            key, sample = prefix, {}
+        suffix = suffix.lower()
+        if suffix in _RESERVED:
+            raise ShardFormatError(
+                f"{shard}: member {member.name!r} would overwrite the sample's {suffix!r} entry; "
+                "rename it and repack the shard"
+            )
+        if suffix in sample:
+            raise ShardFormatError(
+                f"{shard}: sample {key!r} has two members with suffix {suffix!r} ({member.name!r}); "
+                "webdataset rejects this too; repack the shard with unique names"
+            )
+        sample[suffix] = member
+    if sample:
+        yield key, sample
+
+
+def _pack_strings(strings: list[str]) -> tuple[np.ndarray, np.ndarray]:
+    """Strings as one UTF-8 buffer plus offsets: compact, picklable, no per-string objects."""
+    encoded = [s.encode("utf-8", "surrogateescape") for s in strings]
+    offsets = np.zeros(len(encoded) + 1, dtype=np.int64)
+    np.cumsum([len(e) for e in encoded], out=offsets[1:])
+    return np.frombuffer(b"".join(encoded), dtype=np.uint8), offsets
+
+
+def _unpack_string(blob: np.ndarray, offsets: np.ndarray, i: int) -> str:
+    return blob[offsets[i] : offsets[i + 1]].tobytes().decode("utf-8", "surrogateescape")
+
+
+@dataclass(frozen=True, eq=False)
+class ShardIndex:
+    """The samples of one shard: keys, and (suffix, offset, size) of each member.
+
+    ``shard_bytes``/``shard_mtime_ns`` are the shard's stat when indexed; any
+    difference later means the offsets can no longer be trusted.
+    """
+
+    shard_bytes: int
+    shard_mtime_ns: int
+    key_blob: np.ndarray  # uint8, all sample keys back to back
+    key_offsets: np.ndarray  # int64[n + 1]
+    sample_members: np.ndarray  # int64[n + 1]: members of sample i are [sample_members[i], sample_members[i+1])
+    member_offsets: np.ndarray  # int64[m]: data offset in the shard
+    member_sizes: np.ndarray  # int64[m]
+    member_suffixes: np.ndarray  # int32[m]: position in `suffixes`
+    suffixes: tuple[str, ...]
+
+    def __len__(self) -> int:
+        return len(self.sample_members) - 1
+
+    def key(self, i: int) -> str:
+        return _unpack_string(self.key_blob, self.key_offsets, i)
+
+    def members(self, i: int) -> list[tuple[str, int, int]]:
+        """(suffix, offset, size) of sample ``i``'s members, in tar order."""
+        lo, hi = int(self.sample_members[i]), int(self.sample_members[i + 1])
+        return [
+            (self.suffixes[s], o, n)
+            for s, o, n in zip(
+                self.member_suffixes[lo:hi].tolist(),
+                self.member_offsets[lo:hi].tolist(),
+                self.member_sizes[lo:hi].tolist(),
+            )
+        ]
+
+    def matches(self, st: os.stat_result) -> bool:
+        return file_state(st) == (self.shard_bytes, self.shard_mtime_ns)
+
+    def to_arrays(self) -> dict[str, np.ndarray]:
+        suffix_blob, suffix_offsets = _pack_strings(list(self.suffixes))
+        fields = {k: v for k, v in vars(self).items() if k != "suffixes"}
+        strings = {"suffix_blob": suffix_blob, "suffix_offsets": suffix_offsets}
+        return {"version": np.int64(INDEX_VERSION), **strings, **fields}
+
+    @classmethod
+    def from_arrays(cls, arrays: dict[str, np.ndarray]) -> ShardIndex:
+        blob, offsets = arrays.pop("suffix_blob"), arrays.pop("suffix_offsets")
+        suffixes = tuple(_unpack_string(blob, offsets, i) for i in range(len(offsets) - 1))
+        arrays.pop("version")
+        return cls(
+            shard_bytes=int(arrays.pop("shard_bytes")),
+            shard_mtime_ns=int(arrays.pop("shard_mtime_ns")),
+            suffixes=suffixes,
+            **arrays,
+        )
+
+
+def file_state(st: os.stat_result) -> tuple[int, int]:
+    """What we compare to decide a shard is unchanged: size and modification time."""
+    return st.st_size, st.st_mtime_ns
+
+
+def build_index(shard: str) -> ShardIndex:
+    """Index ``shard`` by scanning its tar headers once."""
+    with open(shard, "rb") as f:
+        before = os.fstat(f.fileno())
+        samples = list(group_samples(scan_tar(f, shard), shard))
+        if file_state(os.fstat(f.fileno())) != file_state(before):
+            raise StaleIndexError(f"{shard} changed while it was being indexed; stop writing to it and retry")
+    vocabulary: dict[str, int] = {}
+    members = [(vocabulary.setdefault(suffix, len(vocabulary)), m) for _, s in samples for suffix, m in s.items()]
+    key_blob, key_offsets = _pack_strings([key for key, _ in samples])
+    sample_members = np.zeros(len(samples) + 1, dtype=np.int64)
+    np.cumsum([len(s) for _, s in samples], out=sample_members[1:])
+    return ShardIndex(
+        shard_bytes=before.st_size,
+        shard_mtime_ns=before.st_mtime_ns,
+        key_blob=key_blob,
+        key_offsets=key_offsets,
+        sample_members=sample_members,
+        member_offsets=np.array([m.offset for _, m in members], dtype=np.int64),
+        member_sizes=np.array([m.size for _, m in members], dtype=np.int64),
+        member_suffixes=np.array([s for s, _ in members], dtype=np.int32),
+        suffixes=tuple(vocabulary),
+    )
+
+
+def default_cache_dir() -> str:
+    """Where indexes go when the shard's own directory is not writable."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "loader", "webdataset-index")
+
+
+def cache_paths(shard: str, cache_dir: str | None) -> list[str]:
+    """Candidate index files, preferred first: next to the shard, else a cache directory.
+
+    Names inside a cache directory carry a hash of the shard's absolute path so
+    equally named shards of different datasets do not share an index.
+    """
+    digest = hashlib.sha256(os.path.abspath(shard).encode("utf-8", "surrogateescape")).hexdigest()[:16]
+    cached = f"{os.path.basename(shard)}.{digest}.idx.npz"
+    if cache_dir is not None:
+        return [os.path.join(cache_dir, cached)]
+    return [shard + ".idx.npz", os.path.join(default_cache_dir(), cached)]
+
+
+def load_index(path: str, st: os.stat_result) -> ShardIndex | None:
+    """The index cached at ``path`` if it is readable, current and describes a shard with stat ``st``."""
+    try:
+        with np.load(path, allow_pickle=False) as npz:
+            arrays = {name: npz[name] for name in npz.files}
+        if int(arrays["version"]) != INDEX_VERSION:
+            return None
+        index = ShardIndex.from_arrays(arrays)
+    except (OSError, ValueError, KeyError, TypeError, EOFError, zipfile.BadZipFile):
+        return None  # missing, partial or from another format: rebuild it
+    return index if index.matches(st) else None
+
+
+def save_index(path: str, index: ShardIndex) -> None:
+    """Write atomically (temp file + rename) so concurrent readers and crashed writers never leave a torn index."""
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    tmp = f"{path}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp"
+    try:
+        with open(tmp, "xb") as f:
+            np.savez(f, **index.to_arrays())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def load_or_build_index(shard: str, cache_dir: str | None = None, rebuild: bool = False) -> tuple[ShardIndex, bool]:
+    """The shard's index, from cache when valid, else built and cached; also whether it was built."""
+    try:
+        st = os.stat(shard)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"WebDataset shard not found: {shard}; check the shard list or brace pattern") from None
+    candidates = cache_paths(shard, cache_dir)
+    if not rebuild:
+        for path in candidates:
+            if (index := load_index(path, st)) is not None:
+                return index, False
+    index = build_index(shard)
+    errors = []
+    for path in candidates:
+        try:
+            save_index(path, index)
+            break
+        except OSError as exn:  # e.g. read-only shard directory: try the next location
+            errors.append(f"{path}: {exn}")
+    else:
+        warnings.warn(f"could not cache the index of {shard} ({'; '.join(errors)}); it will be rebuilt next time")
+    return index, True
