@@ -94,3 +94,14 @@ def test_missing_parts_are_clear_errors(tmp_path):
     assert target["loader"].state_dict() == before[0] and torch.equal(target["model"].weight, before[1])
     with pytest.raises(CheckpointError, match="no manifest.json"):
         load_checkpoint(tmp_path / "step-000000009", **make())
+
+
+def test_grad_scaler_state_round_trips(tmp_path):
+    objects = make()
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0, growth_interval=7)
+    scaler.scale(torch.ones(()))
+    scaler.update(512.0)
+    path = save_checkpoint(tmp_path, 1, **objects, scaler=scaler)
+    restored = torch.amp.GradScaler("cpu")
+    load_checkpoint(path, **make(), scaler=restored)
+    assert restored.state_dict() == scaler.state_dict() and restored.get_scale() == 512.0
