@@ -9,3 +9,8 @@ def is_int(value) -> bool:
 def check_positive_int(name: str, value) -> None:
     if not is_int(value) or value <= 0:
         raise ValueError(f"{name} must be a positive int, got {value!r}")
+
+
+def check_rank(rank, world_size: int) -> None:
+    if not is_int(rank) or not 0 <= rank < world_size:
+        raise ValueError(f"rank must be an int in [0, world_size={world_size}), got {rank!r}")

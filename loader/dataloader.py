@@ -13,7 +13,7 @@ import numpy as np
 import torch.distributed as dist
 from torch.utils.data import DataLoader, IterableDataset
 
-from loader._checks import is_int
+from loader._checks import check_positive_int, check_rank, is_int
 from loader.order import Order, block_sizes_for_window, sample_seed
 from loader.partition import Layout
 from loader.sampler import ResumableSampler
@@ -94,13 +94,8 @@ def _default_rank_and_world(rank: int | None, world_size: int | None) -> tuple[i
         world_size = dist.get_world_size() if initialized else 1
     if rank is None:
         rank = dist.get_rank() if initialized else 0
-    for name, value in (("world_size", world_size), ("rank", rank)):
-        if not is_int(value):
-            raise ValueError(f"{name} must be an int, got {value!r}")
-    if world_size <= 0:
-        raise ValueError(f"world_size must be a positive int, got {world_size}")
-    if not 0 <= rank < world_size:
-        raise ValueError(f"rank must be in [0, world_size={world_size}), got {rank}")
+    check_positive_int("world_size", world_size)
+    check_rank(rank, world_size)
     return rank, world_size
 
 

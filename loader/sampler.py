@@ -13,7 +13,7 @@ from typing import Iterator
 
 import numpy as np
 
-from loader._checks import is_int
+from loader._checks import check_rank, is_int
 from loader.order import EpochOrder, Order
 from loader.partition import EpochPlan, Layout
 from loader.progress import Remaining
@@ -44,8 +44,7 @@ class ResumableSampler:
     """Deals this rank its share of each epoch, resuming from any committed progress at any world size."""
 
     def __init__(self, order: Order, layout: Layout, rank: int):
-        if not is_int(rank) or not 0 <= rank < layout.world_size:
-            raise ValueError(f"rank must be an int in [0, world_size={layout.world_size}), got {rank!r}")
+        check_rank(rank, layout.world_size)
         self.order, self.layout, self.rank = order, layout, rank
         self._start_epoch(0)
 
