@@ -28,7 +28,7 @@ from loader.replay import replay_plan
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "train_elastic.py"
 JOB = ["--samples", "480", "--global-batch", "24", "--micro-batch", "2", "--checkpoint-every", "3", "--ledger"]
-RDZV = "last_call_timeout=2,keep_alive_interval=1,keep_alive_max_attempt=2,join_timeout=60"
+RDZV = "last_call_timeout=5,keep_alive_interval=1,keep_alive_max_attempt=2,join_timeout=60"  # 5 s: both nodes join the first round
 FAIL_AT_STEP = 8
 STEP_LINE = re.compile(r"\[rank 0\] step (\d+) ")
 RESUMED_LINE = re.compile(r"\[rank 0\] world size (\d+), .*resumed at step (\d+).*checkpoint load ([\d.]+) s")
