@@ -59,43 +59,61 @@ def _round_keys(stream_key: np.ndarray) -> np.ndarray:
         return _fmix64(np.asarray(stream_key, dtype=np.uint64) + steps * _GOLDEN)
 
 
-def _half_bits(n: np.ndarray) -> np.ndarray:
-    """Half of the smallest even width >= bit_length(n - 1), at least 1, per element.
+def _split_bits(n) -> tuple[np.ndarray, np.ndarray]:
+    """The Feistel halves (left, right bits) for domains of size n: width bit_length(n - 1), at least 1.
 
     bit_length(n - 1), not ceil(log2(n)) or bit_length(n): for n = 2**k + 1 the largest value is 2**k, which needs
-    k + 1 bits; for n = 2**k it is 2**k - 1, which needs k bits. Computed on the distinct sizes only (one for a
-    global order, a few block sizes per batch for a block order)."""
+    k + 1 bits; for n = 2**k it is 2**k - 1, which needs k bits. The smallest width keeps the domain under 2n, so
+    cycle walking takes fewer than two passes on average. Scalars for one n; per element for an array of sizes
+    (computed on the distinct sizes only: a few block sizes per batch)."""
     sizes, where = np.unique(n, return_inverse=True)
-    halves = np.array([(max(int(size) - 1, 1).bit_length() + 1) // 2 for size in sizes], dtype=np.uint64)
-    return halves[where.reshape(np.shape(n))]
+    widths = np.array([max(max(int(size) - 1, 0).bit_length(), 1) for size in sizes], dtype=np.uint64)
+    if np.ndim(n) == 0:
+        widths = widths[0]
+    else:
+        widths = widths[where.reshape(np.shape(n))]
+    left = widths // np.uint64(2)
+    return left, widths - left
 
 
-def _feistel(x: np.ndarray, half: np.ndarray, keys: np.ndarray) -> np.ndarray:
-    """One pass of a balanced Feistel network on 2*half bits; a bijection of [0, 4**half)."""
-    mask = (np.uint64(1) << half) - np.uint64(1)
-    left, right = x >> half, x & mask
+def _feistel(x: np.ndarray, left_bits, right_bits, keys: np.ndarray) -> np.ndarray:
+    """One pass of an alternating (possibly unbalanced) Feistel network: a bijection of [0, 2**width).
+
+    Even rounds rewrite the left half from the right one, odd rounds the right half from the left one: each round
+    is invertible whatever the two widths are."""
+    left_mask = (np.uint64(1) << left_bits) - np.uint64(1)
+    right_mask = (np.uint64(1) << right_bits) - np.uint64(1)
+    left, right = x >> right_bits, x & right_mask
     with np.errstate(over="ignore"):
-        for key in keys:
-            left, right = right, left ^ (_fmix64(right ^ key) & mask)
-    return (left << half) | right
+        for round_number, key in enumerate(keys):
+            if round_number % 2 == 0:
+                left = left ^ (_fmix64(right ^ key) & left_mask)
+            else:
+                right = right ^ (_fmix64(left ^ key) & right_mask)
+    return (left << right_bits) | right
 
 
 def permute(x: np.ndarray, n, keys: np.ndarray) -> np.ndarray:
-    """Keyed permutation of range(n) applied to the 1-D array x (all x < n); n and keys may vary per element.
+    """Keyed permutation of range(n) applied to the 1-D array x (all x < n).
 
-    keys has shape (ROUNDS,) for one permutation, or (ROUNDS, len(x)) for one per element. Cycle walking: the
-    Feistel domain is less than 4n, so on average fewer than four passes map a value back into [0, n); the walk
+    One permutation: n an int and keys of shape (ROUNDS,). One per element: n an array and keys of shape
+    (ROUNDS, len(x)). Cycle walking maps values that land outside [0, n) again until they are inside; the walk
     ends because x itself lies on its own cycle."""
     x = np.asarray(x, dtype=np.uint64)
-    n = np.broadcast_to(np.asarray(n, dtype=np.uint64), x.shape)
-    half = _half_bits(n)
-    keys = np.broadcast_to(keys.reshape(ROUNDS, -1), (ROUNDS,) + x.shape)
-    out = _feistel(x, half, keys)
+    per_element = np.ndim(n) > 0
+    n = np.asarray(n, dtype=np.uint64)
+    left_bits, right_bits = _split_bits(n)
+    out = _feistel(x, left_bits, right_bits, keys)
     outside = np.nonzero(out >= n)[0]
     while outside.size:
-        walked = _feistel(out[outside], half[outside], keys[:, outside])
+        if per_element:
+            walked = _feistel(out[outside], left_bits[outside], right_bits[outside], keys[:, outside])
+            still = walked >= n[outside]
+        else:
+            walked = _feistel(out[outside], left_bits, right_bits, keys)
+            still = walked >= n
         out[outside] = walked
-        outside = outside[walked >= n[outside]]
+        outside = outside[still]
     return out
 
 

@@ -19,7 +19,7 @@ from loader.partition import EpochPlan, Layout
 from loader.progress import Remaining
 from loader.state import Progress, RankProgress, check_fingerprint, merge_states
 
-CHUNK_SAMPLES = 8192  # ids computed per vectorised call: amortises numpy overhead, keeps the first batch fast
+CHUNK_SAMPLES = 4096  # ids computed per vectorised call: amortises numpy overhead, keeps the first batch fast
 
 
 @dataclass(frozen=True)
