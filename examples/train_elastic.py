@@ -9,7 +9,7 @@ merged progress of one completed step), at whatever world size torchrun gives it
 Fault injection (once per run directory): `sigkill`, `node` and `exception` strike mid-step (the failing rank
 has already fetched a micro-batch of the next step); `node` also kills the rank's torchrun agent, so the job comes
 back with fewer workers; `checkpoint` kills rank 0 while it writes the checkpoint of that step.
-Backend: nccl when CUDA is available, else gloo.
+Backend: nccl when every local rank has a GPU of its own, else gloo on the CPU.
 """
 
 from __future__ import annotations
@@ -116,9 +116,14 @@ class FaultInjector:
         dcp.save = save_then_die
 
 
+def _one_gpu_per_rank() -> bool:
+    """nccl needs a GPU of its own per rank on this node; otherwise train on the CPU with gloo."""
+    return torch.cuda.is_available() and torch.cuda.device_count() >= int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+
+
 def train(args) -> int:
     rank, world = dist.get_rank(), dist.get_world_size()
-    device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}") if torch.cuda.is_available() else torch.device("cpu")
+    device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}") if _one_gpu_per_rank() else torch.device("cpu")
     torch.manual_seed(args.seed)
     model = torch.nn.Sequential(torch.nn.Linear(FEATURES, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1)).to(device)
     ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
@@ -199,7 +204,7 @@ def train(args) -> int:
 def main(argv=None) -> int:
     args = parse_args(argv)
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    backend = "nccl" if _one_gpu_per_rank() else "gloo"
     dist.init_process_group(backend, timeout=timedelta(seconds=args.timeout))
     code = train(args)  # on an exception, exit at once: the agent restarts the group, peers may be gone
     dist.destroy_process_group()

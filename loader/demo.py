@@ -31,6 +31,7 @@ JOB = ["--samples", "480", "--global-batch", "24", "--micro-batch", "2", "--chec
 RDZV = "last_call_timeout=5,keep_alive_interval=1,keep_alive_max_attempt=2,join_timeout=60"  # 5 s: both nodes join the first round
 FAIL_AT_STEP = 8
 STEP_LINE = re.compile(r"\[rank 0\] step (\d+) ")
+SAVED_LINE = re.compile(r"\[rank 0\] checkpoint of step \d+ saved in ([\d.]+) s")
 RESUMED_LINE = re.compile(r"\[rank 0\] world size (\d+), .*resumed at step (\d+).*checkpoint load ([\d.]+) s")
 
 
@@ -142,28 +143,44 @@ def _reference(run_dir: Path, timeout: float) -> None:
         raise RuntimeError(f"the reference run failed:\n{done.stdout[-3000:]}{done.stderr[-3000:]}")
 
 
-SAVED_LINE = re.compile(r"\[rank 0\] checkpoint of step \d+ saved in ([\d.]+) s")
-
-
-def _restart_costs(lines: list[tuple[float, str, str]], started: float) -> None:
-    """The replay plan made from what was known before the failure, next to the measured restart."""
+def measure_restart(lines: list[tuple[float, str, str]], started: float) -> dict:
+    """The replay plan from what was known before the failure, and the restart as measured (seconds)."""
     steps = [(t, int(m.group(1))) for t, _, line in lines if (m := STEP_LINE.search(line))]
     resumes = [(t, m.groups()) for t, _, line in lines if (m := RESUMED_LINE.search(line))]
     killed = next(t for t, _, line in lines if "fault injection" in line)
     (first_launch, _), (resumed_at, (_, s_ckpt, load)) = resumes[0], resumes[1]
-    s_ckpt, load = int(s_ckpt), float(load)
     before = [(t, s) for t, s in steps if t < resumed_at]
     s_done = max(s for _, s in before)
-    t_step = (before[-1][0] - before[0][0]) / max(1, before[-1][1] - before[0][1])
-    t_save = [float(m.group(1)) for t, _, line in lines if t < killed and (m := SAVED_LINE.search(line))][-1]
     caught_up = next(t for t, s in steps if t > resumed_at and s == s_done)
-    launch = resumed_at - killed - load
-    plan = replay_plan(s_done, s_ckpt, t_step, first_launch - started, t_save)
-    print(f"\nrestart budget ({s_done} steps done, checkpoint at step {s_ckpt}):")
-    print(f"  plan     {plan:5.1f} s = {s_done - s_ckpt} x {t_step:.3f} s per step + {first_launch - started:.1f} s "
-          f"launch (the first one) + {t_save:.2f} s load (the last save's time)")
-    print(f"  measured {launch + load + caught_up - resumed_at:5.1f} s = replay {caught_up - resumed_at:.2f} s + "
-          f"launch {launch:.1f} s + load {load:.2f} s")
+    plan = {
+        "t_step_s": (before[-1][0] - before[0][0]) / max(1, before[-1][1] - before[0][1]),
+        "t_launch_s": first_launch - started,  # the first launch, as a forecast of the relaunch
+        "t_load_s": [float(m.group(1)) for t, _, line in lines if t < killed and (m := SAVED_LINE.search(line))][-1],
+    }
+    measured = {"launch_s": resumed_at - killed - float(load), "load_s": float(load), "replay_s": caught_up - resumed_at}
+    return {
+        "s_done": s_done,
+        "s_ckpt": int(s_ckpt),
+        "plan_inputs": plan,
+        "plan_s": replay_plan(s_done, int(s_ckpt), plan["t_step_s"], plan["t_launch_s"], plan["t_load_s"]),
+        "measured": measured,
+        "measured_s": sum(measured.values()),
+    }
+
+
+def _print_restart(m: dict) -> None:
+    plan, measured = m["plan_inputs"], m["measured"]
+    print(f"\nrestart budget ({m['s_done']} steps done, checkpoint at step {m['s_ckpt']}):")
+    print(f"  plan     {m['plan_s']:5.1f} s = {m['s_done'] - m['s_ckpt']} x {plan['t_step_s']:.3f} s per step + "
+          f"{plan['t_launch_s']:.1f} s launch (the first one) + {plan['t_load_s']:.2f} s load (the last save's time)")
+    print(f"  measured {m['measured_s']:5.1f} s = replay {measured['replay_s']:.2f} s + launch "
+          f"{measured['launch_s']:.1f} s + load {measured['load_s']:.2f} s")
+
+
+def run_elastic_restart(run_dir: Path, timeout: float = 150) -> dict:
+    """The demo's elastic job (4 workers, a node lost, 3 workers) in run_dir; returns its restart measurements."""
+    started = time.monotonic()
+    return measure_restart(_run_elastic(run_dir, timeout), started)
 
 
 def main() -> int:
@@ -174,7 +191,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="loader-demo-") as tmp:
         run, reference = Path(tmp) / "run", Path(tmp) / "reference"
         started = time.monotonic()
-        lines = _run_elastic(run, timeout=150)
+        restart = run_elastic_restart(run)
         print(f"  elastic job finished in {time.monotonic() - started:.0f} s; auditing the ledger:\n")
         status = audit_main(str(run))
         print("\nuninterrupted reference run (3 workers) ...", flush=True)
@@ -184,5 +201,5 @@ def main() -> int:
         same = all(torch.allclose(ours[k], theirs[k], rtol=1e-5, atol=1e-6) for k in theirs)
         print(f"max parameter difference to the uninterrupted run: {drift:.2e} ({'equal' if same else 'DIFFERENT'} "
               f"within rtol 1e-5)")
-        _restart_costs(lines, started)
+        _print_restart(restart)
     return 0 if status == 0 and same else 1

@@ -1,0 +1,98 @@
+"""Sizes per mode: --smoke (seconds, CI), --quick (minutes on 2 CPU cores) and full; and per device."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+
+@dataclass(frozen=True)
+class Model:
+    """The MLP trained in the training-overhead benchmark: small on CPU, a few ms per step on a GPU."""
+
+    features: int
+    hidden: int
+    depth: int
+    batch_size: int
+    steps: int
+    num_workers: int
+
+
+@dataclass(frozen=True)
+class Config:
+    mode: str
+    device: str
+    reps: int  # measured rounds per comparison
+    warmup: int  # discarded rounds before them
+    # 1. throughput
+    workers: tuple[int, ...]
+    busy_us: float  # the expensive per-sample cost
+    run_s: float  # aimed-at duration of one throughput run
+    batch_size: int
+    features: int
+    # 2. training
+    model: Model
+    # 3. checkpoint costs (positions are fractions of N; `ahead` are micro-batches rank 0 is ahead of rank 1)
+    state_sizes: tuple[int, ...]
+    state_fractions: tuple[float, ...]
+    ahead: tuple[int, ...]
+    stateful_state_sizes: tuple[int, ...]
+    min_call_s: float  # per_call batches last at least this long
+    # 4. resume
+    resume_n: int
+    resume_positions: tuple[int, ...]
+    stateful_resume_sizes: tuple[int, ...]
+    stateful_budget_s: float  # no StatefulDataLoader resume predicted longer than this is started
+    # 5. order memory (one fresh process per point)
+    memory_sizes: tuple[int, ...]
+    randperm_cap: int
+    memory_timeout_s: float
+    # 6. WebDataset
+    shards: int
+    samples_per_shard: int
+    sample_bytes: int
+    # 7. restart: the plan, and (except in smoke mode) a real elastic restart through torchrun
+    t_launch_s: float
+    checkpoint_interval: int
+    measure_restart: bool = True
+
+
+_CPU_MODEL = Model(features=256, hidden=512, depth=2, batch_size=64, steps=200, num_workers=0)
+_CUDA_MODEL = Model(features=1024, hidden=4096, depth=8, batch_size=256, steps=0, num_workers=4)  # steps: mode's
+
+QUICK = Config(
+    mode="quick", device="cpu", reps=9, warmup=1,
+    workers=(0, 2), busy_us=75.0, run_s=0.25, batch_size=64, features=64,
+    model=_CPU_MODEL,
+    state_sizes=(10**6, 10**7, 10**8, 10**9), state_fractions=(0.0, 0.5), ahead=(0, 10, 100, 1000),
+    stateful_state_sizes=(10**4, 10**6), min_call_s=0.02,
+    resume_n=10**9, resume_positions=(0, 10**3, 10**6, 10**8, 5 * 10**8),
+    stateful_resume_sizes=(10**4, 10**5, 10**6, 10**7), stateful_budget_s=3.0,
+    memory_sizes=(10**6, 10**7, 10**8, 10**9), randperm_cap=10**7, memory_timeout_s=120.0,
+    shards=8, samples_per_shard=500, sample_bytes=16384,
+    t_launch_s=10.0, checkpoint_interval=100,
+)
+
+FULL = replace(
+    QUICK, mode="full", reps=15, workers=(0, 2, 4), run_s=0.5,
+    model=replace(_CPU_MODEL, steps=1000),
+    ahead=(0, 10, 100, 1000, 10000), stateful_state_sizes=(10**4, 10**6, 10**7), min_call_s=0.05,
+    stateful_resume_sizes=(10**4, 10**5, 10**6, 10**7, 5 * 10**7), stateful_budget_s=10.0,
+    randperm_cap=10**8, memory_timeout_s=600.0,
+    shards=16, samples_per_shard=2000,
+)
+
+SMOKE = replace(
+    QUICK, mode="smoke", reps=1, warmup=0, run_s=0.01,
+    model=replace(_CPU_MODEL, steps=5),
+    state_sizes=(10**6, 10**9), ahead=(0, 10), stateful_state_sizes=(10**4,), min_call_s=0.001,
+    resume_positions=(0, 5 * 10**8), stateful_resume_sizes=(10**4, 10**5), stateful_budget_s=1.0,
+    memory_sizes=(10**6,), randperm_cap=10**6, memory_timeout_s=60.0,
+    shards=2, samples_per_shard=128, sample_bytes=256, measure_restart=False,
+)
+
+
+def config_for(mode: str, device: str, t_launch_s: float) -> Config:
+    """The preset of a mode, with the training model of the device."""
+    preset = {"smoke": SMOKE, "quick": QUICK, "full": FULL}[mode]
+    model = replace(_CUDA_MODEL, steps=preset.model.steps) if device == "cuda" else preset.model
+    return replace(preset, device=device, model=model, t_launch_s=t_launch_s)

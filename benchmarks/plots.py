@@ -1,0 +1,102 @@
+"""PNG plots of the sections (matplotlib, optional: without it the plots are skipped and the record says why)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Callable
+
+from benchmarks.rows import count
+
+DPI = 100  # small files: they sit in the repository
+
+
+def _ratio_bars(ax, section: dict) -> None:
+    """Horizontal bars of the ratio rows, min-max whiskers, and the line at 1."""
+    rows = [r for r in section["rows"] if r["unit"] == "ratio"]
+    medians = [r["median"] for r in rows]
+    whiskers = [[m - r["min"] for m, r in zip(medians, rows)], [r["max"] - m for m, r in zip(medians, rows)]]
+    ax.barh(range(len(rows)), medians, xerr=whiskers, color="tab:blue", alpha=0.7)
+    ax.set_yticks(range(len(rows)), [r["what"] for r in rows], fontsize=7)
+    ax.invert_yaxis()
+    ax.axvline(1.0, color="black", linewidth=0.8)
+    ax.set_xlabel("ratio (median, min-max)")
+
+
+def _lines(ax, series: dict[str, tuple[list, list]], xlabel: str, ylabel: str, xscale: str = "log") -> None:
+    for label, (x, y) in series.items():
+        ax.plot(x, y, marker="o", label=label)
+    ax.set_xscale(xscale)
+    ax.set_yscale("log")
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.legend(fontsize=7)
+    ax.grid(True, which="both", alpha=0.3)
+
+
+def _latencies(cases: list[dict], key: str) -> dict[str, tuple[list, list]]:
+    return {
+        f"{name} (us)": ([c[key] for c in cases], [c[field]["median"] * 1e6 for c in cases])
+        for name, field in (("state_dict()", "state_dict_s"), ("merge_states()", "merge_states_s"))
+    }
+
+
+def _checkpoint(figure, section: dict) -> None:
+    left, right = figure.subplots(1, 2)
+    lockstep = [c for c in section["lockstep"] if c["position"]]
+    _lines(left, _latencies(lockstep, "n"), "N (lockstep, position N/2)", "latency")
+    _lines(right, _latencies(section["uneven"], "ahead"), "micro-batches rank 0 is ahead", "latency", "symlog")
+
+
+def _resume(figure, section: dict) -> None:
+    ax = figure.subplots()
+    ours = section["ours"]
+    series = {f"ours, N={count(section['n'])}": ([p["position"] for p in ours], [p["seconds"]["median"] for p in ours])}
+    theirs = section["stateful"]
+    series["StatefulDataLoader, N=2*position"] = (
+        [p["position"] for p in theirs], [p["values"]["StatefulDataLoader"]["median"] for p in theirs])
+    _lines(ax, series, "resumed position", "load_state_dict -> first batch (s)", "symlog")
+    ax.axhline(0.01, color="gray", linestyle="--", linewidth=0.8)
+
+
+def _memory(figure, section: dict) -> None:
+    ax = figure.subplots()
+    series = {kind: ([p["n"] for p in points if "added_bytes" in p], [p["added_bytes"] / 1e6 for p in points
+                                                                       if "added_bytes" in p])
+              for kind, points in section["points"].items()}
+    _lines(ax, series, "N (samples in the epoch)", "peak RSS added (MB)")
+    ax.axhline(1.0, color="gray", linestyle="--", linewidth=0.8)
+
+
+def _bars(figure, section: dict) -> None:
+    _ratio_bars(figure.subplots(), section)
+
+
+_DRAW: dict[str, Callable] = {"throughput": _bars, "training": _bars, "checkpoint": _checkpoint,
+                              "resume": _resume, "memory": _memory, "webdataset": _bars}
+
+
+def write(results: dict, out: Path, stem: str) -> dict:
+    """One PNG per section that has data; sets section["plot"] to its file name. Returns what was done."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        from matplotlib import pyplot
+    except ImportError as err:
+        reason = f"matplotlib is not importable ({err}); pip install matplotlib for plots"
+        print(f"benchmarks: plots skipped: {reason}", file=sys.stderr)
+        return {"skipped": reason}
+    files = []
+    for key, section in results["sections"].items():
+        if key not in _DRAW or "skipped" in section:
+            continue
+        figure = pyplot.figure(figsize=(9, 3.5), layout="constrained")
+        figure.suptitle(section["title"], fontsize=10)
+        _DRAW[key](figure, section)
+        name = f"{stem}-{key}.png"
+        figure.savefig(out / name, dpi=DPI)
+        pyplot.close(figure)
+        section["plot"] = name
+        files.append(name)
+    return {"files": files}

@@ -1,0 +1,63 @@
+"""The runner: `python -m benchmarks [--quick | --smoke] [--device cpu|cuda] [--out DIR] [--t-launch S]`.
+
+Runs the sections in order, then the restart plan from their numbers, and writes <out>/<stem>.json, .md and one
+PNG per section (stem: cpu-<hostname> or cuda-<gpu name>).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from benchmarks import checkpoint, memory, plots, report, restart, resume, throughput, training, wds
+from benchmarks.config import Config, config_for
+from benchmarks.environment import environment, output_stem
+from benchmarks.progress import say
+
+SECTIONS: tuple[tuple[str, str, Callable[[Config], dict]], ...] = (
+    ("throughput", "1. Loader throughput (samples/s ratio to DataLoader)", throughput.run),
+    ("training", "2. Training-step overhead (step time ratio to device-resident data)", training.run),
+    ("checkpoint", "3. Checkpoint costs (state_dict, merge_states, bytes)", checkpoint.run),
+    ("resume", "4. Resume cost (load_state_dict to first batch)", resume.run),
+    ("memory", "5. Order memory (peak RSS added by the order and first batch)", memory.run),
+    ("webdataset", "6. WebDataset (samples/s ratio to webdataset.WebDataset, sequential)", wds.run),
+)
+RESTART_TITLE = "7. Restart budget (replay plans from measured inputs; a measured elastic restart)"
+
+
+def _arguments(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__)
+    parser.add_argument("--quick", action="store_true", help="a few minutes on 2 CPU cores")
+    parser.add_argument("--smoke", action="store_true", help="seconds: tiny sizes, one repetition (CI)")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
+    parser.add_argument("--t-launch", type=float, default=10.0, help="relaunch seconds for the restart plan")
+    args = parser.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: torch.cuda.is_available() is False here")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _arguments(argv)
+    mode = "smoke" if args.smoke else "quick" if args.quick else "full"
+    cfg = config_for(mode, args.device, args.t_launch)
+    results = {"mode": mode, "config": dataclasses.asdict(cfg), "environment": environment(args.device),
+               "sections": {}}
+    for key, title, run in SECTIONS:
+        say(key, "start")
+        start = time.perf_counter()
+        results["sections"][key] = {"title": title, **run(cfg), "seconds": time.perf_counter() - start}
+    sections = results["sections"]
+    sections["restart"] = {"title": RESTART_TITLE, **restart.run(cfg, sections["training"], sections["resume"])}
+    args.out.mkdir(parents=True, exist_ok=True)
+    stem = output_stem(args.device)
+    results["plots"] = plots.write(results, args.out, stem)
+    for path in report.write(results, args.out, stem):
+        say("done", f"wrote {path}")
+    return 0

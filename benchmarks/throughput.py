@@ -1,0 +1,65 @@
+"""1. Loader throughput: samples/s of our loader against torch's DataLoader and torchdata's StatefulDataLoader.
+
+Same map-style dataset, batch size and workers, all shuffled; the `+state_dict` candidates checkpoint after every
+batch, as a resumable training loop does. A cheap sample shows the loader's own per-batch cost; an expensive one
+(a busy wait per sample) shows whether it stays out of the way when loading dominates. Timing starts after the
+first batch of every worker: start-up is the same for every loader and is resume latency, not throughput.
+"""
+
+from __future__ import annotations
+
+import time
+from functools import partial
+from typing import Iterator
+
+from benchmarks.config import Config
+from benchmarks.datasets import FeatureDataset
+from benchmarks.loaders import CANDIDATES, OURS, TORCH, Candidate, batch_len, steps
+from benchmarks.rows import row
+from benchmarks.timing import compare
+
+OURS_TARGET = ">= 0.99"  # our throughput / DataLoader's, with or without a state_dict() per step
+
+
+def rate(candidate: Candidate, dataset, **kwargs) -> float:
+    """Samples per second of one pass, after every worker delivered its first batch (batch i comes from worker
+    i mod num_workers), so that process start-up, slow and erratic on a loaded machine, is not in the figure."""
+    loader = candidate.make(dataset, **kwargs)
+    batches = steps(loader, candidate.checkpoint)
+    for _ in range(max(1, loader.num_workers)):
+        next(batches)
+    start = time.perf_counter()
+    samples = sum(batch_len(batch) for batch in batches)
+    if not samples:
+        raise ValueError(f"{candidate.name}: nothing came after the start-up batches; use more samples")
+    return samples / (time.perf_counter() - start)
+
+
+def calibrated_size(dataset_of_size, run_s: float, probe: int, **kwargs) -> int:
+    """Samples that make one pass of the plain DataLoader last about `run_s`, from a pass over `probe` samples:
+    the same settings give runs of similar length on a laptop and on a 100-core host."""
+    return max(probe, int(rate(TORCH, dataset_of_size(probe), **kwargs) * run_s))
+
+
+def _case(cfg: Config, cost: str, busy_us: float, num_workers: int) -> dict:
+    kwargs = dict(batch_size=cfg.batch_size, shuffle=True, num_workers=num_workers, pin_memory=cfg.device == "cuda")
+    dataset_of_size = partial(FeatureDataset, features=cfg.features, busy_us=busy_us)
+    size = calibrated_size(dataset_of_size, cfg.run_s, cfg.batch_size * 16, **kwargs)
+    dataset = dataset_of_size(size)
+    label = f"{cost}, workers={num_workers}"
+    candidates = {c.name: partial(rate, c, dataset, **kwargs) for c in CANDIDATES}
+    result = compare(candidates, TORCH.name, cfg.reps, cfg.warmup, f"throughput {label}", "samples/s")
+    return {"label": label, "busy_us": busy_us, "dataset_size": size, **kwargs, **result}
+
+
+def ratio_rows(case: dict, baseline: str, target: str) -> Iterator[dict]:
+    """A row per candidate: its throughput / the baseline's; the target applies to our loader's rows."""
+    for name, ratio in case["ratios"].items():
+        ours = name.startswith(OURS.name)
+        yield row(f"{case['label']}: {name} / {baseline}", ratio, "ratio", target if ours else None)
+
+
+def run(cfg: Config) -> dict:
+    costs = (("cheap", 0.0), ("expensive", cfg.busy_us))
+    cases = [_case(cfg, cost, busy_us, workers) for cost, busy_us in costs for workers in cfg.workers]
+    return {"cases": cases, "rows": [r for case in cases for r in ratio_rows(case, TORCH.name, OURS_TARGET)]}

@@ -1,0 +1,95 @@
+"""Interleaved repetitions and their statistics: the claims are paired ratios, not absolute times.
+
+Candidates run interleaved (A B C, B C A, C A B, ...) in one process after warm-up rounds, so whatever drifts on
+the machine (clock frequency, caches, other load) hits every candidate alike, and none always runs first. Ratios
+are taken per round (paired), then summarised by their median and spread (min, max, quartiles).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable, Mapping, Sequence
+
+import numpy as np
+import torch
+
+from benchmarks.progress import say
+
+Measure = Callable[[], float]  # runs one repetition and returns its measurement (seconds, samples/s, ...)
+
+
+def sync(device: str) -> None:
+    """Wait for queued device work, so a timer stops when the work is done, not when it was queued."""
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def per_call(fn: Callable[[], object], min_seconds: float) -> float:
+    """Mean seconds per call of fn, calling it in doubling batches until one batch lasts `min_seconds`: calls of a
+    few microseconds cannot be timed one by one."""
+    number = 1
+    while True:
+        start = time.perf_counter()
+        for _ in range(number):
+            fn()
+        elapsed = time.perf_counter() - start
+        if elapsed >= min_seconds:
+            return elapsed / number
+        number *= 2
+
+
+def summary(values: Sequence[float]) -> dict:
+    """Median and spread of a list of measurements."""
+    data = np.asarray(values, dtype=float)
+    q1, median, q3 = np.percentile(data, [25, 50, 75])
+    return {
+        "median": float(median),
+        "min": float(data.min()),
+        "max": float(data.max()),
+        "q1": float(q1),
+        "q3": float(q3),
+        "n": int(data.size),
+    }
+
+
+def interleave(
+    candidates: Mapping[str, Measure], reps: int, warmup: int, section: str, unit: str
+) -> dict[str, list[float]]:
+    """Each candidate's measurements from `reps` rounds A B C, B C A, ... after `warmup` discarded rounds."""
+    names = list(candidates)
+    samples: dict[str, list[float]] = {name: [] for name in names}
+    for round_ in range(warmup + reps):
+        tag = "warm-up" if round_ < warmup else f"rep {round_ - warmup + 1}/{reps}"
+        shift = round_ % len(names)  # each round starts one candidate later: no one always runs first or last
+        for name in names[shift:] + names[:shift]:
+            value = candidates[name]()
+            say(section, f"{name} {tag}: {value:.4g} {unit}")
+            if round_ >= warmup:
+                samples[name].append(value)
+    return samples
+
+
+def measure(name: str, fn: Measure, reps: int, warmup: int, section: str, unit: str) -> dict:
+    """Summary of one candidate's repetitions, for points that have no baseline to interleave with."""
+    return summary(interleave({name: fn}, reps, warmup, section, unit)[name])
+
+
+def ratio_of(result: dict, numerator: str, denominator: str) -> dict:
+    """Summary of the per-round ratio numerator / denominator of two candidates of one `compare` result."""
+    samples = result["samples"]
+    return summary([a / b for a, b in zip(samples[numerator], samples[denominator])])
+
+
+def compare(
+    candidates: Mapping[str, Measure], baseline: str, reps: int, warmup: int, section: str, unit: str
+) -> dict:
+    """Interleave the candidates; summarise each one and its per-round ratio to the baseline (candidate / baseline)."""
+    samples = interleave(candidates, reps, warmup, section, unit)
+    result = {
+        "unit": unit,
+        "baseline": baseline,
+        "samples": samples,
+        "values": {name: summary(values) for name, values in samples.items()},
+    }
+    result["ratios"] = {name: ratio_of(result, name, baseline) for name in samples if name != baseline}
+    return result

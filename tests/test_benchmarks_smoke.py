@@ -1,0 +1,111 @@
+"""`python -m benchmarks --smoke` runs end to end and writes well-formed results.
+
+Structure and sanity only (sections, positive throughputs, finite ratios, the environment): benchmarks measure,
+they are never timed tests, so no performance target is asserted here.
+"""
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+SECTIONS = ("throughput", "training", "checkpoint", "resume", "memory", "webdataset", "restart")
+LOADERS = {"DataLoader", "ResumableDataLoader", "ResumableDataLoader+state_dict", "StatefulDataLoader+state_dict"}
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory) -> dict:
+    out = tmp_path_factory.mktemp("benchmarks")
+    command = [sys.executable, "-m", "benchmarks", "--quick", "--smoke", "--device", "cpu", "--out", str(out)]
+    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-4000:]
+    (json_path,) = out.glob("cpu-*.json")
+    assert json_path.with_suffix(".md").read_text().startswith("# loader benchmarks")
+    data = json.loads(json_path.read_text())
+    data["_out"] = out
+    return data
+
+
+def _positive(value) -> bool:
+    return isinstance(value, (int, float)) and math.isfinite(value) and value > 0
+
+
+def test_every_section_is_there_with_sane_rows(results):
+    assert results["mode"] == "smoke"
+    for key in SECTIONS:
+        section = results["sections"][key]
+        assert section["title"]
+        if "skipped" in section:  # only where /proc is missing (not Linux), and then it says why
+            assert key == "memory" and section["skipped"]
+            continue
+        assert section["rows"], key
+        for row in section["rows"]:
+            assert row["what"] and row["unit"]
+            assert all(math.isfinite(row[k]) for k in ("median", "min", "max")), row
+            assert row["min"] <= row["median"] <= row["max"], row
+            assert row["met"] is None or isinstance(row["met"], bool)
+
+
+def test_environment_is_recorded(results):
+    env = results["environment"]
+    assert env["device"] == "cpu" and env["device_name"]
+    assert env["torch"] and env["numpy"] and env["torchdata"]
+    assert env["cpu_count"] >= 1
+    assert "git_commit" in env
+
+
+def test_throughputs_and_ratios_are_positive(results):
+    cases = results["sections"]["throughput"]["cases"]
+    assert {case["num_workers"] for case in cases} == set(results["config"]["workers"])
+    for case in cases:
+        assert set(case["values"]) == LOADERS
+        assert all(_positive(v["median"]) for v in case["values"].values())
+        assert all(_positive(r["median"]) for r in case["ratios"].values())
+
+
+def test_training_compares_each_loader_to_the_resident_limit(results):
+    training = results["sections"]["training"]
+    assert set(training["values"]) == LOADERS | {training["baseline"]}
+    assert all(_positive(v["median"]) for v in training["values"].values())
+
+
+def test_checkpoint_sizes_and_intervals(results):
+    checkpoint = results["sections"]["checkpoint"]
+    for case in checkpoint["lockstep"]:
+        assert case["intervals"] == 1 and case["state_bytes"]["json"] > 0
+        assert _positive(case["state_dict_s"]["median"]) and _positive(case["merge_states_s"]["median"])
+    intervals = [case["intervals"] for case in checkpoint["uneven"]]
+    assert intervals == sorted(intervals) and intervals[-1] > 1  # rank 0 ahead leaves holes
+    assert all(case["bytes"]["StatefulDataLoader"]["torch.save"] > 0 for case in checkpoint["stateful"])
+
+
+def test_resume_points(results):
+    resume = results["sections"]["resume"]
+    assert [p["position"] for p in resume["ours"]] == results["config"]["resume_positions"]
+    assert all(_positive(p["seconds"]["median"]) for p in resume["ours"])
+    assert resume["stateful"] and "stopped" in resume
+
+
+def test_memory_points(results):
+    points = results["sections"]["memory"]["points"]
+    assert set(points) == {"ResumableDataLoader", "torch.randperm"}
+    for kind_points in points.values():
+        assert kind_points and all(p["added_bytes"] >= 0 and p["seconds"] >= 0 for p in kind_points)
+
+
+def test_restart_is_labelled_a_plan(results):
+    restart = results["sections"]["restart"]
+    assert "not a measured restart" in restart["kind"]
+    assert all(_positive(seconds) for seconds in restart["plans_s"].values())
+
+
+def test_plots_are_written_or_skipped_with_a_reason(results):
+    plots = results["plots"]
+    if "skipped" in plots:
+        assert "matplotlib" in plots["skipped"]
+    else:
+        assert all((results["_out"] / name).stat().st_size > 0 for name in plots["files"])
