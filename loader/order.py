@@ -1,9 +1,11 @@
 """The order of an epoch: position -> dataset index, as a pure function of (seed, epoch, position).
 
 Why a keyed bijection instead of a stored permutation: resuming at position 5e8 of a 1e9-sample epoch must
-cost O(1) time and memory, and every rank must agree on the order without exchanging it. A Feistel network on
-the smallest even bit width that covers N, with cycle walking back into [0, N), gives exactly that: a
-permutation of range(N) evaluated independently at each position, vectorised over numpy uint64 arrays.
+cost O(1) time and memory, and every rank must agree on the order without exchanging it. A Feistel network over
+Z_a x Z_b (a = ceil(sqrt(N)), b = ceil(N / a), so N <= a*b < N + a), with cycle walking back into [0, N), gives
+exactly that: a permutation of range(N) evaluated independently at each position, vectorised over numpy uint64
+arrays. A power-of-two domain would be up to twice N (four times for equal halves), and each extra cycle-walking
+pass is a full set of numpy calls; here fewer than one value in sqrt(N) walks at all.
 
 The same keyed mixer derives per-sample seeds, so augmentations depend on (seed, epoch, index) only, never on
 which rank or worker loads a sample.
@@ -12,6 +14,7 @@ which rank or worker loads a sample.
 from __future__ import annotations
 
 import hashlib
+import math
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -59,38 +62,42 @@ def _round_keys(stream_key: np.ndarray) -> np.ndarray:
         return _fmix64(np.asarray(stream_key, dtype=np.uint64) + steps * _GOLDEN)
 
 
-def _split_bits(n) -> tuple[np.ndarray, np.ndarray]:
-    """The Feistel halves (left, right bits) for domains of size n: width bit_length(n - 1), at least 1.
-
-    bit_length(n - 1), not ceil(log2(n)) or bit_length(n): for n = 2**k + 1 the largest value is 2**k, which needs
-    k + 1 bits; for n = 2**k it is 2**k - 1, which needs k bits. The smallest width keeps the domain under 2n, so
-    cycle walking takes fewer than two passes on average. Scalars for one n; per element for an array of sizes
-    (computed on the distinct sizes only: a few block sizes per batch)."""
+def _split_domain(n) -> tuple[np.ndarray, np.ndarray]:
+    """The Feistel halves' sizes (a, b) for domains of size n: a = ceil(sqrt(n)), b = ceil(n / a), so that
+    n <= a*b < n + a. Scalars for one n; per element for an array of sizes (computed on the distinct sizes only: a
+    few block sizes per batch)."""
     sizes, where = np.unique(n, return_inverse=True)
-    widths = np.array([max(max(int(size) - 1, 0).bit_length(), 1) for size in sizes], dtype=np.uint64)
+    halves = []
+    for size in sizes.tolist():
+        a = math.isqrt(size - 1) + 1 if size > 1 else 1
+        halves.append((a, max(1, -(-size // a))))
+    a, b = np.array(halves, dtype=np.uint64).reshape(-1, 2).T
     if np.ndim(n) == 0:
-        widths = widths[0]
-    else:
-        widths = widths[where.reshape(np.shape(n))]
-    left = widths // np.uint64(2)
-    return left, widths - left
+        return a[0], b[0]
+    return a[where.reshape(np.shape(n))], b[where.reshape(np.shape(n))]
 
 
-def _feistel(x: np.ndarray, left_bits, right_bits, keys: np.ndarray) -> np.ndarray:
-    """One pass of an alternating (possibly unbalanced) Feistel network: a bijection of [0, 2**width).
+def _add_hash_mod(value: np.ndarray, hashed: np.ndarray, modulus) -> np.ndarray:
+    """(value + hashed mapped into [0, modulus)) mod modulus, for value < modulus < 2**32: the top 32 bits of the
+    hash scaled by the modulus (no division), then one conditional subtraction."""
+    total = value + (((hashed >> np.uint64(32)) * modulus) >> np.uint64(32))
+    return np.where(total >= modulus, total - modulus, total)
 
-    Even rounds rewrite the left half from the right one, odd rounds the right half from the left one: each round
-    is invertible whatever the two widths are."""
-    left_mask = (np.uint64(1) << left_bits) - np.uint64(1)
-    right_mask = (np.uint64(1) << right_bits) - np.uint64(1)
-    left, right = x >> right_bits, x & right_mask
+
+def _feistel(x: np.ndarray, a, b, keys: np.ndarray) -> np.ndarray:
+    """One pass of an alternating Feistel network over Z_a x Z_b: a bijection of [0, a*b).
+
+    Even rounds add a keyed hash of the right half to the left one (mod a), odd rounds the other way (mod b): each
+    round is invertible whatever a and b are."""
+    left = x // b
+    right = x - left * b
     with np.errstate(over="ignore"):
         for round_number, key in enumerate(keys):
             if round_number % 2 == 0:
-                left = left ^ (_fmix64(right ^ key) & left_mask)
+                left = _add_hash_mod(left, _fmix64(right ^ key), a)
             else:
-                right = right ^ (_fmix64(left ^ key) & right_mask)
-    return (left << right_bits) | right
+                right = _add_hash_mod(right, _fmix64(left ^ key), b)
+    return left * b + right
 
 
 def permute(x: np.ndarray, n, keys: np.ndarray) -> np.ndarray:
@@ -102,15 +109,15 @@ def permute(x: np.ndarray, n, keys: np.ndarray) -> np.ndarray:
     x = np.asarray(x, dtype=np.uint64)
     per_element = np.ndim(n) > 0
     n = np.asarray(n, dtype=np.uint64)
-    left_bits, right_bits = _split_bits(n)
-    out = _feistel(x, left_bits, right_bits, keys)
+    a, b = _split_domain(n)
+    out = _feistel(x, a, b, keys)
     outside = np.nonzero(out >= n)[0]
     while outside.size:
         if per_element:
-            walked = _feistel(out[outside], left_bits[outside], right_bits[outside], keys[:, outside])
+            walked = _feistel(out[outside], a[outside], b[outside], keys[:, outside])
             still = walked >= n[outside]
         else:
-            walked = _feistel(out[outside], left_bits, right_bits, keys)
+            walked = _feistel(out[outside], a, b, keys)
             still = walked >= n
         out[outside] = walked
         outside = outside[still]
