@@ -70,15 +70,16 @@ class _Delivery:
     """The iterator handed to the training loop: counts a batch at the moment it is returned."""
 
     def __init__(self, inner, on_deliver: Callable[[], None], on_end: Callable[[], None] | None = None, skip: int = 0):
-        self._inner, self._on_deliver, self._on_end = inner, on_deliver, on_end
-        for _ in range(skip):  # a stream without random access: replay what was already committed
-            next(self._inner)
+        self._inner, self._on_deliver, self._on_end, self._skip = inner, on_deliver, on_end, skip
 
     def __iter__(self) -> "_Delivery":
         return self
 
     def __next__(self):
         try:
+            while self._skip:  # a stream without random access: replay what was already delivered, unseen
+                next(self._inner)
+                self._skip -= 1
             batch = next(self._inner)
         except StopIteration:
             if self._on_end is not None:

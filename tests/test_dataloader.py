@@ -341,6 +341,15 @@ def test_iterable_dataset_resumes_at_the_same_world_size(make):
     assert as_lists(batches(resumed)) == reference and resumed.epoch == 1
 
 
+def test_a_stream_shorter_than_its_saved_progress_ends_the_pass_cleanly():
+    dl = ResumableDataLoader(Stream(20), batch_size=4)
+    batches(dl, count=4)
+    shorter = ResumableDataLoader(Stream(10), batch_size=4)  # the stream changed: only 3 batches now
+    shorter.load_state_dict(dl.state_dict())
+    assert batches(shorter) == [] and shorter.exhausted
+    assert as_lists(batches(shorter)) == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]] and shorter.epoch == 1
+
+
 def test_iterable_dataset_refuses_another_world_size():
     dl = ResumableDataLoader(Stream(10), batch_size=2, rank=0, world_size=2)
     other = ResumableDataLoader(Stream(10), batch_size=2, rank=1, world_size=2)
