@@ -55,14 +55,15 @@ class ResumableSampler:
         self._epoch, self._delivered, self._view = epoch, 0, None
 
     def view(self, epoch: int | None = None) -> EpochView:
+        """The current epoch's view (cached: O(#intervals + #blocks) to build), or another epoch's."""
         epoch = self._epoch if epoch is None else epoch
-        if self._view is None or self._view.epoch != epoch:
-            remaining = Remaining(self._base.committed_in(epoch), self.order.num_samples)
-            view = EpochView(epoch, remaining, EpochPlan(remaining.count, self.layout), self.order.for_epoch(epoch))
-            if epoch != self._epoch:
-                return view
+        if self._view is not None and self._view.epoch == epoch:
+            return self._view
+        remaining = Remaining(self._base.committed_in(epoch), self.order.num_samples)
+        view = EpochView(epoch, remaining, EpochPlan(remaining.count, self.layout), self.order.for_epoch(epoch))
+        if epoch == self._epoch:
             self._view = view
-        return self._view
+        return view
 
     @property
     def epoch(self) -> int:
