@@ -81,8 +81,9 @@ class Ledger:
 def _new_generation(run_dir, resumed_step: int, world_size: int, num_samples: int) -> Path:
     root = _ledger_dir(run_dir)
     root.mkdir(parents=True, exist_ok=True)
-    number = int(_generations(run_dir)[-1].name[4:]) + 1 if _generations(run_dir) else 1
-    while True:
+    existing = _generations(run_dir)
+    number = int(existing[-1].name[4:]) + 1 if existing else 1
+    while True:  # another launcher may take the same number: mkdir is the arbiter
         path = root / f"gen-{number:06d}"
         try:
             path.mkdir()
