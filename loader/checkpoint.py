@@ -178,7 +178,7 @@ def _publish_as_rank0(run_dir, step: int, state: dict, extra: dict, keep_last, g
         nonlocal announced
         _broadcast(str(tmp), group)
         announced = True
-        dcp.save(state, checkpoint_id=str(tmp))
+        dcp.save(state, checkpoint_id=str(tmp), process_group=group, no_dist=not _distributed())
 
     try:
         if (Path(run_dir) / f"step-{step:09d}").exists():
@@ -197,7 +197,7 @@ def _write_as_other_rank(step: int, state: dict, group) -> Path:
     target, failure = _broadcast(None, group), None
     if not target.startswith(_ERROR):
         try:
-            dcp.save(state, checkpoint_id=target)
+            dcp.save(state, checkpoint_id=target, process_group=group)
         except Exception as err:  # noqa: BLE001 - reported after rank 0's verdict, so no rank waits forever
             failure = err
     outcome = _broadcast(None, group)
@@ -253,7 +253,7 @@ def load_checkpoint(
         )
     # The small parts first: they are checked before DCP loads the model and optimizer in place.
     state = {"loader": {"progress": ""}, "rng": {"all": b""}, "extras": {"blob": b""}}
-    dcp.load(state, checkpoint_id=str(path))
+    dcp.load(state, checkpoint_id=str(path), process_group=group, no_dist=not _distributed())
     extras = _from_bytes(state["extras"]["blob"])
     for name, target in (("scheduler", scheduler), ("scaler", scaler)):
         if target is not None and extras[name] is None:
@@ -264,7 +264,7 @@ def load_checkpoint(
         raise CheckpointError(f"checkpoint {path}: the loader progress does not fit this run: {err}") from None
     model_sd, optim_sd = get_state_dict(model, optimizer)
     weights = {"model": model_sd, "optim": optim_sd}
-    dcp.load(weights, checkpoint_id=str(path))
+    dcp.load(weights, checkpoint_id=str(path), process_group=group, no_dist=not _distributed())
     set_state_dict(model, optimizer, model_state_dict=weights["model"], optim_state_dict=weights["optim"])
     for name, target in (("scheduler", scheduler), ("scaler", scaler)):
         if target is not None:

@@ -11,9 +11,6 @@ from loader.checkpoint import load_checkpoint, resume, save_checkpoint
 from loader.publish import CheckpointError, latest
 from tests.conftest import IndexDataset
 
-pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")  # DCP warns that no process group is initialised
-
-
 def make(seed=0, n=60):
     torch.manual_seed(0)
     model = torch.nn.Linear(3, 2)

@@ -85,7 +85,6 @@ def test_the_audit_names_offending_samples_by_shard_and_key(source, tmp_path, ca
     assert f"duplicated indices: 3 (train-000000.tar:{key})" in capsys.readouterr().out and shard.endswith("000000.tar")
 
 
-@pytest.mark.filterwarnings("ignore::UserWarning")
 def test_a_checkpoint_of_other_shards_is_refused(source, tmp_path):
     import shutil
 
