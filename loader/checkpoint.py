@@ -16,6 +16,7 @@ import io
 import json
 import pickle
 import random
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +51,14 @@ def _broadcast(value: Any, group=None) -> Any:
     box = [value]
     dist.broadcast_object_list(box, src=0, group=group)
     return box[0]
+
+
+def _dcp(call, state: dict, path, group) -> None:
+    """dcp.save or dcp.load; in one process it runs without a process group on purpose, so DCP's warning that it
+    does is silenced."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        call(state, checkpoint_id=str(path), process_group=group, no_dist=not _distributed())
 
 
 def _rank(group=None) -> int:
@@ -178,7 +187,7 @@ def _publish_as_rank0(run_dir, step: int, state: dict, extra: dict, keep_last, g
         nonlocal announced
         _broadcast(str(tmp), group)
         announced = True
-        dcp.save(state, checkpoint_id=str(tmp), process_group=group, no_dist=not _distributed())
+        _dcp(dcp.save, state, tmp, group)
 
     try:
         if (Path(run_dir) / f"step-{step:09d}").exists():
@@ -197,7 +206,7 @@ def _write_as_other_rank(step: int, state: dict, group) -> Path:
     target, failure = _broadcast(None, group), None
     if not target.startswith(_ERROR):
         try:
-            dcp.save(state, checkpoint_id=target, process_group=group)
+            _dcp(dcp.save, state, target, group)
         except Exception as err:  # noqa: BLE001 - reported after rank 0's verdict, so no rank waits forever
             failure = err
     outcome = _broadcast(None, group)
@@ -253,7 +262,7 @@ def load_checkpoint(
         )
     # The small parts first: they are checked before DCP loads the model and optimizer in place.
     state = {"loader": {"progress": ""}, "rng": {"all": b""}, "extras": {"blob": b""}}
-    dcp.load(state, checkpoint_id=str(path), process_group=group, no_dist=not _distributed())
+    _dcp(dcp.load, state, path, group)
     extras = _from_bytes(state["extras"]["blob"])
     for name, target in (("scheduler", scheduler), ("scaler", scaler)):
         if target is not None and extras[name] is None:
@@ -264,7 +273,7 @@ def load_checkpoint(
         raise CheckpointError(f"checkpoint {path}: the loader progress does not fit this run: {err}") from None
     model_sd, optim_sd = get_state_dict(model, optimizer)
     weights = {"model": model_sd, "optim": optim_sd}
-    dcp.load(weights, checkpoint_id=str(path), process_group=group, no_dist=not _distributed())
+    _dcp(dcp.load, weights, path, group)
     set_state_dict(model, optimizer, model_state_dict=weights["model"], optim_state_dict=weights["optim"])
     for name, target in (("scheduler", scheduler), ("scaler", scaler)):
         if target is not None:
