@@ -121,6 +121,7 @@ class SlowDataset(IndexDataset):
 
 
 @pytest.mark.parametrize("workers", [(0, False), (2, False), (3, True)])
+@pytest.mark.filterwarnings("ignore:This DataLoader will create 3 worker processes")  # more than the 2 cores: meant
 def test_batches_do_not_depend_on_workers_or_timing(workers):
     num_workers, persistent = workers
     kw = dict(batch_size=3, shuffle=True, seed=9)
