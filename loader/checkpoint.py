@@ -18,39 +18,18 @@ import pickle
 import random
 import warnings
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.checkpoint.stateful import Stateful
 
+from loader.collectives import all_gather, broadcast, distributed, rank, world_size
 from loader.publish import CheckpointError, latest, publish, verify
 from loader.state import FORMAT, VERSION, StateError, check_fingerprint, merge_states
 
 CHECKPOINT_FORMAT = 1
-
-
-def _distributed() -> bool:
-    return dist.is_available() and dist.is_initialized()
-
-
-def _all_gather(value: Any, group=None) -> list:
-    if not _distributed():
-        return [value]
-    gathered = [None] * dist.get_world_size(group)
-    dist.all_gather_object(gathered, value, group=group)
-    return gathered
-
-
-def _broadcast(value: Any, group=None) -> Any:
-    if not _distributed():
-        return value
-    box = [value]
-    dist.broadcast_object_list(box, src=0, group=group)
-    return box[0]
 
 
 def _dcp(call, state: dict, path, group) -> None:
@@ -58,16 +37,12 @@ def _dcp(call, state: dict, path, group) -> None:
     does is silenced."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
-        call(state, checkpoint_id=str(path), process_group=group, no_dist=not _distributed())
-
-
-def _rank(group=None) -> int:
-    return dist.get_rank(group) if _distributed() else 0
+        call(state, checkpoint_id=str(path), process_group=group, no_dist=not distributed())
 
 
 def global_progress(loader, group=None) -> dict:
     """The loader progress of all ranks, merged: loadable at any world size. A collective: every rank calls it."""
-    return merge_states(_all_gather(loader.state_dict(), group))
+    return merge_states(all_gather(loader.state_dict(), group))
 
 
 class LoaderState(Stateful):
@@ -145,32 +120,31 @@ def save_checkpoint(
 
     Returns the published directory on every rank. A failure leaves every published checkpoint untouched."""
     progress = global_progress(loader, group)
-    if ledger is not None and _rank(group) == 0:
+    if ledger is not None and rank(group) == 0:
         ledger.record_finished(progress, loader)
     model_sd, optim_sd = get_state_dict(model, optimizer)
     state = {
         "model": model_sd,
         "optim": optim_sd,
         "loader": {"progress": json.dumps(progress)},
-        "rng": {"all": pickle.dumps(_all_gather(_rng_state(), group))},
+        "rng": {"all": pickle.dumps(all_gather(_rng_state(), group))},
         "extras": {"blob": _to_bytes({
             "scheduler": None if scheduler is None else scheduler.state_dict(),
             "scaler": None if scaler is None else scaler.state_dict(),
         })},
     }
-    world_size = dist.get_world_size(group) if _distributed() else 1
     extra = {
         "checkpoint_format": CHECKPOINT_FORMAT,
         "step": step,
         "epoch": progress.get("epoch"),
-        "world_size": world_size,
+        "world_size": world_size(group),
         "progress_format": [FORMAT, VERSION],
         "fingerprint": _fingerprint_of(loader),
         "dataset": _dataset_fingerprint(loader),
         **(manifest_extra or {}),
     }
 
-    if _rank(group) == 0:
+    if rank(group) == 0:
         return _publish_as_rank0(run_dir, step, state, extra, keep_last, group)
     return _write_as_other_rank(step, state, group)
 
@@ -185,7 +159,7 @@ def _publish_as_rank0(run_dir, step: int, state: dict, extra: dict, keep_last, g
 
     def write(tmp: Path) -> None:
         nonlocal announced
-        _broadcast(str(tmp), group)
+        broadcast(str(tmp), group)
         announced = True
         _dcp(dcp.save, state, tmp, group)
 
@@ -195,21 +169,21 @@ def _publish_as_rank0(run_dir, step: int, state: dict, extra: dict, keep_last, g
         published = publish(run_dir, step, write, manifest_extra=extra, keep_last=keep_last)
     except BaseException as err:
         if not announced:
-            _broadcast(f"{_ERROR}{err}", group)
-        _broadcast(f"{_ERROR}{err}", group)
+            broadcast(f"{_ERROR}{err}", group)
+        broadcast(f"{_ERROR}{err}", group)
         raise
-    _broadcast(str(published), group)
+    broadcast(str(published), group)
     return published
 
 
 def _write_as_other_rank(step: int, state: dict, group) -> Path:
-    target, failure = _broadcast(None, group), None
+    target, failure = broadcast(None, group), None
     if not target.startswith(_ERROR):
         try:
             _dcp(dcp.save, state, target, group)
         except Exception as err:  # noqa: BLE001 - reported after rank 0's verdict, so no rank waits forever
             failure = err
-    outcome = _broadcast(None, group)
+    outcome = broadcast(None, group)
     if outcome.startswith(_ERROR) or failure is not None:
         raise CheckpointError(
             f"the checkpoint of step {step} was not published: {outcome[len(_ERROR):] if outcome.startswith(_ERROR) else failure}"
@@ -233,12 +207,12 @@ def load_checkpoint(
     is loaded; a mismatch raises a CheckpointError naming the checkpoint and the field."""
     path = Path(path)
     verdict = None
-    if _rank(group) == 0:
+    if rank(group) == 0:
         try:
             verify(path)  # checksums: read every byte once, on one rank
         except CheckpointError as err:
             verdict = str(err)
-    verdict = _broadcast(verdict, group)
+    verdict = broadcast(verdict, group)
     if verdict is not None:
         raise CheckpointError(verdict)
     manifest = verify(path, check_checksums=False)
@@ -279,11 +253,11 @@ def load_checkpoint(
         if target is not None:
             target.load_state_dict(extras[name])
     rng = pickle.loads(state["rng"]["all"])
-    rank = _rank(group)
-    if rank < len(rng):
-        _set_rng_state(rng[rank])
+    mine = rank(group)
+    if mine < len(rng):
+        _set_rng_state(rng[mine])
     else:
-        _seed_new_rank(rank, len(rng), manifest.step)
+        _seed_new_rank(mine, len(rng), manifest.step)
     return manifest.step
 
 
@@ -292,5 +266,5 @@ def resume(run_dir: str | Path, **objects) -> int:
 
     Rank 0 chooses (torn or corrupted checkpoints are skipped with a warning) and every rank loads that one."""
     group = objects.get("group")
-    found = _broadcast(latest(run_dir) if _rank(group) == 0 else None, group)
+    found = broadcast(latest(run_dir) if rank(group) == 0 else None, group)
     return 0 if found is None else load_checkpoint(found, **objects)

@@ -18,8 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-import torch.distributed as dist
 
+from loader.collectives import broadcast, rank, world_size
 _HEADER = struct.Struct("<qqIB")  # step, epoch, number of indices, 1 if the batch completed its update
 
 
@@ -43,14 +43,10 @@ class Ledger:
     def open(cls, run_dir, resumed_step: int, num_samples: int, group=None) -> "Ledger":
         """Start a new generation (rank 0 creates it, every rank learns its number); a collective when
         torch.distributed is initialised."""
-        distributed = dist.is_available() and dist.is_initialized()
-        rank, world = (dist.get_rank(group), dist.get_world_size(group)) if distributed else (0, 1)
-        box = [None]
-        if rank == 0:
-            box[0] = str(_new_generation(run_dir, resumed_step, world, num_samples))
-        if distributed:
-            dist.broadcast_object_list(box, src=0, group=group)
-        return cls(run_dir, Path(box[0]) / f"rank-{rank:05d}.bin", resumed_step)
+        made = None
+        if rank(group) == 0:
+            made = str(_new_generation(run_dir, resumed_step, world_size(group), num_samples))
+        return cls(run_dir, Path(broadcast(made, group)) / f"rank-{rank(group):05d}.bin", resumed_step)
 
     def record(self, epoch: int, indices: np.ndarray, update_complete: bool) -> None:
         """One delivered batch; flushed at each completed update so a crash loses only the replayed tail."""

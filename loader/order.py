@@ -16,7 +16,6 @@ from __future__ import annotations
 import hashlib
 import math
 from dataclasses import dataclass, field
-from typing import Sequence
 
 import numpy as np
 

@@ -7,10 +7,8 @@ gets its own free port; every wait is bounded.
 
 import contextlib
 import importlib.util
-import io
 import os
 import signal
-import sys
 import time
 from pathlib import Path
 

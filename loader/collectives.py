@@ -1,0 +1,41 @@
+"""The few collectives the checkpoint and the ledger need, each a no-op in a single process.
+
+Why one place: every rank must call them in the same order, and a job without torch.distributed (one process,
+tests, offline tools) must run the same code unchanged.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch.distributed as dist
+
+
+def distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def rank(group=None) -> int:
+    return dist.get_rank(group) if distributed() else 0
+
+
+def world_size(group=None) -> int:
+    return dist.get_world_size(group) if distributed() else 1
+
+
+def all_gather(value: Any, group=None) -> list:
+    """Every rank's value, in rank order, on every rank."""
+    if not distributed():
+        return [value]
+    gathered = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, value, group=group)
+    return gathered
+
+
+def broadcast(value: Any, group=None) -> Any:
+    """Rank 0's value on every rank of the group (src is a global rank, hence the translation)."""
+    if not distributed():
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0 if group is None else dist.get_global_rank(group, 0), group=group)
+    return box[0]
