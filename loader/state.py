@@ -205,9 +205,9 @@ def merge(ranks: list[RankProgress]) -> Progress:
     """The global progress committed by all ranks of one layout (given in rank order)."""
     base, layout = ranks[0].base, ranks[0].layout
     n = base.num_samples
-    epoch, finished = base.epoch, []
-    committed = {e: spans for e, spans in base.committed.items() if e > max(r.epoch for r in ranks)}
-    for e in range(base.epoch, max(r.epoch for r in ranks) + 1):
+    epoch, finished, last = base.epoch, [], max(r.epoch for r in ranks)
+    committed = {e: spans for e, spans in base.committed.items() if e > last}  # ahead of every rank: untouched
+    for e in range(base.epoch, last + 1):
         remaining = Remaining(base.committed_in(e), n)
         plan = EpochPlan(remaining.count, layout)
         completed = [plan.batches_per_rank if r.epoch > e else r.completed if r.epoch == e else 0 for r in ranks]
