@@ -26,7 +26,8 @@ import torch
 from loader.audit import main as audit_main
 from loader.replay import replay_plan
 
-EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "train_elastic.py"
+PROJECT = Path(__file__).resolve().parent.parent  # the checkout: the example and the package it imports
+EXAMPLE = PROJECT / "examples" / "train_elastic.py"
 JOB = ["--samples", "480", "--global-batch", "24", "--micro-batch", "2", "--checkpoint-every", "3", "--ledger"]
 RDZV = "last_call_timeout=5,keep_alive_interval=1,keep_alive_max_attempt=2,join_timeout=60"  # 5 s: both nodes join the first round
 FAIL_AT_STEP = 8
@@ -44,7 +45,10 @@ def _free_port() -> int:
 
 
 def _environment() -> dict:
-    return {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    """The workers import this very `loader` (first on their path), installed or not, whatever else is installed."""
+    path = os.pathsep.join(p for p in (str(PROJECT), os.environ.get("PYTHONPATH", "")) if p)
+    return {**os.environ, "PYTHONPATH": path, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1",
+            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
 
 
 def _descendants(pid: int) -> list[int]:
@@ -115,14 +119,22 @@ def _run_elastic(run_dir: Path, timeout: float) -> list[tuple[float, str, str]]:
             seen.append((stamp, name, line))
             _show_progress(line)
         if agents[0].process.returncode != 0:
-            tail = "\n".join(line for _, _, line in seen[-30:])
-            raise RuntimeError(f"node A exited with {agents[0].process.returncode}:\n{tail}")
+            raise RuntimeError(f"node A exited with {agents[0].process.returncode}:\n{_failure_excerpt(seen)}")
     finally:
         for agent in agents:
             agent.stop()
         del store
     print()
     return seen
+
+
+def _failure_excerpt(seen: list[tuple[float, str, str]], cause_lines: int = 25, tail_lines: int = 15) -> str:
+    """The first worker traceback (the cause; torchrun's own report comes later and names only the exit code),
+    then the agents' last lines."""
+    lines = [f"{name}: {line}" for _, name, line in seen]
+    first = next((i for i, line in enumerate(lines) if "Traceback (most recent call last)" in line), None)
+    cause = lines[first:first + cause_lines] + ["..."] if first is not None else []
+    return "\n".join(cause + lines[-tail_lines:])
 
 
 def _show_progress(line: str) -> None:

@@ -20,3 +20,14 @@ def test_demo_loses_a_node_and_finishes_exactly_once():
     assert "audit: every sample exactly once" in out
     assert "equal within rtol 1e-5" in out
     assert re.search(r"plan\s+[\d.]+ s = \d+ x", out) and re.search(r"measured\s+[\d.]+ s = replay", out)
+
+
+def test_a_failed_job_reports_the_workers_traceback_not_only_torchrun_s_summary():
+    from loader.demo import _failure_excerpt
+
+    worker = ["Traceback (most recent call last):", '  File "train_elastic.py", line 33', "ImportError: boom"]
+    agent = [f"torchrun report line {i}" for i in range(40)]
+    seen = [(float(i), "node A", line) for i, line in enumerate(["starting"] + worker + agent)]
+    excerpt = _failure_excerpt(seen)
+    assert "node A: ImportError: boom" in excerpt and "node A: torchrun report line 39" in excerpt
+    assert "starting" not in excerpt
