@@ -2,10 +2,10 @@
 
 Why a keyed bijection instead of a stored permutation: resuming at position 5e8 of a 1e9-sample epoch must
 cost O(1) time and memory, and every rank must agree on the order without exchanging it. A Feistel network over
-Z_a x Z_b (a = ceil(sqrt(N)), b = ceil(N / a), so N <= a*b < N + a), with cycle walking back into [0, N), gives
-exactly that: a permutation of range(N) evaluated independently at each position, vectorised over numpy uint64
-arrays. A power-of-two domain would be up to twice N (four times for equal halves), and each extra cycle-walking
-pass is a full set of numpy calls; here fewer than one value in sqrt(N) walks at all.
+Z_a x Z_b (a close to sqrt(N), b = ceil(N / a), a chosen so that a*b - N is as small as it gets), with cycle
+walking back into [0, N), gives exactly that: a permutation of range(N) evaluated independently at each position,
+vectorised over numpy uint64 arrays. A power-of-two domain would be up to twice N (four times for equal halves),
+and each extra cycle-walking pass is a full set of numpy calls; here almost no value walks at all.
 
 The same keyed mixer derives per-sample seeds, so augmentations depend on (seed, epoch, index) only, never on
 which rank or worker loads a sample.
@@ -13,6 +13,7 @@ which rank or worker loads a sample.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
 from dataclasses import dataclass, field
@@ -32,12 +33,19 @@ _SALT_SAMPLE = 0x73616D706C65
 SHUFFLE_MODES = ("none", "global", "blocks")
 
 
+def _mix_in_place(x: np.ndarray) -> np.ndarray:
+    """MurmurHash3's 64-bit finaliser without its last xor-shift, on a uint64 array the caller owns. That last
+    step leaves the top 32 bits as they are, so the Feistel rounds, which keep only those, skip it."""
+    x ^= x >> np.uint64(33)
+    x *= _MIX_1
+    x ^= x >> np.uint64(33)
+    x *= _MIX_2
+    return x
+
+
 def _fmix64(x: np.ndarray) -> np.ndarray:
     """MurmurHash3's 64-bit finaliser: a cheap bijective mixer with full avalanche."""
-    x = x ^ (x >> np.uint64(33))
-    x = x * _MIX_1
-    x = x ^ (x >> np.uint64(33))
-    x = x * _MIX_2
+    x = _mix_in_place(np.array(x, dtype=np.uint64))
     return x ^ (x >> np.uint64(33))
 
 
@@ -61,26 +69,48 @@ def _round_keys(stream_key: np.ndarray) -> np.ndarray:
         return _fmix64(np.asarray(stream_key, dtype=np.uint64) + steps * _GOLDEN)
 
 
+HALVES_SEARCH = 4096  # at most this many widths tried per domain size (once: the result is cached)
+
+
+@functools.lru_cache(maxsize=4096)
+def _halves(n: int) -> tuple[int, int]:
+    """The Feistel halves' sizes (a, b) for a domain of size n: b = ceil(n / a) with a in [s, s + s/4] (s =
+    ceil(sqrt(n))) chosen so that a*b - n, the values that must cycle-walk, is as small as it gets (often zero).
+    Each walk is another full set of numpy calls, so an exact fit saves more than perfectly equal halves would
+    give; the halves stay within a factor of about 1.6 of each other."""
+    if n <= 1:
+        return 1, 1
+    smallest = math.isqrt(n - 1) + 1
+    widths = np.arange(smallest, smallest + min(smallest // 4, HALVES_SEARCH) + 1, dtype=np.uint64)
+    heights = (np.uint64(n) + widths - np.uint64(1)) // widths
+    best = int(np.argmin(widths * heights))  # the first minimum: the most balanced of the best fits
+    return int(widths[best]), int(heights[best])
+
+
 def _split_domain(n) -> tuple[np.ndarray, np.ndarray]:
-    """The Feistel halves' sizes (a, b) for domains of size n: a = ceil(sqrt(n)), b = ceil(n / a), so that
-    n <= a*b < n + a. Scalars for one n; per element for an array of sizes (computed on the distinct sizes only: a
-    few block sizes per batch)."""
-    sizes, where = np.unique(n, return_inverse=True)
-    halves = []
-    for size in sizes.tolist():
-        a = math.isqrt(size - 1) + 1 if size > 1 else 1
-        halves.append((a, max(1, -(-size // a))))
-    a, b = np.array(halves, dtype=np.uint64).reshape(-1, 2).T
+    """`_halves` as uint64: scalars for one n; per element for an array of sizes (looked up for the distinct sizes
+    only: a few block sizes per batch)."""
     if np.ndim(n) == 0:
-        return a[0], b[0]
+        a, b = _halves(int(n))
+        return np.uint64(a), np.uint64(b)
+    sizes, where = np.unique(n, return_inverse=True)
+    a, b = np.array([_halves(size) for size in sizes.tolist()], dtype=np.uint64).reshape(-1, 2).T
     return a[where.reshape(np.shape(n))], b[where.reshape(np.shape(n))]
 
 
-def _add_hash_mod(value: np.ndarray, hashed: np.ndarray, modulus) -> np.ndarray:
-    """(value + hashed mapped into [0, modulus)) mod modulus, for value < modulus < 2**32: the top 32 bits of the
-    hash scaled by the modulus (no division), then one conditional subtraction."""
-    total = value + (((hashed >> np.uint64(32)) * modulus) >> np.uint64(32))
-    return np.where(total >= modulus, total - modulus, total)
+def _add_keyed_hash(value: np.ndarray, other: np.ndarray, key, modulus) -> np.ndarray:
+    """value := (value + a keyed hash of `other` in [0, modulus)) mod modulus, in place, for value < modulus < 2**32.
+
+    The hash's top 32 bits are scaled by the modulus (no division); the sum is then reduced by one subtraction,
+    kept only where it did not wrap below zero (unsigned: the smaller of the two). Each step is one numpy pass
+    over arrays this round owns."""
+    hashed = _mix_in_place(other ^ key)
+    hashed >>= np.uint64(32)
+    hashed *= modulus
+    hashed >>= np.uint64(32)
+    value += hashed
+    np.minimum(value, value - modulus, out=value)
+    return value
 
 
 def _feistel(x: np.ndarray, a, b, keys: np.ndarray) -> np.ndarray:
@@ -93,10 +123,12 @@ def _feistel(x: np.ndarray, a, b, keys: np.ndarray) -> np.ndarray:
     with np.errstate(over="ignore"):
         for round_number, key in enumerate(keys):
             if round_number % 2 == 0:
-                left = _add_hash_mod(left, _fmix64(right ^ key), a)
+                _add_keyed_hash(left, right, key, a)
             else:
-                right = _add_hash_mod(right, _fmix64(left ^ key), b)
-    return left * b + right
+                _add_keyed_hash(right, left, key, b)
+    left *= b
+    left += right
+    return left
 
 
 def permute(x: np.ndarray, n, keys: np.ndarray) -> np.ndarray:

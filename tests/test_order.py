@@ -1,11 +1,13 @@
 """The order: a keyed bijection of range(N) per (seed, epoch), O(1) per position, statistically sound."""
 
+import math
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from loader.order import Order, block_sizes_for_window, sample_seed
+from loader.order import Order, _halves, block_sizes_for_window, sample_seed
 
 
 def full_order(n, **kw):
@@ -35,6 +37,20 @@ def test_random_access_equals_full_order():
     order = Order(n, seed=7).for_epoch(3)
     positions = np.array([0, 1, 999, 500_000, n - 1])
     assert np.array_equal(order(positions), order(np.arange(n))[positions])
+
+
+@pytest.mark.parametrize("n", [2, 3, 7, 10, 16, 1000, 200_000, 10**9, 10**9 + 7, 2**31 - 1, 10**12, 2**63 - 1])
+def test_feistel_halves_fit_the_domain_tightly(n):
+    """Values in [n, a*b) cycle-walk, each walk a full extra set of numpy calls: the fit is the one that keeps
+    them rare, with halves of similar size (the rounds mix best) that stay below 2**32 (the hash's 32-bit scaling)."""
+    a, b = _halves(n)
+    assert a * b >= n and a < 2**32 and b < 2**32
+    excess, root = a * b - n, math.isqrt(n - 1) + 1
+    assert excess <= root * -(-n // root) - n  # never worse than equal halves of ceil(sqrt(n))
+    if n >= 16:
+        assert max(a, b) / min(a, b) <= 1.7
+    if n in (1000, 200_000, 10**9, 10**12):  # composites with a divisor near sqrt(n): an exact fit, nothing walks
+        assert excess == 0
 
 
 def test_huge_n_is_evaluated_without_materialising():
