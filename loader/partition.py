@@ -15,6 +15,7 @@ are dropped by policy, as DistributedSampler(drop_last=True) does. With W = 1 no
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 
@@ -51,31 +52,32 @@ class Layout:
 
 @dataclass(frozen=True)
 class EpochPlan:
-    """The partition of `remaining` samples under a layout; identical on every rank."""
+    """The partition of `remaining` samples under a layout; identical on every rank. Its sizes are computed once:
+    the loader asks for them at every delivered batch."""
 
     remaining: int
     layout: Layout
 
-    @property
+    @cached_property
     def full_updates(self) -> int:
         return self.remaining // self.layout.global_batch
 
-    @property
+    @cached_property
     def tail_share(self) -> int:
         """Samples each rank gets in the final, short update (0 with drop_last)."""
         if self.layout.drop_last:
             return 0
         return (self.remaining - self.full_updates * self.layout.global_batch) // self.layout.world_size
 
-    @property
+    @cached_property
     def tail_batches(self) -> int:
         return -(-self.tail_share // self.layout.batch_size)
 
-    @property
+    @cached_property
     def batches_per_rank(self) -> int:
         return self.full_updates * self.layout.grad_accum + self.tail_batches
 
-    @property
+    @cached_property
     def served(self) -> int:
         """Remaining indices [0, served) are dealt out; [served, remaining) are dropped by policy."""
         return self.full_updates * self.layout.global_batch + self.tail_share * self.layout.world_size

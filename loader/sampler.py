@@ -19,7 +19,8 @@ from loader.partition import EpochPlan, Layout
 from loader.progress import Remaining
 from loader.state import Progress, RankProgress, check_fingerprint, merge_states
 
-CHUNK_SAMPLES = 4096  # ids computed per vectorised call: amortises numpy overhead, keeps the first batch fast
+CHUNK_SAMPLES = 8192  # ids computed per vectorised call: amortises numpy's per-call cost (~40 us a chunk), keeps
+# the first batch fast (< 1 ms) and the working set small (~0.3 MB)
 
 
 @dataclass(frozen=True)
