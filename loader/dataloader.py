@@ -67,15 +67,31 @@ class _Unbatched:
 
 
 class _Delivery:
-    """The iterator handed to the training loop: counts a batch at the moment it is returned."""
+    """The iterator handed to the training loop: counts a batch at the moment it is returned.
 
-    def __init__(self, inner, on_deliver: Callable[[], None], on_end: Callable[[], None] | None = None, skip: int = 0):
-        self._inner, self._on_deliver, self._on_end, self._skip = inner, on_deliver, on_end, skip
+    Only the newest iterator of a loader may deliver: an older one would count batches into the same progress
+    twice over (and, with persistent workers, would read from the newest one's reset worker iterator)."""
+
+    def __init__(
+        self,
+        inner,
+        on_deliver: Callable[[], None],
+        is_current: Callable[[], bool],
+        on_end: Callable[[], None] | None = None,
+        skip: int = 0,
+    ):
+        self._inner, self._on_deliver, self._is_current, self._on_end = inner, on_deliver, is_current, on_end
+        self._skip = skip
 
     def __iter__(self) -> "_Delivery":
         return self
 
     def __next__(self):
+        if not self._is_current():
+            raise RuntimeError(
+                "this iterator was superseded by a newer iter() over the same ResumableDataLoader: progress counts "
+                "what one iterator delivers, so iterate the newest one (it continues where this one stopped)"
+            )
         try:
             while self._skip:  # a stream without random access: replay what was already delivered, unseen
                 next(self._inner)
@@ -180,6 +196,7 @@ class ResumableDataLoader(DataLoader):
         )
         self.seed, self.rank, self.world_size, self.grad_accum = seed, rank, world_size, grad_accum
         self.ledger = None  # a loader.ledger.Ledger records every delivered batch's indices when attached
+        self._iterations = 0  # iter() calls so far: only the newest iterator delivers
         if isinstance(dataset, IterableDataset):
             if sample_seeds or shuffle_blocks is not None:
                 raise ValueError("sample_seeds and shuffle_blocks need a map-style dataset (random access)")
@@ -200,13 +217,19 @@ class ResumableDataLoader(DataLoader):
     # -- iteration -------------------------------------------------------------------------------------------------
 
     def __iter__(self) -> Iterator[Any]:
+        self._iterations += 1
+        iteration = self._iterations
+
+        def is_current() -> bool:
+            return self._iterations == iteration
+
         if self._stream is not None:
             if self.ledger is not None:
                 raise TypeError("a ledger records sample indices, which an IterableDataset does not have")
             skip = self._stream.begin_pass()
-            return _Delivery(super().__iter__(), self._stream.deliver, self._stream.end_pass, skip)
+            return _Delivery(super().__iter__(), self._stream.deliver, is_current, self._stream.end_pass, skip)
         self.resumable_sampler.begin_pass()
-        return _Delivery(super().__iter__(), self._deliver)
+        return _Delivery(super().__iter__(), self._deliver, is_current)
 
     def _deliver(self) -> None:
         self.resumable_sampler.deliver()

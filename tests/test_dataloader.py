@@ -112,6 +112,22 @@ def test_final_short_update_completes_at_the_end_of_the_epoch():
     assert merge_states([dl.state_dict()])["epoch"] == 1
 
 
+@pytest.mark.parametrize("workers", [dict(), dict(num_workers=2, persistent_workers=True, multiprocessing_context="fork")])
+def test_a_new_iterator_supersedes_the_old_one_instead_of_double_counting(workers):
+    kw = dict(batch_size=3, shuffle=True, seed=5, **workers)
+    reference = as_lists(batches(ResumableDataLoader(IndexDataset(30), **kw)))
+    dl = ResumableDataLoader(IndexDataset(30), **kw)
+    old = iter(dl)
+    seen = [next(old).tolist()]
+    new = iter(dl)
+    seen.append(next(new).tolist())
+    with pytest.raises(RuntimeError, match="superseded by a newer iter"):
+        next(old)
+    assert dl.state_dict()["completed"] == 2
+    seen += [batch.tolist() for batch in new]
+    assert seen == reference
+
+
 class SlowDataset(IndexDataset):
     def __getitem__(self, i):
         import time
