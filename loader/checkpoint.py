@@ -27,7 +27,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 
 from loader.collectives import all_gather, broadcast, distributed, rank, world_size
 from loader.publish import CheckpointError, latest, publish, verify
-from loader.state import FORMAT, VERSION, StateError, check_fingerprint, merge_states
+from loader.state import FORMAT, VERSION, StateError, attach_base, check_fingerprint, detach_base, merge_states
 
 CHECKPOINT_FORMAT = 1
 
@@ -41,8 +41,12 @@ def _dcp(call, state: dict, path, group) -> None:
 
 
 def global_progress(loader, group=None) -> dict:
-    """The loader progress of all ranks, merged: loadable at any world size. A collective: every rank calls it."""
-    return merge_states(all_gather(loader.state_dict(), group))
+    """The loader progress of all ranks, merged: loadable at any world size. A collective: every rank calls it.
+
+    Ranks exchange their states without the base they share (see `detach_base`): O(world size) bytes."""
+    state = loader.state_dict()
+    gathered = all_gather(detach_base(state), group)
+    return merge_states(attach_base(gathered, state["base"]) if state.get("kind") == "rank" else gathered)
 
 
 class LoaderState(Stateful):

@@ -12,6 +12,8 @@ side for that.
 
 from __future__ import annotations
 
+import hashlib
+import json
 from dataclasses import dataclass
 
 import numpy as np
@@ -170,9 +172,14 @@ class RankProgress:
         }
 
     @classmethod
-    def from_dict(cls, state: dict, where: str = "state") -> "RankProgress":
+    def from_dict(cls, state: dict, where: str = "state", parsed_bases: dict | None = None) -> "RankProgress":
+        """`parsed_bases` (id of a base dict -> its Progress) parses a base shared by many states only once."""
         _check_header(state, ("rank",), where)
-        base = Progress.from_dict(_get(state, "base", dict, where), f"{where}.base")
+        base_dict = _get(state, "base", dict, where)
+        parsed_bases = {} if parsed_bases is None else parsed_bases
+        if id(base_dict) not in parsed_bases:
+            parsed_bases[id(base_dict)] = Progress.from_dict(base_dict, f"{where}.base")
+        base = parsed_bases[id(base_dict)]
         saved_layout = _get(state, "layout", dict, where)
         try:
             layout = Layout(**saved_layout)
@@ -238,17 +245,49 @@ def merge_states(states: list[dict]) -> dict:
         raise StateError("merge_states got map-style and stream states mixed: they come from different loaders")
     if kinds == {"stream"}:
         return merge_stream_states(states)
-    ranks = [RankProgress.from_dict(s, f"states[{i}]") for i, s in enumerate(states)]
+    parsed_bases: dict = {}
+    ranks = [RankProgress.from_dict(s, f"states[{i}]", parsed_bases) for i, s in enumerate(states)]
     first = ranks[0]
     for i, r in enumerate(ranks):
-        for name, mine, theirs in (("layout", r.layout, first.layout), ("base", r.base.to_dict(), first.base.to_dict())):
-            if mine != theirs:
+        same_base = r.base is first.base or r.base.to_dict() == first.base.to_dict()
+        for name, same in (("layout", r.layout == first.layout), ("base", same_base)):
+            if not same:
                 raise StateError(
                     f"states[{i}] (rank {r.rank}) has another {name} than states[0] (rank {first.rank}): "
                     f"pass the states of one step of one run"
                 )
     _check_ranks([r.rank for r in ranks], first.layout.world_size)
     return merge(sorted(ranks, key=lambda r: r.rank)).to_dict()
+
+
+def _base_digest(base: dict) -> str:
+    return hashlib.sha256(json.dumps(base, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def detach_base(state: dict) -> dict:
+    """A rank state with its base replaced by the base's digest, for exchanging between ranks: the base is the
+    same on every rank of one run and is the only part that grows (with the holes an uneven stop left), so a gather
+    of detached states costs O(world size) whatever the base holds. Other states pass unchanged."""
+    if not isinstance(state, dict) or state.get("kind") != "rank":
+        return state
+    return {**state, "base": {"digest": _base_digest(state["base"])}}
+
+
+def attach_base(states: list[dict], base: dict) -> list[dict]:
+    """Undo `detach_base` with this rank's own base (one shared object, parsed once by `merge_states`), refusing a
+    rank that started from another base."""
+    digest = _base_digest(base)
+    attached = []
+    for i, state in enumerate(states):
+        if isinstance(state, dict) and state.get("kind") == "rank":
+            if _get(state, "base", dict, f"states[{i}]").get("digest") != digest:
+                raise StateError(
+                    f"states[{i}] (rank {state.get('rank')}) started from another progress than this rank: every "
+                    f"rank must load the same checkpoint before training"
+                )
+            state = {**state, "base": base}
+        attached.append(state)
+    return attached
 
 
 def _check_ranks(ranks: list[int], world_size: int) -> None:
