@@ -56,7 +56,7 @@ class Config:
     measure_restart: bool = True
 
 
-_CPU_MODEL = Model(features=256, hidden=512, depth=2, batch_size=64, steps=200, num_workers=0)
+_CPU_MODEL = Model(features=256, hidden=512, depth=2, batch_size=64, steps=400, num_workers=0)  # ~1 s a run
 _CUDA_MODEL = Model(features=1024, hidden=4096, depth=8, batch_size=256, steps=0, num_workers=4)  # steps: mode's
 
 QUICK = Config(

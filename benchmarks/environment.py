@@ -36,6 +36,11 @@ def _cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+def usable_cpus() -> int:
+    """CPUs this process may run on (its affinity), which can be fewer than the machine has."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
 def device_name(device: str) -> str:
     return torch.cuda.get_device_name() if device == "cuda" else _cpu_model()
 
@@ -60,7 +65,7 @@ def environment(device: str) -> dict:
         "torchdata": torchdata.__version__,
         "webdataset": getattr(webdataset, "__version__", "unknown"),
         "cpu_count": os.cpu_count(),
-        "cpus_usable": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+        "cpus_usable": usable_cpus(),
         "torch_threads": torch.get_num_threads(),
         "load_average_at_start": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
         "device": device,

@@ -14,6 +14,7 @@ from typing import Iterator
 
 from benchmarks.config import Config
 from benchmarks.datasets import FeatureDataset
+from benchmarks.environment import usable_cpus
 from benchmarks.loaders import CANDIDATES, OURS, TORCH, Candidate, batch_len, steps
 from benchmarks.rows import row
 from benchmarks.timing import compare
@@ -41,12 +42,18 @@ def calibrated_size(dataset_of_size, run_s: float, probe: int, **kwargs) -> int:
     return max(probe, int(rate(TORCH, dataset_of_size(probe), **kwargs) * run_s))
 
 
+def _oversubscribed(num_workers: int) -> str:
+    """A note on cases with more processes than usable CPUs: the scheduler, not the loader, sets their spread."""
+    cpus, processes = usable_cpus(), num_workers + 1
+    return f" ({processes} processes on {cpus} CPUs)" if processes > cpus else ""
+
+
 def _case(cfg: Config, cost: str, busy_us: float, num_workers: int) -> dict:
     kwargs = dict(batch_size=cfg.batch_size, shuffle=True, num_workers=num_workers, pin_memory=cfg.device == "cuda")
     dataset_of_size = partial(FeatureDataset, features=cfg.features, busy_us=busy_us)
     size = calibrated_size(dataset_of_size, cfg.run_s, cfg.batch_size * 16, **kwargs)
     dataset = dataset_of_size(size)
-    label = f"{cost}, workers={num_workers}"
+    label = f"{cost}, workers={num_workers}" + _oversubscribed(num_workers)
     candidates = {c.name: partial(rate, c, dataset, **kwargs) for c in CANDIDATES}
     result = compare(candidates, TORCH.name, cfg.reps, cfg.warmup, f"throughput {label}", "samples/s")
     return {"label": label, "busy_us": busy_us, "dataset_size": size, **kwargs, **result}

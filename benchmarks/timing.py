@@ -1,12 +1,14 @@
 """Interleaved repetitions and their statistics: the claims are paired ratios, not absolute times.
 
 Candidates run interleaved (A B C, B C A, C A B, ...) in one process after warm-up rounds, so whatever drifts on
-the machine (clock frequency, caches, other load) hits every candidate alike, and none always runs first. Ratios
-are taken per round (paired), then summarised by their median and spread (min, max, quartiles).
+the machine (clock frequency, caches, other load) hits every candidate alike, and none always runs first. The
+cyclic garbage collector is paused during each measurement, as timeit does. Ratios are taken per round (paired),
+then summarised by their median and spread (min, max, quartiles).
 """
 
 from __future__ import annotations
 
+import gc
 import time
 from typing import Callable, Mapping, Sequence
 
@@ -52,6 +54,18 @@ def summary(values: Sequence[float]) -> dict:
     }
 
 
+def _without_gc(fn: Measure) -> float:
+    """fn() with the cyclic garbage collector paused, as timeit does: a collection set off by one candidate's
+    garbage would otherwise land, at random, in whichever candidate runs next."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        return fn()
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
 def interleave(
     candidates: Mapping[str, Measure], reps: int, warmup: int, section: str, unit: str
 ) -> dict[str, list[float]]:
@@ -62,7 +76,7 @@ def interleave(
         tag = "warm-up" if round_ < warmup else f"rep {round_ - warmup + 1}/{reps}"
         shift = round_ % len(names)  # each round starts one candidate later: no one always runs first or last
         for name in names[shift:] + names[:shift]:
-            value = candidates[name]()
+            value = _without_gc(candidates[name])
             say(section, f"{name} {tag}: {value:.4g} {unit}")
             if round_ >= warmup:
                 samples[name].append(value)
