@@ -271,7 +271,9 @@ class ResumableDataLoader(DataLoader):
     # -- state -----------------------------------------------------------------------------------------------------
 
     def state_dict(self) -> dict:
-        """This rank's progress in completed updates: small, plain Python types, JSON- and torch.save-able."""
+        """This rank's progress in completed updates: small, plain Python types, JSON- and torch.save-able. Its
+        `base` entry (the progress this run resumed from) is one shared dict, as modules share tensors: copy the
+        state (copy.deepcopy) before editing it."""
         return (self._stream or self.resumable_sampler).state_dict()
 
     def load_state_dict(self, state) -> None:

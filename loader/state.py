@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 
@@ -120,6 +121,12 @@ class Progress:
         return self.committed.get(epoch, EMPTY)
 
     def to_dict(self) -> dict:
+        """The serialised form, built once: a progress never changes, and a rank embeds its base in every
+        state_dict() (one per step). Callers share the dict, as modules share tensors: copy it to edit it."""
+        return self._serialised
+
+    @cached_property
+    def _serialised(self) -> dict:
         return {
             "format": FORMAT,
             "version": VERSION,
