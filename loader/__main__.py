@@ -1,4 +1,4 @@
-"""Command line: `python -m loader demo` and `python -m loader audit RUN_DIR`."""
+"""Command line: `python -m loader demo`, `python -m loader audit RUN_DIR` and `python -m loader index SHARDS`."""
 
 import argparse
 import os
@@ -27,7 +27,19 @@ def main(argv: list[str] | None = None) -> int:
     check.add_argument("run_dir", help="the run directory whose ledger/ to read")
     check.add_argument("--limit", type=int, default=20, help="offending indices to print per epoch")
     check.add_argument("--shards", help="the run's WebDataset shards: name samples by shard and key")
+    index = commands.add_parser("index", help="build the WebDataset shards' indexes ahead of a job, in parallel")
+    index.add_argument("shards", help="a directory of .tar shards or a brace pattern")
+    index.add_argument("--cache-dir", help="where the job will look for them (default: next to each shard)")
+    index.add_argument("--rebuild", action="store_true", help="rebuild indexes that are cached and current")
+    index.add_argument("--jobs", type=int, help="processes (default: one per CPU)")
     args = parser.parse_args(argv)
+    if args.command == "index":
+        from loader.sources import prepare_indexes
+
+        counts = prepare_indexes(args.shards, args.cache_dir, args.rebuild, args.jobs)
+        print(f"{counts['shards']} shards, {counts['samples']} samples: {counts['built']} indexes built, "
+              f"{counts['shards'] - counts['built']} already current")
+        return 0
     if args.command == "audit":
         return audit.main(args.run_dir, args.limit, _describe_by_key(args.shards) if args.shards else str)
     return demo.main()

@@ -1,4 +1,4 @@
-"""The few collectives the checkpoint and the ledger need, each a no-op in a single process.
+"""The few collectives the checkpoint, the ledger and the sources need, each a no-op in a single process.
 
 Why one place: every rank must call them in the same order, and a job without torch.distributed (one process,
 tests, offline tools) must run the same code unchanged.
@@ -30,6 +30,12 @@ def all_gather(value: Any, group=None) -> list:
     gathered = [None] * dist.get_world_size(group)
     dist.all_gather_object(gathered, value, group=group)
     return gathered
+
+
+def barrier(group=None) -> None:
+    """Wait until every rank of the group got here."""
+    if distributed():
+        dist.barrier(group=group)
 
 
 def broadcast(value: Any, group=None) -> Any:

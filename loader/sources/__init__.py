@@ -1,5 +1,11 @@
 """Map-style data sources the loader can shuffle, partition and resume."""
 
-from loader.sources.webdataset import MissingKeyError, ShardFormatError, StaleIndexError, WebDatasetSource
+from loader.sources.webdataset import (
+    MissingKeyError,
+    ShardFormatError,
+    StaleIndexError,
+    WebDatasetSource,
+    prepare_indexes,
+)
 
-__all__ = ["MissingKeyError", "ShardFormatError", "StaleIndexError", "WebDatasetSource"]
+__all__ = ["MissingKeyError", "ShardFormatError", "StaleIndexError", "WebDatasetSource", "prepare_indexes"]

@@ -13,6 +13,7 @@ from __future__ import annotations
 import bisect
 import hashlib
 import json
+import multiprocessing
 import operator
 import os
 import sys
@@ -20,15 +21,19 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
+from concurrent.futures import ProcessPoolExecutor
 from typing import Any
 
 import torch.utils.data
 from webdataset import autodecode
 from webdataset.shardlists import expand_urls
 
+from loader.collectives import barrier, distributed, rank, world_size
 from loader.sources.tar_index import ShardFormatError, ShardIndex, StaleIndexError, file_state, load_or_build_index
 
-__all__ = ["MissingKeyError", "ShardFormatError", "StaleIndexError", "WebDatasetSource", "expand_shards"]
+__all__ = [
+    "MissingKeyError", "ShardFormatError", "StaleIndexError", "WebDatasetSource", "expand_shards", "prepare_indexes",
+]
 
 Handler = str | Callable[[str, bytes], Any]
 DecodeSpec = Handler | Sequence[Handler] | autodecode.Decoder | None
@@ -165,6 +170,45 @@ def _report_progress(done: int, total: int, built: int, final: bool) -> None:
     print(f"\rloader: indexing WebDataset shards {done}/{total} ({built} built)", end=end, file=sys.stderr, flush=True)
 
 
+def index_shards(shards: list[str], cache_dir: str | None, rebuild: bool, progress: bool) -> list[ShardIndex]:
+    """Each shard's index, loaded from cache or built (and cached), with a progress line while any is built."""
+    indexes, built, last_report = [], 0, 0.0
+    for done, shard in enumerate(shards, 1):
+        index, was_built = load_or_build_index(shard, cache_dir, rebuild)
+        indexes.append(index)
+        built += was_built
+        if progress and built and (done == len(shards) or time.monotonic() - last_report > 0.5):
+            _report_progress(done, len(shards), built, final=done == len(shards))
+            last_report = time.monotonic()
+    return indexes
+
+
+def _load_or_build(task: tuple[str, str | None, bool]) -> tuple[int, bool]:
+    index, built = load_or_build_index(*task)
+    return len(index), built
+
+
+def prepare_indexes(
+    urls: str | os.PathLike | Sequence[str | os.PathLike],
+    cache_dir: str | os.PathLike | None = None,
+    rebuild: bool = False,
+    jobs: int | None = None,
+) -> dict[str, int]:
+    """Build the shards' indexes ahead of a job, in `jobs` processes (default: one per CPU), so that no rank of
+    the job reads a tar header at start-up. Returns the counts of shards, samples and indexes built."""
+    shards = expand_shards(urls)
+    if not shards:
+        raise ValueError(f"no shards found for {urls!r}")
+    cache = None if cache_dir is None else os.fspath(cache_dir)
+    tasks = [(shard, cache, rebuild) for shard in shards]
+    if jobs == 1:
+        results = list(map(_load_or_build, tasks))
+    else:
+        with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+            results = list(pool.map(_load_or_build, tasks))
+    return {"shards": len(shards), "samples": sum(n for n, _ in results), "built": sum(b for _, b in results)}
+
+
 class WebDatasetSource(torch.utils.data.Dataset):
     """Map-style dataset over WebDataset tar shards with random access through per-shard indexes.
 
@@ -182,6 +226,11 @@ class WebDatasetSource(torch.utils.data.Dataset):
         rebuild_index: ignore cached indexes and rebuild them all.
         max_open_files: open shards kept per process (LRU).
         progress: print an indexing progress line on stderr when indexes are built.
+        group: a torch.distributed process group (``torch.distributed.group.WORLD`` for all ranks) whose ranks
+            split the building of missing indexes: each builds every W-th shard, then all wait for each other and
+            load the cached indexes, building only those they cannot see (a cache that is not shared). A
+            collective: every rank of the group must construct the source. ``None``: each process indexes alone.
+            For very large datasets, prebuild the indexes once with ``python -m loader index SHARDS``.
     """
 
     def __init__(
@@ -194,6 +243,7 @@ class WebDatasetSource(torch.utils.data.Dataset):
         rebuild_index: bool = False,
         max_open_files: int = 16,
         progress: bool = True,
+        group=None,
     ) -> None:
         self.shards: list[str] = expand_shards(urls)
         if not self.shards:
@@ -202,7 +252,11 @@ class WebDatasetSource(torch.utils.data.Dataset):
         self._keys = _parse_keys(keys)
         self._files = _OpenShards(max_open_files)
         cache_dir = None if cache_dir is None else os.fspath(cache_dir)
-        self._indexes = self._index_shards(cache_dir, rebuild_index, progress)
+        if group is not None and distributed():
+            index_shards(self.shards[rank(group)::world_size(group)], cache_dir, rebuild_index, progress)
+            barrier(group)
+            rebuild_index = False  # every index was just built by some rank of the group
+        self._indexes = index_shards(self.shards, cache_dir, rebuild_index, progress)
         self.shard_sizes: list[int] = [len(index) for index in self._indexes]
         self._starts = [0]
         for size in self.shard_sizes:
