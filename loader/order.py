@@ -31,6 +31,8 @@ _SALT_BLOCKS = 0x626C6F636B73
 _SALT_SAMPLE = 0x73616D706C65
 
 SHUFFLE_MODES = ("none", "global", "blocks")
+ORDER_VERSION = 2  # bumped whenever the same (seed, epoch, position) would give another index: saved positions
+# mean the same samples only under the version that saved them (1: halves of ceil(sqrt N); 2: best-fitting halves)
 
 
 def _mix_in_place(x: np.ndarray) -> np.ndarray:
@@ -208,7 +210,8 @@ class Order:
         if self.block_sizes is not None:
             digest = hashlib.sha256(np.asarray(self.block_sizes, dtype="<i8").tobytes()).hexdigest()[:16]
             blocks = f"{len(self.block_sizes)}:{digest}"
-        return {"num_samples": self.num_samples, "seed": self.seed, "shuffle": self.shuffle, "blocks": blocks}
+        return {"num_samples": self.num_samples, "seed": self.seed, "shuffle": self.shuffle, "blocks": blocks,
+                "order_version": ORDER_VERSION}
 
     def for_epoch(self, epoch: int) -> "EpochOrder":
         return EpochOrder(self, epoch)

@@ -25,7 +25,8 @@ from loader.progress import EMPTY, Remaining, complement, normalize, union
 
 FORMAT = "loader.progress"
 VERSION = 1
-FINGERPRINT_FIELDS = ("num_samples", "seed", "shuffle", "blocks")
+FINGERPRINT_FIELDS = ("num_samples", "seed", "shuffle", "blocks", "order_version")
+FINGERPRINT_DEFAULTS = {"order_version": 1}  # fields added after the first release: what a state without them had
 
 
 class StateError(ValueError):
@@ -88,17 +89,20 @@ def _check_header(state: dict, kinds: tuple[str, ...], where: str) -> str:
 def check_fingerprint(saved: dict, current: dict, where: str = "state") -> None:
     """Positions mean the same dataset indices only if these match; say exactly which does not."""
     for name in FINGERPRINT_FIELDS:
-        if name not in saved:
+        if name not in saved and name not in FINGERPRINT_DEFAULTS:
             raise StateError(f"{where}.fingerprint has no field {name!r}: the state is truncated")
-        if saved[name] != current[name]:
+        saved_value = saved.get(name, FINGERPRINT_DEFAULTS.get(name))
+        if saved_value != current[name]:
             hint = {
                 "num_samples": "the dataset changed length; this progress cannot be applied to it",
-                "seed": f"construct the loader with seed={saved[name]!r} to resume this run",
-                "shuffle": f"construct the loader with the shuffle mode {saved[name]!r} of the saved run",
+                "seed": f"construct the loader with seed={saved_value!r} to resume this run",
+                "shuffle": f"construct the loader with the shuffle mode {saved_value!r} of the saved run",
                 "blocks": "construct the loader with the shuffle_blocks of the saved run",
+                "order_version": "positions map to other samples under this release's order; resume with the "
+                "loader release that saved the state",
             }[name]
             raise StateError(
-                f"{where}.fingerprint.{name} is {saved[name]!r} in the saved state but {current[name]!r} in this "
+                f"{where}.fingerprint.{name} is {saved_value!r} in the saved state but {current[name]!r} in this "
                 f"loader: {hint}"
             )
 

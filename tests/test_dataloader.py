@@ -291,6 +291,8 @@ def corrupt(state, path, value):
         (lambda s: corrupt(s, ["base", "fingerprint", "num_samples"], 60), "num_samples is 60 in the saved state but 50"),
         (lambda s: corrupt(s, ["base", "fingerprint", "seed"], 2), "seed is 2 .* but 1 .* seed=2"),
         (lambda s: corrupt(s, ["base", "fingerprint", "shuffle"], "none"), "shuffle is 'none' .* but 'global'"),
+        # a state saved before the order's version was recorded: version 1, whose positions mean other samples
+        (lambda s: corrupt(s, ["base", "fingerprint", "order_version"], KeyError), "order_version is 1 .* but 2"),
         (lambda s: corrupt(s, ["version"], 99), "version is 99, this loader reads version 1"),
         (lambda s: corrupt(s, ["format"], "other"), "format is 'other'"),
         (lambda s: corrupt(s, ["completed"], KeyError), "no field 'completed'.*truncated"),
