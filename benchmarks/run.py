@@ -49,11 +49,12 @@ def main(argv: list[str] | None = None) -> int:
     cfg = config_for(mode, args.device, args.t_launch)
     results = {"mode": mode, "config": dataclasses.asdict(cfg), "environment": environment(args.device),
                "sections": {}}
-    for key, title, run in SECTIONS:
-        say(key, "start")
+    for number, (key, title, run) in enumerate(SECTIONS, 1):
+        say(key, f"section {number}/{len(SECTIONS) + 1}: {title}")
         start = time.perf_counter()
         results["sections"][key] = {"title": title, **run(cfg), "seconds": time.perf_counter() - start}
     sections = results["sections"]
+    say("restart", f"section {len(SECTIONS) + 1}/{len(SECTIONS) + 1}: {RESTART_TITLE}")
     sections["restart"] = {"title": RESTART_TITLE, **restart.run(cfg, sections["training"], sections["resume"])}
     args.out.mkdir(parents=True, exist_ok=True)
     stem = output_stem(args.device)

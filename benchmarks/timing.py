@@ -72,12 +72,14 @@ def interleave(
     """Each candidate's measurements from `reps` rounds A B C, B C A, ... after `warmup` discarded rounds."""
     names = list(candidates)
     samples: dict[str, list[float]] = {name: [] for name in names}
+    done, total = 0, (warmup + reps) * len(names)
     for round_ in range(warmup + reps):
         tag = "warm-up" if round_ < warmup else f"rep {round_ - warmup + 1}/{reps}"
         shift = round_ % len(names)  # each round starts one candidate later: no one always runs first or last
         for name in names[shift:] + names[:shift]:
             value = _without_gc(candidates[name])
-            say(section, f"{name} {tag}: {value:.4g} {unit}")
+            done += 1
+            say(section, f"{name} {tag}: {value:.4g} {unit}", done, total)
             if round_ >= warmup:
                 samples[name].append(value)
     return samples

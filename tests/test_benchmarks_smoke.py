@@ -26,7 +26,7 @@ def results(tmp_path_factory) -> dict:
     (json_path,) = out.glob("cpu-*.json")
     assert json_path.with_suffix(".md").read_text().startswith("# loader benchmarks")
     data = json.loads(json_path.read_text())
-    data["_out"] = out
+    data["_out"], data["_stderr"] = out, done.stderr
     return data
 
 
@@ -109,3 +109,10 @@ def test_plots_are_written_or_skipped_with_a_reason(results):
         assert "matplotlib" in plots["skipped"]
     else:
         assert all((results["_out"] / name).stat().st_size > 0 for name in plots["files"])
+
+
+def test_progress_counts_sections_and_fills_a_bar_per_comparison(results):
+    log = results["_stderr"]
+    assert all(f"section {n}/{len(SECTIONS)}:" in log for n in range(1, len(SECTIONS) + 1))
+    assert "[" + "#" * 20 + "] 4/4 " in log  # one throughput comparison of 4 loaders, finished
+
