@@ -1,4 +1,5 @@
-"""The runner: `python -m benchmarks [--quick | --smoke] [--device cpu|cuda] [--out DIR] [--t-launch S]`.
+"""The runner: `python -m benchmarks [--quick | --smoke] [--device cpu|cuda] [--out DIR] [--t-launch S]`, or
+`python benchmarks/run.py` with the same options.
 
 Runs the sections in order, then the restart plan from their numbers, and writes <out>/<stem>.json, .md and one
 PNG per section (stem: cpu-<hostname> or cuda-<gpu name>).
@@ -8,16 +9,20 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import sys
 import time
 from pathlib import Path
 from typing import Callable
 
-import torch
+if __package__ in (None, ""):  # run as a script: make the repository root importable, as `python -m` does
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks import checkpoint, memory, plots, report, restart, resume, throughput, training, wds
-from benchmarks.config import Config, config_for
-from benchmarks.environment import environment, output_stem
-from benchmarks.progress import say
+import torch  # noqa: E402
+
+from benchmarks import checkpoint, memory, plots, report, restart, resume, throughput, training, wds  # noqa: E402
+from benchmarks.config import Config, config_for  # noqa: E402
+from benchmarks.environment import environment, output_stem  # noqa: E402
+from benchmarks.progress import say  # noqa: E402
 
 SECTIONS: tuple[tuple[str, str, Callable[[Config], dict]], ...] = (
     ("throughput", "1. Loader throughput (samples/s ratio to DataLoader)", throughput.run),
@@ -62,3 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     for path in report.write(results, args.out, stem):
         say("done", f"wrote {path}")
     return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -116,3 +116,10 @@ def test_progress_counts_sections_and_fills_a_bar_per_comparison(results):
     assert all(f"section {n}/{len(SECTIONS)}:" in log for n in range(1, len(SECTIONS) + 1))
     assert "[" + "#" * 20 + "] 4/4 " in log  # one throughput comparison of 4 loaders, finished
 
+
+
+def test_the_runner_also_starts_as_a_script(tmp_path):
+    done = subprocess.run([sys.executable, str(REPO / "benchmarks" / "run.py"), "--help"], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "--quick" in done.stdout
