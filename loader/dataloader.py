@@ -43,6 +43,7 @@ class _WithSampleSeeds:
         self.sampler, self.seed = sampler, seed
 
     def __iter__(self) -> Iterator[list[SampleIndex]]:
+        self.sampler.begin_pass()  # the epoch of the pass about to start, whose seeds these are
         epoch = self.sampler.epoch
         for batch in self.sampler:
             seeds = sample_seed(self.seed, epoch, np.asarray(batch, dtype=np.int64)).tolist()
@@ -52,18 +53,23 @@ class _WithSampleSeeds:
         return len(self.sampler)
 
 
-class _Unbatched:
-    """batch_size=None: torch then takes single indices from a sampler, one sample per delivered item."""
+class _RankIndices:
+    """`loader.sampler`: this rank's dataset indices in delivery order, for code written against DistributedSampler
+    (`loader.sampler.set_epoch(e)`, `len(loader.sampler)` in samples). With batch_size=None torch iterates it too,
+    taking one index per delivered item."""
 
-    def __init__(self, batches):
-        self.batches = batches
+    def __init__(self, batches, sampler: ResumableSampler):
+        self._batches, self._sampler = batches, sampler
 
-    def __iter__(self):
-        for batch in self.batches:
-            yield batch[0]
+    def __iter__(self) -> Iterator[int]:
+        for batch in self._batches:
+            yield from batch
 
     def __len__(self) -> int:
-        return len(self.batches)
+        return self._sampler.samples_in_next_pass()
+
+    def set_epoch(self, epoch: int) -> None:
+        self._sampler.set_epoch(epoch)
 
 
 class _Delivery:
@@ -207,12 +213,14 @@ class ResumableDataLoader(DataLoader):
         self._stream = None
         self.resumable_sampler = ResumableSampler(_order_for(dataset, bool(shuffle), seed, shuffle_blocks), layout, rank)
         indices = _WithSampleSeeds(self.resumable_sampler, seed) if sample_seeds else self.resumable_sampler
+        rank_indices = _RankIndices(indices, self.resumable_sampler)
         if batch_size is None:
-            super().__init__(dataset, batch_size=None, sampler=_Unbatched(indices), **common)
+            super().__init__(dataset, batch_size=None, sampler=rank_indices, **common)
         else:
             super().__init__(dataset, batch_sampler=indices, **common)
             object.__setattr__(self, "batch_size", batch_size)  # what the user asked for, as DataLoader reports it
             object.__setattr__(self, "drop_last", bool(drop_last))
+            object.__setattr__(self, "sampler", rank_indices)  # torch's placeholder would have no set_epoch
 
     # -- iteration -------------------------------------------------------------------------------------------------
 

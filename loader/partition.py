@@ -98,6 +98,16 @@ class EpochPlan:
             stops[in_tail] = base + (piece + 1) * share // pieces
         return starts, stops
 
+    def samples_from(self, batch: int) -> int:
+        """Samples in each rank's micro-batches [batch, batches_per_rank), in closed form (no per-batch arrays):
+        whole micro-batches of the full updates, then what is left of the tail share."""
+        if batch >= self.batches_per_rank:
+            return 0
+        full_batches = self.full_updates * self.layout.grad_accum
+        if batch <= full_batches:
+            return (full_batches - batch) * self.layout.batch_size + self.tail_share
+        return self.tail_share - (batch - full_batches) * self.tail_share // self.tail_batches
+
     def completed(self, delivered: int) -> int:
         """Micro-batches that belong to whole updates among the first `delivered` ones.
 

@@ -110,6 +110,8 @@ class ResumableSampler:
     # -- iteration -------------------------------------------------------------------------------------------------
 
     def __iter__(self) -> Iterator[list[int]]:
+        """A pass: the rest of the current epoch, or the next epoch after a finished one (as `len` counts)."""
+        self.begin_pass()
         view, first = self.view(), self._delivered
         per_chunk = max(1, CHUNK_SAMPLES // self.layout.batch_size)
         for low in range(first, view.plan.batches_per_rank, per_chunk):
@@ -119,11 +121,21 @@ class ResumableSampler:
             for a, b in zip(cuts[:-1], cuts[1:]):
                 yield flat[a:b]
 
+    def _next_pass(self) -> tuple[EpochPlan, int]:
+        """The plan of the epoch a pass started now would serve, and the micro-batch it would start at."""
+        if self.exhausted:
+            return self.view(self._epoch + 1).plan, 0
+        return self.view().plan, self._delivered
+
     def __len__(self) -> int:
         """Micro-batches a pass started now would yield."""
-        if self.exhausted:
-            return self.view(self._epoch + 1).plan.batches_per_rank
-        return self.view().plan.batches_per_rank - self._delivered
+        plan, first = self._next_pass()
+        return plan.batches_per_rank - first
+
+    def samples_in_next_pass(self) -> int:
+        """Samples a pass started now would yield on this rank."""
+        plan, first = self._next_pass()
+        return plan.samples_from(first)
 
     # -- state -----------------------------------------------------------------------------------------------------
 

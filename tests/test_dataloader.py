@@ -128,6 +128,24 @@ def test_a_new_iterator_supersedes_the_old_one_instead_of_double_counting(worker
     assert seen == reference
 
 
+def test_code_written_for_distributed_sampler_runs_unchanged():
+    """`loader.sampler.set_epoch(e)` and `len(loader.sampler)` (samples of this rank), the DistributedSampler idiom."""
+    kw = dict(batch_size=4, shuffle=True, seed=2, rank=1, world_size=3)
+    dl, reference = ResumableDataLoader(IndexDataset(50), **kw), ResumableDataLoader(IndexDataset(50), **kw)
+    for epoch in range(3):
+        dl.sampler.set_epoch(epoch)
+        planned, count = list(dl.sampler), len(dl.sampler)
+        seen = [i for batch in dl for i in batch.tolist()]
+        assert seen == planned and len(seen) == count == 16  # 50 over 3 ranks: 48 served, 2 dropped by policy
+        reference.set_epoch(epoch)
+        assert seen == [i for batch in reference for i in batch.tolist()]
+    it = iter(dl)
+    first = next(it).tolist()
+    left = list(dl.sampler)  # what the pass has left: read, not delivered
+    assert len(left) == len(dl.sampler) == 16 - len(first)
+    assert [i for batch in it for i in batch.tolist()] == left
+
+
 class SlowDataset(IndexDataset):
     def __getitem__(self, i):
         import time

@@ -41,6 +41,15 @@ def test_ranks_get_disjoint_nonempty_batches_covering_what_is_served(remaining, 
         assert dropped == (remaining % layout.global_batch) % layout.world_size < layout.world_size
 
 
+@settings(max_examples=300, deadline=None)
+@given(remaining=st.integers(0, 400), layout=layouts, data=st.data())
+def test_samples_from_a_batch_on_equals_the_sum_of_those_batches(remaining, layout, data):
+    plan = EpochPlan(remaining, layout)
+    batch = data.draw(st.integers(0, plan.batches_per_rank + 1))
+    for rank in range(layout.world_size):
+        assert plan.samples_from(batch) == sum(map(len, rank_batches(plan, rank)[batch:]))
+
+
 @settings(max_examples=200, deadline=None)
 @given(remaining=st.integers(0, 600), micro_batch=st.sampled_from([1, 2]), worlds=st.permutations([1, 2, 3, 4, 6]))
 def test_update_composition_does_not_depend_on_the_world_size(remaining, micro_batch, worlds):
