@@ -6,7 +6,7 @@
 Every launch resumes from the newest checkpoint that verifies (model, optimizer, scheduler, RNG and the loader's
 merged progress of one completed step), at whatever world size torchrun gives it. The global batch stays
 `--global-batch`: the gradient-accumulation steps follow the world size (`loader.batch_policy.BatchPolicy`).
-Fault injection (once per run directory): `sigkill`, `node` and `exception` strike mid-step (the failing rank
+Fault injection (once per run directory and step): `sigkill`, `node` and `exception` strike mid-step (the failing rank
 has already fetched a micro-batch of the next step); `node` also kills the rank's torchrun agent, so the job comes
 back with fewer workers; `checkpoint` kills rank 0 while it writes the checkpoint of that step.
 Backend: nccl when every local rank has a GPU of its own, else gloo on the CPU.
@@ -81,10 +81,11 @@ def log(message: str) -> None:
 
 
 class FaultInjector:
-    """Strikes once per run directory (a marker file), so the restarted job trains through."""
+    """Strikes once per run directory and step (a marker file), so the restarted job trains through, and a launch
+    told to fail at another step fails again (a chain of failures)."""
 
     def __init__(self, args):
-        self.args, self.marker = args, args.run_dir / "fault-injected"
+        self.args, self.marker = args, args.run_dir / f"fault-injected-at-step-{args.fail_at_step}"
 
     def armed(self, step: int, rank: int) -> bool:
         a = self.args

@@ -88,6 +88,19 @@ def test_world_size_change_keeps_the_trajectory_and_every_sample_once(tmp_path, 
     assert_audit_clean(run)
 
 
+def test_two_failures_in_a_row_shrink_4_3_2_and_still_every_sample_once(tmp_path, reference):
+    run = tmp_path / "run"
+    assert run_generation(4, job(run, "--fail-at-step", "2", "--fail-rank", "3"), tmp_path / "logs1")[3] == -9
+    assert run_generation(3, job(run, "--fail-at-step", "7", "--fail-rank", "0"), tmp_path / "logs2")[0] == -9
+    assert "world size 3, grad_accum 4, resumed at step 0" in logs(tmp_path / "logs2")[0]
+    assert run_generation(2, job(run), tmp_path / "logs3") == [0, 0]
+    assert "world size 2, grad_accum 6, resumed at step 6" in logs(tmp_path / "logs3")[0]
+    ours, theirs = final_model(run), final_model(reference / "run")
+    for key in theirs:
+        torch.testing.assert_close(ours[key], theirs[key], rtol=1e-5, atol=1e-6)
+    assert_audit_clean(run)
+
+
 def test_kill_during_checkpoint_write_falls_back_to_the_previous_checkpoint(tmp_path, reference):
     run = tmp_path / "run"
     codes = run_generation(2, job(run, "--fail-at-step", "6", "--fail-rank", "0", "--fail-mode", "checkpoint"), tmp_path / "logs1")
