@@ -178,7 +178,9 @@ class ResumableDataLoader(DataLoader):
         if sampler is not None or batch_sampler is not None:
             raise ValueError(
                 "ResumableDataLoader owns the order so that it can resume it: pass shuffle=, seed= and "
-                "shuffle_blocks= instead of sampler= or batch_sampler= (no DistributedSampler is needed either)"
+                "shuffle_blocks= instead of sampler= or batch_sampler= (no DistributedSampler is needed either). "
+                "A framework that injects a DistributedSampler must be told not to: Lightning with "
+                "Trainer(use_distributed_sampler=False), accelerate by leaving the loader out of prepare()"
             )
         if not in_order:
             raise ValueError("in_order=False delivers batches out of order, so delivered progress would have holes")

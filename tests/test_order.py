@@ -32,6 +32,13 @@ def test_bijection_around_powers_of_two(k):
             assert_permutation(full_order(n, seed=k), n)
 
 
+@settings(max_examples=40, deadline=None)
+@given(n=st.integers(3001, 400_000), seed=st.integers(0, 2**63 - 1))
+def test_bijection_for_sampled_larger_n(n, seed):
+    """Beyond the exhaustive range: halves of any shape the best-fit search picks still give a permutation."""
+    assert_permutation(full_order(n, seed=seed), n)
+
+
 def test_random_access_equals_full_order():
     n = 1_000_003
     order = Order(n, seed=7).for_epoch(3)
