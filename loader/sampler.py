@@ -17,7 +17,7 @@ from loader._checks import check_rank, is_int
 from loader.order import EpochOrder, Order
 from loader.partition import EpochPlan, Layout
 from loader.progress import Remaining
-from loader.state import Progress, RankProgress, check_fingerprint, merge_states
+from loader.state import Progress, check_fingerprint, merge_states, rank_state
 
 CHUNK_SAMPLES = 8192  # ids computed per vectorised call: amortises numpy's per-call cost (~40 us a chunk), keeps
 # the first batch fast (< 1 ms) and the working set small (~0.3 MB)
@@ -141,7 +141,7 @@ class ResumableSampler:
 
     def state_dict(self) -> dict:
         completed = self.view().plan.completed(self._delivered)
-        return RankProgress(self._base, self.layout, self.rank, self._epoch, completed).to_dict()
+        return rank_state(self._base, self.layout, self.rank, self._epoch, completed)
 
     def load_state_dict(self, state) -> None:
         """Accepts a merged (global) state, a list of per-rank states, or the state of a one-rank run.

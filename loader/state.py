@@ -171,16 +171,7 @@ class RankProgress:
     completed: int
 
     def to_dict(self) -> dict:
-        return {
-            "format": FORMAT,
-            "version": VERSION,
-            "kind": "rank",
-            "base": self.base.to_dict(),
-            "layout": self.layout.as_dict(),
-            "rank": self.rank,
-            "epoch": self.epoch,
-            "completed": self.completed,
-        }
+        return rank_state(self.base, self.layout, self.rank, self.epoch, self.completed)
 
     @classmethod
     def from_dict(cls, state: dict, where: str = "state", parsed_bases: dict | None = None) -> "RankProgress":
@@ -203,6 +194,21 @@ class RankProgress:
         if epoch < base.epoch:
             raise StateError(f"{where}.epoch is {epoch}, before its base epoch {base.epoch}: the state is corrupted")
         return cls(base, layout, rank, epoch, _get(state, "completed", int, where))
+
+
+def rank_state(base: Progress, layout: Layout, rank: int, epoch: int, completed: int) -> dict:
+    """A RankProgress in its serialised form, built without the dataclass: the sampler makes one per state_dict()
+    call, i.e. per step, and a frozen dataclass costs more to construct than the dict itself."""
+    return {
+        "format": FORMAT,
+        "version": VERSION,
+        "kind": "rank",
+        "base": base.to_dict(),
+        "layout": layout.as_dict(),
+        "rank": rank,
+        "epoch": epoch,
+        "completed": completed,
+    }
 
 
 def _delivered_spans(plan: EpochPlan, completed: list[int]) -> np.ndarray:
