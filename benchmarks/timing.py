@@ -1,7 +1,9 @@
 """Interleaved repetitions and their statistics: the claims are paired ratios, not absolute times.
 
-Candidates run interleaved (A B C, B C A, C A B, ...) in one process after warm-up rounds, so whatever drifts on
-the machine (clock frequency, caches, other load) hits every candidate alike, and none always runs first. The
+Candidates run interleaved in one process after warm-up rounds, each round in a new order (seeded, so a rerun
+repeats it), so whatever drifts on the machine (clock frequency, caches, other load) hits every candidate alike,
+and none always runs first or right after the same other (a plain rotation A B C, B C A, ... keeps every
+candidate's predecessor, and with it whatever state that one leaves behind). The
 cyclic garbage collector is paused during each measurement, as timeit does. Ratios are taken per round (paired),
 then summarised by their median and spread (min, max, quartiles).
 """
@@ -17,6 +19,7 @@ import torch
 
 from benchmarks.progress import say
 
+ORDER_SEED = 0  # the rounds' candidate orders: random, and the same in every run
 Measure = Callable[[], float]  # runs one repetition and returns its measurement (seconds, samples/s, ...)
 
 
@@ -72,11 +75,11 @@ def interleave(
     """Each candidate's measurements from `reps` rounds A B C, B C A, ... after `warmup` discarded rounds."""
     names = list(candidates)
     samples: dict[str, list[float]] = {name: [] for name in names}
+    order = np.random.default_rng(ORDER_SEED)
     done, total = 0, (warmup + reps) * len(names)
     for round_ in range(warmup + reps):
         tag = "warm-up" if round_ < warmup else f"rep {round_ - warmup + 1}/{reps}"
-        shift = round_ % len(names)  # each round starts one candidate later: no one always runs first or last
-        for name in names[shift:] + names[:shift]:
+        for name in order.permutation(names).tolist():
             value = _without_gc(candidates[name])
             done += 1
             say(section, f"{name} {tag}: {value:.4g} {unit}", done, total)
