@@ -8,6 +8,7 @@ delivered batch, whatever was prefetched before.
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass
 from typing import Iterator
 
@@ -47,6 +48,9 @@ class ResumableSampler:
     def __init__(self, order: Order, layout: Layout, rank: int):
         check_rank(rank, layout.world_size)
         self.order, self.layout, self.rank = order, layout, rank
+        # (view, first batch, ids, offsets) of the chunks served last: workers prefetch far less than a chunk ahead,
+        # so the batch just delivered is almost always in one of them and last_indices slices it (else recomputes)
+        self._recent_chunks: deque = deque(maxlen=2)
         self._start_epoch(0)
 
     # -- the cursor ------------------------------------------------------------------------------------------------
@@ -104,7 +108,11 @@ class ResumableSampler:
         """Dataset indices of the micro-batch delivered last in this epoch."""
         if self._delivered == 0:
             raise RuntimeError("no batch has been delivered in this epoch yet")
-        ids, _ = self.view().indices(self.rank, np.array([self._delivered - 1]))
+        batch, view = self._delivered - 1, self.view()
+        for chunk_view, first, ids, offsets in self._recent_chunks:
+            if chunk_view is view and first <= batch < first + len(offsets) - 1:
+                return ids[offsets[batch - first]:offsets[batch - first + 1]].copy()
+        ids, _ = view.indices(self.rank, np.array([batch]))
         return ids
 
     # -- iteration -------------------------------------------------------------------------------------------------
@@ -117,6 +125,7 @@ class ResumableSampler:
         for low in range(first, view.plan.batches_per_rank, per_chunk):
             batches = np.arange(low, min(low + per_chunk, view.plan.batches_per_rank))
             ids, offsets = view.indices(self.rank, batches)
+            self._recent_chunks.append((view, low, ids, offsets))
             flat, cuts = ids.tolist(), offsets.tolist()
             for a, b in zip(cuts[:-1], cuts[1:]):
                 yield flat[a:b]

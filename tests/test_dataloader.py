@@ -9,6 +9,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 
+import loader.sampler as sampler_module
 from loader import ResumableDataLoader, SampleIndex, StateError, merge_states, sample_seed
 from tests.conftest import IndexDataset
 
@@ -144,6 +145,16 @@ def test_code_written_for_distributed_sampler_runs_unchanged():
     left = list(dl.sampler)  # what the pass has left: read, not delivered
     assert len(left) == len(dl.sampler) == 16 - len(first)
     assert [i for batch in it for i in batch.tolist()] == left
+
+
+@pytest.mark.parametrize("chunk", [2, 6, 1000])
+def test_last_indices_are_the_delivered_batch_across_chunks_and_prefetch(monkeypatch, chunk):
+    monkeypatch.setattr(sampler_module, "CHUNK_SAMPLES", chunk)  # chunks of 1 or 3 batches: prefetch spans several
+    kw = dict(batch_size=2, shuffle=True, seed=4, num_workers=2, prefetch_factor=4, multiprocessing_context="fork")
+    dl = ResumableDataLoader(IndexDataset(41), **kw)
+    for _ in range(2):  # two epochs: the second pass must not slice the first one's chunks
+        for batch in dl:
+            assert dl.last_indices().tolist() == batch.tolist()
 
 
 class SlowDataset(IndexDataset):
