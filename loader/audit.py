@@ -24,6 +24,7 @@ class EpochAudit:
     skipped: np.ndarray
     duplicated: np.ndarray
     dropped: int
+    failed: np.ndarray  # samples of batches whose loading raised: consumed, never trained, never served again
 
     @property
     def clean(self) -> bool:
@@ -33,14 +34,17 @@ class EpochAudit:
 def audit(run_dir) -> list[EpochAudit]:
     records, dropped, num_samples = read_ledger(run_dir)
     per_epoch: dict[int, list[np.ndarray]] = defaultdict(list)
+    failed_per_epoch: dict[int, list[np.ndarray]] = defaultdict(list)
     for record in records:
-        per_epoch[record.epoch].append(record.indices)
+        (failed_per_epoch if record.failed else per_epoch)[record.epoch].append(record.indices)
     report = []
-    for epoch in sorted(set(per_epoch) | set(dropped)):
+    for epoch in sorted(set(per_epoch) | set(dropped) | set(failed_per_epoch)):
         counts = np.bincount(np.concatenate(per_epoch[epoch] + [np.zeros(0, np.int64)]), minlength=num_samples)
+        failed = np.unique(np.concatenate(failed_per_epoch[epoch] + [np.zeros(0, np.int64)]))
         finished = epoch in dropped
         unseen = np.ones(num_samples, dtype=bool)
         unseen[counts > 0] = False
+        unseen[failed] = False
         if finished:
             unseen[dropped[epoch]] = False
         report.append(EpochAudit(
@@ -51,6 +55,7 @@ def audit(run_dir) -> list[EpochAudit]:
             skipped=np.nonzero(unseen)[0] if finished else np.zeros(0, np.int64),
             duplicated=np.nonzero(counts > 1)[0],
             dropped=len(dropped.get(epoch, ())),
+            failed=failed,
         ))
     return report
 
@@ -63,15 +68,24 @@ def _listed(indices: np.ndarray, limit: int, describe: Callable[[int], str]) -> 
 def main(run_dir: str, limit: int = 20, describe: Callable[[int], str] = str) -> int:
     """Print the audit; `describe` names a sample (e.g. by its shard and key); exit code 1 if not clean."""
     report = audit(run_dir)
-    print(f"{'epoch':>5} {'state':>11} {'expected':>9} {'seen once':>10} {'skipped':>8} {'duplicated':>11} {'dropped by policy':>18}")
+    print(f"{'epoch':>5} {'state':>11} {'expected':>9} {'seen once':>10} {'skipped':>8} {'duplicated':>11} "
+          f"{'dropped by policy':>18} {'failed to load':>15}")
     for e in report:
         skipped = str(len(e.skipped)) if e.finished else "-"
         print(f"{e.epoch:>5} {'finished' if e.finished else 'in progress':>11} {e.expected:>9} {e.seen_once:>10} "
-              f"{skipped:>8} {len(e.duplicated):>11} {e.dropped:>18}")
+              f"{skipped:>8} {len(e.duplicated):>11} {e.dropped:>18} {len(e.failed):>15}")
         if len(e.skipped):
             print(f"      skipped indices: {_listed(e.skipped, limit, describe)}")
         if len(e.duplicated):
             print(f"      duplicated indices: {_listed(e.duplicated, limit, describe)}")
+        if len(e.failed):
+            print(f"      failed to load (consumed, not trained): {_listed(e.failed, limit, describe)}")
     clean = all(e.clean for e in report)
-    print("audit: every sample exactly once" if clean else "audit: FAILED (samples skipped or duplicated)")
+    failed = sum(len(e.failed) for e in report)
+    if not clean:
+        print("audit: FAILED (samples skipped or duplicated)")
+    elif failed:
+        print(f"audit: nothing skipped or duplicated; {failed} sample(s) failed to load and were not trained")
+    else:
+        print("audit: every sample exactly once")
     return 0 if clean else 1

@@ -7,11 +7,13 @@ fetched it. With in-order delivery, the k-th batch out is the k-th index list in
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterator
+import warnings
+from typing import Any, Callable, Iterator, TypeVar
 
 import numpy as np
 import torch.distributed as dist
 from torch.utils.data import DataLoader, IterableDataset
+from torch.utils.data._utils.fetch import _MapDatasetFetcher
 
 from loader._checks import check_positive_int, check_rank, is_int
 from loader.order import Order, block_sizes_for_window, sample_seed
@@ -58,8 +60,8 @@ class _RankIndices:
     (`loader.sampler.set_epoch(e)`, `len(loader.sampler)` in samples). With batch_size=None torch iterates it too,
     taking one index per delivered item."""
 
-    def __init__(self, batches, sampler: ResumableSampler):
-        self._batches, self._sampler = batches, sampler
+    def __init__(self, batches, sampler: ResumableSampler, set_epoch: Callable[[int], None]):
+        self._batches, self._sampler, self.set_epoch = batches, sampler, set_epoch
 
     def __iter__(self) -> Iterator[int]:
         for batch in self._batches:
@@ -68,46 +70,68 @@ class _RankIndices:
     def __len__(self) -> int:
         return self._sampler.samples_in_next_pass()
 
-    def set_epoch(self, epoch: int) -> None:
-        self._sampler.set_epoch(epoch)
+
+class ContinuedPassWarning(UserWarning):
+    """A new iter() continued a pass that an earlier iterator had left after delivering batches: they count as
+    consumed, so a batch that was only looked at (`next(iter(loader))`) is never trained."""
 
 
 class _Delivery:
     """The iterator handed to the training loop: counts a batch at the moment it is returned.
 
-    Only the newest iterator of a loader may deliver: an older one would count batches into the same progress
-    twice over (and, with persistent workers, would read from the newest one's reset worker iterator)."""
+    What counts is what was delivered: a batch whose loading raised (in the dataset, collate_fn or a worker) is
+    consumed, recorded as failed and never served again, and the same iterator goes on with the next one. Only
+    the newest iterator of a loader may deliver: an older one would count batches into the same progress twice
+    over (and, with persistent workers, would read from the newest one's reset worker iterator). torch's
+    iterator attributes (`_workers`, `_num_workers`, ...) are forwarded, for the tools that read them."""
 
-    def __init__(
-        self,
-        inner,
-        on_deliver: Callable[[], None],
-        is_current: Callable[[], bool],
-        on_end: Callable[[], None] | None = None,
-        skip: int = 0,
-    ):
-        self._inner, self._on_deliver, self._is_current, self._on_end = inner, on_deliver, is_current, on_end
-        self._skip = skip
+    def __init__(self, inner, loader: "ResumableDataLoader", iteration: int, skip: int = 0):
+        self._inner, self._loader, self._iteration, self._skip = inner, loader, iteration, skip
+        self._interrupted = False
 
     def __iter__(self) -> "_Delivery":
         return self
 
+    def __getattr__(self, name: str):
+        inner = self.__dict__.get("_inner")
+        if inner is None:
+            raise AttributeError(name)
+        return getattr(inner, name)
+
+    def _slots_taken(self, received_before: int | None) -> int:
+        """Index lists the inner iterator used up in one next(): torch's multiprocessing iterator says how far it
+        got (a timeout uses up none); the single-process one uses one per call that did not end the pass."""
+        received = getattr(self._inner, "_rcvd_idx", None)
+        return 1 if received is None else received - received_before
+
     def __next__(self):
-        if not self._is_current():
+        loader = self._loader
+        if loader._iterations != self._iteration:
             raise RuntimeError(
-                "this iterator was superseded by a newer iter() over the same ResumableDataLoader: progress counts "
-                "what one iterator delivers, so iterate the newest one (it continues where this one stopped)"
+                "this iterator was superseded (by a newer iter(), load_state_dict() or set_epoch() on the same "
+                "ResumableDataLoader): progress counts what one iterator delivers, so iterate a new one, which "
+                "continues where this one stopped"
             )
+        if self._interrupted:
+            raise RuntimeError("this iterator was interrupted inside next(): take a new iter(), which serves the "
+                               "interrupted batch again")
         try:
             while self._skip:  # a stream without random access: replay what was already delivered, unseen
                 next(self._inner)
                 self._skip -= 1
+            received_before = getattr(self._inner, "_rcvd_idx", None)
             batch = next(self._inner)
         except StopIteration:
-            if self._on_end is not None:
-                self._on_end()
+            loader._end_pass()
             raise
-        self._on_deliver()
+        except Exception:
+            for _ in range(self._slots_taken(received_before)):
+                loader._fail()
+            raise
+        except BaseException:  # KeyboardInterrupt and the like: nothing is counted, a new iter() serves it again
+            self._interrupted = True
+            raise
+        loader._deliver()
         return batch
 
 
@@ -135,7 +159,10 @@ def _order_for(dataset, shuffle: bool, seed: int, shuffle_blocks) -> Order:
     return Order(num_samples, seed, "blocks", tuple(int(size) for size in shuffle_blocks))
 
 
-class ResumableDataLoader(DataLoader):
+T_co = TypeVar("T_co", covariant=True)
+
+
+class ResumableDataLoader(DataLoader[T_co]):
     """A drop-in torch DataLoader whose input progress survives restarts at any world size.
 
     Beyond DataLoader's arguments: `seed` (the order is a pure function of seed, epoch and position), `rank` and
@@ -144,8 +171,9 @@ class ResumableDataLoader(DataLoader):
     inside each block: an int window or a list of block sizes) and `sample_seeds` (the dataset receives
     `SampleIndex` ints carrying a per-sample seed).
 
-    A new `iter()` continues the current epoch right after the last delivered batch; after a finished pass it
-    starts the next epoch. Call `state_dict()` after the optimizer step; it reports completed updates only.
+    A new `iter()` continues the current epoch right after the last delivered batch (with a
+    `ContinuedPassWarning` when an earlier iterator left the pass after delivering batches); after a pass that
+    ended it starts the next epoch. Call `state_dict()` after the optimizer step; it reports completed updates.
     """
 
     def __init__(
@@ -186,6 +214,8 @@ class ResumableDataLoader(DataLoader):
             raise ValueError("in_order=False delivers batches out of order, so delivered progress would have holes")
         if batch_size is not None and (not is_int(batch_size) or batch_size <= 0):
             raise ValueError(f"batch_size must be a positive int or None, got {batch_size!r}")
+        if batch_size is None and drop_last:
+            raise ValueError("batch_size=None disables batching, so drop_last=True has nothing to drop (as in torch)")
         if not is_int(seed):
             raise ValueError(f"seed must be an int, got {seed!r}")
         rank, world_size = _default_rank_and_world(rank, world_size)
@@ -204,7 +234,8 @@ class ResumableDataLoader(DataLoader):
         )
         self.seed, self.rank, self.world_size, self.grad_accum = seed, rank, world_size, grad_accum
         self.ledger = None  # a loader.ledger.Ledger records every delivered batch's indices when attached
-        self._iterations = 0  # iter() calls so far: only the newest iterator delivers
+        self._iterations = 0  # iterators superseded so far: only the newest iterator delivers
+        self._delivered_by_iterator = 0  # batches the newest iterator delivered
         if isinstance(dataset, IterableDataset):
             if sample_seeds or shuffle_blocks is not None:
                 raise ValueError("sample_seeds and shuffle_blocks need a map-style dataset (random access)")
@@ -215,7 +246,7 @@ class ResumableDataLoader(DataLoader):
         self._stream = None
         self.resumable_sampler = ResumableSampler(_order_for(dataset, bool(shuffle), seed, shuffle_blocks), layout, rank)
         indices = _WithSampleSeeds(self.resumable_sampler, seed) if sample_seeds else self.resumable_sampler
-        rank_indices = _RankIndices(indices, self.resumable_sampler)
+        rank_indices = _RankIndices(indices, self.resumable_sampler, self.set_epoch)
         if batch_size is None:
             super().__init__(dataset, batch_size=None, sampler=rank_indices, **common)
         else:
@@ -227,24 +258,61 @@ class ResumableDataLoader(DataLoader):
     # -- iteration -------------------------------------------------------------------------------------------------
 
     def __iter__(self) -> Iterator[Any]:
-        self._iterations += 1
-        iteration = self._iterations
-
-        def is_current() -> bool:
-            return self._iterations == iteration
-
+        progress = self._stream or self.resumable_sampler
+        if self._delivered_by_iterator and not progress.ended:
+            warnings.warn(
+                f"iter() continues epoch {self.epoch} of this ResumableDataLoader: the {self._delivered_by_iterator} "
+                f"batch(es) the previous iterator delivered count as consumed, so a batch that was only looked at "
+                f"(e.g. next(iter(loader))) is never trained. Use loader.peek() to look without consuming; keep "
+                f"iterating one iterator to continue without this warning",
+                ContinuedPassWarning,
+                stacklevel=2,
+            )
+        self._supersede()
         if self._stream is not None:
             if self.ledger is not None:
                 raise TypeError("a ledger records sample indices, which an IterableDataset does not have")
             skip = self._stream.begin_pass()
-            return _Delivery(super().__iter__(), self._stream.deliver, is_current, self._stream.end_pass, skip)
+            return _Delivery(super().__iter__(), self, self._iterations, skip)
         self.resumable_sampler.begin_pass()
-        return _Delivery(super().__iter__(), self._deliver, is_current)
+        return _Delivery(super().__iter__(), self, self._iterations)
+
+    def _supersede(self) -> None:
+        """From now on, only an iterator made after this call delivers."""
+        self._iterations += 1
+        self._delivered_by_iterator = 0
 
     def _deliver(self) -> None:
+        self._delivered_by_iterator += 1
+        if self._stream is not None:
+            self._stream.deliver()
+            return
         self.resumable_sampler.deliver()
         if self.ledger is not None:
             self.ledger.record(self.epoch, self.last_indices(), self.update_complete)
+
+    def _fail(self) -> None:
+        if self._stream is not None:
+            self._stream.deliver()  # the stream moved past it: resuming must not replay it
+            return
+        if self.ledger is not None:
+            self.ledger.record_failed(self.epoch, self.resumable_sampler.next_indices())
+        self.resumable_sampler.fail()
+
+    def _end_pass(self) -> None:
+        (self._stream or self.resumable_sampler).end_pass()
+
+    def peek(self) -> Any:
+        """The batch the next delivery will hand out, loaded here in this process and not counted: for looking at
+        data (shapes, an example to log) where `next(iter(loader))` would consume a batch that is never trained."""
+        if self._stream is not None:
+            raise TypeError("an IterableDataset cannot be peeked without consuming it")
+        ids = self.resumable_sampler.next_indices()
+        if ids is None:
+            raise StopIteration("the next pass is empty: this rank's share of the epoch is delivered")
+        batched = self.batch_size is not None
+        fetcher = _MapDatasetFetcher(self.dataset, batched, self.collate_fn, self.drop_last)
+        return fetcher.fetch(ids.tolist() if batched else int(ids[0]))
 
     def __len__(self) -> int:
         if self._stream is not None:
@@ -256,8 +324,10 @@ class ResumableDataLoader(DataLoader):
         return (self._stream or self.resumable_sampler).epoch
 
     def set_epoch(self, epoch: int) -> None:
-        """Same epoch: no change (safe to call after a resume). Another epoch: start it from its beginning."""
-        (self._stream or self.resumable_sampler).set_epoch(epoch)
+        """Same epoch: no change (safe to call after a resume). The next epoch after an exhausted pass: the natural
+        advance. Another epoch: start it from its beginning. A change supersedes the active iterator."""
+        if (self._stream or self.resumable_sampler).set_epoch(epoch):
+            self._supersede()
 
     @property
     def exhausted(self) -> bool:
@@ -287,7 +357,9 @@ class ResumableDataLoader(DataLoader):
         return (self._stream or self.resumable_sampler).state_dict()
 
     def load_state_dict(self, state) -> None:
-        """A merged state (see `merge_states`) or the list of all ranks' states, saved at any world size.
+        """A merged state (see `merge_states`), the list of all ranks' states, or one rank's state (standing for
+        every rank in lockstep), saved at any world size. It supersedes the active iterator.
 
-        Validated in full first: a rejected state raises ValueError and leaves the loader unchanged."""
+        Validated in full first: a rejected state raises StateError and leaves the loader unchanged."""
         (self._stream or self.resumable_sampler).load_state_dict(state)
+        self._supersede()

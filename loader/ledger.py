@@ -20,7 +20,8 @@ from pathlib import Path
 import numpy as np
 
 from loader.collectives import broadcast, rank, world_size
-_HEADER = struct.Struct("<qqIB")  # step, epoch, number of indices, 1 if the batch completed its update
+_HEADER = struct.Struct("<qqIB")  # step, epoch, number of indices, flags:
+COMPLETE, FAILED = 1, 2  # the batch completed its update; its loading raised (consumed, never trained)
 
 
 def _ledger_dir(run_dir) -> Path:
@@ -50,11 +51,19 @@ class Ledger:
 
     def record(self, epoch: int, indices: np.ndarray, update_complete: bool) -> None:
         """One delivered batch; flushed at each completed update so a crash loses only the replayed tail."""
-        ids = np.ascontiguousarray(indices, dtype="<i8")
-        self._file.write(_HEADER.pack(self.step + 1, epoch, len(ids), int(update_complete)) + ids.tobytes())
+        self._write(epoch, indices, COMPLETE if update_complete else 0)
         if update_complete:
             self.step += 1
             self._file.flush()
+
+    def record_failed(self, epoch: int, indices: np.ndarray) -> None:
+        """A batch whose loading raised: consumed and never served again, so the audit lists its samples as
+        failed, neither trained nor skipped. It feeds no optimizer step of its own."""
+        self._write(epoch, indices, FAILED)
+
+    def _write(self, epoch: int, indices: np.ndarray, flags: int) -> None:
+        ids = np.ascontiguousarray(indices, dtype="<i8")
+        self._file.write(_HEADER.pack(self.step + 1, epoch, len(ids), flags) + ids.tobytes())
 
     def record_finished(self, progress: dict, loader) -> None:
         """Store the indices dropped by policy of the epochs a merged progress reports finished (rank 0)."""
@@ -99,17 +108,18 @@ class Record:
     epoch: int
     indices: np.ndarray
     complete: bool
+    failed: bool
 
 
 def _read_file(path: Path, generation: int, rank: int) -> list[Record]:
     data, records, at = path.read_bytes(), [], 0
     while at + _HEADER.size <= len(data):
-        step, epoch, count, complete = _HEADER.unpack_from(data, at)
+        step, epoch, count, flags = _HEADER.unpack_from(data, at)
         end = at + _HEADER.size + 8 * count
         if end > len(data):
             break  # a record torn by a crash: its update never completed, so it is replayed anyway
         ids = np.frombuffer(data, dtype="<i8", count=count, offset=at + _HEADER.size)
-        records.append(Record(generation, rank, step, epoch, ids, bool(complete)))
+        records.append(Record(generation, rank, step, epoch, ids, bool(flags & COMPLETE), bool(flags & FAILED)))
         at = end
     return records
 

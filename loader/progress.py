@@ -28,6 +28,11 @@ def normalize(intervals) -> np.ndarray:
     return np.stack((spans[starts_new, 0], reach[group_end]), axis=1)
 
 
+def whole(n: int) -> np.ndarray:
+    """Every position of an epoch of n samples."""
+    return np.array([[0, n]], dtype=np.int64) if n > 0 else EMPTY
+
+
 def union(*interval_sets) -> np.ndarray:
     return normalize(np.concatenate([np.asarray(s, dtype=np.int64).reshape(-1, 2) for s in interval_sets]))
 

@@ -17,8 +17,8 @@ import numpy as np
 from loader._checks import check_rank, is_int
 from loader.order import EpochOrder, Order
 from loader.partition import EpochPlan, Layout
-from loader.progress import Remaining
-from loader.state import Progress, check_fingerprint, merge_states, rank_state
+from loader.progress import Remaining, whole
+from loader.state import Progress, check_fingerprint, progress_of, rank_state
 
 CHUNK_SAMPLES = 8192  # ids computed per vectorised call: amortises numpy's per-call cost (~40 us a chunk), keeps
 # the first batch fast (< 1 ms) and the working set small (~0.3 MB)
@@ -55,16 +55,23 @@ class ResumableSampler:
 
     # -- the cursor ------------------------------------------------------------------------------------------------
 
-    def _start_epoch(self, epoch: int, base: Progress | None = None) -> None:
+    def _start_epoch(self, epoch: int, base: Progress | None = None, *, ended: bool = False) -> None:
         self._base = base or Progress(self.order.fingerprint(), epoch, {})
-        self._epoch, self._delivered, self._view = epoch, 0, None
+        self._epoch, self._position, self._view = epoch, 0, None
+        self._ended = ended  # the current pass handed out its end: the next pass starts the next epoch
+        self._last_delivered: int | None = None  # micro-batch number of the batch delivered last in this epoch
+        # position 0 follows whole updates committed earlier in this epoch (a resumed state): an update is complete
+        self._after_committed = epoch < self._base.epoch or len(self._base.committed_in(epoch)) > 0
 
     def view(self, epoch: int | None = None) -> EpochView:
-        """The current epoch's view (cached: O(#intervals + #blocks) to build), or another epoch's."""
+        """The current epoch's view (cached: O(#intervals + #blocks) to build), or another epoch's. An epoch the
+        base reports finished has nothing remaining (a state restored at the end of that epoch sits there)."""
         epoch = self._epoch if epoch is None else epoch
         if self._view is not None and self._view.epoch == epoch:
             return self._view
-        remaining = Remaining(self._base.committed_in(epoch), self.order.num_samples)
+        n = self.order.num_samples
+        committed = whole(n) if epoch < self._base.epoch else self._base.committed_in(epoch)
+        remaining = Remaining(committed, n)
         view = EpochView(epoch, remaining, EpochPlan(remaining.count, self.layout), self.order.for_epoch(epoch))
         if epoch == self._epoch:
             self._view = view
@@ -76,39 +83,71 @@ class ResumableSampler:
 
     @property
     def exhausted(self) -> bool:
-        return self._delivered >= self.view().plan.batches_per_rank
+        """This rank's share of the current epoch is all handed out (delivered, or failed to load)."""
+        return self._position >= self.view().plan.batches_per_rank
 
-    def set_epoch(self, epoch: int) -> None:
-        """Same epoch: nothing changes (so the usual set_epoch call after a resume keeps the progress). The next
-        epoch after a finished pass: the natural advance. Any other epoch: start it fresh, abandoning the rest."""
+    @property
+    def ended(self) -> bool:
+        """The current pass handed its end (StopIteration) to the training loop."""
+        return self._ended
+
+    def set_epoch(self, epoch: int) -> bool:
+        """Names the epoch the next pass serves. The current one: what is left of it (the usual call after a
+        resume keeps the progress; after a pass that ended, the next pass is empty). The next one after an
+        exhausted pass: the natural advance. Any other: that epoch from its start, abandoning the rest.
+        Returns whether the next pass changed."""
         if not is_int(epoch) or epoch < 0:
             raise ValueError(f"epoch must be a non-negative int, got {epoch!r}")
         if epoch == self._epoch:
-            return
+            changed, self._ended = self._ended, False
+            return changed
         if epoch == self._epoch + 1 and self.exhausted:
-            self._epoch, self._delivered, self._view = epoch, 0, None
+            self._epoch, self._position, self._view, self._ended = epoch, 0, None, False
+            self._last_delivered, self._after_committed = None, len(self._base.committed_in(epoch)) > 0
         else:
             self._start_epoch(epoch)
+        return True
 
     def begin_pass(self) -> None:
-        """Called when a pass starts: after a finished pass, move on to the next epoch."""
-        if self.exhausted:
+        """Called when a pass starts: after a pass that ended, move on to the next epoch. An exhausted pass that
+        did not end yet (its last batch delivered, its StopIteration not) ends first, as an empty pass."""
+        if self._ended:
             self.set_epoch(self._epoch + 1)
 
     def deliver(self) -> None:
-        """The loader handed one more micro-batch to the training loop."""
-        self._delivered += 1
+        """The loader handed the next micro-batch to the training loop."""
+        self._last_delivered = self._position
+        self._position += 1
+
+    def fail(self) -> None:
+        """Loading the next micro-batch raised: it is consumed (never served again), but not delivered."""
+        self._position += 1
+
+    def end_pass(self) -> None:
+        """The loader handed the end of the pass (StopIteration) to the training loop."""
+        self._ended = True
 
     @property
     def update_complete(self) -> bool:
-        """True when the micro-batch just delivered completes an optimizer update: step now."""
-        return self._delivered > 0 and self.view().plan.completed(self._delivered) == self._delivered
+        """True when no micro-batch of an unfinished update is pending: step now (after the batch just
+        delivered), or nothing to step for (right after a resume at a committed update)."""
+        if self._position == 0:
+            return self._after_committed
+        return self.view().plan.completed(self._position) == self._position
+
+    def next_indices(self) -> np.ndarray | None:
+        """Dataset indices of the micro-batch the next delivery hands out (None if there is none): the one at the
+        cursor, or the first of the next epoch when this rank's share is all handed out."""
+        view, batch = (self.view(self._epoch + 1), 0) if self.exhausted else (self.view(), self._position)
+        if batch >= view.plan.batches_per_rank:
+            return None
+        return view.indices(self.rank, np.array([batch]))[0]
 
     def last_indices(self) -> np.ndarray:
         """Dataset indices of the micro-batch delivered last in this epoch."""
-        if self._delivered == 0:
+        if self._last_delivered is None:
             raise RuntimeError("no batch has been delivered in this epoch yet")
-        batch, view = self._delivered - 1, self.view()
+        batch, view = self._last_delivered, self.view()
         for chunk_view, first, ids, offsets in self._recent_chunks:
             if chunk_view is view and first <= batch < first + len(offsets) - 1:
                 return ids[offsets[batch - first]:offsets[batch - first + 1]].copy()
@@ -120,7 +159,8 @@ class ResumableSampler:
     def __iter__(self) -> Iterator[list[int]]:
         """A pass: the rest of the current epoch, or the next epoch after a finished one (as `len` counts)."""
         self.begin_pass()
-        view, first = self.view(), self._delivered
+        view, first = self.view(), self._position
+        self.handed_out = 0
         per_chunk = max(1, CHUNK_SAMPLES // self.layout.batch_size)
         for low in range(first, view.plan.batches_per_rank, per_chunk):
             batches = np.arange(low, min(low + per_chunk, view.plan.batches_per_rank))
@@ -128,13 +168,14 @@ class ResumableSampler:
             self._recent_chunks.append((view, low, ids, offsets))
             flat, cuts = ids.tolist(), offsets.tolist()
             for a, b in zip(cuts[:-1], cuts[1:]):
+                self.handed_out += 1
                 yield flat[a:b]
 
     def _next_pass(self) -> tuple[EpochPlan, int]:
         """The plan of the epoch a pass started now would serve, and the micro-batch it would start at."""
-        if self.exhausted:
+        if self._ended:
             return self.view(self._epoch + 1).plan, 0
-        return self.view().plan, self._delivered
+        return self.view().plan, self._position
 
     def __len__(self) -> int:
         """Micro-batches a pass started now would yield."""
@@ -149,17 +190,17 @@ class ResumableSampler:
     # -- state -----------------------------------------------------------------------------------------------------
 
     def state_dict(self) -> dict:
-        completed = self.view().plan.completed(self._delivered)
-        return rank_state(self._base, self.layout, self.rank, self._epoch, completed)
+        completed = self.view().plan.completed(self._position)
+        ended = self._ended and completed == self._position
+        return rank_state(self._base, self.layout, self.rank, self._epoch, completed, ended)
 
     def load_state_dict(self, state) -> None:
-        """Accepts a merged (global) state, a list of per-rank states, or the state of a one-rank run.
-
-        Everything is validated before anything changes: a rejected state leaves the sampler as it was."""
-        if isinstance(state, (list, tuple)):
-            state = merge_states(list(state))
-        elif isinstance(state, dict) and state.get("kind") == "rank":
-            state = merge_states([state])
-        progress = Progress.from_dict(state)
+        """Accepts a merged (global) state, the list of all ranks' states, or one rank's state (standing for every
+        rank in lockstep). Everything is validated before anything changes: a rejected state leaves the sampler
+        as it was."""
+        progress = progress_of(state)
         check_fingerprint(progress.fingerprint, self.order.fingerprint())
-        self._start_epoch(progress.epoch, progress)
+        if progress.end_of_epoch is not None:  # every rank sat at the end of the epoch before progress.epoch
+            self._start_epoch(progress.epoch - 1, progress, ended=progress.end_of_epoch)
+        else:
+            self._start_epoch(progress.epoch, progress)

@@ -12,7 +12,9 @@ side for that.
 
 from __future__ import annotations
 
+import collections
 import hashlib
+import itertools
 import json
 from dataclasses import dataclass
 from functools import cached_property
@@ -27,6 +29,9 @@ FORMAT = "loader.progress"
 VERSION = 1
 FINGERPRINT_FIELDS = ("num_samples", "seed", "shuffle", "blocks", "order_version")
 FINGERPRINT_DEFAULTS = {"order_version": 1}  # fields added after the first release: what a state without them had
+LARGEST = 2**62  # no count, epoch or size in a state comes near this; anything larger is corruption, refused
+# before numpy (int64) or a Python loop would meet it
+MAX_EPOCHS_AHEAD = 10_000  # how far a rank state may run ahead of its base: the merge walks each epoch between
 
 
 class StateError(ValueError):
@@ -41,9 +46,9 @@ def intervals_to_json(intervals: np.ndarray) -> list[int]:
 def intervals_from_json(flat, n: int, what: str) -> np.ndarray:
     """Parse and check the JSON form; `what` names the field in the error message."""
     if not isinstance(flat, (list, tuple)) or len(flat) % 2 or not all(
-        is_int(v) for v in flat
+        is_int(v) and abs(v) < LARGEST for v in flat
     ):
-        raise StateError(f"{what} must be a flat list of int pairs [start, stop, ...], got {str(flat)[:80]!r}")
+        raise StateError(f"{what} must be a flat list of int pairs [start, stop, ...], got {_short(flat)}")
     spans = np.asarray(flat, dtype=np.int64).reshape(-1, 2)
     if len(spans) and (
         (spans[:, 0] < 0).any()
@@ -58,16 +63,29 @@ def intervals_from_json(flat, n: int, what: str) -> np.ndarray:
     return spans
 
 
-def _get(state: dict, key: str, kind, where: str):
+def _short(value) -> str:
+    """A value for an error message: a corrupted state can hold megabytes, a message stays one line."""
+    text = repr(value)
+    return text if len(text) <= 80 else f"{text[:77]}..."
+
+
+_MISSING = object()
+
+
+def _get(state: dict, key: str, kind, where: str, default=_MISSING):
+    """state[key] checked to be of `kind` (int: a non-negative int below LARGEST, never a bool); `default` for
+    fields added after the first release, which older states lack."""
     if not isinstance(state, dict):
         raise StateError(f"{where} must be a dict, got {type(state).__name__}: the state is corrupted")
     if key not in state:
+        if default is not _MISSING:
+            return default
         raise StateError(f"{where} has no field {key!r}: the state is truncated or not a loader state")
     value = state[key]
-    if kind is int and (not is_int(value) or value < 0):
-        raise StateError(f"{where}.{key} must be a non-negative int, got {value!r}: the state is corrupted")
+    if kind is int and (not is_int(value) or not 0 <= value < LARGEST):
+        raise StateError(f"{where}.{key} must be a non-negative int, got {_short(value)}: the state is corrupted")
     if kind is not int and not isinstance(value, kind):
-        raise StateError(f"{where}.{key} must be of type {kind}, got {value!r}: the state is corrupted")
+        raise StateError(f"{where}.{key} must be of type {kind.__name__}, got {_short(value)}: the state is corrupted")
     return value
 
 
@@ -93,16 +111,17 @@ def check_fingerprint(saved: dict, current: dict, where: str = "state") -> None:
             raise StateError(f"{where}.fingerprint has no field {name!r}: the state is truncated")
         saved_value = saved.get(name, FINGERPRINT_DEFAULTS.get(name))
         if saved_value != current[name]:
+            saved_value = _short(saved_value)
             hint = {
                 "num_samples": "the dataset changed length; this progress cannot be applied to it",
-                "seed": f"construct the loader with seed={saved_value!r} to resume this run",
-                "shuffle": f"construct the loader with the shuffle mode {saved_value!r} of the saved run",
+                "seed": f"construct the loader with seed={saved_value} to resume this run",
+                "shuffle": f"construct the loader with the shuffle mode {saved_value} of the saved run",
                 "blocks": "construct the loader with the shuffle_blocks of the saved run",
                 "order_version": "positions map to other samples under this release's order; resume with the "
                 "loader release that saved the state",
             }[name]
             raise StateError(
-                f"{where}.fingerprint.{name} is {saved_value!r} in the saved state but {current[name]!r} in this "
+                f"{where}.fingerprint.{name} is {saved_value} in the saved state but {current[name]!r} in this "
                 f"loader: {hint}"
             )
 
@@ -116,6 +135,8 @@ class Progress:
     committed: dict[int, np.ndarray]
     finished: tuple[tuple[int, np.ndarray], ...] = ()  # (epoch, positions dropped by policy) of the epochs
     # finished by the merge that made this progress (or, when it finished none, its base's)
+    end_of_epoch: bool | None = None  # None, or: every rank sat exhausted at the end of epoch `epoch - 1`, and
+    # whether that pass had also handed out its end (StopIteration): a restored loader is then where they were
 
     @property
     def num_samples(self) -> int:
@@ -139,6 +160,7 @@ class Progress:
             "epoch": self.epoch,
             "committed": [[e, intervals_to_json(spans)] for e, spans in sorted(self.committed.items())],
             "finished": [{"epoch": e, "dropped": intervals_to_json(dropped)} for e, dropped in self.finished],
+            "end_of_epoch": None if self.end_of_epoch is None else {"epoch": self.epoch - 1, "ended": self.end_of_epoch},
         }
 
     @classmethod
@@ -149,29 +171,38 @@ class Progress:
         epoch = _get(state, "epoch", int, where)
         committed = {}
         for entry in _get(state, "committed", list, where):
-            if not (isinstance(entry, list) and len(entry) == 2 and isinstance(entry[0], int) and entry[0] >= epoch):
-                raise StateError(f"{where}.committed entries must be [epoch >= {epoch}, intervals], got {entry!r}")
+            if not (isinstance(entry, list) and len(entry) == 2 and is_int(entry[0]) and epoch <= entry[0] < LARGEST):
+                raise StateError(f"{where}.committed entries must be [epoch >= {epoch}, intervals], got {_short(entry)}")
+            if entry[0] in committed:
+                raise StateError(f"{where}.committed lists epoch {entry[0]} twice: the state is corrupted")
             committed[entry[0]] = intervals_from_json(entry[1], n, f"{where}.committed[epoch {entry[0]}]")
         finished = []
         for i, record in enumerate(_get(state, "finished", list, where)):
             done = _get(record, "epoch", int, f"{where}.finished[{i}]")
             dropped = _get(record, "dropped", list, f"{where}.finished[{i}]")
             finished.append((done, intervals_from_json(dropped, n, f"{where}.finished[{i}].dropped")))
-        return cls(fingerprint, epoch, committed, tuple(finished))
+        end = _get(state, "end_of_epoch", (dict, type(None)), where, default=None)
+        if end is not None:
+            if _get(end, "epoch", int, f"{where}.end_of_epoch") != epoch - 1 or epoch - 1 in committed:
+                raise StateError(f"{where}.end_of_epoch must name the epoch before {epoch}, which is finished")
+            end = _get(end, "ended", bool, f"{where}.end_of_epoch")
+        return cls(fingerprint, epoch, committed, tuple(finished), end)
 
 
 @dataclass(frozen=True)
 class RankProgress:
-    """One rank's progress: its base, the layout it ran under, and micro-batches of completed updates."""
+    """One rank's progress: its base, the layout it ran under, micro-batches of completed updates, and whether its
+    pass had handed out its end (StopIteration) after the last of them."""
 
     base: Progress
     layout: Layout
     rank: int
     epoch: int
     completed: int
+    ended: bool = False
 
     def to_dict(self) -> dict:
-        return rank_state(self.base, self.layout, self.rank, self.epoch, self.completed)
+        return rank_state(self.base, self.layout, self.rank, self.epoch, self.completed, self.ended)
 
     @classmethod
     def from_dict(cls, state: dict, where: str = "state", parsed_bases: dict | None = None) -> "RankProgress":
@@ -190,13 +221,19 @@ class RankProgress:
         rank = _get(state, "rank", int, where)
         if rank >= layout.world_size:
             raise StateError(f"{where}.rank is {rank}, outside world_size {layout.world_size}")
-        epoch = _get(state, "epoch", int, where)
-        if epoch < base.epoch:
+        epoch, completed = _get(state, "epoch", int, where), _get(state, "completed", int, where)
+        at_base_end = epoch == base.epoch - 1 and completed == 0  # restored at the end of that epoch, not moved on
+        if epoch < base.epoch and not at_base_end:
             raise StateError(f"{where}.epoch is {epoch}, before its base epoch {base.epoch}: the state is corrupted")
-        return cls(base, layout, rank, epoch, _get(state, "completed", int, where))
+        if epoch - base.epoch > MAX_EPOCHS_AHEAD:
+            raise StateError(
+                f"{where}.epoch is {epoch}, more than {MAX_EPOCHS_AHEAD} epochs after its base epoch {base.epoch}: "
+                f"the state is corrupted (or merge states at least every {MAX_EPOCHS_AHEAD} epochs)"
+            )
+        return cls(base, layout, rank, epoch, completed, _get(state, "ended", bool, where, default=False))
 
 
-def rank_state(base: Progress, layout: Layout, rank: int, epoch: int, completed: int) -> dict:
+def rank_state(base: Progress, layout: Layout, rank: int, epoch: int, completed: int, ended: bool) -> dict:
     """A RankProgress in its serialised form, built without the dataclass: the sampler makes one per state_dict()
     call, i.e. per step, and a frozen dataclass costs more to construct than the dict itself."""
     return {
@@ -208,6 +245,7 @@ def rank_state(base: Progress, layout: Layout, rank: int, epoch: int, completed:
         "rank": rank,
         "epoch": epoch,
         "completed": completed,
+        "ended": ended,
     }
 
 
@@ -217,6 +255,9 @@ def _delivered_spans(plan: EpochPlan, completed: list[int]) -> np.ndarray:
     What every rank completed is a prefix of whole updates; only the uneven part beyond it is enumerated, so the
     cost grows with how far the ranks drifted apart, not with the position."""
     K = plan.layout.grad_accum
+    if min(completed) == max(completed):  # lockstep (also one state standing for every rank): a prefix
+        done = completed[0]
+        return np.array([[0, plan.served if done == plan.batches_per_rank else done // K * plan.layout.global_batch]])
     common = min(min(completed) // K, plan.full_updates)
     spans = [np.array([[0, common * plan.layout.global_batch]], dtype=np.int64)]
     for rank, done in enumerate(completed):
@@ -226,20 +267,23 @@ def _delivered_spans(plan: EpochPlan, completed: list[int]) -> np.ndarray:
 
 
 def merge(ranks: list[RankProgress]) -> Progress:
-    """The global progress committed by all ranks of one layout (given in rank order)."""
+    """The global progress committed by all ranks of one layout (given in rank order; a single state of a
+    multi-rank layout stands for every rank in lockstep)."""
     base, layout = ranks[0].base, ranks[0].layout
     n = base.num_samples
-    epoch, finished, last = base.epoch, [], max(r.epoch for r in ranks)
+    epoch, finished, last, shares = base.epoch, [], max(r.epoch for r in ranks), {}
     committed = {e: spans for e, spans in base.committed.items() if e > last}  # ahead of every rank: untouched
     for e in range(base.epoch, last + 1):
         remaining = Remaining(base.committed_in(e), n)
         plan = EpochPlan(remaining.count, layout)
+        shares[e] = plan.batches_per_rank
         completed = [plan.batches_per_rank if r.epoch > e else r.completed if r.epoch == e else 0 for r in ranks]
         for r, done in zip(ranks, completed):
-            if done > plan.batches_per_rank:
+            if done > plan.batches_per_rank or done != plan.completed(done):
                 raise StateError(
                     f"rank {r.rank} reports {done} completed micro-batches in epoch {e}, but its share is "
-                    f"{plan.batches_per_rank}: the state is corrupted or belongs to another run"
+                    f"{plan.batches_per_rank} in updates of {layout.grad_accum}: the state is corrupted or belongs "
+                    f"to another run"
                 )
         spans = union(base.committed_in(e), remaining.covering_spans(_delivered_spans(plan, completed)))
         if all(done == plan.batches_per_rank for done in completed):
@@ -247,7 +291,9 @@ def merge(ranks: list[RankProgress]) -> Progress:
             finished.append((e, complement(spans, n)))
         elif len(spans):
             committed[e] = spans
-    return Progress(base.fingerprint, epoch, committed, tuple(finished) or base.finished)
+    at_end = all(r.epoch == epoch - 1 and r.completed == shares.get(r.epoch, 0) for r in ranks)
+    end_of_epoch = all(r.ended for r in ranks) if at_end else None
+    return Progress(base.fingerprint, epoch, committed, tuple(finished) or base.finished, end_of_epoch)
 
 
 def merge_states(states: list[dict]) -> dict:
@@ -275,6 +321,18 @@ def merge_states(states: list[dict]) -> dict:
                 )
     _check_ranks([r.rank for r in ranks], first.layout.world_size)
     return merge(sorted(ranks, key=lambda r: r.rank)).to_dict()
+
+
+def progress_of(state) -> Progress:
+    """The global progress in whatever form a checkpoint holds it: a merged state, the list of all ranks' states,
+    or one rank's state. One rank's state of a multi-rank run stands for every rank, which is exact when the ranks
+    ran in lockstep (every optimizer update involved every rank, as under DDP or FSDP): what most scripts and
+    frameworks save is rank 0's `state_dict()`."""
+    if isinstance(state, (list, tuple)):
+        state = merge_states(list(state))
+    elif isinstance(state, dict) and state.get("kind") == "rank":
+        return merge([RankProgress.from_dict(state)])
+    return Progress.from_dict(state)
 
 
 def _base_digest(base: dict) -> str:
@@ -307,14 +365,21 @@ def attach_base(states: list[dict], base: dict) -> list[dict]:
     return attached
 
 
+def _first(values, limit: int = 8) -> str:
+    shown = ", ".join(map(str, itertools.islice(values, limit)))
+    return f"[{shown}, ...]" if len(values) > limit else f"[{shown}]"
+
+
 def _check_ranks(ranks: list[int], world_size: int) -> None:
-    if sorted(ranks) != list(range(world_size)):
-        missing = sorted(set(range(world_size)) - set(ranks))
-        repeated = sorted({r for r in ranks if ranks.count(r) > 1})
-        raise StateError(
-            f"the states were saved at world_size {world_size}; missing ranks {missing}, repeated ranks {repeated}: "
-            f"pass exactly one state per rank"
-        )
+    if len(ranks) == world_size and len(set(ranks)) == world_size:
+        return  # every rank is < world_size (checked per state), so these are exactly 0..world_size-1
+    present = set(ranks)
+    missing = list(itertools.islice((r for r in range(world_size) if r not in present), 9))
+    repeated = sorted(r for r, count in collections.Counter(ranks).items() if count > 1)
+    raise StateError(
+        f"the states were saved at world_size {world_size} but {len(ranks)} were given (missing ranks "
+        f"{_first(missing)}, repeated ranks {_first(repeated)}): pass exactly one state per rank"
+    )
 
 
 # -- IterableDataset ("stream") states ---------------------------------------------------------------------------
@@ -335,9 +400,16 @@ def stream_state(world_size: int, rank: int, epoch: int, batches: int, finished:
 
 
 def merge_stream_states(states: list[dict]) -> dict:
+    if not isinstance(states, list) or not states:
+        raise StateError("stream progress needs a non-empty list of per-rank states (one per rank)")
     for i, s in enumerate(states):
+        where = f"states[{i}]"
+        _check_header(s, ("stream",), where)
         for key in ("world_size", "rank", "epoch", "batches"):
-            _get(s, key, int, f"states[{i}]")
+            _get(s, key, int, where)
+        _get(s, "finished", bool, where)
+        if not s["rank"] < s["world_size"]:
+            raise StateError(f"{where}.rank is {s['rank']}, outside world_size {s['world_size']}: the state is corrupted")
     world_size = states[0]["world_size"]
     if any(s["world_size"] != world_size for s in states):
         raise StateError("stream states were saved at different world sizes: pass the states of one step")
@@ -349,11 +421,12 @@ def merge_stream_states(states: list[dict]) -> dict:
 def stream_state_for(state, world_size: int, rank: int) -> dict:
     """This rank's stream state out of a merged one, a list, or a single state; refuses another world size."""
     if isinstance(state, (list, tuple)):
-        state = merge_states(list(state))
-    kind = _check_header(state, ("stream", "streams"), "state")
-    if kind == "stream":
-        state = merge_stream_states([state])
-    saved = _get(state, "world_size", int, "state")
+        ranks = list(state)
+    else:
+        kind = _check_header(state, ("stream", "streams"), "state")
+        ranks = [state] if kind == "stream" else _get(state, "ranks", list, "state")
+    state = merge_stream_states(ranks)  # every entry checked, exactly one per rank, whatever the container said
+    saved = state["world_size"]
     if saved != world_size:
         raise StateError(
             f"this IterableDataset progress was saved at world_size {saved}, the loader runs at {world_size}: an "

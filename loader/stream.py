@@ -28,11 +28,18 @@ class StreamProgress:
         self.epoch, self.delivered, self.finished = epoch, delivered, finished
         self._snapshot = snapshot  # (batches, dataset state) at the last completed update, or None
 
-    def set_epoch(self, epoch: int) -> None:
+    @property
+    def ended(self) -> bool:
+        return self.finished
+
+    def set_epoch(self, epoch: int) -> bool:
+        """Another epoch starts from its beginning; returns whether anything changed."""
         if not is_int(epoch) or epoch < 0:
             raise ValueError(f"epoch must be a non-negative int, got {epoch!r}")
-        if epoch != self.epoch:
-            self._set(epoch, 0, False, None)
+        if epoch == self.epoch:
+            return False
+        self._set(epoch, 0, False, None)
+        return True
 
     def begin_pass(self) -> int:
         """Start or continue a pass; returns how many batches of the stream to discard before delivering."""

@@ -1,0 +1,347 @@
+"""Exactly once on the paths a real training loop takes: a batch that fails to load, a state loaded or an epoch set
+while an iterator is active, both sides of an epoch boundary, a peeked batch, one rank's state in the checkpoint.
+
+Every test counts each index of the epoch: delivered (trained) exactly once, or recorded by a documented policy.
+"""
+
+import itertools
+import warnings
+from collections import Counter
+
+import numpy as np
+import pytest
+import torch
+
+from loader import ContinuedPassWarning, ResumableDataLoader, merge_states
+from loader.audit import audit
+from loader.ledger import Ledger
+from tests.conftest import IndexDataset
+
+WORKERS = [dict(), dict(num_workers=2, multiprocessing_context="fork")]
+
+
+class FailingDataset(IndexDataset):
+    """Raises for the given indices, as a corrupt record would."""
+
+    def __init__(self, n: int, bad: set[int]):
+        super().__init__(n)
+        self.bad = bad
+
+    def __getitem__(self, index):
+        if int(index) in self.bad:
+            raise ValueError(f"corrupt record {int(index)}")
+        return int(index)
+
+
+def train_skipping_bad_batches(iterator, dl, limit=None):
+    """The usual skip-a-bad-batch loop on one iterator: (batches delivered, errors caught)."""
+    delivered, errors = [], 0
+    while limit is None or len(delivered) < limit:
+        try:
+            batch = next(iterator)
+        except StopIteration:
+            break
+        except ValueError:
+            errors += 1
+            continue
+        assert batch.tolist() == dl.last_indices().tolist(), "last_indices must name the batch just delivered"
+        delivered.append(batch.tolist())
+    return delivered, errors
+
+
+def failed_batches(dl_kwargs, n, bad):
+    """The batches of a clean pass that contain a bad index: the ones whose loading raises."""
+    clean = ResumableDataLoader(IndexDataset(n), **dl_kwargs)
+    return [b.tolist() for b in clean if set(b.tolist()) & bad]
+
+
+def assert_exactly_once(n, delivered_batches, failed=()):
+    counts = Counter(itertools.chain.from_iterable(delivered_batches))
+    assert max(counts.values(), default=1) == 1, f"duplicated: {[i for i, c in counts.items() if c > 1]}"
+    failed = set(itertools.chain.from_iterable(failed))
+    assert not failed & set(counts), "a sample of a failed batch was delivered"
+    assert set(counts) | failed == set(range(n)), f"skipped: {sorted(set(range(n)) - set(counts) - failed)}"
+
+
+# -- 1. an exception inside next() --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("workers", WORKERS)
+def test_a_failed_batch_is_consumed_and_the_same_iterator_goes_on_exactly(workers):
+    n, bad, kw = 60, {7, 31, 32}, dict(batch_size=4, shuffle=True, seed=3, **workers)
+    dl = ResumableDataLoader(FailingDataset(n, bad), **kw)
+    delivered, errors = train_skipping_bad_batches(iter(dl), dl)
+    failed = failed_batches(kw, n, bad)
+    assert errors == len(failed) > 0 and dl.exhausted
+    assert_exactly_once(n, delivered, failed)
+
+
+@pytest.mark.parametrize("workers", WORKERS)
+def test_a_collate_fn_that_raises_fails_only_its_batch(workers):
+    def collate(items):
+        if 13 in items:
+            raise ValueError("bad batch")
+        return torch.tensor(items)
+
+    n, kw = 40, dict(batch_size=5, shuffle=True, seed=1, collate_fn=collate, **workers)
+    dl = ResumableDataLoader(IndexDataset(n), **kw)
+    delivered, errors = train_skipping_bad_batches(iter(dl), dl)
+    assert errors == 1
+    assert_exactly_once(n, delivered, failed_batches(dict(batch_size=5, shuffle=True, seed=1), n, {13}))
+
+
+@pytest.mark.parametrize("workers", WORKERS)
+@pytest.mark.parametrize("stop", [1, 3, 6, 9])
+def test_a_resume_after_a_failed_batch_neither_skips_nor_repeats(workers, stop):
+    n, bad, kw = 48, {5, 20}, dict(batch_size=4, shuffle=True, seed=7, **workers)
+    dl = ResumableDataLoader(FailingDataset(n, bad), **kw)
+    before, _ = train_skipping_bad_batches(iter(dl), dl, limit=stop)
+    resumed = ResumableDataLoader(FailingDataset(n, bad), **kw)
+    resumed.load_state_dict(dl.state_dict())
+    after, _ = train_skipping_bad_batches(iter(resumed), resumed)
+    assert_exactly_once(n, before + after, failed_batches(kw, n, bad))
+
+
+@pytest.mark.parametrize("workers", WORKERS)
+def test_a_new_iter_after_a_failed_batch_continues_after_it(workers):
+    n, bad, kw = 40, {9}, dict(batch_size=4, **workers)
+    dl = ResumableDataLoader(FailingDataset(n, bad), **kw)
+    it = iter(dl)
+    delivered = [next(it).tolist(), next(it).tolist()]
+    with pytest.raises(ValueError, match="corrupt record 9"):
+        next(it)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ContinuedPassWarning)
+        rest, _ = train_skipping_bad_batches(iter(dl), dl)
+    assert_exactly_once(n, delivered + rest, [[8, 9, 10, 11]])
+
+
+def test_an_interrupt_inside_next_is_not_counted_and_a_new_iter_serves_the_batch_again():
+    class Interrupting(IndexDataset):
+        armed = True
+
+        def __getitem__(self, index):
+            if index == 3 and self.armed:
+                self.armed = False
+                raise KeyboardInterrupt
+            return int(index)
+
+    dl = ResumableDataLoader(Interrupting(12), batch_size=3)
+    it = iter(dl)
+    delivered = [next(it).tolist()]
+    with pytest.raises(KeyboardInterrupt):
+        next(it)
+    with pytest.raises(RuntimeError, match="interrupted"):
+        next(it)
+    with pytest.warns(ContinuedPassWarning):
+        delivered += [b.tolist() for b in dl]
+    assert delivered == [[0, 1, 2], [3, 4, 5], [6, 7, 8], [9, 10, 11]]
+
+
+def test_the_ledger_and_the_audit_list_failed_samples_in_their_own_column(tmp_path, capsys):
+    from loader.audit import main as audit_main
+
+    n, bad = 30, {4, 17}
+    dl = ResumableDataLoader(FailingDataset(n, bad), batch_size=5, shuffle=True, seed=2, drop_last=False)
+    dl.ledger = Ledger.open(tmp_path, 0, n)
+    delivered, _ = train_skipping_bad_batches(iter(dl), dl)
+    dl.ledger.close()
+    (report,) = audit(tmp_path)
+    failed = failed_batches(dict(batch_size=5, shuffle=True, seed=2), n, bad)
+    assert sorted(report.failed.tolist()) == sorted(itertools.chain.from_iterable(failed))
+    assert report.seen_once == n - 5 * len(failed) and not len(report.duplicated)
+    assert audit_main(str(tmp_path)) == 0
+    assert "failed to load" in capsys.readouterr().out
+
+
+# -- 2. load_state_dict() / set_epoch() while an iterator is active -----------------------------------------------
+
+
+@pytest.mark.parametrize("workers", WORKERS)
+def test_load_state_dict_supersedes_the_active_iterator(workers):
+    n, kw = 40, dict(batch_size=4, shuffle=True, seed=4, **workers)
+    saved = ResumableDataLoader(IndexDataset(n), **kw)
+    first = [b.tolist() for b in itertools.islice(iter(saved), 3)]
+    dl = ResumableDataLoader(IndexDataset(n), **kw)
+    active = iter(dl)
+    next(active)  # a batch of a pass that the loaded state replaces
+    dl.load_state_dict(saved.state_dict())
+    with pytest.raises(RuntimeError, match="superseded"):
+        next(active)
+    assert_exactly_once(n, first + [b.tolist() for b in dl])
+
+
+@pytest.mark.parametrize("workers", WORKERS)
+def test_set_epoch_to_another_epoch_supersedes_the_active_iterator(workers):
+    n, kw = 30, dict(batch_size=3, shuffle=True, seed=4, **workers)
+    dl = ResumableDataLoader(IndexDataset(n), **kw)
+    active = iter(dl)
+    next(active)
+    dl.sampler.set_epoch(2)  # through the DistributedSampler idiom, too
+    with pytest.raises(RuntimeError, match="superseded"):
+        next(active)
+    epoch_two = [b.tolist() for b in dl]
+    assert dl.epoch == 2
+    assert_exactly_once(n, epoch_two)
+
+
+def test_set_epoch_to_the_current_epoch_leaves_the_active_iterator_alone():
+    dl = ResumableDataLoader(IndexDataset(12), batch_size=3)
+    active = iter(dl)
+    first = next(active).tolist()
+    dl.set_epoch(0)
+    assert_exactly_once(12, [first] + [b.tolist() for b in active])
+
+
+# -- 3. the end of an epoch ------------------------------------------------------------------------------------------
+
+
+def observe(dl):
+    return dict(epoch=dl.epoch, exhausted=dl.exhausted, len=len(dl), update_complete=dl.update_complete,
+                sampler_len=len(dl.sampler))
+
+
+def drive(steps, **kw):
+    """A loader taken `steps` deliveries into a run of passes, each pass ending with its StopIteration (which
+    counts as one step): the state after a step is a state at every point, both sides of each epoch boundary."""
+    dl = ResumableDataLoader(IndexDataset(10), batch_size=4, shuffle=True, seed=9, **kw)
+    it = iter(dl)
+    for _ in range(steps):
+        try:
+            next(it)
+        except StopIteration:
+            it = iter(dl)
+    return dl
+
+
+@pytest.mark.parametrize("grad_accum", [1, 3])
+def test_a_restored_loader_is_indistinguishable_from_the_live_one_at_every_point(grad_accum):
+    for steps in range(0, 13):  # three batches and a StopIteration per epoch: three epochs and a bit
+        live = drive(steps, grad_accum=grad_accum)
+        if not live.update_complete and steps:
+            continue  # states are taken after whole updates
+        restored = ResumableDataLoader(IndexDataset(10), batch_size=4, shuffle=True, seed=9, grad_accum=grad_accum)
+        restored.load_state_dict(live.state_dict())
+        assert observe(restored) == observe(live), f"after {steps} steps"
+        for _ in range(2):  # the next two passes are the same
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", ContinuedPassWarning)
+                assert [b.tolist() for b in restored] == [b.tolist() for b in live], f"after {steps} steps"
+
+
+@pytest.mark.parametrize("save_point", ["every step, saving the loop's epoch",
+                                        "after each epoch, saving epoch + 1",
+                                        "after each epoch, saving epoch"])
+@pytest.mark.parametrize("workers", WORKERS)
+def test_the_set_epoch_loop_resumed_at_every_checkpoint_trains_each_epoch_once(save_point, workers):
+    n, epochs, kw = 10, 3, dict(batch_size=4, shuffle=True, seed=5, **workers)
+
+    def run(start, state, crash_after):
+        """The DistributedSampler idiom; returns (per-epoch trained samples, checkpoints, crashed)."""
+        dl = ResumableDataLoader(IndexDataset(n), **kw)
+        if state is not None:
+            dl.load_state_dict(state)
+        trained, checkpoints = [], []
+        for epoch in range(start, epochs):
+            dl.set_epoch(epoch)
+            for batch in dl:
+                trained.append((dl.epoch, batch.tolist()))
+                if save_point.startswith("every step"):
+                    checkpoints.append((epoch, dl.state_dict()))
+                if len(trained) == crash_after:
+                    return trained, checkpoints, True
+            if save_point == "after each epoch, saving epoch + 1":
+                checkpoints.append((epoch + 1, dl.state_dict()))
+            elif save_point == "after each epoch, saving epoch":
+                checkpoints.append((epoch, dl.state_dict()))
+        return trained, checkpoints, False
+
+    reference, checkpoints, _ = run(0, None, None)
+    assert [e for e, _ in reference] == [0] * 3 + [1] * 3 + [2] * 3
+    for crash_after in range(1, len(reference)):
+        trained, saved, crashed = run(0, None, crash_after)
+        assert crashed
+        if not saved:
+            continue
+        start, state = saved[-1]
+        committed = trained[: sum(1 for _ in saved) if save_point.startswith("every") else 3 * len(saved)]
+        resumed, _, _ = run(start, state, None)
+        assert committed + resumed == reference, f"crash after {crash_after} batches, resumed from epoch {start}"
+
+
+# -- 7. a new iter() in the middle of an epoch -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("workers", WORKERS)
+def test_peek_looks_without_consuming(workers):
+    n, kw = 24, dict(batch_size=5, shuffle=True, seed=2, **workers)
+    dl = ResumableDataLoader(IndexDataset(n), **kw)
+    peeked = dl.peek()
+    trained = [b.tolist() for b in dl]
+    assert peeked.tolist() == trained[0]
+    assert_exactly_once(n, trained)
+    assert dl.peek().tolist() == next(iter(dl)).tolist()  # the first batch of the next epoch
+    assert ResumableDataLoader(IndexDataset(n), batch_size=None).peek() == 0
+
+
+def test_a_peek_through_a_new_iterator_is_loud_and_break_then_continue_is_exact():
+    dl = ResumableDataLoader(IndexDataset(20), batch_size=4, shuffle=True, seed=1)
+    peeked = next(iter(dl)).tolist()
+    with pytest.warns(ContinuedPassWarning, match="1 batch\\(es\\) the previous iterator delivered count as consumed"):
+        it = iter(dl)
+    trained = [peeked]
+    for batch in it:
+        trained.append(batch.tolist())
+        if len(trained) == 3:
+            break  # e.g. an evaluation in the middle of the epoch
+    with pytest.warns(ContinuedPassWarning):
+        trained += [b.tolist() for b in dl]
+    assert_exactly_once(20, trained)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ContinuedPassWarning)
+        assert len([b for b in dl]) == 5  # a pass that ended is followed by the next epoch, without a warning
+
+
+# -- 5. one rank's state in the checkpoint ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("old_world, new_world", [(2, 2), (2, 3), (3, 2), (4, 1), (1, 3)])
+@pytest.mark.parametrize("grad_accum", [1, 2])
+def test_rank_zeros_state_of_a_lockstep_run_resumes_exactly_at_any_world_size(old_world, new_world, grad_accum):
+    n, kw = 101, dict(batch_size=3, shuffle=True, seed=8, grad_accum=grad_accum, drop_last=True)
+    ranks = [ResumableDataLoader(IndexDataset(n), rank=r, world_size=old_world, **kw) for r in range(old_world)]
+    iterators = [iter(dl) for dl in ranks]
+    trained = []
+    for step in range(3 * grad_accum):  # lockstep: every rank one micro-batch per micro-step
+        trained += [next(it).tolist() for it in iterators]
+    checkpoint = {"loader": ranks[0].state_dict()}  # what scripts and frameworks save: rank 0's state
+    resumed = [ResumableDataLoader(IndexDataset(n), rank=r, world_size=new_world, **kw) for r in range(new_world)]
+    for dl in resumed:
+        dl.load_state_dict(checkpoint["loader"])
+    for dl in resumed:
+        trained += [b.tolist() for b in dl]
+    merged = merge_states([dl.state_dict() for dl in resumed])
+    dropped = np.asarray(merged["finished"][0]["dropped"]).reshape(-1, 2)
+    dropped_ids = ranks[0].resumable_sampler.order.for_epoch(0)(np.concatenate([np.arange(a, b) for a, b in dropped]))
+    assert_exactly_once(n, trained, [dropped_ids.tolist()])
+    assert len(dropped_ids) < new_world * grad_accum * 3  # drop_last: less than one global batch
+
+
+# -- drop-in gaps found by running torch's own DataLoader tests --------------------------------------------------------
+
+
+def test_batch_size_none_with_drop_last_is_refused_as_in_torch():
+    with pytest.raises(ValueError, match="batch_size=None .* drop_last"):
+        ResumableDataLoader(IndexDataset(4), batch_size=None, drop_last=True)
+
+
+def test_the_class_is_generic_like_dataloader():
+    alias = ResumableDataLoader[list[torch.Tensor]]
+    assert alias.__origin__ is ResumableDataLoader
+
+
+def test_the_iterator_forwards_torchs_attributes():
+    dl = ResumableDataLoader(IndexDataset(8), batch_size=2, num_workers=2, multiprocessing_context="fork")
+    it = iter(dl)
+    assert len(it._workers) == 2 and it._num_workers == 2
+    assert_exactly_once(8, [b.tolist() for b in it])
