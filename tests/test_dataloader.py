@@ -7,7 +7,7 @@ import pickle
 import numpy as np
 import pytest
 import torch
-from torch.utils.data import DataLoader, Dataset, IterableDataset
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset
 
 import loader.sampler as sampler_module
 from loader import ResumableDataLoader, SampleIndex, StateError, merge_states, sample_seed
@@ -145,6 +145,17 @@ def test_code_written_for_distributed_sampler_runs_unchanged():
     left = list(dl.sampler)  # what the pass has left: read, not delivered
     assert len(left) == len(dl.sampler) == 17 - len(first)
     assert [i for batch in it for i in batch.tolist()] == left
+
+
+@pytest.mark.parametrize("n, world", [(50, 3), (10_000, 3), (100, 2), (13, 4), (3, 4)])
+def test_sampler_length_is_distributed_samplers_without_its_repeats(n, world):
+    """drop_last=False: rank r gets n // W samples, one more for r < n mod W, as DistributedSampler would without
+    the padding it repeats to give every rank ceil(n / W); only n < W drops (all n)."""
+    ours = [len(ResumableDataLoader(IndexDataset(n), batch_size=4, rank=r, world_size=world).sampler)
+            for r in range(world)]
+    theirs = [len(DistributedSampler(IndexDataset(n), num_replicas=world, rank=r)) for r in range(world)]
+    assert theirs == [-(-n // world)] * world
+    assert ours == ([n // world + (r < n % world) for r in range(world)] if n >= world else [0] * world)
 
 
 @pytest.mark.parametrize("chunk", [2, 6, 1000])
