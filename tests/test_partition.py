@@ -92,18 +92,12 @@ def test_update_composition_does_not_depend_on_the_world_size(remaining, micro_b
     """With the same global batch, update g is the same set of samples at every world size."""
     global_batch = 24
 
-    def updates(world):
-        layout = Layout(world, global_batch // (world * micro_batch), micro_batch, drop_last=True)
-        plan = EpochPlan(remaining, layout)
-        per_rank = [rank_batches(plan, r) for r in range(world)]
-        K = layout.grad_accum
-        return [
-            sorted(i for r in range(world) for batch in per_rank[r][g * K : (g + 1) * K] for i in batch)
-            for g in range(plan.full_updates)
-        ]
+    def at(world):
+        plan = EpochPlan(remaining, Layout(world, global_batch // (world * micro_batch), micro_batch, drop_last=True))
+        return updates(plan, [rank_batches(plan, r) for r in range(world)])
 
-    reference = updates(worlds[0])
-    assert all(updates(w) == reference for w in worlds[1:])
+    reference = at(worlds[0])
+    assert all(at(w) == reference for w in worlds[1:])
     assert reference == [list(range(g * global_batch, (g + 1) * global_batch)) for g in range(len(reference))]
 
 
