@@ -185,7 +185,7 @@ class ResumableSampler:
     def samples_in_next_pass(self) -> int:
         """Samples a pass started now would yield on this rank."""
         plan, first = self._next_pass()
-        return plan.samples_from(first)
+        return plan.samples_from(self.rank, first)
 
     # -- state -----------------------------------------------------------------------------------------------------
 

@@ -252,13 +252,13 @@ def rank_state(base: Progress, layout: Layout, rank: int, epoch: int, completed:
 def _delivered_spans(plan: EpochPlan, completed: list[int]) -> np.ndarray:
     """Remaining-index intervals delivered by ranks 0..W-1 that completed the given micro-batch counts.
 
-    What every rank completed is a prefix of whole updates; only the uneven part beyond it is enumerated, so the
-    cost grows with how far the ranks drifted apart, not with the position."""
+    The whole updates every rank completed before the tail (whose extra samples lie beyond them) are a prefix; only
+    the part beyond it is enumerated, so the cost grows with how far the ranks drifted apart, not with the position."""
     K = plan.layout.grad_accum
     if min(completed) == max(completed):  # lockstep (also one state standing for every rank): a prefix
         done = completed[0]
         return np.array([[0, plan.served if done == plan.batches_per_rank else done // K * plan.layout.global_batch]])
-    common = min(min(completed) // K, plan.full_updates)
+    common = min(min(completed), plan.tail.first_batch) // K
     spans = [np.array([[0, common * plan.layout.global_batch]], dtype=np.int64)]
     for rank, done in enumerate(completed):
         starts, stops = plan.batch_bounds(rank, np.arange(common * K, done))

@@ -7,7 +7,7 @@ import pickle
 import numpy as np
 import pytest
 import torch
-from torch.utils.data import DataLoader, Dataset, IterableDataset
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset
 
 import loader.sampler as sampler_module
 from loader import ResumableDataLoader, SampleIndex, StateError, merge_states, sample_seed
@@ -137,14 +137,25 @@ def test_code_written_for_distributed_sampler_runs_unchanged():
         dl.sampler.set_epoch(epoch)
         planned, count = list(dl.sampler), len(dl.sampler)
         seen = [i for batch in dl for i in batch.tolist()]
-        assert seen == planned and len(seen) == count == 16  # 50 over 3 ranks: 48 served, 2 dropped by policy
+        assert seen == planned and len(seen) == count == 17  # 50 over 3 ranks: 17, 17, 16, nothing dropped
         reference.set_epoch(epoch)
         assert seen == [i for batch in reference for i in batch.tolist()]
     it = iter(dl)
     first = next(it).tolist()
     left = list(dl.sampler)  # what the pass has left: read, not delivered
-    assert len(left) == len(dl.sampler) == 16 - len(first)
+    assert len(left) == len(dl.sampler) == 17 - len(first)
     assert [i for batch in it for i in batch.tolist()] == left
+
+
+@pytest.mark.parametrize("n, world", [(50, 3), (10_000, 3), (100, 2), (13, 4), (3, 4)])
+def test_sampler_length_is_distributed_samplers_without_its_repeats(n, world):
+    """drop_last=False: rank r gets n // W samples, one more for r < n mod W, as DistributedSampler would without
+    the padding it repeats to give every rank ceil(n / W); only n < W drops (all n)."""
+    ours = [len(ResumableDataLoader(IndexDataset(n), batch_size=4, rank=r, world_size=world).sampler)
+            for r in range(world)]
+    theirs = [len(DistributedSampler(IndexDataset(n), num_replicas=world, rank=r)) for r in range(world)]
+    assert theirs == [-(-n // world)] * world
+    assert ours == ([n // world + (r < n % world) for r in range(world)] if n >= world else [0] * world)
 
 
 @pytest.mark.parametrize("chunk", [2, 6, 1000])

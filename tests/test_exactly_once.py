@@ -2,7 +2,7 @@
 
 Random dataset sizes, batch sizes, accumulation, world sizes that shrink and grow, ranks that stop at different
 points (also inside an update) and at least three restarts: over every epoch, each index is committed exactly
-once, and what is not committed was dropped by policy and is recorded as such.
+once, and what is not committed was dropped by the tail rule (exactly as many as it drops) and is recorded as such.
 """
 
 from collections import Counter, defaultdict
@@ -69,13 +69,20 @@ def simulate(data, n, batch_size, grad_accum, shuffle, drop_last, worlds, num_wo
                 dl.load_state_dict(state)
         return [SimulatedRank(dl) for dl in loaders]
 
-    dropped, bounds = {}, {}
+    dropped, policy = {}, {}
 
     def merge(ranks, world):
+        """Also records, per epoch, the dropped positions and what the tail rule drops of the samples the finishing
+        layout started from: R mod G with drop_last, else nothing unless R < W."""
         merged = merge_states([rank.dl.state_dict() for rank in ranks])
         for record in merged["finished"]:
-            dropped.setdefault(record["epoch"], record["dropped"])
-            bounds.setdefault(record["epoch"], world * grad_accum * batch_size if drop_last else world)
+            if record["epoch"] not in dropped:
+                dropped[record["epoch"]] = record["dropped"]
+                base = dict(state["committed"]) if state else {}
+                spans = np.asarray(base.get(record["epoch"], []), dtype=np.int64).reshape(-1, 2)
+                left = n - int((spans[:, 1] - spans[:, 0]).sum())
+                global_batch = world * grad_accum * batch_size
+                policy[record["epoch"]] = left % global_batch if drop_last else left * (left < world)
         return merged
 
     for world in worlds[:-1]:
@@ -98,7 +105,7 @@ def simulate(data, n, batch_size, grad_accum, shuffle, drop_last, worlds, num_wo
         dropped_ids = set(Order(n, seed, "global" if shuffle else "none").for_epoch(epoch)(positions).tolist())
         assert not dropped_ids & set(counts), f"epoch {epoch}: a sample recorded as dropped was delivered"
         assert dropped_ids | set(counts) == set(range(n)), f"epoch {epoch}: skipped samples"
-        assert len(dropped_ids) < bounds[epoch], f"epoch {epoch}: more dropped than the policy allows"
+        assert len(dropped_ids) == policy[epoch], f"epoch {epoch}: dropped {len(dropped_ids)}, not {policy[epoch]}"
 
 
 @settings(max_examples=300, deadline=None)

@@ -23,31 +23,67 @@ def rank_batches(plan, rank):
     return [list(range(a, b)) for a, b in zip(starts.tolist(), stops.tolist())]
 
 
-@settings(max_examples=300, deadline=None)
+def updates(plan, batches):
+    """The samples of each optimizer update: micro-batches [g*K, (g+1)*K) of every rank."""
+    K = plan.layout.grad_accum
+    return [
+        sorted(i for per_rank in batches for batch in per_rank[g * K : (g + 1) * K] for i in batch)
+        for g in range(-(-plan.batches_per_rank // K))
+    ]
+
+
+@settings(max_examples=400, deadline=None)
 @given(remaining=st.integers(0, 400), layout=layouts)
-def test_ranks_get_disjoint_nonempty_batches_covering_what_is_served(remaining, layout):
+def test_the_tail_rule(remaining, layout):
+    """Disjoint micro-batches covering [0, served); without drop_last nothing is dropped unless R < W; every rank
+    yields as many non-empty micro-batches; every update but the last covers [g*G, (g+1)*G), the last the rest."""
     plan = EpochPlan(remaining, layout)
-    batches = [rank_batches(plan, r) for r in range(layout.world_size)]
+    W, B, G = layout.world_size, layout.batch_size, layout.global_batch
+    batches = [rank_batches(plan, r) for r in range(W)]
     served = sorted(i for per_rank in batches for batch in per_rank for i in batch)
     assert served == list(range(plan.served))
-    for per_rank in batches:
-        assert len(per_rank) == plan.batches_per_rank  # every rank yields as many micro-batches
-        assert all(1 <= len(batch) <= layout.batch_size for batch in per_rank)
-    dropped = remaining - plan.served
     if layout.drop_last:
-        assert dropped == remaining % layout.global_batch
-        assert all(len(batch) == layout.batch_size for per_rank in batches for batch in per_rank)
+        assert plan.served == remaining - remaining % G
     else:
-        assert dropped == (remaining % layout.global_batch) % layout.world_size < layout.world_size
+        assert plan.served == (remaining if remaining >= W else 0)
+    assert all(len(per_rank) == plan.batches_per_rank for per_rank in batches)
+    by_update = updates(plan, batches)
+    assert by_update[:-1] == [list(range(g * G, (g + 1) * G)) for g in range(len(by_update) - 1)]
+    assert not by_update or by_update[-1] == list(range((len(by_update) - 1) * G, plan.served))
+    K = layout.grad_accum
+    last = (len(by_update) - 1) * K
+    assert all(len(batch) == B for per_rank in batches for batch in per_rank[:last])
+    last_sizes = [len(batch) for per_rank in batches for batch in per_rank[last:]]
+    assert not last_sizes or 1 <= min(last_sizes) <= max(last_sizes) <= min(min(last_sizes) + 1, B + 1)
+    if layout.drop_last:
+        assert set(last_sizes) <= {B}
+
+
+@pytest.mark.parametrize(
+    "remaining, layout, per_rank, samples",
+    [
+        (10_000, Layout(3, 1, 8, False), 417, [3334, 3333, 3333]),  # the issue's job: nothing dropped
+        (50, Layout(3, 2, 4, False), 4, [17, 17, 16]),  # 2 left after 2 updates ride on the second's last micro-step
+        (51, Layout(3, 2, 4, False), 5, [17, 17, 17]),  # 3 left: a short update, one sample per rank
+        (2, Layout(3, 2, 4, False), 0, [0, 0, 0]),  # fewer samples than ranks: dropped by policy
+        (50, Layout(3, 2, 4, True), 4, [16, 16, 16]),  # drop_last: 2 dropped by policy
+    ],
+)
+def test_tail_examples(remaining, layout, per_rank, samples):
+    plan = EpochPlan(remaining, layout)
+    assert plan.batches_per_rank == per_rank
+    assert [plan.samples_from(r, 0) for r in range(layout.world_size)] == samples
+    assert plan.served == sum(samples)
 
 
 @settings(max_examples=300, deadline=None)
-@given(remaining=st.integers(0, 400), layout=layouts, data=st.data())
-def test_samples_from_a_batch_on_equals_the_sum_of_those_batches(remaining, layout, data):
+@given(remaining=st.integers(0, 400), layout=layouts)
+def test_samples_from_a_batch_on_equals_the_sum_of_those_batches(remaining, layout):
     plan = EpochPlan(remaining, layout)
-    batch = data.draw(st.integers(0, plan.batches_per_rank + 1))
     for rank in range(layout.world_size):
-        assert plan.samples_from(batch) == sum(map(len, rank_batches(plan, rank)[batch:]))
+        sizes = [len(batch) for batch in rank_batches(plan, rank)]
+        firsts = range(plan.batches_per_rank + 2)
+        assert [plan.samples_from(rank, b) for b in firsts] == [sum(sizes[b:]) for b in firsts]
 
 
 @settings(max_examples=200, deadline=None)
@@ -56,18 +92,12 @@ def test_update_composition_does_not_depend_on_the_world_size(remaining, micro_b
     """With the same global batch, update g is the same set of samples at every world size."""
     global_batch = 24
 
-    def updates(world):
-        layout = Layout(world, global_batch // (world * micro_batch), micro_batch, drop_last=True)
-        plan = EpochPlan(remaining, layout)
-        per_rank = [rank_batches(plan, r) for r in range(world)]
-        K = layout.grad_accum
-        return [
-            sorted(i for r in range(world) for batch in per_rank[r][g * K : (g + 1) * K] for i in batch)
-            for g in range(plan.full_updates)
-        ]
+    def at(world):
+        plan = EpochPlan(remaining, Layout(world, global_batch // (world * micro_batch), micro_batch, drop_last=True))
+        return updates(plan, [rank_batches(plan, r) for r in range(world)])
 
-    reference = updates(worlds[0])
-    assert all(updates(w) == reference for w in worlds[1:])
+    reference = at(worlds[0])
+    assert all(at(w) == reference for w in worlds[1:])
     assert reference == [list(range(g * global_batch, (g + 1) * global_batch)) for g in range(len(reference))]
 
 
