@@ -175,8 +175,8 @@ def train(args) -> int:
                     save_checkpoint(args.run_dir, step, **objects, keep_last=args.keep_last, ledger=loader.ledger)
                     log(f"checkpoint of step {step} saved in {time.perf_counter() - started:.3f} s")
                     saved = step
-                if args.uneven and len(loader) <= rank * args.uneven * accum:
-                    log(f"uneven input: stopping with {len(loader)} micro-batches of epoch {loader.epoch} left")
+                if args.uneven and loader.batches_left <= rank * args.uneven * accum:
+                    log(f"uneven input: stopping with {loader.batches_left} micro-batches of epoch {loader.epoch} left")
                     return True
         if loader.exhausted:
             log(f"epoch {loader.epoch} finished: iterator exhausted after step {step}")

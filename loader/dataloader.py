@@ -68,7 +68,7 @@ class _RankIndices:
             yield from batch
 
     def __len__(self) -> int:
-        return self._sampler.samples_in_next_pass()
+        return self._sampler.samples_in_epoch()
 
 
 class ContinuedPassWarning(UserWarning):
@@ -318,6 +318,13 @@ class ResumableDataLoader(DataLoader[T_co]):
         if self._stream is not None:
             return super().__len__()
         return len(self.resumable_sampler)
+
+    @property
+    def batches_left(self) -> int:
+        """Micro-batches the next pass yields on this rank (`len()` counts the whole epoch, as DataLoader's)."""
+        if self._stream is not None:
+            raise TypeError("an IterableDataset does not know how many batches it has left")
+        return self.resumable_sampler.batches_left
 
     @property
     def epoch(self) -> int:

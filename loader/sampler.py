@@ -171,21 +171,30 @@ class ResumableSampler:
                 self.handed_out += 1
                 yield flat[a:b]
 
-    def _next_pass(self) -> tuple[EpochPlan, int]:
-        """The plan of the epoch a pass started now would serve, and the micro-batch it would start at."""
-        if self._ended:
-            return self.view(self._epoch + 1).plan, 0
-        return self.view().plan, self._position
+    def _next_epoch_view(self) -> EpochView:
+        """The view of the epoch a pass started now would serve."""
+        return self.view(self._epoch + 1) if self._ended else self.view()
 
     def __len__(self) -> int:
-        """Micro-batches a pass started now would yield."""
-        plan, first = self._next_pass()
-        return plan.batches_per_rank - first
+        """Micro-batches of the epoch the next pass serves, all of them: those delivered before (before a resume
+        too) and those to come, as DataLoader's len counts, and as frameworks that add their restored batch
+        counter back to it expect."""
+        view = self._next_epoch_view()
+        done_before = self._base.done_in_epoch if view.epoch == self._base.cursor_epoch else 0
+        return done_before + view.plan.batches_per_rank
 
-    def samples_in_next_pass(self) -> int:
-        """Samples a pass started now would yield on this rank."""
-        plan, first = self._next_pass()
-        return plan.samples_from(self.rank, first)
+    @property
+    def batches_left(self) -> int:
+        """Micro-batches a pass started now would yield on this rank."""
+        if self._ended:
+            return self._next_epoch_view().plan.batches_per_rank
+        return max(0, self.view().plan.batches_per_rank - self._position)
+
+    def samples_in_epoch(self) -> int:
+        """Samples this rank is dealt in the epoch the next pass serves, all of them, as `len` counts batches."""
+        view = self._next_epoch_view()
+        done_before = self._base.samples_done_in_epoch if view.epoch == self._base.cursor_epoch else 0
+        return done_before + view.plan.samples_from(self.rank, 0)
 
     # -- state -----------------------------------------------------------------------------------------------------
 

@@ -137,6 +137,14 @@ class Progress:
     # finished by the merge that made this progress (or, when it finished none, its base's)
     end_of_epoch: bool | None = None  # None, or: every rank sat exhausted at the end of epoch `epoch - 1`, and
     # whether that pass had also handed out its end (StopIteration): a restored loader is then where they were
+    done_in_epoch: int = 0  # micro-batches per rank delivered in the cursor's epoch up to here (the most any rank
+    # did, across restarts): what a framework's restored batch counter holds, so len() adds them back
+    samples_done_in_epoch: int = 0  # the same in samples, for len(loader.sampler)
+
+    @property
+    def cursor_epoch(self) -> int:
+        """The epoch a loader restored from this progress sits in."""
+        return self.epoch if self.end_of_epoch is None else self.epoch - 1
 
     @property
     def num_samples(self) -> int:
@@ -161,6 +169,8 @@ class Progress:
             "committed": [[e, intervals_to_json(spans)] for e, spans in sorted(self.committed.items())],
             "finished": [{"epoch": e, "dropped": intervals_to_json(dropped)} for e, dropped in self.finished],
             "end_of_epoch": None if self.end_of_epoch is None else {"epoch": self.epoch - 1, "ended": self.end_of_epoch},
+            "done_in_epoch": self.done_in_epoch,
+            "samples_done_in_epoch": self.samples_done_in_epoch,
         }
 
     @classmethod
@@ -186,7 +196,9 @@ class Progress:
             if _get(end, "epoch", int, f"{where}.end_of_epoch") != epoch - 1 or epoch - 1 in committed:
                 raise StateError(f"{where}.end_of_epoch must name the epoch before {epoch}, which is finished")
             end = _get(end, "ended", bool, f"{where}.end_of_epoch")
-        return cls(fingerprint, epoch, committed, tuple(finished), end)
+        done = _get(state, "done_in_epoch", int, where, default=0)
+        samples_done = _get(state, "samples_done_in_epoch", int, where, default=0)
+        return cls(fingerprint, epoch, committed, tuple(finished), end, done, samples_done)
 
 
 @dataclass(frozen=True)
@@ -271,12 +283,12 @@ def merge(ranks: list[RankProgress]) -> Progress:
     multi-rank layout stands for every rank in lockstep)."""
     base, layout = ranks[0].base, ranks[0].layout
     n = base.num_samples
-    epoch, finished, last, shares = base.epoch, [], max(r.epoch for r in ranks), {}
+    epoch, finished, last, plans = base.epoch, [], max(r.epoch for r in ranks), {}
     committed = {e: spans for e, spans in base.committed.items() if e > last}  # ahead of every rank: untouched
     for e in range(base.epoch, last + 1):
         remaining = Remaining(base.committed_in(e), n)
         plan = EpochPlan(remaining.count, layout)
-        shares[e] = plan.batches_per_rank
+        plans[e] = plan
         completed = [plan.batches_per_rank if r.epoch > e else r.completed if r.epoch == e else 0 for r in ranks]
         for r, done in zip(ranks, completed):
             if done > plan.batches_per_rank or done != plan.completed(done):
@@ -291,9 +303,22 @@ def merge(ranks: list[RankProgress]) -> Progress:
             finished.append((e, complement(spans, n)))
         elif len(spans):
             committed[e] = spans
-    at_end = all(r.epoch == epoch - 1 and r.completed == shares.get(r.epoch, 0) for r in ranks)
+    at_end = all(r.epoch == epoch - 1 and (r.epoch not in plans or r.completed == plans[r.epoch].batches_per_rank)
+                 for r in ranks)
     end_of_epoch = all(r.ended for r in ranks) if at_end else None
-    return Progress(base.fingerprint, epoch, committed, tuple(finished) or base.finished, end_of_epoch)
+    cursor = epoch - 1 if at_end else epoch
+    done = [_done_in(plans.get(cursor), r, cursor) for r in ranks]
+    before = (base.done_in_epoch, base.samples_done_in_epoch) if cursor == base.cursor_epoch else (0, 0)
+    return Progress(base.fingerprint, epoch, committed, tuple(finished) or base.finished, end_of_epoch,
+                    before[0] + max(d[0] for d in done), before[1] + max(d[1] for d in done))
+
+
+def _done_in(plan: EpochPlan | None, rank: RankProgress, epoch: int) -> tuple[int, int]:
+    """(micro-batches, samples) a rank completed in `epoch`, whose plan (if the merge walked it) is given."""
+    if plan is None or rank.epoch < epoch:
+        return 0, 0
+    completed = plan.batches_per_rank if rank.epoch > epoch else rank.completed
+    return completed, plan.samples_from(rank.rank, 0) - plan.samples_from(rank.rank, completed)
 
 
 def merge_states(states: list[dict]) -> dict:

@@ -26,7 +26,7 @@ def test_replayed_steps_do_not_count_and_the_audit_is_clean(tmp_path, capsys):
     state = train(tmp_path, first, 0, 7)  # 3 whole steps, then half of step 4: a crash
     second = ResumableDataLoader(IndexDataset(40), **kw)
     second.load_state_dict(state)
-    train(tmp_path, second, 3, len(second))
+    train(tmp_path, second, 3, second.batches_left)
     records, dropped, n = read_ledger(tmp_path)
     assert n == 40 and dropped.keys() == {0}
     assert max(r.step for r in records if r.generation == 1) == 3  # step 4 of the first launch was replayed

@@ -25,7 +25,7 @@ class SimulatedRank:
     def consume(self, count, committed):
         for _ in range(count):
             if self.iterator is None:
-                self.iterator, self.in_pass, self.share = iter(self.dl), 0, len(self.dl)
+                self.iterator, self.in_pass, self.share = iter(self.dl), 0, self.dl.batches_left
             try:
                 batch = next(self.iterator)
             except StopIteration:
@@ -46,7 +46,7 @@ class SimulatedRank:
     def run_pass_to_end(self, committed):
         """Deliver batches until this rank's current pass (or a new one) ends."""
         if self.iterator is None:
-            self.iterator, self.in_pass, self.share = iter(self.dl), 0, len(self.dl)
+            self.iterator, self.in_pass, self.share = iter(self.dl), 0, self.dl.batches_left
         while self.iterator is not None:
             self.consume(1, committed)
 
