@@ -262,17 +262,6 @@ class WebDatasetSource(torch.utils.data.Dataset):
         for size in self.shard_sizes:
             self._starts.append(self._starts[-1] + size)
 
-    def _index_shards(self, cache_dir: str | None, rebuild: bool, progress: bool) -> list[ShardIndex]:
-        indexes, built, last_report = [], 0, 0.0
-        for done, shard in enumerate(self.shards, 1):
-            index, was_built = load_or_build_index(shard, cache_dir, rebuild)
-            indexes.append(index)
-            built += was_built
-            if progress and built and (done == len(self.shards) or time.monotonic() - last_report > 0.5):
-                _report_progress(done, len(self.shards), built, final=done == len(self.shards))
-                last_report = time.monotonic()
-        return indexes
-
     def __len__(self) -> int:
         return self._starts[-1]
 
