@@ -201,7 +201,6 @@ NAMING_CASES = [
     ("d" * 120 + "/long.txt", b"long name"),
     ("e/" + "f" * 130 + ".txt", b"long basename"),
     ("a.jpg", b""),  # empty member
-    ("dir/sub/a.cls", b"7"),  # key seen again later: a new sample, as in webdataset
 ]
 
 
@@ -305,7 +304,12 @@ def test_random_tars_match_tarfile_and_webdataset(members, fmt):
             expected = reference(shard)
         except ValueError as exn:  # webdataset rejects duplicate suffixes within a sample; so must we
             assert "duplicate" in str(exn)
-            with pytest.raises(ShardFormatError, match="two members with suffix"):
+            with pytest.raises(ShardFormatError, match="two members with suffix|occurs twice"):
+                WebDatasetSource(shard, cache_dir=tmp)
+            return
+        keys = [sample["__key__"] for sample in expected]
+        if len(set(keys)) < len(keys):  # webdataset yields a key twice; (shard, key) must name one sample
+            with pytest.raises(ShardFormatError, match="occurs twice"):
                 WebDatasetSource(shard, cache_dir=tmp)
             return
         assert_same(read_all(WebDatasetSource(shard, cache_dir=tmp)), expected)
@@ -591,6 +595,18 @@ def test_duplicate_member_rejected(tmp_path):
     shard = _raw_tar(tmp_path / "dup.tar", [("k.txt", b"a"), ("k.TXT", b"b")])
     with pytest.raises(ShardFormatError, match=r"sample 'k' has two members with suffix 'txt'"):
         WebDatasetSource(shard)
+
+
+def test_repeated_key_rejected_with_both_offsets(tmp_path):
+    shard = _raw_tar(tmp_path / "again.tar", [("a.jpg", b"1"), ("b.jpg", b"2"), ("a.cls", b"3")])
+    assert [s["__key__"] for s in reference(shard)] == ["a", "b", "a"]  # webdataset: two samples, one key
+    with tarfile.open(shard) as tar:
+        first, _, again = (m.offset_data for m in tar)
+    with pytest.raises(ShardFormatError) as info:
+        WebDatasetSource(shard)
+    message = str(info.value)
+    for part in (shard, "key 'a' occurs twice", f"'a.jpg' at byte {first}", f"'a.cls' at byte {again}"):
+        assert part in message
 
 
 @pytest.mark.parametrize("name", ["k.__url__", "k.__key__", "k.__local_path__"])

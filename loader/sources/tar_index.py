@@ -202,9 +202,21 @@ def scan_tar(f: BinaryIO, shard: str) -> Iterator[TarMember]:
             yield TarMember(name, data_offset, size)
 
 
+def _repeated_key(shard: str, key: str, first: TarMember, again: TarMember) -> ShardFormatError:
+    return ShardFormatError(
+        f"{shard}: sample key {key!r} occurs twice, with other samples between: {first.name!r} at byte "
+        f"{first.offset} and {again.name!r} at byte {again.offset}. webdataset would yield two samples with one "
+        "key, so (shard, key) could not tell them apart; give one of them another key and repack the shard"
+    )
+
+
 def group_samples(members: Iterable[TarMember], shard: str) -> Iterator[tuple[str, dict[str, TarMember]]]:
-    """Group consecutive members into samples with webdataset's key rules (base_plus_ext, lower-case suffix)."""
+    """Group consecutive members into samples with webdataset's key rules (base_plus_ext, lower-case suffix).
+
+    A key must name one sample: (shard, key) is the identity that resume and audit rely on.
+    """
     key, sample = None, {}
+    first_members: dict[str, TarMember] = {}  # each key's first member, to name both places of a repeat
     for member in members:
         if _META.match(member.name):
             continue
@@ -214,6 +226,9 @@ def group_samples(members: Iterable[TarMember], shard: str) -> Iterator[tuple[st
         if prefix != key:
             if sample:
                 yield key, sample
+            if prefix in first_members:
+                raise _repeated_key(shard, prefix, first_members[prefix], member)
+            first_members[prefix] = member
             key, sample = prefix, {}
         suffix = suffix.lower()
         if suffix in _RESERVED:
