@@ -638,6 +638,25 @@ def test_empty_and_single_sample_shards_alone(tmp_path):
     assert_same(read_all(source), reference([single, empty]))
 
 
+@pytest.mark.parametrize("size", [1024, 10240])
+def test_zeros_of_an_empty_tar_size_are_an_empty_shard(tmp_path, size):
+    """An empty tar is its end-of-archive marker (two zero blocks), padded to a record by most writers."""
+    shard = tmp_path / "empty.tar"
+    shard.write_bytes(bytes(size))
+    assert WebDatasetSource(str(shard)).shard_sizes == [0]
+
+
+@pytest.mark.parametrize("size", [512, 1000, 10752, "zeroed shard"])
+def test_a_file_of_zeros_is_not_an_empty_shard(shards, size):
+    shard = shards[4]
+    size = os.path.getsize(shard) if size == "zeroed shard" else size
+    with open(shard, "wb") as f:
+        f.write(bytes(size))
+    with pytest.raises(ShardFormatError) as info:
+        WebDatasetSource(shards)
+    assert f"{shard}: the file is {size} bytes of zeros, not a tar archive" in str(info.value)
+
+
 # --- processes, threads, file handles ------------------------------------------------------
 
 

@@ -39,6 +39,7 @@ from webdataset.tariterators import base_plus_ext
 INDEX_VERSION = 1
 BLOCK = 512
 _ZERO_BLOCK = bytes(BLOCK)
+_EMPTY_TAR_BYTES = range(2 * BLOCK, 20 * BLOCK + 1, BLOCK)  # end marker, padded to at most one default record
 _TAR_ENCODING = sys.getfilesystemencoding()  # what tarfile (and so webdataset) decodes names with
 _REGULAR = (b"0", b"\0", b"7")
 _NO_DATA = (b"1", b"2", b"3", b"4", b"5", b"6")  # types whose size field tarfile ignores
@@ -157,6 +158,20 @@ def _check_end(f: BinaryIO, offset: int, shard: str) -> None:
         offset += len(chunk)
 
 
+def _check_empty_archive(file_size: int, shard: str) -> None:
+    """A file of zeros reads as a tar with no members; only the sizes tar writers give an empty one pass.
+
+    Larger (or odd-sized) zeros are a shard preallocated or zeroed and never written: reading it as
+    empty would silently drop its samples.
+    """
+    if file_size not in _EMPTY_TAR_BYTES:
+        raise ShardFormatError(
+            f"{shard}: the file is {file_size} bytes of zeros, not a tar archive (an empty tar is "
+            f"{_EMPTY_TAR_BYTES.start} to {_EMPTY_TAR_BYTES.stop - 1} bytes); it was preallocated or zeroed but "
+            "never written. Re-create or re-download it, or remove it from the shard list."
+        )
+
+
 def scan_tar(f: BinaryIO, shard: str) -> Iterator[TarMember]:
     """Yield the regular-file members of an uncompressed tar in order, with data offsets."""
     file_size = os.fstat(f.fileno()).st_size
@@ -167,6 +182,8 @@ def scan_tar(f: BinaryIO, shard: str) -> Iterator[TarMember]:
         header = f.read(BLOCK)
         if header == _ZERO_BLOCK and not extensions:
             _check_end(f, offset, shard)
+            if offset == 0:
+                _check_empty_archive(file_size, shard)
             return
         if len(header) < BLOCK:
             problem = "empty file" if file_size == 0 else "file ends before the end-of-archive marker"
