@@ -218,6 +218,7 @@ class ResumableDataLoader(DataLoader[T_co]):
             raise ValueError("batch_size=None disables batching, so drop_last=True has nothing to drop (as in torch)")
         if not is_int(seed):
             raise ValueError(f"seed must be an int, got {seed!r}")
+        self._rank_and_world_given = (rank, world_size)  # None: torch.distributed's, read when iteration starts
         rank, world_size = _default_rank_and_world(rank, world_size)
         layout = Layout(world_size, grad_accum, batch_size or 1, bool(drop_last))
         common = dict(
@@ -232,7 +233,7 @@ class ResumableDataLoader(DataLoader[T_co]):
             persistent_workers=persistent_workers,
             pin_memory_device=pin_memory_device,
         )
-        self.seed, self.rank, self.world_size, self.grad_accum = seed, rank, world_size, grad_accum
+        self.seed, self._rank, self._world_size, self.grad_accum = seed, rank, world_size, grad_accum
         self.ledger = None  # a loader.ledger.Ledger records every delivered batch's indices when attached
         self._iterations = 0  # iterators superseded so far: only the newest iterator delivers
         self._delivered_by_iterator = 0  # batches the newest iterator delivered
@@ -257,7 +258,41 @@ class ResumableDataLoader(DataLoader[T_co]):
 
     # -- iteration -------------------------------------------------------------------------------------------------
 
+    def _resolve_rank_and_world(self) -> None:
+        """Rank and world size not given explicitly follow torch.distributed as it is now: a loader built before
+        init_process_group (a script that builds it, then hands it to a framework that initialises the group)
+        would otherwise run as world size 1 on every rank and train every sample once per rank."""
+        rank, world_size = _default_rank_and_world(*self._rank_and_world_given)
+        if (rank, world_size) == (self._rank, self._world_size):
+            return
+        progress = self._stream or self.resumable_sampler
+        if progress.delivered_any:
+            raise RuntimeError(
+                f"this ResumableDataLoader delivered batches as rank {self._rank} of world_size {self._world_size} "
+                f"before torch.distributed was initialised as rank {rank} of {world_size}: build the loader after "
+                f"init_process_group, or pass rank= and world_size= explicitly"
+            )
+        layout = self.resumable_sampler.layout if self._stream is None else None
+        if layout is not None:
+            self.resumable_sampler.relayout(
+                Layout(world_size, layout.grad_accum, layout.batch_size, layout.drop_last), rank
+            )
+        else:
+            self._stream.world_size, self._stream.rank = world_size, rank
+        self._rank, self._world_size = rank, world_size
+
+    @property
+    def rank(self) -> int:
+        self._resolve_rank_and_world()
+        return self._rank
+
+    @property
+    def world_size(self) -> int:
+        self._resolve_rank_and_world()
+        return self._world_size
+
     def __iter__(self) -> Iterator[Any]:
+        self._resolve_rank_and_world()
         progress = self._stream or self.resumable_sampler
         if self._delivered_by_iterator and not progress.ended:
             warnings.warn(
@@ -315,6 +350,7 @@ class ResumableDataLoader(DataLoader[T_co]):
         return fetcher.fetch(ids.tolist() if batched else int(ids[0]))
 
     def __len__(self) -> int:
+        self._resolve_rank_and_world()
         if self._stream is not None:
             return super().__len__()
         return len(self.resumable_sampler)
@@ -361,6 +397,7 @@ class ResumableDataLoader(DataLoader[T_co]):
         """This rank's progress in completed updates: small, plain Python types, JSON- and torch.save-able. Its
         `base` entry (the progress this run resumed from) is one shared dict, as modules share tensors: copy the
         state (copy.deepcopy) before editing it."""
+        self._resolve_rank_and_world()
         return (self._stream or self.resumable_sampler).state_dict()
 
     def load_state_dict(self, state) -> None:

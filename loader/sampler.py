@@ -51,6 +51,7 @@ class ResumableSampler:
         # (view, first batch, ids, offsets) of the chunks served last: workers prefetch far less than a chunk ahead,
         # so the batch just delivered is almost always in one of them and last_indices slices it (else recomputes)
         self._recent_chunks: deque = deque(maxlen=2)
+        self.delivered_any = False  # a batch was delivered (or failed) since the progress was last loaded
         self._start_epoch(0)
 
     # -- the cursor ------------------------------------------------------------------------------------------------
@@ -118,10 +119,18 @@ class ResumableSampler:
         """The loader handed the next micro-batch to the training loop."""
         self._last_delivered = self._position
         self._position += 1
+        self.delivered_any = True
 
     def fail(self) -> None:
         """Loading the next micro-batch raised: it is consumed (never served again), but not delivered."""
         self._position += 1
+        self.delivered_any = True
+
+    def relayout(self, layout: Layout, rank: int) -> None:
+        """Deal the same progress under another layout: only before this sampler delivered anything under its own."""
+        check_rank(rank, layout.world_size)
+        self.layout, self.rank, self._view = layout, rank, None
+        self._recent_chunks.clear()
 
     def end_pass(self) -> None:
         """The loader handed the end of the pass (StopIteration) to the training loop."""
@@ -209,6 +218,7 @@ class ResumableSampler:
         as it was."""
         progress = progress_of(state)
         check_fingerprint(progress.fingerprint, self.order.fingerprint())
+        self.delivered_any = False
         if progress.end_of_epoch is not None:  # every rank sat at the end of the epoch before progress.epoch
             self._start_epoch(progress.epoch - 1, progress, ended=progress.end_of_epoch)
         else:
