@@ -135,8 +135,12 @@ class _Delivery:
         return batch
 
 
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
 def _default_rank_and_world(rank: int | None, world_size: int | None) -> tuple[int, int]:
-    initialized = dist.is_available() and dist.is_initialized()
+    initialized = _distributed()
     if world_size is None:
         world_size = dist.get_world_size() if initialized else 1
     if rank is None:
@@ -219,6 +223,7 @@ class ResumableDataLoader(DataLoader[T_co]):
         if not is_int(seed):
             raise ValueError(f"seed must be an int, got {seed!r}")
         self._rank_and_world_given = (rank, world_size)  # None: torch.distributed's, read when iteration starts
+        self._resolved_distributed = _distributed()  # whether the group existed when rank and world were read
         rank, world_size = _default_rank_and_world(rank, world_size)
         layout = Layout(world_size, grad_accum, batch_size or 1, bool(drop_last))
         common = dict(
@@ -261,7 +266,11 @@ class ResumableDataLoader(DataLoader[T_co]):
     def _resolve_rank_and_world(self) -> None:
         """Rank and world size not given explicitly follow torch.distributed as it is now: a loader built before
         init_process_group (a script that builds it, then hands it to a framework that initialises the group)
-        would otherwise run as world size 1 on every rank and train every sample once per rank."""
+        would otherwise run as world size 1 on every rank and train every sample once per rank. It returns at once
+        unless a group appeared or went away since the last read."""
+        if _distributed() == self._resolved_distributed:
+            return
+        self._resolved_distributed = not self._resolved_distributed
         rank, world_size = _default_rank_and_world(*self._rank_and_world_given)
         if (rank, world_size) == (self._rank, self._world_size):
             return
@@ -397,8 +406,8 @@ class ResumableDataLoader(DataLoader[T_co]):
         """This rank's progress in completed updates: small, plain Python types, JSON- and torch.save-able. Its
         `base` entry (the progress this run resumed from) is one shared dict, as modules share tensors: copy the
         state (copy.deepcopy) before editing it."""
-        self._resolve_rank_and_world()
-        return (self._stream or self.resumable_sampler).state_dict()
+        return (self._stream or self.resumable_sampler).state_dict()  # no rank resolution: before the first
+        # iter() nothing was delivered, and a state without progress means the same under any layout
 
     def load_state_dict(self, state) -> None:
         """A merged state (see `merge_states`), the list of all ranks' states, or one rank's state (standing for

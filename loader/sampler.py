@@ -58,6 +58,10 @@ class ResumableSampler:
 
     def _start_epoch(self, epoch: int, base: Progress | None = None, *, ended: bool = False) -> None:
         self._base = base or Progress(self.order.fingerprint(), epoch, {})
+        self._enter(epoch, ended)
+
+    def _enter(self, epoch: int, ended: bool = False) -> None:
+        """Put the cursor at the start of `epoch`'s remaining positions under the current base."""
         self._epoch, self._position, self._view = epoch, 0, None
         self._ended = ended  # the current pass handed out its end: the next pass starts the next epoch
         self._last_delivered: int | None = None  # micro-batch number of the batch delivered last in this epoch
@@ -103,8 +107,7 @@ class ResumableSampler:
             changed, self._ended = self._ended, False
             return changed
         if epoch == self._epoch + 1 and self.exhausted:
-            self._epoch, self._position, self._view, self._ended = epoch, 0, None, False
-            self._last_delivered, self._after_committed = None, len(self._base.committed_in(epoch)) > 0
+            self._enter(epoch)
         else:
             self._start_epoch(epoch)
         return True
@@ -169,7 +172,6 @@ class ResumableSampler:
         """A pass: the rest of the current epoch, or the next epoch after a finished one (as `len` counts)."""
         self.begin_pass()
         view, first = self.view(), self._position
-        self.handed_out = 0
         per_chunk = max(1, CHUNK_SAMPLES // self.layout.batch_size)
         for low in range(first, view.plan.batches_per_rank, per_chunk):
             batches = np.arange(low, min(low + per_chunk, view.plan.batches_per_rank))
@@ -177,33 +179,31 @@ class ResumableSampler:
             self._recent_chunks.append((view, low, ids, offsets))
             flat, cuts = ids.tolist(), offsets.tolist()
             for a, b in zip(cuts[:-1], cuts[1:]):
-                self.handed_out += 1
                 yield flat[a:b]
 
-    def _next_epoch_view(self) -> EpochView:
-        """The view of the epoch a pass started now would serve."""
-        return self.view(self._epoch + 1) if self._ended else self.view()
+    def _next_epoch(self) -> tuple[EpochView, Progress | None]:
+        """The view of the epoch a pass started now would serve, and the base if it counts batches done in it
+        before this sampler's plan (a resumed epoch)."""
+        view = self.view(self._epoch + 1) if self._ended else self.view()
+        return view, self._base if view.epoch == self._base.cursor_epoch else None
 
     def __len__(self) -> int:
         """Micro-batches of the epoch the next pass serves, all of them: those delivered before (before a resume
         too) and those to come, as DataLoader's len counts, and as frameworks that add their restored batch
         counter back to it expect."""
-        view = self._next_epoch_view()
-        done_before = self._base.done_in_epoch if view.epoch == self._base.cursor_epoch else 0
-        return done_before + view.plan.batches_per_rank
+        view, resumed = self._next_epoch()
+        return (resumed.done_in_epoch if resumed else 0) + view.plan.batches_per_rank
 
     @property
     def batches_left(self) -> int:
         """Micro-batches a pass started now would yield on this rank."""
-        if self._ended:
-            return self._next_epoch_view().plan.batches_per_rank
-        return max(0, self.view().plan.batches_per_rank - self._position)
+        view, _ = self._next_epoch()
+        return view.plan.batches_per_rank - (0 if self._ended else min(self._position, view.plan.batches_per_rank))
 
     def samples_in_epoch(self) -> int:
         """Samples this rank is dealt in the epoch the next pass serves, all of them, as `len` counts batches."""
-        view = self._next_epoch_view()
-        done_before = self._base.samples_done_in_epoch if view.epoch == self._base.cursor_epoch else 0
-        return done_before + view.plan.samples_from(self.rank, 0)
+        view, resumed = self._next_epoch()
+        return (resumed.samples_done_in_epoch if resumed else 0) + view.plan.samples_from(self.rank, 0)
 
     # -- state -----------------------------------------------------------------------------------------------------
 
