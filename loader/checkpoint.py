@@ -17,16 +17,19 @@ import json
 import pickle
 import random
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable, NoReturn
 
 import numpy as np
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.checkpoint.stateful import Stateful
 
 from loader.collectives import all_gather, broadcast, distributed, rank, world_size
-from loader.publish import CheckpointError, latest, publish, verify
+from loader.publish import CheckpointError, check_arguments, latest, publish, verify
 from loader.state import FORMAT, VERSION, StateError, attach_base, check_fingerprint, detach_base, merge_states
 
 CHECKPOINT_FORMAT = 1
@@ -106,6 +109,43 @@ def _dataset_fingerprint(loader) -> str | None:
     return fingerprint() if callable(fingerprint) else None
 
 
+class SaveError(OSError):
+    """A checkpoint was not published. Every rank of the save raises it, promptly, naming each failing rank and its
+    error; the checkpoints already published are untouched, so the previous one is still the newest.
+
+    An `OSError` because the usual causes are the filesystem's (disk full, EIO, quota, permissions, a file-size
+    limit): `errno` is the first failing rank's OS error number (None when no rank failed with an `OSError`),
+    `failures` maps each failing rank to its error, as text."""
+
+    def __init__(self, step: int, where: str, failures: dict[int, str], errno: int | None):
+        causes = "; ".join(f"rank {r}: {what}" for r, what in sorted(failures.items()))
+        super().__init__(
+            f"the checkpoint of step {step} was not published ({where}): {causes}. The newest published checkpoint "
+            f"is unchanged; fix the cause (disk space, quota, permissions, a file-size limit) and save again"
+        )
+        self.errno, self.step, self.failures = errno, step, failures
+
+
+@dataclass(frozen=True)
+class _Failed:
+    """Rank 0's verdict that a save failed, broadcast so that every rank raises the same SaveError."""
+
+    where: str
+    failures: dict[int, str]
+    errno: int | None
+
+
+def _failed(err: BaseException, me: int, where: str) -> _Failed:
+    """The failures behind `err`: DCP reports every rank's (a `CheckpointException`), anything else is this rank's."""
+    causes = err.failures if isinstance(err, CheckpointException) else {me: (err, None)}
+    first_os = next((e.errno for _, (e, _) in sorted(causes.items()) if isinstance(e, OSError)), None)
+    return _Failed(where, {r: f"{type(e).__name__}: {e}" for r, (e, _) in causes.items()}, first_os)
+
+
+def _raise(step: int, failed: _Failed, cause: BaseException | None) -> NoReturn:
+    raise SaveError(step, failed.where, failed.failures, failed.errno) from cause
+
+
 def save_checkpoint(
     run_dir: str | Path,
     step: int,
@@ -122,10 +162,12 @@ def save_checkpoint(
 ) -> Path:
     """Publish the checkpoint of completed optimizer step `step`; every rank calls it, after the step.
 
-    Returns the published directory on every rank. A failure leaves every published checkpoint untouched."""
+    Returns the published directory on every rank. A failure on any rank raises a `SaveError` (an `OSError`) on
+    every rank, naming the failing ranks and causes, and leaves every published checkpoint untouched."""
+    if manifest_extra is not None and not isinstance(manifest_extra, dict):
+        raise TypeError(f"manifest_extra must be a dict or None, got {type(manifest_extra).__name__}")
+    check_arguments(step, keep_last, manifest_extra or {})
     progress = global_progress(loader, group)
-    if ledger is not None and rank(group) == 0:
-        ledger.record_finished(progress, loader)
     model_sd, optim_sd = get_state_dict(model, optimizer)
     state = {
         "model": model_sd,
@@ -148,50 +190,61 @@ def save_checkpoint(
         **(manifest_extra or {}),
     }
 
-    if rank(group) == 0:
-        return _publish_as_rank0(run_dir, step, state, extra, keep_last, group)
-    return _write_as_other_rank(step, state, group)
+    if rank(group) != 0:
+        return _write_as_other_rank(step, state, group)
+
+    def prepare() -> None:  # the ledger's record of finished epochs can fail like the files: told to every rank
+        if ledger is not None:
+            ledger.record_finished(progress, loader)
+
+    return _publish_as_rank0(run_dir, step, state, extra, keep_last, group, prepare)
 
 
-# Two broadcasts from rank 0 keep all ranks in step, whatever fails where: (1) the directory to write into, or an
-# error before any writing; (2) the published path, or an error.
-_ERROR = "error:"
+# Two broadcasts from rank 0 keep all ranks in step, whatever fails where: (1) the directory to write into, or a
+# failure before any writing; (2) the published path, or the failure. DCP itself reports a rank's write error to
+# every rank (a CheckpointException, a BaseException), so no rank is left waiting for another.
+_SAVE_FAILURES = (Exception, CheckpointException)
 
 
-def _publish_as_rank0(run_dir, step: int, state: dict, extra: dict, keep_last, group) -> Path:
-    announced = False
+def _publish_as_rank0(
+    run_dir, step: int, state: dict, extra: dict, keep_last, group, prepare: Callable[[], None]
+) -> Path:
+    written = None
 
     def write(tmp: Path) -> None:
-        nonlocal announced
+        nonlocal written
         broadcast(str(tmp), group)
-        announced = True
+        written = tmp
         _dcp(dcp.save, state, tmp, group)
 
     try:
-        if (Path(run_dir) / f"step-{step:09d}").exists():
-            raise FileExistsError(f"the checkpoint of step {step} is already published in {run_dir}")
+        prepare()
         published = publish(run_dir, step, write, manifest_extra=extra, keep_last=keep_last)
     except BaseException as err:
-        if not announced:
-            broadcast(f"{_ERROR}{err}", group)
-        broadcast(f"{_ERROR}{err}", group)
-        raise
+        where = f"in {run_dir}" if written is None else f"writing {written}, now removed"
+        failed = _failed(err, 0, where)
+        if written is None:
+            broadcast(failed, group)
+        broadcast(failed, group)
+        if not isinstance(err, _SAVE_FAILURES):
+            raise  # KeyboardInterrupt, SystemExit: the other ranks were told, this one stops
+        _raise(step, failed, err)
     broadcast(str(published), group)
     return published
 
 
 def _write_as_other_rank(step: int, state: dict, group) -> Path:
     target, failure = broadcast(None, group), None
-    if not target.startswith(_ERROR):
+    if isinstance(target, str):
         try:
             _dcp(dcp.save, state, target, group)
-        except Exception as err:  # noqa: BLE001 - reported after rank 0's verdict, so no rank waits forever
+        except _SAVE_FAILURES as err:  # reported after rank 0's verdict, so no rank waits forever
             failure = err
     outcome = broadcast(None, group)
-    if outcome.startswith(_ERROR) or failure is not None:
-        raise CheckpointError(
-            f"the checkpoint of step {step} was not published: {outcome[len(_ERROR):] if outcome.startswith(_ERROR) else failure}"
-        )
+    if isinstance(outcome, _Failed):
+        _raise(step, outcome, failure)
+    if failure is not None:
+        _raise(step, _failed(failure, rank(group), f"writing {target}"), failure)
     return Path(outcome)
 
 

@@ -77,17 +77,7 @@ def publish(
     written, and temporary directories of lower steps left by crashed writers are removed (not those of a writer that
     is still alive on this host, e.g. an async save in another thread).
     """
-    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
-        raise ValueError(f"step must be a non-negative int, got {step!r}")
-    if keep_last is not None and (not isinstance(keep_last, int) or isinstance(keep_last, bool) or keep_last < 1):
-        raise ValueError(f"keep_last must be a positive int or None (keep all), got {keep_last!r}")
-    if not isinstance(manifest_extra, dict):
-        raise TypeError(f"manifest_extra must be a dict, got {type(manifest_extra).__name__}")
-    try:
-        json.dumps(manifest_extra)
-    except (TypeError, ValueError) as e:
-        raise TypeError(f"manifest_extra must be JSON-serialisable (str keys, plain values): {e}") from None
-
+    check_arguments(step, keep_last, manifest_extra)
     run_dir = Path(run_dir)
     _make_run_dir(run_dir)
     final = run_dir / f"step-{step:09d}"
@@ -127,6 +117,21 @@ def publish(
     if keep_last is not None:
         _prune(run_dir, keep=keep_last, just_written=final)
     return final
+
+
+def check_arguments(step: int, keep_last: int | None, manifest_extra: dict[str, Any]) -> None:
+    """Refuse bad arguments of :func:`publish` before anything is written (a ValueError or TypeError). A job's ranks
+    call it each before their first collective, so all of them refuse alike and none waits for another."""
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        raise ValueError(f"step must be a non-negative int, got {step!r}")
+    if keep_last is not None and (not isinstance(keep_last, int) or isinstance(keep_last, bool) or keep_last < 1):
+        raise ValueError(f"keep_last must be a positive int or None (keep all), got {keep_last!r}")
+    if not isinstance(manifest_extra, dict):
+        raise TypeError(f"manifest_extra must be a dict, got {type(manifest_extra).__name__}")
+    try:
+        json.dumps(manifest_extra)
+    except (TypeError, ValueError) as e:
+        raise TypeError(f"manifest_extra must be JSON-serialisable (str keys, plain values): {e}") from None
 
 
 def verify(path: str | os.PathLike, *, check_checksums: bool = True) -> Manifest:

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from loader import ResumableDataLoader
-from loader.checkpoint import load_checkpoint, resume, save_checkpoint
+from loader.checkpoint import SaveError, load_checkpoint, resume, save_checkpoint
 from loader.publish import CheckpointError, latest
 from tests.conftest import IndexDataset
 
@@ -75,7 +75,7 @@ def test_a_failed_save_changes_nothing_published(tmp_path):
     objects = make()
     first = save_checkpoint(tmp_path, 1, **objects)
     manifest = (first / "manifest.json").read_bytes()
-    with pytest.raises(FileExistsError, match="step 1 is already published"):
+    with pytest.raises(SaveError, match="rank 0: FileExistsError: checkpoint .*step-000000001 is already published"):
         save_checkpoint(tmp_path, 1, **objects)
     assert (first / "manifest.json").read_bytes() == manifest and latest(tmp_path) == first
 
