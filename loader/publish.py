@@ -7,9 +7,13 @@ to ``step-NNNNNNNNN``. A rename within one filesystem is atomic, so a published 
 checkpoint; anything else (a leftover ``.tmp-*``, a directory without manifest, a file whose size or checksum no
 longer matches) is skipped by :func:`latest` with a :class:`CheckpointWarning`.
 
+A step published again (the run resumed from an older checkpoint, because :func:`latest` skipped this one as corrupt
+or on purpose) moves the earlier ``step-NNNNNNNNN`` aside as ``step-NNNNNNNNN.quarantine-<UTC time>``, with a
+warning: kept for inspection, never loaded, so the name always holds the newest publication of its step.
+
 Assumption: one publisher per run directory. In a torchrun job only rank 0 calls :func:`publish` (after the other
-ranks have written their shards into the directory it hands out, if they write any). Two publishers of the same step
-are refused by name, but pruning and stale-tmp cleanup assume nobody else is publishing into ``run_dir``.
+ranks have written their shards into the directory it hands out, if they write any). Pruning and stale-tmp cleanup
+assume nobody else is publishing into ``run_dir``.
 """
 
 from __future__ import annotations
@@ -38,7 +42,10 @@ _IN_FLIGHT: set[Path] = set()  # tmp directories this process is writing right n
 
 
 class CheckpointError(ValueError):
-    """A checkpoint directory is torn, corrupted or not a checkpoint at all."""
+    """A checkpoint directory is torn, corrupted or not a checkpoint at all. From :func:`verify`, ``problem`` says
+    what is wrong without the advice around it."""
+
+    problem = ""
 
 
 class CheckpointWarning(UserWarning):
@@ -72,7 +79,8 @@ def publish(
 ) -> Path:
     """Write a checkpoint with ``write_files(tmp_dir)`` and publish it atomically as ``run_dir/step-NNNNNNNNN``.
 
-    On any exception only this call's temporary directory is removed; published checkpoints are never touched. After
+    On any exception only this call's temporary directory is removed; published checkpoints are never deleted (an
+    earlier publication of ``step`` is moved aside, see the module's docstring). After
     success, published checkpoints beyond the newest ``keep_last`` (``None``: keep all) are pruned, never the one just
     written, and temporary directories of lower steps left by crashed writers are removed (not those of a writer that
     is still alive on this host, e.g. an async save in another thread).
@@ -81,8 +89,6 @@ def publish(
     run_dir = Path(run_dir)
     _make_run_dir(run_dir)
     final = run_dir / f"step-{step:09d}"
-    if final.exists():
-        raise _already_published(final)
     tmp = run_dir / f"{final.name}.tmp-{_host()}-{os.getpid()}-{secrets.token_hex(4)}"
     tmp.mkdir()
     _IN_FLIGHT.add(tmp)
@@ -101,6 +107,7 @@ def publish(
             f.flush()
             os.fsync(f.fileno())
         _fsync(tmp)
+        _set_aside(final)
         try:
             os.rename(tmp, final)
         except OSError as e:  # a complete checkpoint appeared under that name meanwhile: never replace it
@@ -188,18 +195,43 @@ def latest(run_dir: str | os.PathLike, *, check_checksums: bool = True) -> Path 
     return None
 
 
+def _set_aside(final: Path) -> None:
+    """Move an earlier publication of this step out of the way, kept for inspection and never loaded again.
+
+    Why: a run that is publishing step S again has resumed from an older checkpoint, because `latest` skipped this
+    one as corrupt or the run went back on purpose; refusing would fail every save of S, on every restart."""
+    if not final.exists():
+        return
+    try:
+        verify(final, check_checksums=False)
+        state = "its manifest and sizes are intact"
+    except CheckpointError as e:
+        state = f"broken: {e.problem}"
+    stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S.%fZ")
+    aside = final.with_name(f"{final.name}.quarantine-{stamp}")
+    os.rename(final, aside)
+    warnings.warn(
+        f"step {int(final.name[5:])} is published again: the earlier {final} ({state}) was moved aside to {aside}, "
+        f"which is never loaded; inspect it, then delete it",
+        CheckpointWarning,
+        stacklevel=4,
+    )
+
+
 def _already_published(final: Path) -> FileExistsError:
     return FileExistsError(
-        f"checkpoint {final} is already published; refusing to overwrite it. Publish a new step, or delete the "
-        f"directory by hand if it really must be replaced"
+        f"checkpoint {final} was published by another writer while this one wrote it: two jobs are publishing into "
+        f"{final.parent}; give each job a run directory of its own"
     )
 
 
 def _broken(path: Path, problem: str) -> CheckpointError:
-    return CheckpointError(
+    error = CheckpointError(
         f"checkpoint {path}: {problem}. It cannot be loaded; latest() skips it for an older checkpoint. "
         f"Delete the directory, or restore it from a copy"
     )
+    error.problem = problem
+    return error
 
 
 def _parse_manifest(path: Path, raw: Any) -> Manifest:

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from loader import ResumableDataLoader
-from loader.checkpoint import SaveError, load_checkpoint, resume, save_checkpoint
-from loader.publish import CheckpointError, latest
+from loader.checkpoint import load_checkpoint, resume, save_checkpoint
+from loader.publish import CheckpointError, CheckpointWarning, latest
 from tests.conftest import IndexDataset
 
 def make(seed=0, n=60):
@@ -71,13 +71,26 @@ def test_a_checkpoint_of_another_run_is_refused_naming_the_field(tmp_path):
     assert fresh["loader"].state_dict() == before
 
 
-def test_a_failed_save_changes_nothing_published(tmp_path):
+def test_a_step_saved_again_after_a_fallback_publishes_instead_of_crash_looping(tmp_path):
     objects = make()
-    first = save_checkpoint(tmp_path, 1, **objects)
-    manifest = (first / "manifest.json").read_bytes()
-    with pytest.raises(SaveError, match="rank 0: FileExistsError: checkpoint .*step-000000001 is already published"):
-        save_checkpoint(tmp_path, 1, **objects)
-    assert (first / "manifest.json").read_bytes() == manifest and latest(tmp_path) == first
+    for step in (1, 2, 3):
+        train(objects, 1)
+        save_checkpoint(tmp_path, step, **objects)
+    data = tmp_path / "step-000000003" / "__0_0.distcp"
+    data.write_bytes(bytes([data.read_bytes()[0] ^ 1]) + data.read_bytes()[1:])  # one flipped bit
+
+    restarted = make()
+    with pytest.warns(CheckpointWarning, match="skipping checkpoint .*step-000000003: checksum mismatch"):
+        assert resume(tmp_path, **restarted) == 2
+    train(restarted, 1)
+    with pytest.warns(CheckpointWarning, match=r"step 3 is published again: the earlier .*step-000000003 \(its "
+                      r"manifest and sizes are intact\) was moved aside to .*step-000000003\.quarantine-"):
+        save_checkpoint(tmp_path, 3, **restarted)
+
+    again = make()
+    assert resume(tmp_path, **again) == 3  # the new publication, not the one set aside
+    assert torch.equal(again["model"].weight, restarted["model"].weight)
+    assert len(list(tmp_path.glob("step-000000003.quarantine-*"))) == 1
 
 
 def test_missing_parts_are_clear_errors(tmp_path):

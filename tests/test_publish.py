@@ -12,6 +12,7 @@ import socket
 import subprocess
 import sys
 import threading
+import warnings
 from pathlib import Path
 
 import pytest
@@ -207,24 +208,56 @@ def test_keep_last_none_keeps_all(tmp_path):
     assert len(list_checkpoints(tmp_path)) == 4
 
 
-def test_refuses_to_overwrite_a_published_step(tmp_path):
-    publish_steps(tmp_path, 1)
-    before = snapshot(tmp_path)
-    called = []
-    with pytest.raises(FileExistsError, match="step-000000001 is already published; refusing to overwrite"):
-        publish(tmp_path, 1, called.append, manifest_extra=EXTRA)
-    assert called == [] and snapshot(tmp_path) == before
+def _aside(run_dir: Path, step: int) -> list[Path]:
+    return sorted(run_dir.glob(f"step-{step:09d}.quarantine-*"))
 
 
-def test_concurrent_publish_of_the_same_step_never_replaces(tmp_path):
+@pytest.mark.parametrize("broken", [True, False])
+def test_a_step_published_again_sets_the_earlier_one_aside_and_the_newest_publication_wins(tmp_path, broken):
+    """A run that resumed from step 1 (step 2 corrupt, or a deliberate step back) publishes step 2 again."""
+    publish_steps(tmp_path, 1, 2)
+    first = snapshot(tmp_path / "step-000000002")
+    state = "its manifest and sizes are intact"
+    if broken:
+        _damage("truncate", tmp_path / "step-000000002")
+        first = snapshot(tmp_path / "step-000000002")
+        state = "broken: size of 'shards/rank0.distcp': expected 77 bytes, got 10"
+    newer = {"model.pt": b"the new step 2 " * 20}
+
+    with pytest.warns(CheckpointWarning) as caught:
+        path = publish(tmp_path, 2, write(newer), manifest_extra=EXTRA, keep_last=None)
+    (aside,) = _aside(tmp_path, 2)
+    assert [str(w.message) for w in caught] == [
+        f"step 2 is published again: the earlier {path} ({state}) was moved aside to {aside}, which is never "
+        f"loaded; inspect it, then delete it"
+    ]
+    assert snapshot(aside) == first  # kept for inspection, byte for byte
+    assert latest(tmp_path) == path and set(verify(path).files) == {"model.pt"}  # the newest publication
+    assert list_checkpoints(tmp_path) == [tmp_path / "step-000000001", path]
+
+    _damage("flip", path)  # the new one broken too: the one set aside is still never a candidate
+    with pytest.warns(CheckpointWarning, match="step-000000002: checksum mismatch"):
+        assert latest(tmp_path) == tmp_path / "step-000000001"
+
+
+def test_every_republication_is_kept_aside(tmp_path):
+    for _ in range(3):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", CheckpointWarning)
+            publish_steps(tmp_path, 4)
+    assert len(_aside(tmp_path, 4)) == 2 and latest(tmp_path) == tmp_path / "step-000000004"
+
+
+def test_a_step_published_meanwhile_by_another_writer_is_set_aside_too(tmp_path):
     def publish_step_1_meanwhile(directory: Path) -> None:
         publish_steps(tmp_path, 1)
         write({"other.pt": b"late"})(directory)
 
-    with pytest.raises(FileExistsError, match="already published"):
+    with pytest.warns(CheckpointWarning, match="step 1 is published again"):
         publish(tmp_path, 1, publish_step_1_meanwhile, manifest_extra=EXTRA)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-000000001"]
-    assert set(verify(tmp_path / "step-000000001").files) == set(FILES)
+    assert set(verify(tmp_path / "step-000000001").files) == {"other.pt"}
+    (aside,) = _aside(tmp_path, 1)
+    assert set(verify(aside).files) == set(FILES)
 
 
 def test_stale_tmp_cleanup_spares_live_writers(tmp_path):
