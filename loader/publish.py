@@ -2,10 +2,10 @@
 
 Why: a worker can be SIGKILLed halfway through writing a checkpoint, and a restart must never load a torn one. So a
 checkpoint is written into a private ``step-NNNNNNNNN.tmp-<host>-<pid>-<random>`` directory, every file and directory
-is fsynced, ``manifest.json`` (sizes and sha256 of every file) is written last, and only then is the directory renamed
-to ``step-NNNNNNNNN``. A rename within one filesystem is atomic, so a published name always holds a complete
-checkpoint; anything else (a leftover ``.tmp-*``, a directory without manifest, a file whose size or checksum no
-longer matches) is skipped by :func:`latest` with a :class:`CheckpointWarning`.
+is fsynced, ``manifest.json`` (sizes and sha256 of every file, and its own sha256) is written last, and only then is
+the directory renamed to ``step-NNNNNNNNN``. A rename within one filesystem is atomic, so a published name always
+holds a complete checkpoint; anything else (a leftover ``.tmp-*``, a directory without manifest, a file or manifest
+whose size or checksum no longer matches) is skipped by :func:`latest` with a :class:`CheckpointWarning`.
 
 A step published again (the run resumed from an older checkpoint, because :func:`latest` skipped this one as corrupt
 or on purpose) moves the earlier ``step-NNNNNNNNN`` aside as ``step-NNNNNNNNN.quarantine-<UTC time>``, with a
@@ -33,8 +33,9 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any, Callable, Mapping
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: the manifest carries its own sha256; 1 (read, never written) did not
 MANIFEST_NAME = "manifest.json"
+_SELF_DIGEST = "manifest_sha256"
 _CHUNK = 1 << 20
 _NAME = re.compile(r"step-(\d{9,})(?:\.tmp-(.+))?")
 _HEX64 = re.compile(r"[0-9a-f]{64}")
@@ -102,8 +103,8 @@ def publish(
             "files": files,
             "extra": manifest_extra,
         }
-        with open(tmp / MANIFEST_NAME, "x", encoding="utf-8") as f:
-            json.dump(manifest, f, indent=1, sort_keys=True)
+        with open(tmp / MANIFEST_NAME, "xb") as f:
+            f.write(_sealed(manifest))
             f.flush()
             os.fsync(f.fileno())
         _fsync(tmp)
@@ -147,11 +148,13 @@ def verify(path: str | os.PathLike, *, check_checksums: bool = True) -> Manifest
     are ignored. Raises :class:`CheckpointError` naming the directory and the problem."""
     path = Path(path)
     try:
-        raw = json.loads((path / MANIFEST_NAME).read_text(encoding="utf-8"))
+        data = (path / MANIFEST_NAME).read_bytes()
+        raw = json.loads(data)
     except FileNotFoundError:
         raise _broken(path, f"no {MANIFEST_NAME} (a torn write, or not a checkpoint directory)") from None
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise _broken(path, f"unreadable {MANIFEST_NAME}: {e}") from None
+    _check_seal(path, raw, data)
     manifest = _parse_manifest(path, raw)
     for rel, entry in manifest.files.items():
         file = path / rel
@@ -234,15 +237,44 @@ def _broken(path: Path, problem: str) -> CheckpointError:
     return error
 
 
-def _parse_manifest(path: Path, raw: Any) -> Manifest:
+def _canonical(value: dict[str, Any]) -> bytes:
+    return json.dumps(value, indent=1, sort_keys=True).encode("ascii")
+
+
+def _sealed(body: dict[str, Any]) -> bytes:
+    """The manifest's bytes: canonical JSON holding the sha256 of the canonical JSON of everything else. Why: the
+    manifest vouches for every other file, so it must vouch for itself, or a flipped bit that still parses (another
+    seed, shuffle mode or step) would be believed."""
+    return _canonical({**body, _SELF_DIGEST: hashlib.sha256(_canonical(body)).hexdigest()})
+
+
+def _check_seal(path: Path, raw: Any, data: bytes) -> None:
+    """Any changed byte of a sealed manifest fails here: its bytes must be exactly the seal of what they say. Only a
+    version-1 manifest, written before the seal, has none; one bit cannot both remove the digest and make it so."""
     if not isinstance(raw, dict):
         raise _broken(path, f"{MANIFEST_NAME} is not a JSON object")
+    if raw.get("format_version") == 1 and _SELF_DIGEST not in raw:
+        return
+    body = {k: v for k, v in raw.items() if k != _SELF_DIGEST}
+    if _sealed(body) == data:
+        return
     version = raw.get("format_version")
-    if version != FORMAT_VERSION:
+    if version in (1, FORMAT_VERSION):
+        raise _broken(path, f"{MANIFEST_NAME} fails its own checksum (a flipped bit, an edit or a torn write)")
+    raise _broken(
+        path,
+        f"unknown format version {version!r} in {MANIFEST_NAME}, whose checksum does not match this loader's "
+        f"(it reads versions 1 and {FORMAT_VERSION}): corrupted, or written by a newer loader — then upgrade",
+    )
+
+
+def _parse_manifest(path: Path, raw: dict[str, Any]) -> Manifest:
+    version = raw.get("format_version")
+    if version not in (1, FORMAT_VERSION):
         raise _broken(
             path,
-            f"unknown format version {version!r} in {MANIFEST_NAME} (this loader reads version {FORMAT_VERSION}; "
-            f"a newer loader may have written it — upgrade, or use a checkpoint this version wrote)",
+            f"unknown format version {version!r} in {MANIFEST_NAME} (this loader reads versions 1 and "
+            f"{FORMAT_VERSION}; a newer loader may have written it — upgrade, or use a checkpoint this version wrote)",
         )
     step, created, files, extra = (raw.get(k) for k in ("step", "created", "files", "extra"))
     if not isinstance(step, int) or isinstance(step, bool) or step < 0:

@@ -60,6 +60,38 @@ def test_resume_picks_the_newest_verified_checkpoint(tmp_path):
         assert resume(tmp_path, **make()) == 1
 
 
+def _flip(file, bit: int) -> bytes:
+    """Flip one bit of the file; returns its previous content."""
+    data = file.read_bytes()
+    flipped = bytearray(data)
+    flipped[bit // 8] ^= 1 << (bit % 8)
+    file.write_bytes(bytes(flipped))
+    return data
+
+
+def test_a_flipped_manifest_field_is_skipped_not_believed(tmp_path):
+    for step in (1, 2):
+        save_checkpoint(tmp_path, step, **make())
+    manifest = tmp_path / "step-000000002" / "manifest.json"
+    at = manifest.read_bytes().index(b'"global"') + 5  # the "a": one bit makes it "globel"
+    _flip(manifest, 8 * at + 2)
+    assert b'"globel"' in manifest.read_bytes()
+    with pytest.warns(CheckpointWarning, match="step-000000002: manifest.json fails its own checksum"):
+        assert resume(tmp_path, **make()) == 1
+
+
+@pytest.mark.parametrize("name", ["manifest.json", ".metadata", "__0_0.distcp"])
+def test_a_flipped_bit_anywhere_in_a_checkpoint_falls_back_to_the_previous_one(tmp_path, name):
+    for step in (1, 2):
+        save_checkpoint(tmp_path, step, **make())
+    file = tmp_path / "step-000000002" / name
+    for bit in random.Random(name).sample(range(8 * file.stat().st_size), 8):
+        intact = _flip(file, bit)
+        with pytest.warns(CheckpointWarning, match="skipping checkpoint .*step-000000002"):
+            assert resume(tmp_path, **make()) == 1, bit
+        file.write_bytes(intact)
+
+
 def test_a_checkpoint_of_another_run_is_refused_naming_the_field(tmp_path):
     path = save_checkpoint(tmp_path, 1, **make(seed=0))
     fresh = make(seed=7)
@@ -76,8 +108,7 @@ def test_a_step_saved_again_after_a_fallback_publishes_instead_of_crash_looping(
     for step in (1, 2, 3):
         train(objects, 1)
         save_checkpoint(tmp_path, step, **objects)
-    data = tmp_path / "step-000000003" / "__0_0.distcp"
-    data.write_bytes(bytes([data.read_bytes()[0] ^ 1]) + data.read_bytes()[1:])  # one flipped bit
+    _flip(tmp_path / "step-000000003" / "__0_0.distcp", 0)
 
     restarted = make()
     with pytest.warns(CheckpointWarning, match="skipping checkpoint .*step-000000003: checksum mismatch"):

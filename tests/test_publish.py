@@ -24,6 +24,7 @@ from loader.publish import (
     CheckpointWarning,
     latest,
     list_checkpoints,
+    _sealed,
     publish,
     verify,
 )
@@ -138,16 +139,22 @@ def _damage(kind: str, ckpt: Path) -> str:
     if kind == "future_version":
         manifest.write_text(json.dumps({**json.loads(manifest.read_text()), "format_version": 99}))
         return "unknown format version 99"
-    if kind == "bad_entry":
+    if kind == "bad_entry":  # a writer's bug, sealed: the checksum holds, the content is still refused
         raw = json.loads(manifest.read_text())
+        del raw["manifest_sha256"]
         raw["files"]["../escape"] = {"size": 1, "sha256": "0" * 64}
-        manifest.write_text(json.dumps(raw))
+        manifest.write_bytes(_sealed(raw))
         return "bad entry for file '../escape'"
+    if kind == "edit":
+        raw = json.loads(manifest.read_text())
+        raw["extra"]["epoch"] = 3
+        manifest.write_text(json.dumps(raw, indent=1, sort_keys=True))
+        return f"{MANIFEST_NAME} fails its own checksum"
     raise AssertionError(kind)
 
 
 @pytest.mark.parametrize(
-    "kind", ["flip", "truncate", "delete", "no_manifest", "garbage_manifest", "future_version", "bad_entry"]
+    "kind", ["flip", "truncate", "delete", "no_manifest", "garbage_manifest", "future_version", "bad_entry", "edit"]
 )
 def test_damaged_checkpoint_is_skipped_with_reason(tmp_path, kind):
     publish_steps(tmp_path, 1, 2)
@@ -160,6 +167,31 @@ def test_damaged_checkpoint_is_skipped_with_reason(tmp_path, kind):
     with pytest.warns(CheckpointWarning) as caught:
         assert latest(tmp_path) == tmp_path / "step-000000001"
     assert [str(w.message) for w in caught] == [f"skipping {info.value}"]
+
+
+def test_every_single_bit_flip_of_a_manifest_skips_its_checkpoint(tmp_path):
+    publish_steps(tmp_path, 1, 2)
+    manifest = tmp_path / "step-000000002" / MANIFEST_NAME
+    intact = manifest.read_bytes()
+    for bit in range(8 * len(intact)):
+        flipped = bytearray(intact)
+        flipped[bit // 8] ^= 1 << (bit % 8)
+        manifest.write_bytes(flipped)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            assert latest(tmp_path) == tmp_path / "step-000000001", f"bit {bit}"
+        assert [str(w.message).split(": ")[0] for w in caught] == [f"skipping checkpoint {manifest.parent}"], bit
+    manifest.write_bytes(intact)
+    assert latest(tmp_path) == manifest.parent
+
+
+def test_a_version_1_manifest_without_its_own_checksum_still_loads(tmp_path):
+    publish_steps(tmp_path, 1)
+    manifest = tmp_path / "step-000000001" / MANIFEST_NAME
+    raw = json.loads(manifest.read_text())
+    del raw["manifest_sha256"]
+    manifest.write_text(json.dumps({**raw, "format_version": 1}, indent=1, sort_keys=True))
+    assert verify(manifest.parent).step == 1 and latest(tmp_path) == manifest.parent
 
 
 def test_size_check_without_checksums(tmp_path):
