@@ -115,16 +115,33 @@ def publish(
             if e.errno in (errno.ENOTEMPTY, errno.EEXIST):
                 raise _already_published(final) from None
             raise
-        _fsync(run_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     finally:
         _IN_FLIGHT.discard(tmp)
-    _remove_stale_tmp(run_dir, step)
-    if keep_last is not None:
-        _prune(run_dir, keep=keep_last, just_written=final)
+    _after_publication(run_dir, final, step, keep_last)
     return final
+
+
+def _after_publication(run_dir: Path, final: Path, step: int, keep_last: int | None) -> None:
+    """Make the rename durable and tidy up. The step is published once renamed, so a failure here warns: raising
+    would tell the caller that the save failed while its checkpoint is complete and loadable."""
+    try:
+        _fsync(run_dir)
+    except OSError as e:
+        warnings.warn(
+            f"published {final}, but syncing {run_dir} failed ({e}): the checkpoint is complete, but a machine crash "
+            f"could still lose its name; check the filesystem",
+            CheckpointWarning,
+            stacklevel=3,
+        )
+    try:
+        _remove_stale_tmp(run_dir, step)
+        if keep_last is not None:
+            _prune(run_dir, keep=keep_last, just_written=final)
+    except OSError as e:
+        warnings.warn(f"published {final}, but could not tidy {run_dir}: {e}", CheckpointWarning, stacklevel=3)
 
 
 def check_arguments(step: int, keep_last: int | None, manifest_extra: dict[str, Any]) -> None:
@@ -412,8 +429,8 @@ def _remove_stale_tmp(run_dir: Path, step: int) -> None:
 
 
 def _prune(run_dir: Path, *, keep: int, just_written: Path) -> None:
-    """Delete all but the newest ``keep`` published checkpoints. Failures only warn: the new checkpoint is already
-    published, so publish() must not report an error for it."""
+    """Delete all but the newest ``keep`` published checkpoints; a directory that cannot be deleted is warned about
+    and kept."""
     published = list_checkpoints(run_dir)
     for path in published[: max(len(published) - keep, 0)]:
         if path == just_written:
@@ -425,4 +442,4 @@ def _prune(run_dir: Path, *, keep: int, just_written: Path) -> None:
             _fsync(path)
             shutil.rmtree(path)
         except OSError as e:
-            warnings.warn(f"could not prune old checkpoint {path}: {e}", CheckpointWarning, stacklevel=3)
+            warnings.warn(f"could not prune old checkpoint {path}: {e}", CheckpointWarning, stacklevel=4)

@@ -7,10 +7,12 @@ import json
 import multiprocessing
 import os
 import random
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import warnings
 from pathlib import Path
@@ -365,35 +367,69 @@ def test_run_dir_that_is_a_file(tmp_path):
     assert run_dir.read_text() == "oops"
 
 
-def _latest_unprivileged(run_dir: str, conn) -> None:
-    if os.geteuid() == 0:  # root reads everything: drop to nobody first
+def _report_unprivileged(call, conn) -> None:
+    if os.geteuid() == 0:  # root reads and writes everything: drop to nobody first
         os.setgid(65534)
         os.setuid(65534)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            outcome = ("returned", call())
+        except Exception as e:  # noqa: BLE001 - sent to the parent, which asserts on it
+            outcome = (type(e).__name__, str(e))
+    conn.send((outcome, [str(w.message) for w in caught]))
+
+
+def _unprivileged(call) -> tuple:
+    """call() in a forked process that runs as nobody when we are root, so permissions apply; returns (outcome,
+    warnings), the outcome being ("returned", value) or (exception type name, message)."""
+    ctx = multiprocessing.get_context("fork")
+    parent_end, child_end = ctx.Pipe(duplex=False)
+    child = ctx.Process(target=_report_unprivileged, args=(call, child_end))
+    child.start()
     try:
-        conn.send(("returned", latest(run_dir)))
-    except Exception as e:  # noqa: BLE001 - sent to the parent, which asserts on it
-        conn.send((type(e).__name__, str(e)))
+        assert parent_end.poll(timeout=30), "child did not report"
+        return parent_end.recv()
+    finally:
+        child.join(timeout=30)
+        if child.is_alive():
+            child.kill()
+            child.join(timeout=10)
 
 
 def test_unreadable_run_dir(tmp_path):
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     run_dir.chmod(0)
-    ctx = multiprocessing.get_context("fork")
-    parent_end, child_end = ctx.Pipe(duplex=False)
-    child = ctx.Process(target=_latest_unprivileged, args=(str(run_dir), child_end))
-    child.start()
     try:
-        assert parent_end.poll(timeout=30), "child did not report"
-        outcome = parent_end.recv()
-        child.join(timeout=30)
+        outcome, _ = _unprivileged(lambda: latest(run_dir))
     finally:
-        if child.is_alive():
-            child.kill()
-            child.join(timeout=10)
         run_dir.chmod(0o755)
     assert outcome == ("PermissionError", f"run_dir {run_dir} cannot be listed (permission denied); "
                        "fix its permissions or pass another directory")
+
+
+def test_a_failed_sync_after_the_rename_warns_and_reports_the_step_published():
+    """The run directory can be entered and written but not opened (mode 0333), so fsync of it fails for real."""
+    base = Path(tempfile.mkdtemp(prefix="loader-sync-"))  # not under pytest's 0700 root: nobody must reach it
+    try:
+        base.chmod(0o711)
+        run_dir = base / "run"
+        run_dir.mkdir()
+        run_dir.chmod(0o333)
+        outcome, caught = _unprivileged(lambda: publish(run_dir, 1, write(FILES), manifest_extra=EXTRA))
+        final = run_dir / "step-000000001"
+        assert outcome == ("returned", final)
+        assert caught == [
+            f"published {final}, but syncing {run_dir} failed ([Errno 13] Permission denied: '{run_dir}'): the "
+            f"checkpoint is complete, but a machine crash could still lose its name; check the filesystem",
+            f"published {final}, but could not tidy {run_dir}: run_dir {run_dir} cannot be listed (permission "
+            f"denied); fix its permissions or pass another directory",
+        ]
+        run_dir.chmod(0o755)
+        assert latest(run_dir) == final and verify(final).step == 1
+    finally:
+        shutil.rmtree(base)
 
 
 @pytest.mark.parametrize(
