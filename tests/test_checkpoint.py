@@ -124,6 +124,52 @@ def test_a_step_saved_again_after_a_fallback_publishes_instead_of_crash_looping(
     assert len(list(tmp_path.glob("step-000000003.quarantine-*"))) == 1
 
 
+def everything(objects) -> dict:
+    """All that a load may change: parameters, optimizer and scheduler state, the RNG streams, the loader's state."""
+    return {
+        "model": str(objects["model"].state_dict()),
+        "optimizer": str(objects["optimizer"].state_dict()),
+        "scheduler": objects["scheduler"].state_dict(),
+        "rng": str((random.getstate(), np.random.get_state(), torch.get_rng_state())),
+        "loader": objects["loader"].state_dict(),
+    }
+
+
+def wider(objects):
+    """The same run with a wider model (3 -> 4 outputs): its shapes do not fit the checkpoint."""
+    torch.manual_seed(0)
+    objects["model"] = torch.nn.Linear(3, 4)
+    objects["optimizer"] = torch.optim.Adam(objects["model"].parameters(), lr=0.1)
+    objects["scheduler"] = torch.optim.lr_scheduler.StepLR(objects["optimizer"], step_size=2)
+    return objects
+
+
+def with_sgd(objects):
+    """The same run with another optimizer: its state has other keys than the checkpoint's."""
+    objects["optimizer"] = torch.optim.SGD(objects["model"].parameters(), lr=0.1, momentum=0.9)
+    objects["scheduler"] = torch.optim.lr_scheduler.StepLR(objects["optimizer"], step_size=2)
+    return objects
+
+
+@pytest.mark.parametrize("mismatch, match", [(wider, "size mismatch"), (with_sgd, "momentum_buffer")])
+@pytest.mark.parametrize("trained", [False, True])
+def test_a_failed_load_changes_nothing(tmp_path, mismatch, match, trained):
+    saved = make()
+    train(saved, 3)
+    path = save_checkpoint(tmp_path, 3, **saved)
+    target = mismatch(make())
+    if trained:  # a running job, not only a fresh start, is left as it was
+        train(target, 2)
+    fresh_batch = next(iter(make()["loader"])).tolist()
+    before = everything(target)
+    with pytest.raises(CheckpointError, match=f"(?i)checkpoint {path} was not loaded: rank 0: .*{match}.*Nothing "
+                       "was changed"):
+        load_checkpoint(path, **target)
+    assert everything(target) == before
+    if not trained:  # a caller falling back to a fresh start starts at the first batch, skipping nothing
+        assert next(iter(target["loader"])).tolist() == fresh_batch
+
+
 def test_missing_parts_are_clear_errors(tmp_path):
     objects = make()
     train(objects, 2)

@@ -1,8 +1,9 @@
-"""A save that fails on one rank fails on every rank, at once and with the cause: real gloo groups, real OS errors.
+"""A save or load that fails on one rank fails on every rank, at once and with the cause: real gloo groups.
 
 Each failure is a real one in the failing rank's process: a file-size limit (RLIMIT_FSIZE with SIGXFSZ ignored, so a
-write raises EFBIG), a file where the ledger expects a directory, or (as root) a full tmpfs. A rank that waited for
-another would wait for the group timeout (gloo's default, 30 min); run_group's 60 s bound fails the test long before.
+write raises EFBIG), a file where the ledger expects a directory, (as root) a full tmpfs, or objects that do not fit
+the checkpoint. A rank that waited for another would wait for the group timeout (gloo's default, 30 min); run_group's
+60 s bound fails the test long before.
 """
 
 from __future__ import annotations
@@ -19,9 +20,9 @@ import pytest
 import torch
 
 from loader import ResumableDataLoader
-from loader.checkpoint import SaveError, save_checkpoint
+from loader.checkpoint import load_checkpoint, save_checkpoint
 from loader.ledger import Ledger
-from loader.publish import latest
+from loader.publish import CheckpointError, latest
 from tests.conftest import IndexDataset
 from tests.distributed import run_group
 
@@ -142,3 +143,49 @@ def test_a_full_disk_fails_the_save_on_every_rank_and_the_next_save_publishes(sm
         assert "[Errno 28] No space left on device" in failed["message"] and str(run_dir) in failed["message"]
         assert result["retried"] == {"published": "step-000000002"}
     assert results[0]["newest_after_failure"] == "step-000000001"
+
+
+def _misfit(rank: int, world_size: int, kind: str) -> dict:
+    """This rank's objects, made not to fit the checkpoint on rank 1: another seed, or a wider model."""
+    objects = _objects(rank, world_size)
+    if rank == 1 and kind == "seed":
+        objects["loader"] = ResumableDataLoader(IndexDataset(8), batch_size=2, rank=rank, world_size=world_size, seed=7)
+    if rank == 1 and kind == "shape":
+        objects["model"] = torch.nn.Linear(4, 5)
+        objects["optimizer"] = torch.optim.SGD(objects["model"].parameters(), lr=0.1)
+    return objects
+
+
+def _state(objects: dict) -> str:
+    return str((objects["model"].state_dict(), objects["optimizer"].state_dict(), objects["loader"].state_dict(),
+                torch.get_rng_state()))
+
+
+def _load_with_a_misfit_rank(rank: int, world_size: int, run_dir: str, kind: str) -> dict:
+    warnings.simplefilter("ignore")
+    objects = _objects(rank, world_size)
+    next(iter(objects["loader"]))
+    path = save_checkpoint(run_dir, 1, **objects)
+    target = _misfit(rank, world_size, kind)
+    before = _state(target)
+    try:
+        load_checkpoint(path, **target)
+        outcome = None
+    except CheckpointError as e:
+        outcome = str(e)
+    return {"outcome": outcome, "unchanged": _state(target) == before,
+            "then": load_checkpoint(path, **_objects(rank, world_size))}  # the group is still in step
+
+
+@pytest.mark.parametrize("kind, cause", [
+    ("seed", "rank 1: checkpoint {path}.fingerprint.seed is 0 in the saved state but 7 in this loader"),
+    ("shape", "rank 1: ValueError: Size mismatch between saved torch.Size([4, 4]) and current: torch.Size([5, 4])"),
+])
+def test_a_load_that_does_not_fit_one_rank_changes_nothing_on_any_rank(tmp_path, kind, cause):
+    results = run_group(_load_with_a_misfit_rank, 2, str(tmp_path), kind, timeout=60)
+    path = tmp_path / "step-000000001"
+    for result in results:
+        assert result["outcome"].startswith(f"checkpoint {path} was not loaded: {cause.format(path=path)}"), result
+        assert result["outcome"].endswith("Nothing was changed: model, optimizer, scheduler, scaler, RNG and loader "
+                                          "are as they were")
+        assert result["unchanged"] and result["then"] == 1
