@@ -183,9 +183,7 @@ def save_checkpoint(
 
     Returns the published directory on every rank. A failure on any rank raises a `SaveError` (an `OSError`) on
     every rank, naming the failing ranks and causes, and leaves every published checkpoint untouched."""
-    if manifest_extra is not None and not isinstance(manifest_extra, dict):
-        raise TypeError(f"manifest_extra must be a dict or None, got {type(manifest_extra).__name__}")
-    check_arguments(step, keep_last, manifest_extra or {})
+    check_arguments(step, keep_last, {} if manifest_extra is None else manifest_extra)  # on every rank alike
     progress = global_progress(loader, group)
     model_sd, optim_sd = get_state_dict(model, optimizer)
     state = {
