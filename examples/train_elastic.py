@@ -202,11 +202,34 @@ def train(args) -> int:
     return 0
 
 
+def _store_of_this_launch(timeout: timedelta) -> dist.Store | None:
+    """torchrun's agent shares its rendezvous TCPStore with the workers (unless TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
+    is set for the agent), and a restarted group finds there the keys of the launch before it: gloo and NCCL then
+    connect to dead peers and the restart fails (pytorch#135712; 3 of 3 restarts here). So each launch's keys get a
+    prefix of their own: the agent's restart count. That count is one agent's, not the job's, so with several agents
+    (nodes) the shared store is refused. None: no shared store, rank 0 hosts a fresh one per launch."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    if int(os.environ.get("GROUP_WORLD_SIZE", "1")) > 1:
+        raise SystemExit(
+            "train_elastic.py: this job of several torchrun agents shares the agents' rendezvous store, which cannot "
+            "tell one launch's workers from the next one's after a restart; start every agent with "
+            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in its environment"
+        )
+    shared = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout)
+    return dist.PrefixStore(f"launch-{os.environ['TORCHELASTIC_RESTART_COUNT']}", shared)
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
-    os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     backend = "nccl" if _one_gpu_per_rank() else "gloo"
-    dist.init_process_group(backend, timeout=timedelta(seconds=args.timeout))
+    timeout = timedelta(seconds=args.timeout)
+    store = _store_of_this_launch(timeout)
+    if store is None:
+        dist.init_process_group(backend, timeout=timeout)
+    else:
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
     code = train(args)  # on an exception, exit at once: the agent restarts the group, peers may be gone
     dist.destroy_process_group()
     return code
