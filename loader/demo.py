@@ -107,7 +107,7 @@ def _run_elastic(run_dir: Path, timeout: float) -> list[tuple[float, str, str]]:
     fault = ["--fail-at-step", str(FAIL_AT_STEP), "--fail-rank", "3", "--fail-mode", "node"]
     agents = [Agent("node A", _torchrun_args(3, endpoint, job_id, run_dir, []), lines),
               Agent("node B", _torchrun_args(1, endpoint, job_id, run_dir, fault), lines)]
-    seen, deadline = [], time.monotonic() + timeout
+    seen, deadline, progress = [], time.monotonic() + timeout, ProgressLine()
     try:
         while agents[0].process.poll() is None or not lines.empty():
             if time.monotonic() > deadline:
@@ -117,7 +117,7 @@ def _run_elastic(run_dir: Path, timeout: float) -> list[tuple[float, str, str]]:
             except queue.Empty:
                 continue
             seen.append((stamp, name, line))
-            _show_progress(line)
+            progress.show(line)
         if agents[0].process.returncode != 0:
             raise RuntimeError(f"node A exited with {agents[0].process.returncode}:\n{_failure_excerpt(seen)}")
     finally:
@@ -137,14 +137,29 @@ def _failure_excerpt(seen: list[tuple[float, str, str]], cause_lines: int = 25, 
     return "\n".join(cause + lines[-tail_lines:])
 
 
-def _show_progress(line: str) -> None:
-    if (m := RESUMED_LINE.search(line)) is not None:
-        world, step, _ = m.groups()
-        print(f"\n  {world} workers: training from step {step}", end="", flush=True)
-    elif (m := STEP_LINE.search(line)) is not None:
-        print(f" {m.group(1)}", end="", flush=True)
-    elif "fault injection" in line:
-        print(f"\n  {line.split('] ', 1)[1]} -> node B is gone", end="", flush=True)
+class ProgressLine:
+    """The job's progress as it happens, every number labelled: each launch (its workers and the checkpoint step it
+    resumed from) opens a line of the optimizer steps rank 0 completes; the fault gets a line of its own."""
+
+    def __init__(self):
+        self.launches, self.listing = 0, False  # listing: the current line is a list of completed steps
+
+    def show(self, line: str) -> None:
+        if (m := RESUMED_LINE.search(line)) is not None:
+            world, step, _ = m.groups()
+            self.launches += 1
+            start = "fresh start from step 0" if step == "0" else f"resumed from the checkpoint of step {step}"
+            self._write(f"\n  launch {self.launches}, {world} workers, {start}; optimizer steps completed:", True)
+        elif (m := STEP_LINE.search(line)) is not None:
+            if not self.listing:  # rank 0 finished it before the fault, its line just arrived after the fault's
+                self._write("\n  completed before the fault, reported after it: step", True)
+            self._write(f" {m.group(1)}", True)
+        elif "fault injection" in line:
+            self._write(f"\n  {line.split('] ', 1)[1]} -> node B is gone (its agent and worker killed)", False)
+
+    def _write(self, text: str, listing: bool) -> None:
+        print(text, end="", flush=True)
+        self.listing = listing
 
 
 def _reference(run_dir: Path, timeout: float) -> None:
