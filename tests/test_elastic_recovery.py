@@ -8,13 +8,14 @@ import json
 import os
 import subprocess
 import sys
+from datetime import timedelta
 
 import pytest
 import torch
 
 from loader.audit import audit
 from loader.publish import latest
-from tests.elastic import EXAMPLE, logs, run_generation
+from tests.elastic import EXAMPLE, load_example, logs, run_generation
 
 pytestmark = pytest.mark.slow
 
@@ -147,6 +148,13 @@ def test_torchrun_as_documented_restarts_without_any_setting_of_the_agent(tmp_pa
     assert "[rank 0] world size 2, grad_accum 6, resumed at step 3" in done.stdout
     assert_final_model_close(run, reference / "run")
     assert_audit_clean(run)
+
+
+def test_several_agents_sharing_their_store_are_told_how_to_restart_safely(monkeypatch):
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+    monkeypatch.setenv("GROUP_WORLD_SIZE", "2")
+    with pytest.raises(SystemExit, match="start every agent with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1"):
+        load_example()._store_of_this_launch(timedelta(seconds=5))
 
 
 def test_exception_and_clean_exhaustion_are_told_apart_in_the_logs(tmp_path):
