@@ -290,7 +290,8 @@ def load_checkpoint(
             optimizer.state.clear()  # get_state_dict gave it a state (a step with lr 0) to learn its layout
         raise
     loader.load_state_dict(parts["progress"])
-    set_state_dict(model, optimizer, model_state_dict=parts["weights"]["model"], optim_state_dict=parts["weights"]["optim"])
+    weights = parts["weights"]
+    set_state_dict(model, optimizer, model_state_dict=weights["model"], optim_state_dict=weights["optim"])
     for name, target in (("scheduler", scheduler), ("scaler", scaler)):
         if target is not None:
             target.load_state_dict(parts["extras"][name])
@@ -389,7 +390,8 @@ def _check_progress(loader, progress: dict) -> None:
     if sampler is not None:
         ResumableSampler(sampler.order, sampler.layout, sampler.rank).load_state_dict(progress)
     else:
-        StreamProgress(loader.dataset, loader.world_size, loader.rank, loader.grad_accum, False).load_state_dict(progress)
+        stream = StreamProgress(loader.dataset, loader.world_size, loader.rank, loader.grad_accum, snapshots=False)
+        stream.load_state_dict(progress)
 
 
 def _read_weights(path: Path, model, optimizer, group) -> dict:

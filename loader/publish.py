@@ -291,7 +291,8 @@ def _parse_manifest(path: Path, raw: dict[str, Any]) -> Manifest:
         raise _broken(
             path,
             f"unknown format version {version!r} in {MANIFEST_NAME} (this loader reads versions 1 and "
-            f"{FORMAT_VERSION}; a newer loader may have written it — upgrade, or use a checkpoint this version wrote)",
+            f"{FORMAT_VERSION}; a newer loader may have written it — upgrade, or use a checkpoint this version "
+            f"wrote)",
         )
     step, created, files, extra = (raw.get(k) for k in ("step", "created", "files", "extra"))
     if not isinstance(step, int) or isinstance(step, bool) or step < 0:

@@ -99,7 +99,8 @@ def test_a_ledger_that_cannot_be_written_fails_the_save_on_every_rank(tmp_path):
     results = run_group(_save_with_a_broken_ledger, 2, str(tmp_path), timeout=60)
     for failed in results:
         assert failed["type"] == "SaveError" and failed["errno"] == errno.EEXIST, failed
-        assert f"was not published (in {tmp_path}): rank 0: FileExistsError: [Errno 17] File exists" in failed["message"]
+        cause = f"was not published (in {tmp_path}): rank 0: FileExistsError: [Errno 17] File exists"
+        assert cause in failed["message"]
     assert latest(tmp_path) is None and not list(tmp_path.glob("step-*"))
 
 

@@ -14,7 +14,8 @@ def test_demo_loses_a_node_and_finishes_exactly_once():
     out = done.stdout
     assert done.returncode == 0, out + done.stderr
     assert "launch 1, 4 workers, fresh start from step 0; optimizer steps completed: 1 2 3" in out
-    resumed = re.search(r"launch 2, 3 workers, resumed from the checkpoint of step (\d+); optimizer steps completed: \d", out)
+    resumed = re.search(r"launch 2, 3 workers, resumed from the checkpoint of step (\d+); optimizer steps completed: \d",
+                        out)
     assert resumed and int(resumed.group(1)) % 3 == 0  # a published checkpoint step
     assert re.search(r"0\s+finished\s+480\s+480\s+0\s+0\s+0", out)  # the audit row of epoch 0
     assert "audit: every sample exactly once" in out
