@@ -10,6 +10,7 @@ from loader import ResumableDataLoader
 from loader.checkpoint import load_checkpoint, resume, save_checkpoint
 from loader.publish import CheckpointError, CheckpointWarning, latest
 from tests.conftest import IndexDataset
+from tests.test_dataloader import Stream
 
 def make(seed=0, n=60):
     torch.manual_seed(0)
@@ -168,6 +169,19 @@ def test_a_failed_load_changes_nothing(tmp_path, mismatch, match, trained):
     assert everything(target) == before
     if not trained:  # a caller falling back to a fresh start starts at the first batch, skipping nothing
         assert next(iter(target["loader"])).tolist() == fresh_batch
+
+
+def test_a_stream_progress_that_cannot_be_repartitioned_changes_nothing(tmp_path):
+    torch.manual_seed(0)
+    saved = dict(make(), loader=ResumableDataLoader(Stream(40), batch_size=4))
+    train(saved, 3)
+    path = save_checkpoint(tmp_path, 3, **saved)
+    target = dict(make(), loader=ResumableDataLoader(Stream(40), batch_size=4, rank=0, world_size=2))
+    before = everything(target)
+    with pytest.raises(CheckpointError, match="the loader progress does not fit this run: this IterableDataset "
+                       "progress was saved at world_size 1, the loader runs at 2.*Nothing was changed"):
+        load_checkpoint(path, **target)
+    assert everything(target) == before
 
 
 def test_missing_parts_are_clear_errors(tmp_path):
