@@ -145,11 +145,12 @@ def test_the_ledger_and_the_audit_list_failed_samples_in_their_own_column(tmp_pa
     dl = ResumableDataLoader(FailingDataset(n, bad), batch_size=5, shuffle=True, seed=2, drop_last=False)
     dl.ledger = Ledger.open(tmp_path, 0, n)
     delivered, _ = train_skipping_bad_batches(iter(dl), dl)
+    dl.ledger.record_finished(merge_states([dl.state_dict()]), dl)
     dl.ledger.close()
     (report,) = audit(tmp_path)
     failed = failed_batches(dict(batch_size=5, shuffle=True, seed=2), n, bad)
     assert sorted(report.failed.tolist()) == sorted(itertools.chain.from_iterable(failed))
-    assert report.seen_once == n - 5 * len(failed) and not len(report.duplicated)
+    assert report.seen_once == n - 5 * len(failed) and not len(report.duplicated) and report.finished
     assert audit_main(str(tmp_path)) == 0
     assert "failed to load" in capsys.readouterr().out
 
