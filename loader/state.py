@@ -278,9 +278,10 @@ def _delivered_spans(plan: EpochPlan, completed: list[int]) -> np.ndarray:
     return normalize(np.concatenate(spans))
 
 
-def merge(ranks: list[RankProgress]) -> Progress:
+def merge(ranks: list[RankProgress], uneven: bool = False) -> Progress:
     """The global progress committed by all ranks of one layout (given in rank order; a single state of a
-    multi-rank layout stands for every rank in lockstep)."""
+    multi-rank layout stands for every rank in lockstep). Unless `uneven`, the ranks must have completed the same
+    micro-batches in every epoch, as the ranks of a lockstep run do at any one step."""
     base, layout = ranks[0].base, ranks[0].layout
     n = base.num_samples
     epoch, finished, last, plans = base.epoch, [], max(r.epoch for r in ranks), {}
@@ -297,6 +298,8 @@ def merge(ranks: list[RankProgress]) -> Progress:
                     f"{plan.batches_per_rank} in updates of {layout.grad_accum}: the state is corrupted or belongs "
                     f"to another run"
                 )
+        if not uneven and min(completed) != max(completed):
+            raise _different_steps(ranks, completed, e)
         spans = union(base.committed_in(e), remaining.covering_spans(_delivered_spans(plan, completed)))
         if all(done == plan.batches_per_rank for done in completed):
             epoch = e + 1
@@ -313,6 +316,15 @@ def merge(ranks: list[RankProgress]) -> Progress:
                     before[0] + max(d[0] for d in done), before[1] + max(d[1] for d in done))
 
 
+def _different_steps(ranks: list[RankProgress], completed: list[int], epoch: int) -> StateError:
+    most, least = completed.index(max(completed)), completed.index(min(completed))
+    return StateError(
+        f"rank {ranks[most].rank} completed {completed[most]} micro-batches of epoch {epoch}, rank {ranks[least].rank} "
+        f"{completed[least]}: the states come from different steps. Pass the states of one step, or merge_states("
+        f"states, uneven=True) for a run whose ranks consume unequal amounts (DDP Join), as save_checkpoint does"
+    )
+
+
 def _done_in(plan: EpochPlan | None, rank: RankProgress, epoch: int) -> tuple[int, int]:
     """(micro-batches, samples) a rank completed in `epoch`, whose plan (if the merge walked it) is given."""
     if plan is None or rank.epoch < epoch:
@@ -321,11 +333,15 @@ def _done_in(plan: EpochPlan | None, rank: RankProgress, epoch: int) -> tuple[in
     return completed, plan.samples_from(rank.rank, 0) - plan.samples_from(rank.rank, completed)
 
 
-def merge_states(states: list[dict]) -> dict:
+def merge_states(states: list[dict], uneven: bool = False) -> dict:
     """Combine the states of all ranks, saved at one step of one world size, into the global progress.
 
-    A pure function: usable without torch.distributed, e.g. offline on saved files. Stream states (IterableDataset)
-    cannot be merged into positions; they are checked and kept side by side per rank."""
+    A pure function: usable without torch.distributed, e.g. offline on saved files. The states carry no step, but
+    at any one step the ranks of a lockstep run (DDP, FSDP) have completed the same micro-batches, so states that
+    differ were saved at different steps and are refused. `uneven=True` merges ranks that deliberately consumed
+    unequal amounts (DDP Join); it is for states known to come from one step, as a collective gathers them
+    (`loader.checkpoint.global_progress`). Stream states (IterableDataset) cannot be merged into positions; they
+    are checked and kept side by side per rank."""
     if isinstance(states, dict) or not states:
         raise StateError("merge_states takes a non-empty list of per-rank state dicts (one per rank)")
     kinds = {_check_header(s, ("rank", "stream"), f"states[{i}]") for i, s in enumerate(states)}
@@ -345,7 +361,7 @@ def merge_states(states: list[dict]) -> dict:
                     f"pass the states of one step of one run"
                 )
     _check_ranks([r.rank for r in ranks], first.layout.world_size)
-    return merge(sorted(ranks, key=lambda r: r.rank)).to_dict()
+    return merge(sorted(ranks, key=lambda r: r.rank), uneven).to_dict()
 
 
 def progress_of(state) -> Progress:

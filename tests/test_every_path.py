@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from loader import ContinuedPassWarning, ResumableDataLoader, merge_states
+from loader import ContinuedPassWarning, ResumableDataLoader, StateError, merge_states
 from loader.audit import audit
 from loader.ledger import Ledger
 from tests.conftest import IndexDataset
@@ -345,3 +345,36 @@ def test_the_iterator_forwards_torchs_attributes():
     it = iter(dl)
     assert len(it._workers) == 2 and it._num_workers == 2
     assert_exactly_once(8, [b.tolist() for b in it])
+
+
+def test_states_of_different_steps_do_not_merge_unless_the_run_was_uneven():
+    n, kw = 40, dict(batch_size=2, shuffle=True, seed=3)
+    ranks = [ResumableDataLoader(IndexDataset(n), rank=r, world_size=2, **kw) for r in range(2)]
+    iterators = [iter(dl) for dl in ranks]
+    files = {}
+    for step in range(1, 4):  # lockstep: each step, one micro-batch per rank; per-rank files saved every step
+        for rank, it in enumerate(iterators):
+            next(it)
+            files[rank, step] = ranks[rank].state_dict()
+    assert merge_states([files[0, 3], files[1, 3]])["committed"] == [[0, [0, 12]]]
+    with pytest.raises(StateError, match="rank 0 completed 3 micro-batches of epoch 0, rank 1 2: the states come "
+                                         "from different steps.*uneven=True"):
+        merge_states([files[0, 3], files[1, 2]])
+    dl = ResumableDataLoader(IndexDataset(n), **kw)
+    with pytest.raises(StateError, match="different steps"):
+        dl.load_state_dict([files[0, 3], files[1, 2]])
+    assert dl.state_dict() == ResumableDataLoader(IndexDataset(n), **kw).state_dict()
+    uneven = merge_states([files[0, 3], files[1, 2]], uneven=True)  # e.g. rank 1 joined early (DDP Join)
+    assert uneven["committed"] == [[0, [0, 10]]]  # rank 0: [0, 2) [4, 6) [8, 10); rank 1: [2, 4) [6, 8)
+
+
+def test_ranks_on_both_sides_of_an_epoch_boundary_are_one_step():
+    """One rank already took the next iter() (its new epoch has nothing delivered), the other not: same step."""
+    kw = dict(batch_size=2, shuffle=True, seed=3, world_size=2)
+    ranks = [ResumableDataLoader(IndexDataset(12), rank=r, **kw) for r in range(2)]
+    for dl in ranks:
+        list(dl)
+    iter(ranks[0])
+    assert (ranks[0].epoch, ranks[1].epoch) == (1, 0)
+    merged = merge_states([dl.state_dict() for dl in ranks])
+    assert merged["epoch"] == 1 and merged["committed"] == []
