@@ -49,10 +49,13 @@ def _dcp(call, state: dict, path, group) -> None:
 def global_progress(loader, group=None) -> dict:
     """The loader progress of all ranks, merged: loadable at any world size. A collective: every rank calls it.
 
-    Ranks exchange their states without the base they share (see `detach_base`): O(world size) bytes."""
+    Ranks exchange their states without the base they share (see `detach_base`): O(world size) bytes. The states
+    are of one step by construction, so ranks that consumed unequal amounts (DDP Join) merge as they are."""
     state = loader.state_dict()
     gathered = all_gather(detach_base(state), group)
-    return merge_states(attach_base(gathered, state["base"]) if state.get("kind") == "rank" else gathered)
+    if state.get("kind") != "rank":
+        return merge_states(gathered)
+    return merge_states(attach_base(gathered, state["base"]), uneven=True)
 
 
 class LoaderState(Stateful):

@@ -150,8 +150,7 @@ def _default_rank_and_world(rank: int | None, world_size: int | None) -> tuple[i
     return rank, world_size
 
 
-def _order_for(dataset, shuffle: bool, seed: int, shuffle_blocks) -> Order:
-    num_samples = len(dataset)
+def _order_for(num_samples: int, shuffle: bool, seed: int, shuffle_blocks) -> Order:
     if not shuffle:
         if shuffle_blocks is not None:
             raise ValueError("shuffle_blocks needs shuffle=True")
@@ -250,7 +249,9 @@ class ResumableDataLoader(DataLoader[T_co]):
             super().__init__(dataset, batch_size=batch_size, shuffle=shuffle, drop_last=drop_last, **common)
             return
         self._stream = None
-        self.resumable_sampler = ResumableSampler(_order_for(dataset, bool(shuffle), seed, shuffle_blocks), layout, rank)
+        self._shuffle_blocks = shuffle_blocks
+        order = _order_for(len(dataset), bool(shuffle), seed, shuffle_blocks)
+        self.resumable_sampler = ResumableSampler(order, layout, rank)
         indices = _WithSampleSeeds(self.resumable_sampler, seed) if sample_seeds else self.resumable_sampler
         rank_indices = _RankIndices(indices, self.resumable_sampler, self.set_epoch)
         if batch_size is None:
@@ -319,7 +320,25 @@ class ResumableDataLoader(DataLoader[T_co]):
             skip = self._stream.begin_pass()
             return _Delivery(super().__iter__(), self, self._iterations, skip)
         self.resumable_sampler.begin_pass()
+        self._follow_length()
         return _Delivery(super().__iter__(), self, self._iterations)
+
+    def _follow_length(self) -> None:
+        """The dataset's length, read when an epoch starts as torch's samplers read it: a dataset that grew (or
+        shrank) between passes is dealt whole from this epoch on. One len() per epoch start, none per batch."""
+        sampler = self.resumable_sampler
+        if not sampler.at_epoch_start:
+            return
+        old, new = sampler.order.num_samples, len(self.dataset)
+        if new == old:
+            return
+        if self._shuffle_blocks is not None and not is_int(self._shuffle_blocks):
+            raise ValueError(
+                f"the dataset's length changed from {old} to {new} before epoch {sampler.epoch} started, but "
+                f"shuffle_blocks was given as block sizes summing to {old}: build a new ResumableDataLoader with block "
+                f"sizes for {new} (an int window follows the length)"
+            )
+        sampler.follow_length(_order_for(new, sampler.order.shuffle != "none", self.seed, self._shuffle_blocks))
 
     def _supersede(self) -> None:
         """From now on, only an iterator made after this call delivers."""

@@ -118,6 +118,27 @@ class ResumableSampler:
         if self._ended:
             self.set_epoch(self._epoch + 1)
 
+    @property
+    def at_epoch_start(self) -> bool:
+        """Nothing of the current epoch is handed out on this rank (an epoch restored as finished excepted)."""
+        return self._position == 0 and self._epoch >= self._base.epoch
+
+    def follow_length(self, order: Order) -> None:
+        """The dataset changed length before this epoch started: deal `order`, built for the new length, from this
+        epoch on (earlier epochs are finished whatever they committed). Progress committed under the old length for
+        this epoch or a later one cannot be mapped onto the new one: refused, before anything changes."""
+        old, new = self.order.num_samples, order.num_samples
+        ahead = [e for e in self._base.committed if e >= self._epoch]
+        if ahead:
+            raise ValueError(
+                f"the dataset's length changed from {old} to {new} before epoch {self._epoch} started, but epoch "
+                f"{min(ahead)} has progress committed under {old} samples, whose positions would name other samples "
+                f"now: resume with the dataset of {old} samples until that epoch is done, then change it"
+            )
+        self.order = order
+        self._recent_chunks.clear()
+        self._start_epoch(self._epoch)
+
     def deliver(self) -> None:
         """The loader handed the next micro-batch to the training loop."""
         self._last_delivered = self._position

@@ -260,7 +260,7 @@ def test_uneven_state_grows_with_intervals_only():
     ranks = [ResumableDataLoader(IndexDataset(10_000), batch_size=2, rank=r, world_size=2) for r in range(2)]
     batches(ranks[0], count=50)
     batches(ranks[1], count=10)
-    merged = merge_states([dl.state_dict() for dl in ranks])
+    merged = merge_states([dl.state_dict() for dl in ranks], uneven=True)
     (epoch, flat), = merged["committed"]
     # rank 0's 40 micro-batches beyond rank 1's progress leave 40 holes: the first merges into the prefix
     assert len(flat) == 2 * 40 and flat[:2] == [0, 42] and flat[-2:] == [49 * 4, 49 * 4 + 2]

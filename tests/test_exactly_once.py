@@ -103,7 +103,7 @@ def simulate(data, n, batch_size, grad_accum, shuffle, drop_last, worlds, num_wo
     def merge(ranks, world):
         """Also records, per epoch, the dropped positions and what the tail rule drops of the samples the finishing
         layout started from: R mod G with drop_last, else nothing unless R < W."""
-        merged = merge_states([rank.dl.state_dict() for rank in ranks])
+        merged = merge_states([rank.dl.state_dict() for rank in ranks], uneven=True)
         for record in merged["finished"]:
             if record["epoch"] not in dropped:
                 dropped[record["epoch"]] = record["dropped"]
