@@ -414,7 +414,7 @@ def merge_states(states: list[dict], uneven: bool = False) -> dict:
     unequal amounts (DDP Join); it is for states known to come from one step, as a collective gathers them
     (`loader.checkpoint.global_progress`). Stream states (IterableDataset) cannot be merged into positions; they
     are checked and kept side by side per rank."""
-    if isinstance(states, dict) or not states:
+    if not isinstance(states, (list, tuple)) or not states:
         raise StateError("merge_states takes a non-empty list of per-rank state dicts (one per rank)")
     kinds = {_check_header(s, ("rank", "stream"), f"states[{i}]") for i, s in enumerate(states)}
     if len(kinds) > 1:

@@ -342,6 +342,11 @@ def test_a_huge_or_deeply_nested_value_gives_a_short_message(path, value, messag
     refused(edited(one_rank_mid_epoch(), path, value), message)
 
 
+@pytest.mark.parametrize("states", [iter([one_rank_mid_epoch()]), one_rank_mid_epoch(), []])
+def test_merge_states_takes_a_list(states):
+    refused(states, "merge_states takes a non-empty list of per-rank state dicts", load=False)
+
+
 def test_a_layout_whose_global_batch_overflows_is_refused():
     state = edited(one_rank_mid_epoch(), ("layout", "batch_size"), 2**61)
     refused(edited(state, ("layout", "grad_accum"), 2**61), f"global batch of {2**122}")
