@@ -19,6 +19,7 @@ import json
 import reprlib
 from dataclasses import dataclass
 from functools import cached_property
+from typing import Callable
 
 import numpy as np
 
@@ -47,13 +48,8 @@ def intervals_to_json(intervals: np.ndarray) -> list[int]:
     return intervals.reshape(-1).tolist()
 
 
-def intervals_from_json(flat, n: int, what: str) -> np.ndarray:
-    """Parse and check the JSON form; `what` names the field in the error message."""
-    return _interval_lists([flat], n, lambda _: what)[0]
-
-
-def _interval_lists(flats: list, n: int, name) -> list[np.ndarray]:
-    """Parse and check many JSON interval lists at once (a state holds up to one per epoch for thousands of epochs,
+def intervals_from_json(flats: list, n: int, name: Callable[[int], str]) -> list[np.ndarray]:
+    """Parse and check JSON interval lists, all at once (a state holds up to one per epoch for thousands of epochs,
     where numpy's cost per call would dominate); `name(i)` names the i-th in an error message."""
     sizes = []
     for i, flat in enumerate(flats):
@@ -216,7 +212,7 @@ class Progress:
         if len(set(epochs)) < len(epochs):
             twice = next(e for e, count in collections.Counter(epochs).items() if count > 1)
             raise StateError(f"{where}.committed lists epoch {twice} twice: the state is corrupted")
-        spans = _interval_lists([entry[1] for entry in entries], n, lambda i: f"{where}.committed[epoch {epochs[i]}]")
+        spans = intervals_from_json([entry[1] for entry in entries], n, lambda i: f"{where}.committed[epoch {epochs[i]}]")
         committed = dict(zip(epochs, spans))
         records = _get(state, "finished", list, where)
         _check_count(records, f"{where}.finished")
@@ -225,7 +221,7 @@ class Progress:
             raise StateError(f"{where}.finished must list epochs before {epoch} in increasing order, got "
                              f"{_short(done_epochs)}: the state is corrupted")
         dropped = [_get(record, "dropped", list, f"{where}.finished[{i}]") for i, record in enumerate(records)]
-        finished = tuple(zip(done_epochs, _interval_lists(dropped, n, lambda i: f"{where}.finished[{i}].dropped")))
+        finished = tuple(zip(done_epochs, intervals_from_json(dropped, n, lambda i: f"{where}.finished[{i}].dropped")))
         end = _get(state, "end_of_epoch", (dict, type(None)), where, default=None)
         if end is not None:
             if _get(end, "epoch", int, f"{where}.end_of_epoch") != epoch - 1:
@@ -418,7 +414,7 @@ def merge_states(states: list[dict], uneven: bool = False) -> dict:
     unequal amounts (DDP Join); it is for states known to come from one step, as a collective gathers them
     (`loader.checkpoint.global_progress`). Stream states (IterableDataset) cannot be merged into positions; they
     are checked and kept side by side per rank."""
-    if isinstance(states, dict) or not states:
+    if not isinstance(states, (list, tuple)) or not states:
         raise StateError("merge_states takes a non-empty list of per-rank state dicts (one per rank)")
     kinds = {_check_header(s, ("rank", "stream"), f"states[{i}]") for i, s in enumerate(states)}
     if len(kinds) > 1:

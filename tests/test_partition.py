@@ -128,7 +128,8 @@ def test_interval_set_algebra(a, b):
     assert as_set(merged) == as_set(a) | as_set(b)
     assert (merged[1:, 0] > merged[:-1, 1]).all()  # sorted, disjoint, not touching
     assert as_set(complement(merged, 130)) == set(range(130)) - as_set(merged)
-    assert np.array_equal(intervals_from_json(intervals_to_json(merged), 130, "x"), merged)
+    (parsed,) = intervals_from_json([intervals_to_json(merged)], 130, str)
+    assert np.array_equal(parsed, merged)
 
 
 @settings(max_examples=200, deadline=None)
@@ -147,9 +148,16 @@ def test_remaining_index_maps_to_uncommitted_positions_in_order(committed, data)
 
 
 def test_corrupted_intervals_are_rejected_with_the_field_name():
-    with pytest.raises(StateError, match="committed.*sorted, disjoint"):
-        intervals_from_json([5, 3], 10, "committed")
-    with pytest.raises(StateError, match="committed.*inside \\[0, 10\\)"):
-        intervals_from_json([0, 11], 10, "committed")
-    with pytest.raises(StateError, match="flat list of int pairs"):
-        intervals_from_json([0, 1, 2], 10, "committed")
+    def name(i):
+        return f"committed[{i}]"
+
+    with pytest.raises(StateError, match="committed\\[0\\].*sorted, disjoint"):
+        intervals_from_json([[5, 3]], 10, name)
+    with pytest.raises(StateError, match="committed\\[0\\].*inside \\[0, 10\\)"):
+        intervals_from_json([[0, 11]], 10, name)
+    with pytest.raises(StateError, match="committed\\[0\\] must be a flat list of int pairs"):
+        intervals_from_json([[0, 1, 2]], 10, name)
+    with pytest.raises(StateError, match="committed\\[2\\].*sorted, disjoint"):  # the list it is in is named
+        intervals_from_json([[0, 2], [], [1, 3, 2, 6]], 10, name)
+    parsed = intervals_from_json([[0, 2], [], [1, 3, 5, 6]], 10, name)  # each list is checked on its own
+    assert [p.tolist() for p in parsed] == [[[0, 2]], [], [[1, 3], [5, 6]]]

@@ -122,11 +122,15 @@ JUNK = st.one_of(
 )
 
 
-def _nodes(node, path=()):
-    yield path, node
-    children = node.items() if isinstance(node, dict) else enumerate(node) if isinstance(node, list) else ()
-    for key, child in children:
-        yield from _nodes(child, path + (key,))
+def _nodes(root) -> list[tuple[tuple, object]]:
+    """Every (path, node) of a state, the root included."""
+    found, stack = [], [((), root)]
+    while stack:
+        path, node = stack.pop()
+        found.append((path, node))
+        children = node.items() if isinstance(node, dict) else enumerate(node) if isinstance(node, list) else ()
+        stack.extend((path + (key,), child) for key, child in children)
+    return found
 
 
 def _at(root, path):
@@ -147,7 +151,7 @@ HEADER = ("format", "version", "kind")  # refused by a plain comparison: mutated
 
 def mutate(data, state):
     """One mutation of `state` (changed in place where it can be; the result is returned)."""
-    nodes = list(_nodes(state))
+    nodes = _nodes(state)
     fields = [(path, value) for path, value in nodes if not path or path[-1] not in HEADER]
     operation = data.draw(st.sampled_from(["nudge"] * 3 + ["replace"] * 2 + ["delete", "duplicate", "swap",
                                                                               "reverse", "header"]))
@@ -183,10 +187,12 @@ def mutate(data, state):
 
 
 def mutated(data, name):
-    """A mutated copy of a real state: JSON-copied (every base a dict of its own) or deep-copied (the ranks' states
-    sharing one base dict, as a process's do, so one corrupted base reaches them all)."""
-    state = real_state(name)
-    state = copy.deepcopy(state) if data.draw(st.booleans()) else json.loads(json.dumps(state))
+    """A mutated copy of a real state. The ranks' states of a list have a base dict each, or share one, as a
+    process's states do, so that one corrupted base reaches them all."""
+    state = json.loads(json.dumps(real_state(name)))
+    if isinstance(state, list) and data.draw(st.booleans()):
+        for other in state[1:]:
+            other["base"] = state[0]["base"]
     for _ in range(data.draw(st.integers(1, 3))):
         state = mutate(data, state)
     return state
@@ -222,7 +228,8 @@ def count(flat) -> int:
 
 def committed_counts(progress) -> dict[int, int]:
     """Committed positions per epoch of a global state: its committed intervals, or all but the dropped ones."""
-    counts = {record["epoch"]: N - count(record["dropped"]) for record in progress["finished"]}
+    n = progress["fingerprint"]["num_samples"]
+    counts = {record["epoch"]: n - count(record["dropped"]) for record in progress["finished"]}
     counts.update((epoch, count(flat)) for epoch, flat in progress["committed"])
     return counts
 
@@ -234,7 +241,7 @@ def check_merged_counts(states, merged):
     base, layout = ranks[0]["base"], Layout(**ranks[0]["layout"])
     before, after = committed_counts(base), committed_counts(merged)
     for epoch in range(base["epoch"], max(r["epoch"] for r in ranks) + 1):
-        plan = EpochPlan(N - before.get(epoch, 0), layout)
+        plan = EpochPlan(base["fingerprint"]["num_samples"] - before.get(epoch, 0), layout)
         done = [plan.batches_per_rank if r["epoch"] > epoch else r["completed"] if r["epoch"] == epoch else 0
                 for r in ranks]
         if len(ranks) == 1:  # one rank's state stands for every rank
@@ -333,6 +340,11 @@ def test_a_field_of_the_wrong_type_among_several_allowed_is_named():
 ])
 def test_a_huge_or_deeply_nested_value_gives_a_short_message(path, value, message):
     refused(edited(one_rank_mid_epoch(), path, value), message)
+
+
+@pytest.mark.parametrize("states", [iter([one_rank_mid_epoch()]), one_rank_mid_epoch(), []])
+def test_merge_states_takes_a_list(states):
+    refused(states, "merge_states takes a non-empty list of per-rank state dicts", load=False)
 
 
 def test_a_layout_whose_global_batch_overflows_is_refused():
