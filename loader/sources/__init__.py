@@ -1,5 +1,6 @@
 """Map-style data sources the loader can shuffle, partition and resume."""
 
+from loader.sources.mixture import Mixture, MixturePlan
 from loader.sources.tokens import TokenFileError, TokenSource
 from loader.sources.webdataset import (
     MissingKeyError,
@@ -10,6 +11,6 @@ from loader.sources.webdataset import (
 )
 
 __all__ = [
-    "MissingKeyError", "ShardFormatError", "StaleIndexError", "TokenFileError", "TokenSource", "WebDatasetSource",
-    "prepare_indexes",
+    "MissingKeyError", "Mixture", "MixturePlan", "ShardFormatError", "StaleIndexError", "TokenFileError",
+    "TokenSource", "WebDatasetSource", "prepare_indexes",
 ]
