@@ -1,4 +1,4 @@
-"""Command line: `python -m loader demo`, `python -m loader audit RUN_DIR` and `python -m loader index SHARDS`."""
+"""Command line: `python -m loader demo [--lm]`, `python -m loader audit RUN_DIR` and `python -m loader index SHARDS`."""
 
 import argparse
 import os
@@ -35,7 +35,10 @@ def _by_source(plan_path: str) -> tuple[audit.Grouping, object]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m loader", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
-    commands.add_parser("demo", help="an elastic torchrun job loses a node mid-step and resumes on fewer workers")
+    demo_command = commands.add_parser("demo", help="an elastic torchrun job loses a node mid-step and resumes on "
+                                                    "fewer workers")
+    demo_command.add_argument("--lm", action="store_true", help="the job of examples/train_lm.py: a transformer on a "
+                                                                "70/30 mixture of token files, audited per source")
     check = commands.add_parser("audit", help="per epoch: samples seen once, skipped, duplicated, dropped by policy")
     check.add_argument("run_dir", help="the run directory whose ledger/ to read")
     check.add_argument("--limit", type=int, default=20, help="offending indices to print per epoch")
@@ -63,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
             grouping, describe = _by_source(args.mixture)
             return audit.main(args.run_dir, args.limit, describe, grouping)
         return audit.main(args.run_dir, args.limit, _describe_by_key(args.shards) if args.shards else str)
-    return demo.main()
+    return demo.main(args.lm)
 
 
 if __name__ == "__main__":
