@@ -153,25 +153,30 @@ def permute(x: np.ndarray, n, keys: np.ndarray) -> np.ndarray:
     return out
 
 
-def _permute_within(blocks: np.ndarray, offsets: np.ndarray, sizes, key: np.uint64) -> np.ndarray:
-    """Offset o of block b under block b's own keyed permutation of range(size) (arrays of one shape): one set of
-    numpy calls for any number of blocks."""
-    with np.errstate(over="ignore"):
-        keys = _round_keys(_fmix64(np.asarray(blocks).astype(np.uint64) ^ key))
-    return permute(offsets, sizes, keys).astype(np.int64)
-
-
 @functools.lru_cache(maxsize=64)
 def _windows_key(seed: int) -> np.uint64:
     return _stream_key(seed, 0, _SALT_WINDOWS)
 
 
-def permute_windows(seed: int, windows: np.ndarray, offsets: np.ndarray, size: int) -> np.ndarray:
-    """Offset o of window k under window k's own keyed permutation of range(size), for 1-D arrays of (k, o) pairs.
+def window_arrangements(seed: int, windows: np.ndarray, size: int) -> np.ndarray:
+    """Row r: window windows[r]'s own keyed permutation of range(size), at every offset; shape (len(windows), size).
 
-    Why: a mixture arranges the slots of each window of its positions in a keyed order; evaluating the windows of a
-    whole batch in one vectorised call costs ~100 ns a slot, where an EpochOrder per window costs ~10 us each."""
-    return _permute_within(windows, offsets, size, _windows_key(seed))
+    Why: a mixture arranges the slots of each window of its positions in a keyed order; all the windows of a block
+    in one vectorised pass cost ~100 ns a slot, where an EpochOrder per window would cost ~10 us each."""
+    with np.errstate(over="ignore"):
+        keys = _round_keys(_fmix64(np.asarray(windows).astype(np.uint64) ^ _windows_key(seed)))
+    offsets = np.tile(np.arange(size, dtype=np.uint64), len(windows))
+    return permute(offsets, size, np.repeat(keys, size, axis=1)).astype(np.int64).reshape(len(windows), size)
+
+
+def epoch_round_keys(seeds: np.ndarray, epochs: np.ndarray) -> np.ndarray:
+    """The round keys of `Order(n, seed, "global").for_epoch(epoch)` for 1-D arrays of (seed, epoch) pairs, shape
+    (ROUNDS, len): with `permute` (keys per element) they evaluate many epochs' orders in one pass, as a batch of
+    mixture positions needs. Seeds and epochs are non-negative."""
+    with np.errstate(over="ignore"):
+        key = _fmix64(np.asarray(seeds, dtype=np.uint64) ^ np.uint64(_SALT_ORDER))
+        key = _fmix64(key ^ _fmix64(np.asarray(epochs, dtype=np.uint64) + _GOLDEN))
+    return _round_keys(key)
 
 
 def sample_seed(seed: int, epoch: int, index) -> np.ndarray | int:
@@ -260,5 +265,7 @@ class EpochOrder:
         slot = np.searchsorted(self._block_offsets, positions, side="right") - 1
         block = self._block_at[slot]
         sizes = np.asarray(self.order.block_sizes, dtype=np.int64)[block]
-        inner = _permute_within(block, positions - self._block_offsets[slot], sizes, self._inner_key)
+        with np.errstate(over="ignore"):
+            keys = _round_keys(_fmix64(block.astype(np.uint64) ^ self._inner_key))
+        inner = permute(positions - self._block_offsets[slot], sizes, keys).astype(np.int64)
         return self.order._block_starts[block] + inner

@@ -11,6 +11,7 @@ import torch
 
 from loader import ResumableDataLoader
 from loader.sources import TokenFileError, TokenSource
+from loader.sources.tokens import GATHER_ROWS
 
 
 def write_bin(path, tokens, dtype="uint16"):
@@ -43,7 +44,8 @@ def test_every_sample_is_the_concatenated_stream_sliced_across_file_boundaries(t
         assert sample.dtype == torch.int64 and sample.shape == (seq_len + 1,)
         assert sample.tolist() == reference(stream, seq_len, i).tolist()
     everything = list(range(len(src)))
-    for batch in [everything[::-1]] + [everything[i:i + 3] for i in range(len(src))]:  # across files, inside one
+    runs = [everything[i:i + size] for size in (3, GATHER_ROWS + 1) for i in range(len(src))]
+    for batch in [everything[::-1]] + runs:  # across files, inside one file (copied, or gathered at once)
         assert [s.tolist() for s in src.__getitems__(batch)] == [reference(stream, seq_len, i).tolist() for i in batch]
     with pytest.raises(IndexError, match=f"out of range for {len(src)} samples"):
         src[len(src)]

@@ -6,10 +6,11 @@ of (seed, position) inherits it whole, and nothing (no sample list of 1e9 entrie
 Positions fall into windows of M = sum(counts) positions; every window holds exactly counts[s] slots of source s
 (counts: the weights apportioned to M by largest remainder, so |counts[s] - w_s * M| < 1, and exactly w_s * M when
 the weights are multiples of 1/M, which the default window picks when it can). Inside window k the slots are
-arranged by a keyed permutation of range(M) (loader.order.permute_windows, keyed by (seed, k)). The m-th slot of
+arranged by a keyed permutation of range(M) (loader.order.window_arrangements, keyed by (seed, k)). The m-th slot of
 source s in window k, in position order, is that source's draw j = counts[s] * k + m; draw j is index
-Order(len_s, seed_s).for_epoch(j // len_s)(j % len_s): a source that runs out continues with its next epoch in a
-new order, and taking a source's draws in position order, each run [e * len_s, (e + 1) * len_s) is a permutation.
+Order(len_s, seed_s).for_epoch(j // len_s)(j % len_s) (evaluated for many epochs in one pass with
+loader.order.epoch_round_keys): a source that runs out continues with its next epoch in a new order, and taking a
+source's draws in position order, each run [e * len_s, (e + 1) * len_s) is a permutation.
 Numbering draws in position order (not in the permuted order) is what keeps a source epoch that ends inside a
 window from lending one of its draws to the next epoch.
 """
@@ -29,12 +30,13 @@ import numpy as np
 import torch.utils.data
 
 from loader._checks import check_positive_int, is_int
-from loader.order import ORDER_VERSION, EpochOrder, Order, permute_windows
+from loader.order import ORDER_VERSION, epoch_round_keys, permute, window_arrangements
 
 __all__ = ["MAX_WINDOW", "Mixture", "MixturePlan", "window_counts"]
 
 MAX_WINDOW = 10_000  # the default window is the smallest M <= this that represents every weight exactly
-BLOCK = 4096  # positions mapped per vectorised call when access is sequential (the usual shuffle=False case)
+BLOCK = 2048  # positions mapped per vectorised call when access is sequential (the usual shuffle=False case): a
+# block costs ~50 numpy calls, and its temporaries stay within 1 MB
 PLAN_KIND, PLAN_VERSION = "loader.MixturePlan", 1
 _EXACT = 1e-6  # a weight times M within this of an integer counts as exact (weights written with 6 decimals)
 
@@ -61,11 +63,6 @@ def window_counts(weights: Sequence[float], window: int | None = None) -> tuple[
 def _source_seed(seed: int, name: str) -> int:
     """Each source's own order seed, from the mixture seed and the source's name (not its place in the list)."""
     return int.from_bytes(hashlib.sha256(f"{seed}/{name}".encode()).digest()[:8], "little") >> 1
-
-
-@functools.lru_cache(maxsize=64)
-def _epoch_order(order: Order, epoch: int) -> EpochOrder:
-    return order.for_epoch(epoch)
 
 
 @dataclass(frozen=True)
@@ -105,16 +102,14 @@ class MixturePlan:
         return np.concatenate(([0], np.cumsum(self.counts))).astype(np.int64)
 
     @functools.cached_property
-    def _orders(self) -> tuple[Order, ...]:
-        shuffle = "global" if self.shuffle else "none"
-        return tuple(Order(n, _source_seed(self.seed, name), shuffle) for name, n in zip(self.names, self.lengths))
+    def _source_seeds(self) -> np.ndarray:
+        return np.array([_source_seed(self.seed, name) for name in self.names], dtype=np.uint64)
 
     def _slot_tables(self, windows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """For each window (rows) and slot (columns): its source, and its rank among that source's slots of the
         window in position order. O(M) per window, all windows in one vectorised pass."""
         m = self.window
-        slots = permute_windows(self.seed, np.repeat(windows, m), np.tile(np.arange(m), len(windows)), m)
-        source = np.searchsorted(self._bounds, slots.reshape(len(windows), m), side="right") - 1
+        source = np.searchsorted(self._bounds, window_arrangements(self.seed, windows, m), side="right") - 1
         by_source = np.argsort(source, axis=1, kind="stable")  # each source's slots, in position order
         rank = np.empty_like(by_source)
         first_of = self._bounds[np.take_along_axis(source, by_source, axis=1)]  # where each source's group starts
@@ -143,15 +138,14 @@ class MixturePlan:
         sources, ranks = self._slot_tables(distinct)
         source, rank = sources[row, slot], ranks[row, slot]
         draw = np.asarray(self.counts)[source] * windows + rank
-        epoch, at = np.divmod(draw, np.asarray(self.lengths)[source])
-        index = np.empty_like(draw)
-        epochs = int(epoch.max(initial=0)) + 1
-        groups, group = np.unique(source * epochs + epoch, return_inverse=True)  # few: sources x epochs touched
-        for number, key in enumerate(groups.tolist()):
-            members = np.nonzero(group == number)[0]
-            s, e = divmod(key, epochs)
-            index[members] = _epoch_order(self._orders[s], e)(at[members])
-        return source, index
+        length = np.asarray(self.lengths)[source]
+        epoch, at = np.divmod(draw, length)
+        if not self.shuffle:
+            return source, at
+        sources = len(self.names)  # a block draws from few (source, epoch) pairs: keys once per pair
+        pairs, pair = np.unique(epoch * sources + source, return_inverse=True)
+        keys = epoch_round_keys(self._source_seeds[pairs % sources], pairs // sources)
+        return source, permute(at, length, keys[:, pair]).astype(np.int64)
 
     def samples_per_source(self) -> tuple[int, ...]:
         """Positions of each source in [0, num_samples): the whole windows' counts plus the last window's part."""
@@ -288,11 +282,14 @@ class Mixture(torch.utils.data.Dataset):
     def __getitems__(self, positions: Sequence[int]) -> list:
         """A batch: each source asked once, for its share, in one call when it takes batches."""
         source, index = self.locate(positions)
-        out: list = [None] * len(source)
-        for s in np.unique(source).tolist():
-            rows = np.nonzero(source == s)[0]
-            for row, sample in zip(rows.tolist(), _fetch(self.sources[s], index[rows].tolist())):
-                out[row] = sample
+        by_source = np.argsort(source, kind="stable")
+        bounds = np.concatenate(([0], np.cumsum(np.bincount(source, minlength=len(self.sources))))).tolist()
+        rows, indices = by_source.tolist(), index[by_source].tolist()
+        out: list = [None] * len(rows)
+        for s, (low, high) in enumerate(zip(bounds[:-1], bounds[1:])):
+            if low < high:
+                for row, sample in zip(rows[low:high], _fetch(self.sources[s], indices[low:high])):
+                    out[row] = sample
         return out
 
     def __getitem__(self, position: int):

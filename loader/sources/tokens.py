@@ -34,6 +34,7 @@ _MEGATRON_HEADER = struct.Struct("<QBQQ")  # version, dtype code, sequences, doc
 _MEGATRON_DTYPES = {4: "int32", 8: "uint16"}  # megatron.core.datasets.indexed_dataset.DType codes of token dtypes
 
 Files = str | os.PathLike | Sequence[str | os.PathLike]
+GATHER_ROWS = 8  # from this many samples of one file on, one strided gather beats a copy per sample
 
 
 class TokenFileError(ValueError):
@@ -274,7 +275,8 @@ class TokenSource(torch.utils.data.Dataset):
         if eos_id is not None and (not isinstance(eos_id, int) or eos_id < 0):
             raise ValueError(f"eos_id must be a non-negative int token id, got {eos_id!r}")
         self.seq_len, self.eos_id = seq_len, eos_id
-        self._files = _token_files(_expand(files, "token files"), None if dtype is None else _token_dtype(dtype, "dtype="))
+        declared = None if dtype is None else _token_dtype(dtype, "dtype=")
+        self._files = _token_files(_expand(files, "token files"), declared)
         counts = np.array([f.count for f in self._files], dtype=np.int64)
         self._starts = np.concatenate(([0], np.cumsum(counts))).astype(np.int64)
         self.tokens = int(self._starts[-1])
@@ -297,19 +299,22 @@ class TokenSource(torch.utils.data.Dataset):
     def __len__(self) -> int:
         return self._len
 
-    def _locate(self, indices: Sequence[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(stream offset, file number, token offset in that file) of the first token of each sample."""
+    def _locate(self, indices: Sequence[int]) -> tuple[list[int], list[int]]:
+        """(file number, token offset in that file) of the first token of each sample, as Python ints: a batch is
+        a few samples, and per-sample Python is cheaper than numpy's per-call cost at that size."""
         if len(indices) and (min(indices) < 0 or max(indices) >= self._len):
             bad = next(i for i in indices if not 0 <= i < self._len)
             raise IndexError(f"sample index {bad} out of range for {self._len} samples")
+        if len(self._files) == 1:
+            return [0] * len(indices), [int(i) * self.seq_len for i in indices]
         starts = np.asarray(indices, dtype=np.int64) * self.seq_len
         files = np.searchsorted(self._starts, starts, side="right") - 1
-        return starts, files, starts - self._starts[files]
+        return files.tolist(), (starts - self._starts[files]).tolist()
 
     def sample_key(self, index: int) -> tuple[str, int]:
         """(token file, token offset in it): the identity of sample `index`."""
-        _, (file,), (offset,) = self._locate([index])
-        return self._files[file].path, int(offset)
+        (file,), (offset,) = self._locate([index])
+        return self._files[file].path, offset
 
     def _read(self, out: np.ndarray, file: int, offset: int, touched: set[int]) -> None:
         """Fill `out` with the tokens from (file, offset) on, continuing into the next files."""
@@ -351,23 +356,29 @@ class TokenSource(torch.utils.data.Dataset):
         return np.ndarray((rows, span), tokens.dtype, tokens, phase * itemsize, (self.seq_len * itemsize, itemsize))
 
     def __getitems__(self, indices: Sequence[int]) -> list:
-        """A batch in one call (torch's fetcher uses it): one file check per file the batch touches, and a batch
-        inside one file gathered at once."""
-        starts, files, offsets = self._locate(indices)
+        """A batch in one call (torch's fetcher uses it): one file check per file the batch touches, not per sample,
+        and a batch of GATHER_ROWS samples or more inside one file gathered by one fancy index."""
+        files, offsets = self._locate(indices)
         span = self.seq_len + 1
-        file = int(files[0]) if len(files) else 0
-        if len(files) and (files == file).all() and (offsets + span <= self._files[file].count).all():
-            out = self._windows(file)[offsets // self.seq_len].astype(np.int64)
-            touched = {file}
+        file = files[0] if files else 0
+        inside_one_file = files.count(file) == len(files) and max(offsets, default=0) + span <= self._files[file].count
+        if len(files) >= GATHER_ROWS and inside_one_file:
+            out, touched = self._windows(file)[np.asarray(offsets) // self.seq_len].astype(np.int64), {file}
         else:
             out, touched = np.empty((len(files), span), dtype=np.int64), set()
-            for row, (file, offset) in enumerate(zip(files.tolist(), offsets.tolist())):
-                self._read(out[row], file, offset, touched)
+            for row, (file, offset) in enumerate(zip(files, offsets)):
+                tokens = self._files[file].array()
+                if offset + span <= len(tokens):  # the usual sample: inside one file
+                    out[row] = tokens[offset:offset + span]
+                    touched.add(file)
+                else:
+                    self._read(out[row], file, offset, touched)
         for file in touched:
             self._files[file].check_unchanged()
         tokens = torch.from_numpy(out).unbind(0)
         if self.eos_id is None and self._documents is None:
             return list(tokens)
+        starts = np.asarray(indices, dtype=np.int64) * self.seq_len
         doc_ids = torch.from_numpy(self._doc_ids(out, starts)).unbind(0)
         return [{"tokens": t, "doc_ids": d} for t, d in zip(tokens, doc_ids)]
 
