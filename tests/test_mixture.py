@@ -155,8 +155,10 @@ def test_bad_arguments_are_clear_errors():
 
 def test_a_source_without_a_slot_is_refused():
     with pytest.raises(ValueError, match="source 'rare' has no slot in a window: raise its weight or window="):
-        mixture([10, 10], [1, 1e-9], 100, names=["common", "rare"])
-    assert mixture([10, 10], [1, 1e-9], 100, window=10**9 + 1).counts == (10**9, 1)  # a big enough window works
+        mixture([10, 10], [1, 1e-5], 100, names=["common", "rare"])
+    assert mixture([10, 10], [1, 1e-5], 100, window=10**5).counts == (99_999, 1)  # a big enough window works
+    with pytest.raises(ValueError, match="window=1048577: each process builds a window's slot table"):
+        mixture([10, 10], [1, 1e-9], 100, window=2**20 + 1)
 
 
 def test_a_billion_positions_cost_a_few_windows_of_memory():

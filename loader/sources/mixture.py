@@ -35,6 +35,7 @@ from loader.order import ORDER_VERSION, epoch_round_keys, permute, window_arrang
 __all__ = ["MAX_WINDOW", "Mixture", "MixturePlan", "window_counts"]
 
 MAX_WINDOW = 10_000  # the default window is the smallest M <= this that represents every weight exactly
+LARGEST_WINDOW = 1 << 20  # a window's slot table is O(M) per process
 BLOCK = 2048  # positions mapped per vectorised call when access is sequential (the usual shuffle=False case): a
 # block costs ~50 numpy calls, and its temporaries stay within 1 MB
 PLAN_KIND, PLAN_VERSION = "loader.MixturePlan", 1
@@ -54,6 +55,9 @@ def window_counts(weights: Sequence[float], window: int | None = None) -> tuple[
         exact = np.nonzero((np.abs(sizes - np.round(sizes)) <= _EXACT).all(axis=1))[0]
         window = int(exact[0]) + 1 if len(exact) else MAX_WINDOW
     check_positive_int("window", window)
+    if window > LARGEST_WINDOW:
+        raise ValueError(f"window={window}: each process builds a window's slot table, O(window) memory; pass a "
+                         f"window of at most {LARGEST_WINDOW}")
     ideal = w * window
     counts = np.floor(ideal).astype(np.int64)
     counts[np.argsort(counts - ideal, kind="stable")[: window - int(counts.sum())]] += 1
@@ -116,35 +120,32 @@ class MixturePlan:
         np.put_along_axis(rank, by_source, np.arange(m) - first_of, axis=1)
         return source, rank
 
-    def _check(self, positions: np.ndarray) -> None:
+    def _slots(self, positions) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(window, source, rank among the source's slots of the window) at each position."""
+        positions = np.asarray(positions, dtype=np.int64)
         if positions.size and (positions.min() < 0 or positions.max() >= self.num_samples):
             bad = positions[(positions < 0) | (positions >= self.num_samples)][0]
             raise IndexError(f"mixture position {bad} out of range for {self.num_samples} positions")
-
-    def source_of(self, positions) -> np.ndarray:
-        """The source number at each position."""
-        positions = np.asarray(positions, dtype=np.int64)
-        self._check(positions)
-        windows, slot = np.divmod(positions, self.window)
-        distinct, row = np.unique(windows, return_inverse=True)
-        return self._slot_tables(distinct)[0][row, slot]
-
-    def locate(self, positions) -> tuple[np.ndarray, np.ndarray]:
-        """(source number, index within that source) at each position: a pure function of (plan, position)."""
-        positions = np.asarray(positions, dtype=np.int64)
-        self._check(positions)
         windows, slot = np.divmod(positions, self.window)
         distinct, row = np.unique(windows, return_inverse=True)
         sources, ranks = self._slot_tables(distinct)
-        source, rank = sources[row, slot], ranks[row, slot]
+        return windows, sources[row, slot], ranks[row, slot]
+
+    def source_of(self, positions) -> np.ndarray:
+        """The source number at each position."""
+        return self._slots(positions)[1]
+
+    def locate(self, positions) -> tuple[np.ndarray, np.ndarray]:
+        """(source number, index within that source) at each position: a pure function of (plan, position)."""
+        windows, source, rank = self._slots(positions)
         draw = np.asarray(self.counts)[source] * windows + rank
         length = np.asarray(self.lengths)[source]
         epoch, at = np.divmod(draw, length)
         if not self.shuffle:
             return source, at
-        sources = len(self.names)  # a block draws from few (source, epoch) pairs: keys once per pair
-        pairs, pair = np.unique(epoch * sources + source, return_inverse=True)
-        keys = epoch_round_keys(self._source_seeds[pairs % sources], pairs // sources)
+        n = len(self.names)  # a block draws from few (source, epoch) pairs: keys once per pair
+        pairs, pair = np.unique(epoch * n + source, return_inverse=True)
+        keys = epoch_round_keys(self._source_seeds[pairs % n], pairs // n)
         return source, permute(at, length, keys[:, pair]).astype(np.int64)
 
     def samples_per_source(self) -> tuple[int, ...]:
