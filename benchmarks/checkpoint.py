@@ -59,7 +59,7 @@ def _rank_states(dataset, position: int, ahead: int) -> list[dict]:
 def _case(cfg: Config, n: int, position: int, ahead: int) -> dict:
     dataset = IndexDataset(n)
     states = _rank_states(dataset, position, ahead)
-    merged = merge_states(states)
+    merged = merge_states(states, uneven=True)
     resumed = ours(dataset, batch_size=BATCH, shuffle=True)
     resumed.load_state_dict(merged)
     _advance(resumed, 1)
@@ -71,7 +71,7 @@ def _case(cfg: Config, n: int, position: int, ahead: int) -> dict:
         "ahead": ahead,
         "intervals": sum(len(spans) // 2 for _, spans in merged["committed"]),
         "state_dict_s": timed("state_dict", partial(per_call, resumed.state_dict, cfg.min_call_s)),
-        "merge_states_s": timed("merge_states", partial(per_call, partial(merge_states, states), cfg.min_call_s)),
+        "merge_states_s": timed("merge_states", partial(per_call, partial(merge_states, states, uneven=True), cfg.min_call_s)),
         "state_bytes": serialized_bytes(resumed.state_dict()),
         "merged_bytes": serialized_bytes(merged),
     }

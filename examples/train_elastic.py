@@ -6,9 +6,12 @@
 Every launch resumes from the newest checkpoint that verifies (model, optimizer, scheduler, RNG and the loader's
 merged progress of one completed step), at whatever world size torchrun gives it. The global batch stays
 `--global-batch`: the gradient-accumulation steps follow the world size (`loader.batch_policy.BatchPolicy`).
-Fault injection (once per run directory and step): `sigkill`, `node` and `exception` strike mid-step (the failing rank
-has already fetched a micro-batch of the next step); `node` also kills the rank's torchrun agent, so the job comes
-back with fewer workers; `checkpoint` kills rank 0 while it writes the checkpoint of that step.
+Fault injection (once per run directory and step): `sigkill`, `node`, `hang` and `exception` strike mid-step (the
+failing rank has already fetched a micro-batch of the next step); `node` also kills the rank's torchrun agent, so the
+job comes back with fewer workers; `hang` SIGSTOPs the agent and the rank, a node that stops answering (SIGCONT
+brings both back); `checkpoint` kills the rank after it wrote its files of that step's checkpoint, and
+`checkpoint-hang` stops it (and its agent) before. `node`, `hang` and `checkpoint-hang` need torchrun's agent.
+A peer that stops answering is detected by the process group's timeout, `--timeout`.
 Backend: nccl when every local rank has a GPU of its own, else gloo on the CPU.
 The loop is the same for any job: `train(args, make_task)` takes the data, model and loss from a `Task`
 (examples/train_lm.py trains a language model on a mixture with it).
@@ -40,6 +43,7 @@ from loader.checkpoint import resume, save_checkpoint
 from loader.ledger import Ledger
 
 FEATURES = 8
+IN_SAVE = ("checkpoint", "checkpoint-hang")  # fault modes that strike in the checkpoint's save
 
 
 class Regression(Dataset):
@@ -96,8 +100,9 @@ def parse_args(argv=None, add_arguments: Callable[[argparse.ArgumentParser], Non
     p.add_argument("--uneven", type=int, default=0, help="rank r stops r * UNEVEN steps early (DDP Join)")
     p.add_argument("--fail-at-step", type=int, help="fail during the step after this many completed steps")
     p.add_argument("--fail-rank", type=int, default=0)
-    p.add_argument("--fail-mode", choices=("sigkill", "node", "exception", "checkpoint"), default="sigkill",
-                   help="node: SIGKILL this rank's torchrun agent, then the rank: the node is gone for good")
+    p.add_argument("--fail-mode", choices=("sigkill", "node", "hang", "exception", *IN_SAVE), default="sigkill",
+                   help="node: SIGKILL this rank's torchrun agent, then the rank: the node is gone for good; hang: "
+                   "SIGSTOP both")
     p.add_argument("--timeout", type=float, default=60.0, help="seconds a collective may wait for a dead peer")
     if add_arguments is not None:
         add_arguments(p)
@@ -121,10 +126,12 @@ class FaultInjector:
         return a.fail_at_step is not None and step == a.fail_at_step and rank == a.fail_rank and not self.marker.exists()
 
     def strike_mid_step(self, step: int, rank: int) -> None:
-        if self.args.fail_mode == "checkpoint" or not self.armed(step, rank):
+        if self.args.fail_mode in IN_SAVE or not self.armed(step, rank):
             return
         self.marker.touch()
         log(f"fault injection: {self.args.fail_mode} during step {step + 1}")
+        if self.args.fail_mode == "hang":
+            _stop_node()
         if self.args.fail_mode == "node":
             os.kill(os.getppid(), signal.SIGKILL)
         if self.args.fail_mode in ("sigkill", "node"):
@@ -132,18 +139,29 @@ class FaultInjector:
         raise RuntimeError(f"injected failure during step {step + 1}")
 
     def strike_in_checkpoint(self, step: int, rank: int) -> None:
-        """Kill this rank after the checkpoint's data files are written, before its manifest and rename."""
-        if self.args.fail_mode != "checkpoint" or not self.armed(step, rank):
+        """Kill this rank after its files of the checkpoint are written (before rank 0's manifest and rename), or
+        stop it before it writes them."""
+        if self.args.fail_mode not in IN_SAVE or not self.armed(step, rank):
             return
-        original = dcp.save
+        original, mode = dcp.save, self.args.fail_mode
 
-        def save_then_die(*args, **kwargs):
-            original(*args, **kwargs)
+        def save_with_fault(*args, **kwargs):
             self.marker.touch()
+            if mode == "checkpoint-hang":
+                log(f"fault injection: hangs while writing the checkpoint of step {step}")
+                _stop_node()
+                return original(*args, **kwargs)
+            original(*args, **kwargs)
             log(f"fault injection: killed while writing the checkpoint of step {step}")
             os.kill(os.getpid(), signal.SIGKILL)
 
-        dcp.save = save_then_die
+        dcp.save = save_with_fault
+
+
+def _stop_node() -> None:
+    """This node stops answering, as a hung machine would: its torchrun agent, then this rank, are SIGSTOPped."""
+    os.kill(os.getppid(), signal.SIGSTOP)
+    os.kill(os.getpid(), signal.SIGSTOP)
 
 
 def _one_gpu_per_rank() -> bool:
@@ -205,8 +223,8 @@ def train(args, make_task: Callable[[argparse.Namespace], Task] = regression_tas
                     save_checkpoint(args.run_dir, step, **objects, keep_last=args.keep_last, ledger=loader.ledger)
                     log(f"checkpoint of step {step} saved in {time.perf_counter() - started:.3f} s")
                     saved = step
-                if args.uneven and len(loader) <= rank * args.uneven * accum:
-                    log(f"uneven input: stopping with {len(loader)} micro-batches of epoch {loader.epoch} left")
+                if args.uneven and loader.batches_left <= rank * args.uneven * accum:
+                    log(f"uneven input: stopping with {loader.batches_left} micro-batches of epoch {loader.epoch} left")
                     return True
         if loader.exhausted:
             log(f"epoch {loader.epoch} finished: iterator exhausted after step {step}")
@@ -232,11 +250,34 @@ def train(args, make_task: Callable[[argparse.Namespace], Task] = regression_tas
     return 0
 
 
+def _store_of_this_launch(timeout: timedelta) -> dist.Store | None:
+    """torchrun's agent shares its rendezvous TCPStore with the workers (unless TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
+    is set for the agent), and a restarted group finds there the keys of the launch before it: gloo and NCCL then
+    connect to dead peers and the restart fails (pytorch#135712; 3 of 3 restarts here). So each launch's keys get a
+    prefix of their own: the agent's restart count. That count is one agent's, not the job's, so with several agents
+    (nodes) the shared store is refused. None: no shared store, rank 0 hosts a fresh one per launch."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    if int(os.environ.get("GROUP_WORLD_SIZE", "1")) > 1:
+        raise SystemExit(
+            "train_elastic.py: this job of several torchrun agents shares the agents' rendezvous store, which cannot "
+            "tell one launch's workers from the next one's after a restart; start every agent with "
+            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in its environment"
+        )
+    shared = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout)
+    return dist.PrefixStore(f"launch-{os.environ['TORCHELASTIC_RESTART_COUNT']}", shared)
+
+
 def run(args, make_task: Callable[[argparse.Namespace], Task] = regression_task) -> int:
     """Join the job's process group (torchrun's environment), train, leave."""
-    os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     backend = "nccl" if _one_gpu_per_rank() else "gloo"
-    dist.init_process_group(backend, timeout=timedelta(seconds=args.timeout))
+    timeout = timedelta(seconds=args.timeout)
+    store = _store_of_this_launch(timeout)
+    if store is None:
+        dist.init_process_group(backend, timeout=timeout)
+    else:
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
     code = train(args, make_task)  # on an exception, exit at once: the agent restarts the group, peers may be gone
     dist.destroy_process_group()
     return code

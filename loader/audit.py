@@ -7,6 +7,7 @@ when its dropped-by-policy record exists; for an epoch still in progress only du
 
 from __future__ import annotations
 
+import sys
 from collections import defaultdict
 from dataclasses import dataclass
 from typing import Callable, Sequence
@@ -55,6 +56,11 @@ class EpochAudit:
     @property
     def clean(self) -> bool:
         return not len(self.skipped) and not len(self.duplicated)
+
+    @property
+    def not_yet_seen(self) -> int:
+        """Samples of an unfinished epoch that no counted step delivered yet (of a finished one: the skipped)."""
+        return self.expected - self.seen_once - len(self.duplicated) - self.dropped - len(self.failed)
 
 
 def _by_group(grouping: Grouping, counts: np.ndarray, **offending: np.ndarray) -> tuple[GroupAudit, ...]:
@@ -115,10 +121,19 @@ def _listed(indices: np.ndarray, limit: int, describe: Callable[[int], str]) -> 
     return shown + (f", ... ({len(indices)} in all)" if len(indices) > limit else "")
 
 
+EXACTLY_ONCE, FAILED, NO_LEDGER, UNFINISHED = 0, 1, 2, 3  # the exit statuses of `python -m loader audit`
+
+
 def main(run_dir: str, limit: int = 20, describe: Callable[[int], str] = str, grouping: Grouping | None = None) -> int:
-    """Print the audit; `describe` names a sample (e.g. by its shard and key), `grouping` adds a row per group
-    (e.g. per source of a mixture) under each epoch's; exit code 1 if not clean."""
-    report = audit(run_dir, grouping)
+    """Print the audit; `describe` names a sample (e.g. by its shard and key), `grouping` adds a row per group (e.g.
+    per source of a mixture) under each epoch's. Returns the exit status: EXACTLY_ONCE (every epoch finished, every
+    sample once), FAILED (a sample skipped or duplicated), NO_LEDGER (nothing to audit), or UNFINISHED (an epoch in
+    progress, nothing duplicated so far: a crashed job never restarted, or one still running)."""
+    try:
+        report = audit(run_dir, grouping)
+    except (OSError, ValueError) as err:
+        print(f"audit: {err}", file=sys.stderr)
+        return NO_LEDGER
     print(f"{'epoch':>5} {'state':>11} {'expected':>9} {'seen once':>10} {'skipped':>8} {'duplicated':>11} "
           f"{'dropped by policy':>18} {'failed to load':>15}")
     for e in report:
@@ -134,12 +149,18 @@ def main(run_dir: str, limit: int = 20, describe: Callable[[int], str] = str, gr
             print(f"      duplicated indices: {_listed(e.duplicated, limit, describe)}")
         if len(e.failed):
             print(f"      failed to load (consumed, not trained): {_listed(e.failed, limit, describe)}")
-    clean = all(e.clean for e in report)
-    failed = sum(len(e.failed) for e in report)
-    if not clean:
+    if not all(e.clean for e in report):
         print("audit: FAILED (samples skipped or duplicated)")
-    elif failed:
+        return FAILED
+    unfinished = [e for e in report if not e.finished]
+    for e in unfinished:
+        print(f"audit: epoch {e.epoch} unfinished: {e.seen_once} of {e.expected} samples seen once so far, "
+              f"{e.not_yet_seen} not yet seen, none duplicated (the job stopped mid-epoch, or is still running)")
+    if unfinished:
+        return UNFINISHED
+    failed = sum(len(e.failed) for e in report)
+    if failed:
         print(f"audit: nothing skipped or duplicated; {failed} sample(s) failed to load and were not trained")
     else:
         print("audit: every sample exactly once")
-    return 0 if clean else 1
+    return EXACTLY_ONCE

@@ -68,7 +68,7 @@ class _RankIndices:
             yield from batch
 
     def __len__(self) -> int:
-        return self._sampler.samples_in_next_pass()
+        return self._sampler.samples_in_epoch()
 
 
 class ContinuedPassWarning(UserWarning):
@@ -135,8 +135,12 @@ class _Delivery:
         return batch
 
 
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
 def _default_rank_and_world(rank: int | None, world_size: int | None) -> tuple[int, int]:
-    initialized = dist.is_available() and dist.is_initialized()
+    initialized = _distributed()
     if world_size is None:
         world_size = dist.get_world_size() if initialized else 1
     if rank is None:
@@ -146,8 +150,7 @@ def _default_rank_and_world(rank: int | None, world_size: int | None) -> tuple[i
     return rank, world_size
 
 
-def _order_for(dataset, shuffle: bool, seed: int, shuffle_blocks) -> Order:
-    num_samples = len(dataset)
+def _order_for(num_samples: int, shuffle: bool, seed: int, shuffle_blocks) -> Order:
     if not shuffle:
         if shuffle_blocks is not None:
             raise ValueError("shuffle_blocks needs shuffle=True")
@@ -218,6 +221,8 @@ class ResumableDataLoader(DataLoader[T_co]):
             raise ValueError("batch_size=None disables batching, so drop_last=True has nothing to drop (as in torch)")
         if not is_int(seed):
             raise ValueError(f"seed must be an int, got {seed!r}")
+        self._rank_and_world_given = (rank, world_size)  # None: torch.distributed's, read when iteration starts
+        self._resolved_distributed = _distributed()  # whether the group existed when rank and world were read
         rank, world_size = _default_rank_and_world(rank, world_size)
         layout = Layout(world_size, grad_accum, batch_size or 1, bool(drop_last))
         common = dict(
@@ -232,7 +237,7 @@ class ResumableDataLoader(DataLoader[T_co]):
             persistent_workers=persistent_workers,
             pin_memory_device=pin_memory_device,
         )
-        self.seed, self.rank, self.world_size, self.grad_accum = seed, rank, world_size, grad_accum
+        self.seed, self._rank, self._world_size, self.grad_accum = seed, rank, world_size, grad_accum
         self.ledger = None  # a loader.ledger.Ledger records every delivered batch's indices when attached
         self._iterations = 0  # iterators superseded so far: only the newest iterator delivers
         self._delivered_by_iterator = 0  # batches the newest iterator delivered
@@ -244,7 +249,9 @@ class ResumableDataLoader(DataLoader[T_co]):
             super().__init__(dataset, batch_size=batch_size, shuffle=shuffle, drop_last=drop_last, **common)
             return
         self._stream = None
-        self.resumable_sampler = ResumableSampler(_order_for(dataset, bool(shuffle), seed, shuffle_blocks), layout, rank)
+        self._shuffle_blocks = shuffle_blocks
+        order = _order_for(len(dataset), bool(shuffle), seed, shuffle_blocks)
+        self.resumable_sampler = ResumableSampler(order, layout, rank)
         indices = _WithSampleSeeds(self.resumable_sampler, seed) if sample_seeds else self.resumable_sampler
         rank_indices = _RankIndices(indices, self.resumable_sampler, self.set_epoch)
         if batch_size is None:
@@ -257,7 +264,45 @@ class ResumableDataLoader(DataLoader[T_co]):
 
     # -- iteration -------------------------------------------------------------------------------------------------
 
+    def _resolve_rank_and_world(self) -> None:
+        """Rank and world size not given explicitly follow torch.distributed as it is now: a loader built before
+        init_process_group (a script that builds it, then hands it to a framework that initialises the group)
+        would otherwise run as world size 1 on every rank and train every sample once per rank. It returns at once
+        unless a group appeared or went away since the last read."""
+        if _distributed() == self._resolved_distributed:
+            return
+        self._resolved_distributed = not self._resolved_distributed
+        rank, world_size = _default_rank_and_world(*self._rank_and_world_given)
+        if (rank, world_size) == (self._rank, self._world_size):
+            return
+        progress = self._stream or self.resumable_sampler
+        if progress.delivered_any:
+            raise RuntimeError(
+                f"this ResumableDataLoader delivered batches as rank {self._rank} of world_size {self._world_size} "
+                f"before torch.distributed was initialised as rank {rank} of {world_size}: build the loader after "
+                f"init_process_group, or pass rank= and world_size= explicitly"
+            )
+        layout = self.resumable_sampler.layout if self._stream is None else None
+        if layout is not None:
+            self.resumable_sampler.relayout(
+                Layout(world_size, layout.grad_accum, layout.batch_size, layout.drop_last), rank
+            )
+        else:
+            self._stream.world_size, self._stream.rank = world_size, rank
+        self._rank, self._world_size = rank, world_size
+
+    @property
+    def rank(self) -> int:
+        self._resolve_rank_and_world()
+        return self._rank
+
+    @property
+    def world_size(self) -> int:
+        self._resolve_rank_and_world()
+        return self._world_size
+
     def __iter__(self) -> Iterator[Any]:
+        self._resolve_rank_and_world()
         progress = self._stream or self.resumable_sampler
         if self._delivered_by_iterator and not progress.ended:
             warnings.warn(
@@ -275,7 +320,25 @@ class ResumableDataLoader(DataLoader[T_co]):
             skip = self._stream.begin_pass()
             return _Delivery(super().__iter__(), self, self._iterations, skip)
         self.resumable_sampler.begin_pass()
+        self._follow_length()
         return _Delivery(super().__iter__(), self, self._iterations)
+
+    def _follow_length(self) -> None:
+        """The dataset's length, read when an epoch starts as torch's samplers read it: a dataset that grew (or
+        shrank) between passes is dealt whole from this epoch on. One len() per epoch start, none per batch."""
+        sampler = self.resumable_sampler
+        if not sampler.at_epoch_start:
+            return
+        old, new = sampler.order.num_samples, len(self.dataset)
+        if new == old:
+            return
+        if self._shuffle_blocks is not None and not is_int(self._shuffle_blocks):
+            raise ValueError(
+                f"the dataset's length changed from {old} to {new} before epoch {sampler.epoch} started, but "
+                f"shuffle_blocks was given as block sizes summing to {old}: build a new ResumableDataLoader with block "
+                f"sizes for {new} (an int window follows the length)"
+            )
+        sampler.follow_length(_order_for(new, sampler.order.shuffle != "none", self.seed, self._shuffle_blocks))
 
     def _supersede(self) -> None:
         """From now on, only an iterator made after this call delivers."""
@@ -315,9 +378,17 @@ class ResumableDataLoader(DataLoader[T_co]):
         return fetcher.fetch(ids.tolist() if batched else int(ids[0]))
 
     def __len__(self) -> int:
+        self._resolve_rank_and_world()
         if self._stream is not None:
             return super().__len__()
         return len(self.resumable_sampler)
+
+    @property
+    def batches_left(self) -> int:
+        """Micro-batches the next pass yields on this rank (`len()` counts the whole epoch, as DataLoader's)."""
+        if self._stream is not None:
+            raise TypeError("an IterableDataset does not know how many batches it has left")
+        return self.resumable_sampler.batches_left
 
     @property
     def epoch(self) -> int:
@@ -354,7 +425,8 @@ class ResumableDataLoader(DataLoader[T_co]):
         """This rank's progress in completed updates: small, plain Python types, JSON- and torch.save-able. Its
         `base` entry (the progress this run resumed from) is one shared dict, as modules share tensors: copy the
         state (copy.deepcopy) before editing it."""
-        return (self._stream or self.resumable_sampler).state_dict()
+        return (self._stream or self.resumable_sampler).state_dict()  # no rank resolution: before the first
+        # iter() nothing was delivered, and a state without progress means the same under any layout
 
     def load_state_dict(self, state) -> None:
         """A merged state (see `merge_states`), the list of all ranks' states, or one rank's state (standing for

@@ -21,6 +21,7 @@ import threading
 import time
 import uuid
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -36,6 +37,7 @@ FAIL_AT_STEP = 8
 STEP_LINE = re.compile(r"\[rank 0\] step (\d+) ")
 SAVED_LINE = re.compile(r"\[rank 0\] checkpoint of step \d+ saved in ([\d.]+) s")
 RESUMED_LINE = re.compile(r"\[rank 0\] world size (\d+), .*resumed at step (\d+).*checkpoint load ([\d.]+) s")
+Line = tuple[float, str, str]  # an agent's output line: (arrival time, node, text)
 
 
 def _free_port() -> int:
@@ -85,13 +87,17 @@ class Agent:
         for line in self.process.stdout:
             lines.put((time.monotonic(), self.name, line.rstrip()))
 
-    def stop(self) -> None:
-        """End the agent and every worker it started, by pid."""
-        for pid in _descendants(self.process.pid) + [self.process.pid]:
+    def signal(self, sig: int) -> None:
+        """Signal the agent and every worker it started, by pid (SIGCONT wakes a node that was stopped)."""
+        for pid in [self.process.pid] + _descendants(self.process.pid):
             try:
-                os.kill(pid, signal.SIGKILL)
+                os.kill(pid, sig)
             except ProcessLookupError:
                 pass
+
+    def stop(self) -> None:
+        """End the agent and every worker it started."""
+        self.signal(signal.SIGKILL)
         self.process.wait(timeout=30)
 
 
@@ -101,15 +107,27 @@ def _torchrun_args(nproc: int, endpoint: str, job_id: str, run_dir: Path, extra:
             str(example), "--run-dir", str(run_dir), *JOB, *extra]
 
 
-def _run_elastic(run_dir: Path, timeout: float, example: Path) -> list[tuple[float, str, str]]:
+NODE_LOSS = ["--fail-at-step", str(FAIL_AT_STEP), "--fail-rank", "3", "--fail-mode", "node"]
+
+
+def run_two_nodes(
+    run_dir: Path,
+    timeout: float,
+    fault: list[str],
+    extra: tuple[str, ...] = (),
+    react: Callable[[Line, list[Agent]], None] | None = None,
+    example: Path = EXAMPLE,
+) -> list[Line]:
+    """The demo's job (`example`) on two torchrun agents, node A (3 workers) and node B (1 worker, told `fault`),
+    both given `extra`; `react` sees each line as it comes, with the agents (to wake a stopped node, say). Returns
+    every line."""
     port = _free_port()
     store = torch.distributed.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
     lines: queue.Queue = queue.Queue()
     endpoint, job_id = f"127.0.0.1:{port}", f"demo-{uuid.uuid4().hex[:8]}"
-    fault = ["--fail-at-step", str(FAIL_AT_STEP), "--fail-rank", "3", "--fail-mode", "node"]
-    agents = [Agent("node A", _torchrun_args(3, endpoint, job_id, run_dir, [], example), lines),
-              Agent("node B", _torchrun_args(1, endpoint, job_id, run_dir, fault, example), lines)]
-    seen, deadline = [], time.monotonic() + timeout
+    agents = [Agent("node A", _torchrun_args(3, endpoint, job_id, run_dir, [*extra], example), lines),
+              Agent("node B", _torchrun_args(1, endpoint, job_id, run_dir, [*fault, *extra], example), lines)]
+    seen, deadline, progress = [], time.monotonic() + timeout, ProgressLine()
     try:
         while agents[0].process.poll() is None or not lines.empty():
             if time.monotonic() > deadline:
@@ -119,7 +137,9 @@ def _run_elastic(run_dir: Path, timeout: float, example: Path) -> list[tuple[flo
             except queue.Empty:
                 continue
             seen.append((stamp, name, line))
-            _show_progress(line)
+            progress.show(line)
+            if react is not None:
+                react((stamp, name, line), agents)
         if agents[0].process.returncode != 0:
             raise RuntimeError(f"node A exited with {agents[0].process.returncode}:\n{_failure_excerpt(seen)}")
     finally:
@@ -130,7 +150,7 @@ def _run_elastic(run_dir: Path, timeout: float, example: Path) -> list[tuple[flo
     return seen
 
 
-def _failure_excerpt(seen: list[tuple[float, str, str]], cause_lines: int = 25, tail_lines: int = 15) -> str:
+def _failure_excerpt(seen: list[Line], cause_lines: int = 25, tail_lines: int = 15) -> str:
     """The first worker traceback (the cause; torchrun's own report comes later and names only the exit code),
     then the agents' last lines."""
     lines = [f"{name}: {line}" for _, name, line in seen]
@@ -139,17 +159,35 @@ def _failure_excerpt(seen: list[tuple[float, str, str]], cause_lines: int = 25, 
     return "\n".join(cause + lines[-tail_lines:])
 
 
-def _show_progress(line: str) -> None:
-    if (m := RESUMED_LINE.search(line)) is not None:
-        world, step, _ = m.groups()
-        print(f"\n  {world} workers: training from step {step}", end="", flush=True)
-    elif (m := STEP_LINE.search(line)) is not None:
-        print(f" {m.group(1)}", end="", flush=True)
-    elif "fault injection" in line:
-        print(f"\n  {line.split('] ', 1)[1]} -> node B is gone", end="", flush=True)
+class ProgressLine:
+    """The job's progress as it happens, every number labelled: each launch (its workers and the checkpoint step it
+    resumed from) opens a line of the optimizer steps rank 0 completes; the fault gets a line of its own."""
+
+    def __init__(self):
+        self.launches, self.listing = 0, False  # listing: the current line is a list of completed steps
+
+    def show(self, line: str) -> None:
+        if (m := RESUMED_LINE.search(line)) is not None:
+            world, step, _ = m.groups()
+            self.launches += 1
+            start = "fresh start from step 0" if step == "0" else f"resumed from the checkpoint of step {step}"
+            self._write(f"\n  launch {self.launches}, {world} workers, {start}; optimizer steps completed:", True)
+        elif (m := STEP_LINE.search(line)) is not None:
+            if not self.listing:  # rank 0 finished it before the fault, its line just arrived after the fault's
+                self._write("\n  completed before the fault, reported after it: step", True)
+            self._write(f" {m.group(1)}", True)
+        elif "fault injection" in line:
+            fault = line.split("] ", 1)[1]
+            how = "stopped" if "hang" in fault else "killed"
+            self._write(f"\n  {fault} -> node B is gone (its agent and worker {how})", False)
+
+    def _write(self, text: str, listing: bool) -> None:
+        print(text, end="", flush=True)
+        self.listing = listing
 
 
-def _reference(run_dir: Path, timeout: float, example: Path) -> None:
+def reference_run(run_dir: Path, timeout: float, example: Path = EXAMPLE) -> None:
+    """The demo's job (`example`) without a fault, on 3 workers: the final model to compare with."""
     args = ["--standalone", "--nproc-per-node=3", str(example), "--run-dir", str(run_dir), *JOB]
     done = subprocess.run([sys.executable, "-m", "torch.distributed.run", *args], capture_output=True, text=True,
                           env=_environment(), timeout=timeout)
@@ -157,8 +195,10 @@ def _reference(run_dir: Path, timeout: float, example: Path) -> None:
         raise RuntimeError(f"the reference run failed:\n{done.stdout[-3000:]}{done.stderr[-3000:]}")
 
 
-def measure_restart(lines: list[tuple[float, str, str]], started: float) -> dict:
-    """The replay plan from what was known before the failure, and the restart as measured (seconds)."""
+def measure_restart(lines: list[Line], started: float) -> dict:
+    """The replay plan from what was known before the failure, and the restart as measured (seconds): detection
+    (from the fault to node A's first failure: a lost peer at once, a hung one at the group's timeout), launch, load
+    and replay."""
     steps = [(t, int(m.group(1))) for t, _, line in lines if (m := STEP_LINE.search(line))]
     resumes = [(t, m.groups()) for t, _, line in lines if (m := RESUMED_LINE.search(line))]
     killed = next(t for t, _, line in lines if "fault injection" in line)
@@ -171,7 +211,10 @@ def measure_restart(lines: list[tuple[float, str, str]], started: float) -> dict
         "t_launch_s": first_launch - started,  # the first launch, as a forecast of the relaunch
         "t_load_s": [float(m.group(1)) for t, _, line in lines if t < killed and (m := SAVED_LINE.search(line))][-1],
     }
-    measured = {"launch_s": resumed_at - killed - float(load), "load_s": float(load), "replay_s": caught_up - resumed_at}
+    noticed = (t for t, node, line in lines if t >= killed and node == "node A" and "FAILED during" in line)
+    detected = next(noticed, killed)
+    measured = {"detect_s": detected - killed, "launch_s": resumed_at - detected - float(load), "load_s": float(load),
+                "replay_s": caught_up - resumed_at}
     return {
         "s_done": s_done,
         "s_ckpt": int(s_ckpt),
@@ -182,19 +225,20 @@ def measure_restart(lines: list[tuple[float, str, str]], started: float) -> dict
     }
 
 
-def _print_restart(m: dict) -> None:
+def print_restart(m: dict) -> None:
     plan, measured = m["plan_inputs"], m["measured"]
     print(f"\nrestart budget ({m['s_done']} steps done, checkpoint at step {m['s_ckpt']}):")
     print(f"  plan     {m['plan_s']:5.1f} s = {m['s_done'] - m['s_ckpt']} x {plan['t_step_s']:.3f} s per step + "
           f"{plan['t_launch_s']:.1f} s launch (the first one) + {plan['t_load_s']:.2f} s load (the last save's time)")
     print(f"  measured {m['measured_s']:5.1f} s = replay {measured['replay_s']:.2f} s + launch "
-          f"{measured['launch_s']:.1f} s + load {measured['load_s']:.2f} s")
+          f"{measured['launch_s']:.1f} s + load {measured['load_s']:.2f} s + detection {measured['detect_s']:.1f} s "
+          f"(the plan has none: a lost peer is noticed at once, a hung one at the group's timeout)")
 
 
 def run_elastic_restart(run_dir: Path, timeout: float = 150, example: Path = EXAMPLE) -> dict:
     """The demo's elastic job (4 workers, a node lost, 3 workers) in run_dir; returns its restart measurements."""
     started = time.monotonic()
-    return measure_restart(_run_elastic(run_dir, timeout, example), started)
+    return measure_restart(run_two_nodes(run_dir, timeout, NODE_LOSS, example=example), started)
 
 
 def _audit(run: Path, lm: bool) -> int:
@@ -220,11 +264,11 @@ def main(lm: bool = False) -> int:
         print(f"  elastic job finished in {time.monotonic() - started:.0f} s; auditing the ledger:\n")
         status = _audit(run, lm)
         print("\nuninterrupted reference run (3 workers) ...", flush=True)
-        _reference(reference, timeout=120, example=example)
+        reference_run(reference, timeout=120, example=example)
         ours, theirs = torch.load(run / "final-model.pt"), torch.load(reference / "final-model.pt")
         drift = max((ours[k] - theirs[k]).abs().max().item() for k in theirs)
         same = all(torch.allclose(ours[k], theirs[k], rtol=1e-5, atol=1e-6) for k in theirs)
         print(f"max parameter difference to the uninterrupted run: {drift:.2e} ({'equal' if same else 'DIFFERENT'} "
               f"within rtol 1e-5)")
-        _print_restart(restart)
+        print_restart(restart)
     return 0 if status == 0 and same else 1

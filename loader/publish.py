@@ -2,14 +2,18 @@
 
 Why: a worker can be SIGKILLed halfway through writing a checkpoint, and a restart must never load a torn one. So a
 checkpoint is written into a private ``step-NNNNNNNNN.tmp-<host>-<pid>-<random>`` directory, every file and directory
-is fsynced, ``manifest.json`` (sizes and sha256 of every file) is written last, and only then is the directory renamed
-to ``step-NNNNNNNNN``. A rename within one filesystem is atomic, so a published name always holds a complete
-checkpoint; anything else (a leftover ``.tmp-*``, a directory without manifest, a file whose size or checksum no
-longer matches) is skipped by :func:`latest` with a :class:`CheckpointWarning`.
+is fsynced, ``manifest.json`` (sizes and sha256 of every file, and its own sha256) is written last, and only then is
+the directory renamed to ``step-NNNNNNNNN``. A rename within one filesystem is atomic, so a published name always
+holds a complete checkpoint; anything else (a leftover ``.tmp-*``, a directory without manifest, a file or manifest
+whose size or checksum no longer matches) is skipped by :func:`latest` with a :class:`CheckpointWarning`.
+
+A step published again (the run resumed from an older checkpoint, because :func:`latest` skipped this one as corrupt
+or on purpose) moves the earlier ``step-NNNNNNNNN`` aside as ``step-NNNNNNNNN.quarantine-<UTC time>``, with a
+warning: kept for inspection, never loaded, so the name always holds the newest publication of its step.
 
 Assumption: one publisher per run directory. In a torchrun job only rank 0 calls :func:`publish` (after the other
-ranks have written their shards into the directory it hands out, if they write any). Two publishers of the same step
-are refused by name, but pruning and stale-tmp cleanup assume nobody else is publishing into ``run_dir``.
+ranks have written their shards into the directory it hands out, if they write any). Pruning and stale-tmp cleanup
+assume nobody else is publishing into ``run_dir``.
 """
 
 from __future__ import annotations
@@ -29,8 +33,9 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any, Callable, Mapping
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: the manifest carries its own sha256; 1 (read, never written) did not
 MANIFEST_NAME = "manifest.json"
+_SELF_DIGEST = "manifest_sha256"
 _CHUNK = 1 << 20
 _NAME = re.compile(r"step-(\d{9,})(?:\.tmp-(.+))?")
 _HEX64 = re.compile(r"[0-9a-f]{64}")
@@ -38,7 +43,10 @@ _IN_FLIGHT: set[Path] = set()  # tmp directories this process is writing right n
 
 
 class CheckpointError(ValueError):
-    """A checkpoint directory is torn, corrupted or not a checkpoint at all."""
+    """A checkpoint directory is torn, corrupted or not a checkpoint at all. From :func:`verify`, ``problem`` says
+    what is wrong without the advice around it."""
+
+    problem = ""
 
 
 class CheckpointWarning(UserWarning):
@@ -72,27 +80,16 @@ def publish(
 ) -> Path:
     """Write a checkpoint with ``write_files(tmp_dir)`` and publish it atomically as ``run_dir/step-NNNNNNNNN``.
 
-    On any exception only this call's temporary directory is removed; published checkpoints are never touched. After
+    On any exception only this call's temporary directory is removed; published checkpoints are never deleted (an
+    earlier publication of ``step`` is moved aside, see the module's docstring). After
     success, published checkpoints beyond the newest ``keep_last`` (``None``: keep all) are pruned, never the one just
     written, and temporary directories of lower steps left by crashed writers are removed (not those of a writer that
     is still alive on this host, e.g. an async save in another thread).
     """
-    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
-        raise ValueError(f"step must be a non-negative int, got {step!r}")
-    if keep_last is not None and (not isinstance(keep_last, int) or isinstance(keep_last, bool) or keep_last < 1):
-        raise ValueError(f"keep_last must be a positive int or None (keep all), got {keep_last!r}")
-    if not isinstance(manifest_extra, dict):
-        raise TypeError(f"manifest_extra must be a dict, got {type(manifest_extra).__name__}")
-    try:
-        json.dumps(manifest_extra)
-    except (TypeError, ValueError) as e:
-        raise TypeError(f"manifest_extra must be JSON-serialisable (str keys, plain values): {e}") from None
-
+    check_arguments(step, keep_last, manifest_extra)
     run_dir = Path(run_dir)
     _make_run_dir(run_dir)
     final = run_dir / f"step-{step:09d}"
-    if final.exists():
-        raise _already_published(final)
     tmp = run_dir / f"{final.name}.tmp-{_host()}-{os.getpid()}-{secrets.token_hex(4)}"
     tmp.mkdir()
     _IN_FLIGHT.add(tmp)
@@ -106,27 +103,60 @@ def publish(
             "files": files,
             "extra": manifest_extra,
         }
-        with open(tmp / MANIFEST_NAME, "x", encoding="utf-8") as f:
-            json.dump(manifest, f, indent=1, sort_keys=True)
+        with open(tmp / MANIFEST_NAME, "xb") as f:
+            f.write(_sealed(manifest))
             f.flush()
             os.fsync(f.fileno())
         _fsync(tmp)
+        _set_aside(final)
         try:
             os.rename(tmp, final)
         except OSError as e:  # a complete checkpoint appeared under that name meanwhile: never replace it
             if e.errno in (errno.ENOTEMPTY, errno.EEXIST):
                 raise _already_published(final) from None
             raise
-        _fsync(run_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     finally:
         _IN_FLIGHT.discard(tmp)
-    _remove_stale_tmp(run_dir, step)
-    if keep_last is not None:
-        _prune(run_dir, keep=keep_last, just_written=final)
+    _after_publication(run_dir, final, step, keep_last)
     return final
+
+
+def _after_publication(run_dir: Path, final: Path, step: int, keep_last: int | None) -> None:
+    """Make the rename durable and tidy up. The step is published once renamed, so a failure here warns: raising
+    would tell the caller that the save failed while its checkpoint is complete and loadable."""
+    try:
+        _fsync(run_dir)
+    except OSError as e:
+        warnings.warn(
+            f"published {final}, but syncing {run_dir} failed ({e}): the checkpoint is complete, but a machine crash "
+            f"could still lose its name; check the filesystem",
+            CheckpointWarning,
+            stacklevel=3,
+        )
+    try:
+        _remove_stale_tmp(run_dir, step)
+        if keep_last is not None:
+            _prune(run_dir, keep=keep_last, just_written=final)
+    except OSError as e:
+        warnings.warn(f"published {final}, but could not tidy {run_dir}: {e}", CheckpointWarning, stacklevel=3)
+
+
+def check_arguments(step: int, keep_last: int | None, manifest_extra: dict[str, Any]) -> None:
+    """Refuse bad arguments of :func:`publish` before anything is written (a ValueError or TypeError). A job's ranks
+    call it each before their first collective, so all of them refuse alike and none waits for another."""
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        raise ValueError(f"step must be a non-negative int, got {step!r}")
+    if keep_last is not None and (not isinstance(keep_last, int) or isinstance(keep_last, bool) or keep_last < 1):
+        raise ValueError(f"keep_last must be a positive int or None (keep all), got {keep_last!r}")
+    if not isinstance(manifest_extra, dict):
+        raise TypeError(f"manifest_extra must be a dict, got {type(manifest_extra).__name__}")
+    try:
+        json.dumps(manifest_extra)
+    except (TypeError, ValueError) as e:
+        raise TypeError(f"manifest_extra must be JSON-serialisable (str keys, plain values): {e}") from None
 
 
 def verify(path: str | os.PathLike, *, check_checksums: bool = True) -> Manifest:
@@ -135,11 +165,13 @@ def verify(path: str | os.PathLike, *, check_checksums: bool = True) -> Manifest
     are ignored. Raises :class:`CheckpointError` naming the directory and the problem."""
     path = Path(path)
     try:
-        raw = json.loads((path / MANIFEST_NAME).read_text(encoding="utf-8"))
+        data = (path / MANIFEST_NAME).read_bytes()
+        raw = json.loads(data)
     except FileNotFoundError:
         raise _broken(path, f"no {MANIFEST_NAME} (a torn write, or not a checkpoint directory)") from None
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise _broken(path, f"unreadable {MANIFEST_NAME}: {e}") from None
+    _check_seal(path, raw, data)
     manifest = _parse_manifest(path, raw)
     for rel, entry in manifest.files.items():
         file = path / rel
@@ -183,29 +215,84 @@ def latest(run_dir: str | os.PathLike, *, check_checksums: bool = True) -> Path 
     return None
 
 
+def _set_aside(final: Path) -> None:
+    """Move an earlier publication of this step out of the way, kept for inspection and never loaded again.
+
+    Why: a run that is publishing step S again has resumed from an older checkpoint, because `latest` skipped this
+    one as corrupt or the run went back on purpose; refusing would fail every save of S, on every restart."""
+    if not final.exists():
+        return
+    try:
+        verify(final, check_checksums=False)
+        state = "its manifest and sizes are intact"
+    except CheckpointError as e:
+        state = f"broken: {e.problem}"
+    stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S.%fZ")
+    aside = final.with_name(f"{final.name}.quarantine-{stamp}")
+    os.rename(final, aside)
+    warnings.warn(
+        f"step {int(final.name[5:])} is published again: the earlier {final} ({state}) was moved aside to {aside}, "
+        f"which is never loaded; inspect it, then delete it",
+        CheckpointWarning,
+        stacklevel=4,
+    )
+
+
 def _already_published(final: Path) -> FileExistsError:
     return FileExistsError(
-        f"checkpoint {final} is already published; refusing to overwrite it. Publish a new step, or delete the "
-        f"directory by hand if it really must be replaced"
+        f"checkpoint {final} was published by another writer while this one wrote it: two jobs are publishing into "
+        f"{final.parent}; give each job a run directory of its own"
     )
 
 
 def _broken(path: Path, problem: str) -> CheckpointError:
-    return CheckpointError(
+    error = CheckpointError(
         f"checkpoint {path}: {problem}. It cannot be loaded; latest() skips it for an older checkpoint. "
         f"Delete the directory, or restore it from a copy"
     )
+    error.problem = problem
+    return error
 
 
-def _parse_manifest(path: Path, raw: Any) -> Manifest:
+def _canonical(value: dict[str, Any]) -> bytes:
+    return json.dumps(value, indent=1, sort_keys=True).encode("ascii")
+
+
+def _sealed(body: dict[str, Any]) -> bytes:
+    """The manifest's bytes: canonical JSON holding the sha256 of the canonical JSON of everything else. Why: the
+    manifest vouches for every other file, so it must vouch for itself, or a flipped bit that still parses (another
+    seed, shuffle mode or step) would be believed."""
+    return _canonical({**body, _SELF_DIGEST: hashlib.sha256(_canonical(body)).hexdigest()})
+
+
+def _check_seal(path: Path, raw: Any, data: bytes) -> None:
+    """Any changed byte of a sealed manifest fails here: its bytes must be exactly the seal of what they say. Only a
+    version-1 manifest, written before the seal, has none; one bit cannot both remove the digest and make it so."""
     if not isinstance(raw, dict):
         raise _broken(path, f"{MANIFEST_NAME} is not a JSON object")
+    if raw.get("format_version") == 1 and _SELF_DIGEST not in raw:
+        return
+    body = {k: v for k, v in raw.items() if k != _SELF_DIGEST}
+    if _sealed(body) == data:
+        return
     version = raw.get("format_version")
-    if version != FORMAT_VERSION:
+    if version in (1, FORMAT_VERSION):
+        raise _broken(path, f"{MANIFEST_NAME} fails its own checksum (a flipped bit, an edit or a torn write)")
+    raise _broken(
+        path,
+        f"unknown format version {version!r} in {MANIFEST_NAME}, whose checksum does not match this loader's "
+        f"(it reads versions 1 and {FORMAT_VERSION}): corrupted, or written by a newer loader — then upgrade",
+    )
+
+
+def _parse_manifest(path: Path, raw: dict[str, Any]) -> Manifest:
+    version = raw.get("format_version")
+    if version not in (1, FORMAT_VERSION):
         raise _broken(
             path,
-            f"unknown format version {version!r} in {MANIFEST_NAME} (this loader reads version {FORMAT_VERSION}; "
-            f"a newer loader may have written it — upgrade, or use a checkpoint this version wrote)",
+            f"unknown format version {version!r} in {MANIFEST_NAME} (this loader reads versions 1 and "
+            f"{FORMAT_VERSION}; a newer loader may have written it — upgrade, or use a checkpoint this version "
+            f"wrote)",
         )
     step, created, files, extra = (raw.get(k) for k in ("step", "created", "files", "extra"))
     if not isinstance(step, int) or isinstance(step, bool) or step < 0:
@@ -343,8 +430,8 @@ def _remove_stale_tmp(run_dir: Path, step: int) -> None:
 
 
 def _prune(run_dir: Path, *, keep: int, just_written: Path) -> None:
-    """Delete all but the newest ``keep`` published checkpoints. Failures only warn: the new checkpoint is already
-    published, so publish() must not report an error for it."""
+    """Delete all but the newest ``keep`` published checkpoints; a directory that cannot be deleted is warned about
+    and kept."""
     published = list_checkpoints(run_dir)
     for path in published[: max(len(published) - keep, 0)]:
         if path == just_written:
@@ -356,4 +443,4 @@ def _prune(run_dir: Path, *, keep: int, just_written: Path) -> None:
             _fsync(path)
             shutil.rmtree(path)
         except OSError as e:
-            warnings.warn(f"could not prune old checkpoint {path}: {e}", CheckpointWarning, stacklevel=3)
+            warnings.warn(f"could not prune old checkpoint {path}: {e}", CheckpointWarning, stacklevel=4)

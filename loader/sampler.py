@@ -51,12 +51,17 @@ class ResumableSampler:
         # (view, first batch, ids, offsets) of the chunks served last: workers prefetch far less than a chunk ahead,
         # so the batch just delivered is almost always in one of them and last_indices slices it (else recomputes)
         self._recent_chunks: deque = deque(maxlen=2)
+        self.delivered_any = False  # a batch was delivered (or failed) since the progress was last loaded
         self._start_epoch(0)
 
     # -- the cursor ------------------------------------------------------------------------------------------------
 
     def _start_epoch(self, epoch: int, base: Progress | None = None, *, ended: bool = False) -> None:
         self._base = base or Progress(self.order.fingerprint(), epoch, {})
+        self._enter(epoch, ended)
+
+    def _enter(self, epoch: int, ended: bool = False) -> None:
+        """Put the cursor at the start of `epoch`'s remaining positions under the current base."""
         self._epoch, self._position, self._view = epoch, 0, None
         self._ended = ended  # the current pass handed out its end: the next pass starts the next epoch
         self._last_delivered: int | None = None  # micro-batch number of the batch delivered last in this epoch
@@ -102,8 +107,7 @@ class ResumableSampler:
             changed, self._ended = self._ended, False
             return changed
         if epoch == self._epoch + 1 and self.exhausted:
-            self._epoch, self._position, self._view, self._ended = epoch, 0, None, False
-            self._last_delivered, self._after_committed = None, len(self._base.committed_in(epoch)) > 0
+            self._enter(epoch)
         else:
             self._start_epoch(epoch)
         return True
@@ -114,14 +118,43 @@ class ResumableSampler:
         if self._ended:
             self.set_epoch(self._epoch + 1)
 
+    @property
+    def at_epoch_start(self) -> bool:
+        """Nothing of the current epoch is handed out on this rank (an epoch restored as finished excepted)."""
+        return self._position == 0 and self._epoch >= self._base.epoch
+
+    def follow_length(self, order: Order) -> None:
+        """The dataset changed length before this epoch started: deal `order`, built for the new length, from this
+        epoch on (earlier epochs are finished whatever they committed). Progress committed under the old length for
+        this epoch or a later one cannot be mapped onto the new one: refused, before anything changes."""
+        old, new = self.order.num_samples, order.num_samples
+        ahead = [e for e in self._base.committed if e >= self._epoch]
+        if ahead:
+            raise ValueError(
+                f"the dataset's length changed from {old} to {new} before epoch {self._epoch} started, but epoch "
+                f"{min(ahead)} has progress committed under {old} samples, whose positions would name other samples "
+                f"now: resume with the dataset of {old} samples until that epoch is done, then change it"
+            )
+        self.order = order
+        self._recent_chunks.clear()
+        self._start_epoch(self._epoch)
+
     def deliver(self) -> None:
         """The loader handed the next micro-batch to the training loop."""
         self._last_delivered = self._position
         self._position += 1
+        self.delivered_any = True
 
     def fail(self) -> None:
         """Loading the next micro-batch raised: it is consumed (never served again), but not delivered."""
         self._position += 1
+        self.delivered_any = True
+
+    def relayout(self, layout: Layout, rank: int) -> None:
+        """Deal the same progress under another layout: only before this sampler delivered anything under its own."""
+        check_rank(rank, layout.world_size)
+        self.layout, self.rank, self._view = layout, rank, None
+        self._recent_chunks.clear()
 
     def end_pass(self) -> None:
         """The loader handed the end of the pass (StopIteration) to the training loop."""
@@ -160,7 +193,6 @@ class ResumableSampler:
         """A pass: the rest of the current epoch, or the next epoch after a finished one (as `len` counts)."""
         self.begin_pass()
         view, first = self.view(), self._position
-        self.handed_out = 0
         per_chunk = max(1, CHUNK_SAMPLES // self.layout.batch_size)
         for low in range(first, view.plan.batches_per_rank, per_chunk):
             batches = np.arange(low, min(low + per_chunk, view.plan.batches_per_rank))
@@ -168,24 +200,31 @@ class ResumableSampler:
             self._recent_chunks.append((view, low, ids, offsets))
             flat, cuts = ids.tolist(), offsets.tolist()
             for a, b in zip(cuts[:-1], cuts[1:]):
-                self.handed_out += 1
                 yield flat[a:b]
 
-    def _next_pass(self) -> tuple[EpochPlan, int]:
-        """The plan of the epoch a pass started now would serve, and the micro-batch it would start at."""
-        if self._ended:
-            return self.view(self._epoch + 1).plan, 0
-        return self.view().plan, self._position
+    def _next_epoch(self) -> tuple[EpochView, Progress | None]:
+        """The view of the epoch a pass started now would serve, and the base if it counts batches done in it
+        before this sampler's plan (a resumed epoch)."""
+        view = self.view(self._epoch + 1) if self._ended else self.view()
+        return view, self._base if view.epoch == self._base.cursor_epoch else None
 
     def __len__(self) -> int:
-        """Micro-batches a pass started now would yield."""
-        plan, first = self._next_pass()
-        return plan.batches_per_rank - first
+        """Micro-batches of the epoch the next pass serves, all of them: those delivered before (before a resume
+        too) and those to come, as DataLoader's len counts, and as frameworks that add their restored batch
+        counter back to it expect."""
+        view, resumed = self._next_epoch()
+        return (resumed.done_in_epoch if resumed else 0) + view.plan.batches_per_rank
 
-    def samples_in_next_pass(self) -> int:
-        """Samples a pass started now would yield on this rank."""
-        plan, first = self._next_pass()
-        return plan.samples_from(self.rank, first)
+    @property
+    def batches_left(self) -> int:
+        """Micro-batches a pass started now would yield on this rank."""
+        view, _ = self._next_epoch()
+        return view.plan.batches_per_rank - (0 if self._ended else min(self._position, view.plan.batches_per_rank))
+
+    def samples_in_epoch(self) -> int:
+        """Samples this rank is dealt in the epoch the next pass serves, all of them, as `len` counts batches."""
+        view, resumed = self._next_epoch()
+        return (resumed.samples_done_in_epoch if resumed else 0) + view.plan.samples_from(self.rank, 0)
 
     # -- state -----------------------------------------------------------------------------------------------------
 
@@ -200,6 +239,7 @@ class ResumableSampler:
         as it was."""
         progress = progress_of(state)
         check_fingerprint(progress.fingerprint, self.order.fingerprint())
+        self.delivered_any = False
         if progress.end_of_epoch is not None:  # every rank sat at the end of the epoch before progress.epoch
             self._start_epoch(progress.epoch - 1, progress, ended=progress.end_of_epoch)
         else:

@@ -16,6 +16,7 @@ import collections
 import hashlib
 import itertools
 import json
+import reprlib
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -23,7 +24,7 @@ import numpy as np
 
 from loader._checks import is_int
 from loader.partition import EpochPlan, Layout
-from loader.progress import EMPTY, Remaining, complement, normalize, union
+from loader.progress import EMPTY, Remaining, complement, normalize, total, union
 
 FORMAT = "loader.progress"
 VERSION = 1
@@ -32,6 +33,9 @@ FINGERPRINT_DEFAULTS = {"order_version": 1}  # fields added after the first rele
 LARGEST = 2**62  # no count, epoch or size in a state comes near this; anything larger is corruption, refused
 # before numpy (int64) or a Python loop would meet it
 MAX_EPOCHS_AHEAD = 10_000  # how far a rank state may run ahead of its base: the merge walks each epoch between
+MAX_DRIFT = 2**16  # micro-batches a merge may enumerate beyond the prefix every rank completed: each can leave a
+# hole, so ranks this far apart would make a merged state of a megabyte or more; one step of a training run never does
+LAYOUT_FIELDS = ("world_size", "grad_accum", "batch_size", "drop_last")
 
 
 class StateError(ValueError):
@@ -45,30 +49,46 @@ def intervals_to_json(intervals: np.ndarray) -> list[int]:
 
 def intervals_from_json(flat, n: int, what: str) -> np.ndarray:
     """Parse and check the JSON form; `what` names the field in the error message."""
-    if not isinstance(flat, (list, tuple)) or len(flat) % 2 or not all(
-        is_int(v) and abs(v) < LARGEST for v in flat
-    ):
-        raise StateError(f"{what} must be a flat list of int pairs [start, stop, ...], got {_short(flat)}")
-    spans = np.asarray(flat, dtype=np.int64).reshape(-1, 2)
-    if len(spans) and (
-        (spans[:, 0] < 0).any()
-        or (spans[:, 1] > n).any()
-        or (spans[:, 1] <= spans[:, 0]).any()
-        or (spans[1:, 0] <= spans[:-1, 1]).any()
-    ):
+    return _interval_lists([flat], n, lambda _: what)[0]
+
+
+def _interval_lists(flats: list, n: int, name) -> list[np.ndarray]:
+    """Parse and check many JSON interval lists at once (a state holds up to one per epoch for thousands of epochs,
+    where numpy's cost per call would dominate); `name(i)` names the i-th in an error message."""
+    sizes = []
+    for i, flat in enumerate(flats):
+        if not isinstance(flat, (list, tuple)) or len(flat) % 2 or not all(
+            is_int(v) and abs(v) < LARGEST for v in flat
+        ):
+            raise StateError(f"{name(i)} must be a flat list of int pairs [start, stop, ...], got {_short(flat)}")
+        sizes.append(len(flat) // 2)
+    if not any(sizes):
+        return [EMPTY] * len(flats)
+    ends = np.cumsum(sizes, dtype=np.int64)
+    values = itertools.chain.from_iterable(flats)
+    spans = np.fromiter(values, dtype=np.int64, count=2 * int(ends[-1])).reshape(-1, 2)
+    bad = (spans[:, 0] < 0) | (spans[:, 1] > n) | (spans[:, 1] <= spans[:, 0])
+    firsts = ends - sizes  # each list's first pair, which follows no pair of its own list
+    follows = np.ones(len(spans), dtype=bool)
+    follows[firsts[firsts < len(spans)]] = False
+    bad[1:] |= follows[1:] & (spans[1:, 0] <= spans[:-1, 1])
+    if bad.any():
+        first = int(np.searchsorted(ends, np.argmax(bad), side="right"))
         raise StateError(
-            f"{what} must be sorted, disjoint, non-touching, non-empty intervals inside [0, {n}); "
+            f"{name(first)} must be sorted, disjoint, non-touching, non-empty intervals inside [0, {n}); "
             f"the state is corrupted or belongs to a dataset of another length"
         )
-    return spans
+    return np.split(spans, ends[:-1])
 
 
 def _short(value) -> str:
-    """A value for an error message: a corrupted state can hold megabytes, a message stays one line."""
-    text = repr(value)
-    return text if len(text) <= 80 else f"{text[:77]}..."
+    """A value for an error message: a corrupted state can hold megabytes (or lists nested a million deep), a
+    message stays one short line."""
+    return _REPR.repr(value)
 
 
+_REPR = reprlib.Repr()
+_REPR.maxlevel, _REPR.maxstring, _REPR.maxother, _REPR.maxlong = 3, 40, 40, 40
 _MISSING = object()
 
 
@@ -85,13 +105,14 @@ def _get(state: dict, key: str, kind, where: str, default=_MISSING):
     if kind is int and (not is_int(value) or not 0 <= value < LARGEST):
         raise StateError(f"{where}.{key} must be a non-negative int, got {_short(value)}: the state is corrupted")
     if kind is not int and not isinstance(value, kind):
-        raise StateError(f"{where}.{key} must be of type {kind.__name__}, got {_short(value)}: the state is corrupted")
+        names = " or ".join(k.__name__ for k in (kind if isinstance(kind, tuple) else (kind,)))
+        raise StateError(f"{where}.{key} must be of type {names}, got {_short(value)}: the state is corrupted")
     return value
 
 
 def _check_header(state: dict, kinds: tuple[str, ...], where: str) -> str:
     if _get(state, "format", str, where) != FORMAT:
-        raise StateError(f"{where}.format is {state['format']!r}, expected {FORMAT!r}: not a loader state")
+        raise StateError(f"{where}.format is {_short(state['format'])}, expected {FORMAT!r}: not a loader state")
     version = _get(state, "version", int, where)
     if version != VERSION:
         raise StateError(
@@ -100,7 +121,7 @@ def _check_header(state: dict, kinds: tuple[str, ...], where: str) -> str:
         )
     kind = _get(state, "kind", str, where)
     if kind not in kinds:
-        raise StateError(f"{where}.kind is {kind!r}, expected one of {kinds}")
+        raise StateError(f"{where}.kind is {_short(kind)}, expected one of {kinds}")
     return kind
 
 
@@ -110,7 +131,7 @@ def check_fingerprint(saved: dict, current: dict, where: str = "state") -> None:
         if name not in saved and name not in FINGERPRINT_DEFAULTS:
             raise StateError(f"{where}.fingerprint has no field {name!r}: the state is truncated")
         saved_value = saved.get(name, FINGERPRINT_DEFAULTS.get(name))
-        if saved_value != current[name]:
+        if type(saved_value) is not type(current[name]) or saved_value != current[name]:  # True is not seed 1
             saved_value = _short(saved_value)
             hint = {
                 "num_samples": "the dataset changed length; this progress cannot be applied to it",
@@ -137,6 +158,14 @@ class Progress:
     # finished by the merge that made this progress (or, when it finished none, its base's)
     end_of_epoch: bool | None = None  # None, or: every rank sat exhausted at the end of epoch `epoch - 1`, and
     # whether that pass had also handed out its end (StopIteration): a restored loader is then where they were
+    done_in_epoch: int = 0  # micro-batches per rank delivered in the cursor's epoch up to here (the most any rank
+    # did, across restarts): what a framework's restored batch counter holds, so len() adds them back
+    samples_done_in_epoch: int = 0  # the same in samples, for len(loader.sampler)
+
+    @property
+    def cursor_epoch(self) -> int:
+        """The epoch a loader restored from this progress sits in."""
+        return self.epoch if self.end_of_epoch is None else self.epoch - 1
 
     @property
     def num_samples(self) -> int:
@@ -161,32 +190,63 @@ class Progress:
             "committed": [[e, intervals_to_json(spans)] for e, spans in sorted(self.committed.items())],
             "finished": [{"epoch": e, "dropped": intervals_to_json(dropped)} for e, dropped in self.finished],
             "end_of_epoch": None if self.end_of_epoch is None else {"epoch": self.epoch - 1, "ended": self.end_of_epoch},
+            "done_in_epoch": self.done_in_epoch,
+            "samples_done_in_epoch": self.samples_done_in_epoch,
         }
 
     @classmethod
     def from_dict(cls, state: dict, where: str = "state") -> "Progress":
+        """Checks what every merge keeps true: committed epochs from `epoch` to at most MAX_EPOCHS_AHEAD after it,
+        each once; finished epochs before `epoch`, in increasing order; and no more micro-batches or samples done
+        in the cursor epoch than it has committed positions."""
         _check_header(state, ("global",), where)
         fingerprint = _get(state, "fingerprint", dict, where)
         n = _get(fingerprint, "num_samples", int, f"{where}.fingerprint")
         epoch = _get(state, "epoch", int, where)
-        committed = {}
-        for entry in _get(state, "committed", list, where):
-            if not (isinstance(entry, list) and len(entry) == 2 and is_int(entry[0]) and epoch <= entry[0] < LARGEST):
-                raise StateError(f"{where}.committed entries must be [epoch >= {epoch}, intervals], got {_short(entry)}")
-            if entry[0] in committed:
-                raise StateError(f"{where}.committed lists epoch {entry[0]} twice: the state is corrupted")
-            committed[entry[0]] = intervals_from_json(entry[1], n, f"{where}.committed[epoch {entry[0]}]")
-        finished = []
-        for i, record in enumerate(_get(state, "finished", list, where)):
-            done = _get(record, "epoch", int, f"{where}.finished[{i}]")
-            dropped = _get(record, "dropped", list, f"{where}.finished[{i}]")
-            finished.append((done, intervals_from_json(dropped, n, f"{where}.finished[{i}].dropped")))
+        entries = _get(state, "committed", list, where)
+        _check_count(entries, f"{where}.committed")
+        for entry in entries:
+            if not (isinstance(entry, list) and len(entry) == 2 and is_int(entry[0])
+                    and epoch <= entry[0] <= epoch + MAX_EPOCHS_AHEAD):
+                raise StateError(
+                    f"{where}.committed entries must be [epoch in [{epoch}, {epoch + MAX_EPOCHS_AHEAD}], intervals], "
+                    f"got {_short(entry)}"
+                )
+        epochs = [entry[0] for entry in entries]
+        if len(set(epochs)) < len(epochs):
+            twice = next(e for e, count in collections.Counter(epochs).items() if count > 1)
+            raise StateError(f"{where}.committed lists epoch {twice} twice: the state is corrupted")
+        spans = _interval_lists([entry[1] for entry in entries], n, lambda i: f"{where}.committed[epoch {epochs[i]}]")
+        committed = dict(zip(epochs, spans))
+        records = _get(state, "finished", list, where)
+        _check_count(records, f"{where}.finished")
+        done_epochs = [_get(record, "epoch", int, f"{where}.finished[{i}]") for i, record in enumerate(records)]
+        if any(b <= a for a, b in zip(done_epochs, done_epochs[1:])) or done_epochs and done_epochs[-1] >= epoch:
+            raise StateError(f"{where}.finished must list epochs before {epoch} in increasing order, got "
+                             f"{_short(done_epochs)}: the state is corrupted")
+        dropped = [_get(record, "dropped", list, f"{where}.finished[{i}]") for i, record in enumerate(records)]
+        finished = tuple(zip(done_epochs, _interval_lists(dropped, n, lambda i: f"{where}.finished[{i}].dropped")))
         end = _get(state, "end_of_epoch", (dict, type(None)), where, default=None)
         if end is not None:
-            if _get(end, "epoch", int, f"{where}.end_of_epoch") != epoch - 1 or epoch - 1 in committed:
+            if _get(end, "epoch", int, f"{where}.end_of_epoch") != epoch - 1:
                 raise StateError(f"{where}.end_of_epoch must name the epoch before {epoch}, which is finished")
             end = _get(end, "ended", bool, f"{where}.end_of_epoch")
-        return cls(fingerprint, epoch, committed, tuple(finished), end)
+        done = _get(state, "done_in_epoch", int, where, default=0)
+        samples_done = _get(state, "samples_done_in_epoch", int, where, default=0)
+        in_cursor_epoch = n if end is not None else total(committed.get(epoch, EMPTY))
+        if not done <= samples_done <= in_cursor_epoch:
+            raise StateError(
+                f"{where} reports {done} micro-batches and {samples_done} samples done in its epoch, which has "
+                f"{in_cursor_epoch} committed positions: the state is corrupted"
+            )
+        return cls(fingerprint, epoch, committed, finished, end, done, samples_done)
+
+
+def _check_count(entries: list, where: str) -> None:
+    """A merge walks at most MAX_EPOCHS_AHEAD + 1 epochs, so it never lists more."""
+    if len(entries) > MAX_EPOCHS_AHEAD + 1:
+        raise StateError(f"{where} has {len(entries)} entries, more than the {MAX_EPOCHS_AHEAD + 1} epochs a merge "
+                         f"lists: the state is corrupted")
 
 
 @dataclass(frozen=True)
@@ -214,10 +274,15 @@ class RankProgress:
             parsed_bases[id(base_dict)] = Progress.from_dict(base_dict, f"{where}.base")
         base = parsed_bases[id(base_dict)]
         saved_layout = _get(state, "layout", dict, where)
+        if set(saved_layout) != set(LAYOUT_FIELDS):
+            raise StateError(f"{where}.layout must have exactly the fields {LAYOUT_FIELDS}: the state is corrupted")
         try:
-            layout = Layout(**saved_layout)
-        except (TypeError, ValueError) as err:
+            layout = Layout(*(_get(saved_layout, name, int, f"{where}.layout") for name in LAYOUT_FIELDS[:3]),
+                            _get(saved_layout, "drop_last", bool, f"{where}.layout"))
+        except ValueError as err:  # a count of 0
             raise StateError(f"{where}.layout is invalid ({err}): the state is corrupted") from None
+        if layout.global_batch >= LARGEST:
+            raise StateError(f"{where}.layout has a global batch of {layout.global_batch}: the state is corrupted")
         rank = _get(state, "rank", int, where)
         if rank >= layout.world_size:
             raise StateError(f"{where}.rank is {rank}, outside world_size {layout.world_size}")
@@ -249,16 +314,21 @@ def rank_state(base: Progress, layout: Layout, rank: int, epoch: int, completed:
     }
 
 
+def _common_updates(plan: EpochPlan, completed: list[int]) -> int:
+    """Whole updates every rank completed before the tail (whose extra samples lie beyond them): a prefix."""
+    return min(min(completed), plan.tail.first_batch) // plan.layout.grad_accum
+
+
 def _delivered_spans(plan: EpochPlan, completed: list[int]) -> np.ndarray:
     """Remaining-index intervals delivered by ranks 0..W-1 that completed the given micro-batch counts.
 
-    The whole updates every rank completed before the tail (whose extra samples lie beyond them) are a prefix; only
-    the part beyond it is enumerated, so the cost grows with how far the ranks drifted apart, not with the position."""
+    The common updates are a prefix; only the part beyond it is enumerated, so the cost grows with how far the
+    ranks drifted apart, not with the position."""
     K = plan.layout.grad_accum
     if min(completed) == max(completed):  # lockstep (also one state standing for every rank): a prefix
         done = completed[0]
         return np.array([[0, plan.served if done == plan.batches_per_rank else done // K * plan.layout.global_batch]])
-    common = min(min(completed), plan.tail.first_batch) // K
+    common = _common_updates(plan, completed)
     spans = [np.array([[0, common * plan.layout.global_batch]], dtype=np.int64)]
     for rank, done in enumerate(completed):
         starts, stops = plan.batch_bounds(rank, np.arange(common * K, done))
@@ -266,17 +336,25 @@ def _delivered_spans(plan: EpochPlan, completed: list[int]) -> np.ndarray:
     return normalize(np.concatenate(spans))
 
 
-def merge(ranks: list[RankProgress]) -> Progress:
+def merge(ranks: list[RankProgress], uneven: bool = False) -> Progress:
     """The global progress committed by all ranks of one layout (given in rank order; a single state of a
-    multi-rank layout stands for every rank in lockstep)."""
+    multi-rank layout stands for every rank in lockstep). Unless `uneven`, the ranks must have completed the same
+    micro-batches in every epoch, as the ranks of a lockstep run do at any one step."""
     base, layout = ranks[0].base, ranks[0].layout
     n = base.num_samples
-    epoch, finished, last, shares = base.epoch, [], max(r.epoch for r in ranks), {}
+    epoch, finished, last, plans = base.epoch, [], max(r.epoch for r in ranks), {}
     committed = {e: spans for e, spans in base.committed.items() if e > last}  # ahead of every rank: untouched
+    fresh = Remaining(EMPTY, n), EpochPlan(n, layout)  # every epoch the base committed nothing in
+    walked: dict[tuple[int, ...], tuple[np.ndarray, np.ndarray]] = {}  # such an epoch's (spans, their complement)
+    # per completed counts: a rank thousands of epochs ahead of its base walks them at the cost of one
+    drift = 0
     for e in range(base.epoch, last + 1):
-        remaining = Remaining(base.committed_in(e), n)
-        plan = EpochPlan(remaining.count, layout)
-        shares[e] = plan.batches_per_rank
+        if e in base.committed:
+            remaining = Remaining(base.committed[e], n)
+            plan = EpochPlan(remaining.count, layout)
+        else:
+            remaining, plan = fresh
+        plans[e] = plan
         completed = [plan.batches_per_rank if r.epoch > e else r.completed if r.epoch == e else 0 for r in ranks]
         for r, done in zip(ranks, completed):
             if done > plan.batches_per_rank or done != plan.completed(done):
@@ -285,22 +363,61 @@ def merge(ranks: list[RankProgress]) -> Progress:
                     f"{plan.batches_per_rank} in updates of {layout.grad_accum}: the state is corrupted or belongs "
                     f"to another run"
                 )
-        spans = union(base.committed_in(e), remaining.covering_spans(_delivered_spans(plan, completed)))
-        if all(done == plan.batches_per_rank for done in completed):
+        if min(completed) != max(completed):
+            if not uneven:
+                raise _different_steps(ranks, completed, e)
+            drift += sum(completed) - len(completed) * _common_updates(plan, completed) * layout.grad_accum
+            if drift > MAX_DRIFT:
+                raise StateError(
+                    f"the ranks' completed micro-batches differ by {drift} or more (in epoch {e}), beyond the "
+                    f"{MAX_DRIFT} the ranks of one step ever leave apart: the states are corrupted"
+                )
+        key = None if e in base.committed else tuple(completed)
+        if key is None or key not in walked:
+            spans = union(base.committed_in(e), remaining.covering_spans(_delivered_spans(plan, completed)))
+            walked[key] = spans, complement(spans, n)
+        spans, dropped = walked[key]
+        if epoch == e and all(done == plan.batches_per_rank for done in completed):  # after every earlier epoch
             epoch = e + 1
-            finished.append((e, complement(spans, n)))
+            finished.append((e, dropped))
         elif len(spans):
             committed[e] = spans
-    at_end = all(r.epoch == epoch - 1 and r.completed == shares.get(r.epoch, 0) for r in ranks)
+    at_end = all(r.epoch == epoch - 1 and (r.epoch not in plans or r.completed == plans[r.epoch].batches_per_rank)
+                 for r in ranks)
     end_of_epoch = all(r.ended for r in ranks) if at_end else None
-    return Progress(base.fingerprint, epoch, committed, tuple(finished) or base.finished, end_of_epoch)
+    cursor = epoch - 1 if at_end else epoch
+    done = [_done_in(plans.get(cursor), r, cursor) for r in ranks]
+    before = (base.done_in_epoch, base.samples_done_in_epoch) if cursor == base.cursor_epoch else (0, 0)
+    return Progress(base.fingerprint, epoch, committed, tuple(finished) or base.finished, end_of_epoch,
+                    before[0] + max(d[0] for d in done), before[1] + max(d[1] for d in done))
 
 
-def merge_states(states: list[dict]) -> dict:
+def _different_steps(ranks: list[RankProgress], completed: list[int], epoch: int) -> StateError:
+    most, least = completed.index(max(completed)), completed.index(min(completed))
+    return StateError(
+        f"rank {ranks[most].rank} completed {completed[most]} micro-batches of epoch {epoch}, rank {ranks[least].rank} "
+        f"{completed[least]}: the states come from different steps. Pass the states of one step, or merge_states("
+        f"states, uneven=True) for a run whose ranks consume unequal amounts (DDP Join), as save_checkpoint does"
+    )
+
+
+def _done_in(plan: EpochPlan | None, rank: RankProgress, epoch: int) -> tuple[int, int]:
+    """(micro-batches, samples) a rank completed in `epoch`, whose plan (if the merge walked it) is given."""
+    if plan is None or rank.epoch < epoch:
+        return 0, 0
+    completed = plan.batches_per_rank if rank.epoch > epoch else rank.completed
+    return completed, plan.samples_from(rank.rank, 0) - plan.samples_from(rank.rank, completed)
+
+
+def merge_states(states: list[dict], uneven: bool = False) -> dict:
     """Combine the states of all ranks, saved at one step of one world size, into the global progress.
 
-    A pure function: usable without torch.distributed, e.g. offline on saved files. Stream states (IterableDataset)
-    cannot be merged into positions; they are checked and kept side by side per rank."""
+    A pure function: usable without torch.distributed, e.g. offline on saved files. The states carry no step, but
+    at any one step the ranks of a lockstep run (DDP, FSDP) have completed the same micro-batches, so states that
+    differ were saved at different steps and are refused. `uneven=True` merges ranks that deliberately consumed
+    unequal amounts (DDP Join); it is for states known to come from one step, as a collective gathers them
+    (`loader.checkpoint.global_progress`). Stream states (IterableDataset) cannot be merged into positions; they
+    are checked and kept side by side per rank."""
     if isinstance(states, dict) or not states:
         raise StateError("merge_states takes a non-empty list of per-rank state dicts (one per rank)")
     kinds = {_check_header(s, ("rank", "stream"), f"states[{i}]") for i, s in enumerate(states)}
@@ -320,7 +437,7 @@ def merge_states(states: list[dict]) -> dict:
                     f"pass the states of one step of one run"
                 )
     _check_ranks([r.rank for r in ranks], first.layout.world_size)
-    return merge(sorted(ranks, key=lambda r: r.rank)).to_dict()
+    return merge(sorted(ranks, key=lambda r: r.rank), uneven).to_dict()
 
 
 def progress_of(state) -> Progress:
@@ -357,8 +474,8 @@ def attach_base(states: list[dict], base: dict) -> list[dict]:
         if isinstance(state, dict) and state.get("kind") == "rank":
             if _get(state, "base", dict, f"states[{i}]").get("digest") != digest:
                 raise StateError(
-                    f"states[{i}] (rank {state.get('rank')}) started from another progress than this rank: every "
-                    f"rank must load the same checkpoint before training"
+                    f"states[{i}] (rank {_short(state.get('rank'))}) started from another progress than this rank: "
+                    f"every rank must load the same checkpoint before training"
                 )
             state = {**state, "base": base}
         attached.append(state)

@@ -32,6 +32,10 @@ class StreamProgress:
     def ended(self) -> bool:
         return self.finished
 
+    @property
+    def delivered_any(self) -> bool:
+        return self.delivered > 0 or self.epoch > 0
+
     def set_epoch(self, epoch: int) -> bool:
         """Another epoch starts from its beginning; returns whether anything changed."""
         if not is_int(epoch) or epoch < 0:

@@ -4,7 +4,7 @@ import numpy as np
 
 from loader import ResumableDataLoader, merge_states
 from loader.__main__ import main as cli
-from loader.audit import audit
+from loader.audit import NO_LEDGER, UNFINISHED, audit
 from loader.ledger import Ledger, read_ledger
 from tests.conftest import IndexDataset
 
@@ -26,7 +26,7 @@ def test_replayed_steps_do_not_count_and_the_audit_is_clean(tmp_path, capsys):
     state = train(tmp_path, first, 0, 7)  # 3 whole steps, then half of step 4: a crash
     second = ResumableDataLoader(IndexDataset(40), **kw)
     second.load_state_dict(state)
-    train(tmp_path, second, 3, len(second))
+    train(tmp_path, second, 3, second.batches_left)
     records, dropped, n = read_ledger(tmp_path)
     assert n == 40 and dropped.keys() == {0}
     assert max(r.step for r in records if r.generation == 1) == 3  # step 4 of the first launch was replayed
@@ -63,3 +63,20 @@ def test_a_torn_last_record_is_ignored(tmp_path):
     path.write_bytes(path.read_bytes()[:-5])  # a crash in the middle of writing the second record
     records, _, _ = read_ledger(tmp_path)
     assert [r.indices.tolist() for r in records] == [[0, 1, 2, 3]]
+
+
+def test_a_run_without_a_ledger_is_one_clear_line(tmp_path, capsys):
+    assert cli(["audit", str(tmp_path)]) == NO_LEDGER == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err == f"audit: {tmp_path / 'ledger'} holds no ledger: run the job with a Ledger attached\n"
+
+
+def test_a_crashed_job_never_restarted_is_reported_unfinished_not_exactly_once(tmp_path, capsys):
+    dl = ResumableDataLoader(IndexDataset(40), batch_size=4, shuffle=True, grad_accum=2, seed=3)
+    train(tmp_path, dl, 0, 7)  # 3 whole steps (24 samples), then half of step 4: the crash
+    (epoch,) = audit(tmp_path)
+    assert not epoch.finished and epoch.clean and (epoch.seen_once, epoch.not_yet_seen) == (24, 16)
+    assert cli(["audit", str(tmp_path)]) == UNFINISHED == 3
+    out = capsys.readouterr().out
+    assert "audit: epoch 0 unfinished: 24 of 40 samples seen once so far, 16 not yet seen, none duplicated" in out
+    assert "exactly once" not in out

@@ -8,8 +8,9 @@ import torch
 
 from loader import ResumableDataLoader
 from loader.checkpoint import load_checkpoint, resume, save_checkpoint
-from loader.publish import CheckpointError, latest
+from loader.publish import CheckpointError, CheckpointWarning, latest
 from tests.conftest import IndexDataset
+from tests.test_dataloader import Stream
 
 def make(seed=0, n=60):
     torch.manual_seed(0)
@@ -60,6 +61,38 @@ def test_resume_picks_the_newest_verified_checkpoint(tmp_path):
         assert resume(tmp_path, **make()) == 1
 
 
+def _flip(file, bit: int) -> bytes:
+    """Flip one bit of the file; returns its previous content."""
+    data = file.read_bytes()
+    flipped = bytearray(data)
+    flipped[bit // 8] ^= 1 << (bit % 8)
+    file.write_bytes(bytes(flipped))
+    return data
+
+
+def test_a_flipped_manifest_field_is_skipped_not_believed(tmp_path):
+    for step in (1, 2):
+        save_checkpoint(tmp_path, step, **make())
+    manifest = tmp_path / "step-000000002" / "manifest.json"
+    at = manifest.read_bytes().index(b'"global"') + 5  # the "a": one bit makes it "globel"
+    _flip(manifest, 8 * at + 2)
+    assert b'"globel"' in manifest.read_bytes()
+    with pytest.warns(CheckpointWarning, match="step-000000002: manifest.json fails its own checksum"):
+        assert resume(tmp_path, **make()) == 1
+
+
+@pytest.mark.parametrize("name", ["manifest.json", ".metadata", "__0_0.distcp"])
+def test_a_flipped_bit_anywhere_in_a_checkpoint_falls_back_to_the_previous_one(tmp_path, name):
+    for step in (1, 2):
+        save_checkpoint(tmp_path, step, **make())
+    file = tmp_path / "step-000000002" / name
+    for bit in random.Random(name).sample(range(8 * file.stat().st_size), 8):
+        intact = _flip(file, bit)
+        with pytest.warns(CheckpointWarning, match="skipping checkpoint .*step-000000002"):
+            assert resume(tmp_path, **make()) == 1, bit
+        file.write_bytes(intact)
+
+
 def test_a_checkpoint_of_another_run_is_refused_naming_the_field(tmp_path):
     path = save_checkpoint(tmp_path, 1, **make(seed=0))
     fresh = make(seed=7)
@@ -71,13 +104,84 @@ def test_a_checkpoint_of_another_run_is_refused_naming_the_field(tmp_path):
     assert fresh["loader"].state_dict() == before
 
 
-def test_a_failed_save_changes_nothing_published(tmp_path):
+def test_a_step_saved_again_after_a_fallback_publishes_instead_of_crash_looping(tmp_path):
     objects = make()
-    first = save_checkpoint(tmp_path, 1, **objects)
-    manifest = (first / "manifest.json").read_bytes()
-    with pytest.raises(FileExistsError, match="step 1 is already published"):
-        save_checkpoint(tmp_path, 1, **objects)
-    assert (first / "manifest.json").read_bytes() == manifest and latest(tmp_path) == first
+    for step in (1, 2, 3):
+        train(objects, 1)
+        save_checkpoint(tmp_path, step, **objects)
+    _flip(tmp_path / "step-000000003" / "__0_0.distcp", 0)
+
+    restarted = make()
+    with pytest.warns(CheckpointWarning, match="skipping checkpoint .*step-000000003: checksum mismatch"):
+        assert resume(tmp_path, **restarted) == 2
+    train(restarted, 1)
+    with pytest.warns(CheckpointWarning, match=r"step 3 is published again: the earlier .*step-000000003 \(its "
+                      r"manifest and sizes are intact\) was moved aside to .*step-000000003\.quarantine-"):
+        save_checkpoint(tmp_path, 3, **restarted)
+
+    again = make()
+    assert resume(tmp_path, **again) == 3  # the new publication, not the one set aside
+    assert torch.equal(again["model"].weight, restarted["model"].weight)
+    assert len(list(tmp_path.glob("step-000000003.quarantine-*"))) == 1
+
+
+def everything(objects) -> dict:
+    """All that a load may change: parameters, optimizer and scheduler state, the RNG streams, the loader's state."""
+    return {
+        "model": str(objects["model"].state_dict()),
+        "optimizer": str(objects["optimizer"].state_dict()),
+        "scheduler": objects["scheduler"].state_dict(),
+        "rng": str((random.getstate(), np.random.get_state(), torch.get_rng_state())),
+        "loader": objects["loader"].state_dict(),
+    }
+
+
+def wider(objects):
+    """The same run with a wider model (3 -> 4 outputs): its shapes do not fit the checkpoint."""
+    torch.manual_seed(0)
+    objects["model"] = torch.nn.Linear(3, 4)
+    objects["optimizer"] = torch.optim.Adam(objects["model"].parameters(), lr=0.1)
+    objects["scheduler"] = torch.optim.lr_scheduler.StepLR(objects["optimizer"], step_size=2)
+    return objects
+
+
+def with_sgd(objects):
+    """The same run with another optimizer: its state has other keys than the checkpoint's."""
+    objects["optimizer"] = torch.optim.SGD(objects["model"].parameters(), lr=0.1, momentum=0.9)
+    objects["scheduler"] = torch.optim.lr_scheduler.StepLR(objects["optimizer"], step_size=2)
+    return objects
+
+
+@pytest.mark.parametrize("mismatch, match", [(wider, "size mismatch"), (with_sgd, "momentum_buffer")])
+@pytest.mark.parametrize("trained", [False, True])
+def test_a_failed_load_changes_nothing(tmp_path, mismatch, match, trained):
+    saved = make()
+    train(saved, 3)
+    path = save_checkpoint(tmp_path, 3, **saved)
+    target = mismatch(make())
+    if trained:  # a running job, not only a fresh start, is left as it was
+        train(target, 2)
+    fresh_batch = next(iter(make()["loader"])).tolist()
+    before = everything(target)
+    with pytest.raises(CheckpointError, match=f"(?i)checkpoint {path} was not loaded: rank 0: .*{match}.*Nothing "
+                       "was changed"):
+        load_checkpoint(path, **target)
+    assert everything(target) == before
+    if not trained:  # a caller falling back to a fresh start starts at the first batch, skipping nothing
+        assert next(iter(target["loader"])).tolist() == fresh_batch
+
+
+def test_a_stream_progress_that_cannot_be_repartitioned_changes_nothing(tmp_path):
+    torch.manual_seed(0)
+    saved = dict(make(), loader=ResumableDataLoader(Stream(40), batch_size=4))
+    train(saved, 3)
+    path = save_checkpoint(tmp_path, 3, **saved)
+    target = dict(make(), loader=ResumableDataLoader(Stream(40), batch_size=4, rank=0, world_size=2))
+    before = everything(target)
+    with pytest.raises(CheckpointError, match="the loader progress does not fit this run: this IterableDataset "
+                       "progress was saved at world_size 1, the loader runs at 2.*Nothing was changed"):
+        load_checkpoint(path, **target)
+    assert everything(target) == before
 
 
 def test_missing_parts_are_clear_errors(tmp_path):

@@ -143,7 +143,7 @@ def test_code_written_for_distributed_sampler_runs_unchanged():
     it = iter(dl)
     first = next(it).tolist()
     left = list(dl.sampler)  # what the pass has left: read, not delivered
-    assert len(left) == len(dl.sampler) == 17 - len(first)
+    assert len(left) == 17 - len(first) and len(dl.sampler) == 17  # len: the whole epoch's, as DistributedSampler's
     assert [i for batch in it for i in batch.tolist()] == left
 
 
@@ -196,7 +196,7 @@ def test_a_new_iter_after_a_partial_pass_continues_the_epoch():
     dl = ResumableDataLoader(IndexDataset(30), batch_size=3, shuffle=True, seed=1)
     whole = as_lists(batches(ResumableDataLoader(IndexDataset(30), batch_size=3, shuffle=True, seed=1)))
     first = as_lists(batches(dl, count=4))
-    assert len(dl) == 6
+    assert len(dl) == 10 and dl.batches_left == 6  # len: the whole epoch, as DataLoader's
     rest = as_lists(batches(dl))
     assert first + rest == whole and dl.epoch == 0
 
@@ -208,9 +208,9 @@ def test_set_epoch():
     resumed = ResumableDataLoader(IndexDataset(30), batch_size=3, shuffle=True)
     resumed.load_state_dict(state)
     resumed.set_epoch(0)  # the usual call at the top of an epoch loop keeps the resumed progress
-    assert len(resumed) == 8
+    assert len(resumed) == 10 and resumed.batches_left == 8
     resumed.set_epoch(4)
-    assert resumed.epoch == 4 and len(resumed) == 10
+    assert resumed.epoch == 4 and len(resumed) == resumed.batches_left == 10
     first = as_lists(batches(resumed))
     other = ResumableDataLoader(IndexDataset(30), batch_size=3, shuffle=True)
     other.set_epoch(4)
@@ -252,7 +252,7 @@ def test_lockstep_state_is_small_and_cheap_at_a_billion_samples():
     resumed = ResumableDataLoader(Huge(), batch_size=64, shuffle=True, rank=1, world_size=3)
     resumed.load_state_dict(merged)
     first = next(iter(resumed))
-    assert len(resumed) == (10**9 - 5 * 10**8) // (3 * 64)  # full updates, plus the short last one, minus one
+    assert resumed.batches_left == (10**9 - 5 * 10**8) // (3 * 64)  # full updates, plus the short last one, minus one
     assert len(set(first.tolist())) == 64
 
 
@@ -260,7 +260,7 @@ def test_uneven_state_grows_with_intervals_only():
     ranks = [ResumableDataLoader(IndexDataset(10_000), batch_size=2, rank=r, world_size=2) for r in range(2)]
     batches(ranks[0], count=50)
     batches(ranks[1], count=10)
-    merged = merge_states([dl.state_dict() for dl in ranks])
+    merged = merge_states([dl.state_dict() for dl in ranks], uneven=True)
     (epoch, flat), = merged["committed"]
     # rank 0's 40 micro-batches beyond rank 1's progress leave 40 holes: the first merges into the prefix
     assert len(flat) == 2 * 40 and flat[:2] == [0, 42] and flat[-2:] == [49 * 4, 49 * 4 + 2]

@@ -13,8 +13,9 @@ def test_demo_loses_a_node_and_finishes_exactly_once():
     done = subprocess.run([sys.executable, "-m", "loader", "demo"], capture_output=True, text=True, timeout=400)
     out = done.stdout
     assert done.returncode == 0, out + done.stderr
-    assert "4 workers: training from step 0" in out
-    resumed = re.search(r"3 workers: training from step (\d+)", out)
+    assert "launch 1, 4 workers, fresh start from step 0; optimizer steps completed: 1 2 3" in out
+    resumed = re.search(r"launch 2, 3 workers, resumed from the checkpoint of step (\d+); optimizer steps completed: \d",
+                        out)
     assert resumed and int(resumed.group(1)) % 3 == 0  # a published checkpoint step
     assert re.search(r"0\s+finished\s+480\s+480\s+0\s+0\s+0", out)  # the audit row of epoch 0
     assert "audit: every sample exactly once" in out
@@ -31,3 +32,23 @@ def test_a_failed_job_reports_the_workers_traceback_not_only_torchrun_s_summary(
     excerpt = _failure_excerpt(seen)
     assert "node A: ImportError: boom" in excerpt and "node A: torchrun report line 39" in excerpt
     assert "starting" not in excerpt
+
+
+def test_every_number_of_the_progress_line_says_what_it_is(capsys):
+    from loader.demo import ProgressLine
+
+    progress = ProgressLine()
+    for line in ["[rank 0] world size 4, grad_accum 3, resumed at step 0, epoch 0 (checkpoint load 0.001 s)",
+                 "[rank 0] step 1 loss 0.5", "[rank 0] step 2 loss 0.4",
+                 "[rank 3] fault injection: node during step 3",
+                 "[rank 0] step 2 loss 0.4",
+                 "[rank 0] world size 3, grad_accum 4, resumed at step 0, epoch 0 (checkpoint load 0.010 s)",
+                 "[rank 0] step 1 loss 0.5"]:
+        progress.show(line)
+    assert capsys.readouterr().out.splitlines() == [
+        "",
+        "  launch 1, 4 workers, fresh start from step 0; optimizer steps completed: 1 2",
+        "  fault injection: node during step 3 -> node B is gone (its agent and worker killed)",
+        "  completed before the fault, reported after it: step 2",
+        "  launch 2, 3 workers, fresh start from step 0; optimizer steps completed: 1",
+    ]

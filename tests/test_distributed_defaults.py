@@ -26,3 +26,30 @@ def test_rank_and_world_size_default_to_the_process_group():
     assert ids == list(range(50))  # disjoint, and nothing dropped although 50 is no multiple of 3
     merged = results[0][3]
     assert all(r[3] == merged for r in results) and merged["epoch"] == 1
+
+
+def _prebuilt_job(rank, world_size, dl, peeked):
+    if peeked:
+        try:
+            iter(dl)
+        except RuntimeError as err:
+            return str(err)
+        return "no error"
+    return dl.rank, dl.world_size, len(dl), [b.tolist() for b in dl]
+
+
+def test_a_loader_built_before_the_process_group_takes_its_rank_when_iteration_starts():
+    dl = ResumableDataLoader(IndexDataset(40), batch_size=4, shuffle=True, seed=2)  # no group yet: rank 0 of 1
+    assert (dl.rank, dl.world_size, len(dl)) == (0, 1, 10)
+    results = run_group(_prebuilt_job, 2, dl, False)  # forked: each rank holds a copy built before the group
+    assert [r[:3] for r in results] == [(0, 2, 5), (1, 2, 5)]
+    ids = [i for r in results for batch in r[3] for i in batch]
+    assert sorted(ids) == list(range(40))  # each sample once, not once per rank
+
+
+def test_a_loader_that_delivered_before_the_process_group_is_refused_loudly():
+    dl = ResumableDataLoader(IndexDataset(40), batch_size=4)
+    next(iter(dl))  # delivered as rank 0 of 1
+    messages = run_group(_prebuilt_job, 2, dl, True)
+    assert all("before torch.distributed was initialised as rank" in m and "pass rank= and world_size=" in m
+               for m in messages)

@@ -5,13 +5,17 @@ stops the whole generation when a rank fails and starts the next one from the ne
 """
 
 import json
+import os
+import subprocess
+import sys
+from datetime import timedelta
 
 import pytest
 import torch
 
 from loader.audit import audit
 from loader.publish import latest
-from tests.elastic import logs, run_generation
+from tests.elastic import EXAMPLE, load_example, logs, run_generation
 
 pytestmark = pytest.mark.slow
 
@@ -128,6 +132,29 @@ def test_uneven_consumption_with_join_then_resize(tmp_path):
     assert [e.finished for e in audit(run)] == [False]
     assert run_generation(2, job(run), tmp_path / "logs2") == [0, 0]
     assert_audit_clean(run)
+
+
+def test_torchrun_as_documented_restarts_without_any_setting_of_the_agent(tmp_path, reference):
+    """The example's command line under a real torchrun agent, whose shared rendezvous store keeps the keys of the
+    launch before; nothing in the environment tells it otherwise."""
+    env = {**os.environ, "PYTHONPATH": str(EXAMPLE.parent.parent), "OMP_NUM_THREADS": "1"}
+    env.pop("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", None)
+    run = tmp_path / "run"
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--max-restarts=1",
+                           str(EXAMPLE), *job(run, "--fail-at-step", "4", "--fail-rank", "1", "--timeout", "30")],
+                          capture_output=True, text=True, env=env, timeout=180)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "[rank 1] fault injection: sigkill during step 5" in done.stdout
+    assert "[rank 0] world size 2, grad_accum 6, resumed at step 3" in done.stdout
+    assert_final_model_close(run, reference / "run")
+    assert_audit_clean(run)
+
+
+def test_several_agents_sharing_their_store_are_told_how_to_restart_safely(monkeypatch):
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+    monkeypatch.setenv("GROUP_WORLD_SIZE", "2")
+    with pytest.raises(SystemExit, match="start every agent with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1"):
+        load_example()._store_of_this_launch(timedelta(seconds=5))
 
 
 def test_exception_and_clean_exhaustion_are_told_apart_in_the_logs(tmp_path):

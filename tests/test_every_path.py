@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from loader import ContinuedPassWarning, ResumableDataLoader, merge_states
+from loader import ContinuedPassWarning, ResumableDataLoader, StateError, merge_states
 from loader.audit import audit
 from loader.ledger import Ledger
 from tests.conftest import IndexDataset
@@ -145,11 +145,12 @@ def test_the_ledger_and_the_audit_list_failed_samples_in_their_own_column(tmp_pa
     dl = ResumableDataLoader(FailingDataset(n, bad), batch_size=5, shuffle=True, seed=2, drop_last=False)
     dl.ledger = Ledger.open(tmp_path, 0, n)
     delivered, _ = train_skipping_bad_batches(iter(dl), dl)
+    dl.ledger.record_finished(merge_states([dl.state_dict()]), dl)
     dl.ledger.close()
     (report,) = audit(tmp_path)
     failed = failed_batches(dict(batch_size=5, shuffle=True, seed=2), n, bad)
     assert sorted(report.failed.tolist()) == sorted(itertools.chain.from_iterable(failed))
-    assert report.seen_once == n - 5 * len(failed) and not len(report.duplicated)
+    assert report.seen_once == n - 5 * len(failed) and not len(report.duplicated) and report.finished
     assert audit_main(str(tmp_path)) == 0
     assert "failed to load" in capsys.readouterr().out
 
@@ -345,3 +346,99 @@ def test_the_iterator_forwards_torchs_attributes():
     it = iter(dl)
     assert len(it._workers) == 2 and it._num_workers == 2
     assert_exactly_once(8, [b.tolist() for b in it])
+
+
+def test_states_of_different_steps_do_not_merge_unless_the_run_was_uneven():
+    n, kw = 40, dict(batch_size=2, shuffle=True, seed=3)
+    ranks = [ResumableDataLoader(IndexDataset(n), rank=r, world_size=2, **kw) for r in range(2)]
+    iterators = [iter(dl) for dl in ranks]
+    files = {}
+    for step in range(1, 4):  # lockstep: each step, one micro-batch per rank; per-rank files saved every step
+        for rank, it in enumerate(iterators):
+            next(it)
+            files[rank, step] = ranks[rank].state_dict()
+    assert merge_states([files[0, 3], files[1, 3]])["committed"] == [[0, [0, 12]]]
+    with pytest.raises(StateError, match="rank 0 completed 3 micro-batches of epoch 0, rank 1 2: the states come "
+                                         "from different steps.*uneven=True"):
+        merge_states([files[0, 3], files[1, 2]])
+    dl = ResumableDataLoader(IndexDataset(n), **kw)
+    with pytest.raises(StateError, match="different steps"):
+        dl.load_state_dict([files[0, 3], files[1, 2]])
+    assert dl.state_dict() == ResumableDataLoader(IndexDataset(n), **kw).state_dict()
+    uneven = merge_states([files[0, 3], files[1, 2]], uneven=True)  # e.g. rank 1 joined early (DDP Join)
+    assert uneven["committed"] == [[0, [0, 10]]]  # rank 0: [0, 2) [4, 6) [8, 10); rank 1: [2, 4) [6, 8)
+
+
+def test_ranks_on_both_sides_of_an_epoch_boundary_are_one_step():
+    """One rank already took the next iter() (its new epoch has nothing delivered), the other not: same step."""
+    kw = dict(batch_size=2, shuffle=True, seed=3, world_size=2)
+    ranks = [ResumableDataLoader(IndexDataset(12), rank=r, **kw) for r in range(2)]
+    for dl in ranks:
+        list(dl)
+    iter(ranks[0])
+    assert (ranks[0].epoch, ranks[1].epoch) == (1, 0)
+    merged = merge_states([dl.state_dict() for dl in ranks])
+    assert merged["epoch"] == 1 and merged["committed"] == []
+
+
+# -- a dataset that grows between epochs ------------------------------------------------------------------------------
+
+
+def test_a_dataset_that_grows_between_epochs_is_served_whole_from_the_next_epoch():
+    dataset, kw = IndexDataset(20), dict(batch_size=3, shuffle=True, seed=2)
+    ranks = [ResumableDataLoader(dataset, rank=r, world_size=2, **kw) for r in range(2)]
+    epoch_zero = [b.tolist() for dl in ranks for b in itertools.islice(dl, 2)]
+    dataset.n = 23  # appended during the epoch: the epoch goes on with the length it started with
+    epoch_zero += [b.tolist() for dl in ranks for b in dl]
+    assert_exactly_once(20, epoch_zero)
+    dataset.n = 27  # appended between passes: the next epoch deals all 27
+    assert [len(dl) for dl in ranks] == [4, 4]  # len() still counts the epoch as last read, as torch's iter() reads
+    first = [[b.tolist() for b in itertools.islice(dl, 2)] for dl in ranks]
+    assert [dl.epoch for dl in ranks] == [1, 1] and [len(dl) for dl in ranks] == [5, 5]
+    merged = merge_states([dl.state_dict() for dl in ranks])  # every rank moved to the same new progress
+    assert merged["fingerprint"]["num_samples"] == 27 and merged["epoch"] == 1
+    resumed = [ResumableDataLoader(IndexDataset(27), rank=r, world_size=3, **kw) for r in range(3)]
+    for dl in resumed:
+        dl.load_state_dict(merged)
+    assert_exactly_once(27, first[0] + first[1] + [b.tolist() for dl in resumed for b in dl])
+    with pytest.raises(StateError, match="num_samples is 27 in the saved state but 20"):
+        ResumableDataLoader(IndexDataset(20), **kw).load_state_dict(merged)  # another length stays refused
+
+
+@pytest.mark.parametrize("shuffle_blocks, workers", [(None, {}), (4, WORKERS[1])])
+def test_the_order_is_rebuilt_for_the_new_length(shuffle_blocks, workers):
+    dataset = IndexDataset(10)
+    dl = ResumableDataLoader(dataset, batch_size=4, shuffle=True, seed=1, shuffle_blocks=shuffle_blocks, **workers)
+    list(dl)
+    dataset.n = 14
+    grown = [b.tolist() for b in dl]
+    fresh = ResumableDataLoader(IndexDataset(14), batch_size=4, shuffle=True, seed=1, shuffle_blocks=shuffle_blocks)
+    fresh.set_epoch(1)
+    assert grown == [b.tolist() for b in fresh]  # as a loader built for 14 samples serves epoch 1
+    assert dl.state_dict() == fresh.state_dict()
+
+
+def test_a_length_change_is_refused_where_progress_of_the_old_length_is_committed():
+    dataset = IndexDataset(20)
+    saved = ResumableDataLoader(dataset, batch_size=4, shuffle=True)
+    first = next(iter(saved)).tolist()
+    dl = ResumableDataLoader(dataset, batch_size=4, shuffle=True)
+    dl.load_state_dict(saved.state_dict())  # resumed inside epoch 0
+    before = dl.state_dict()
+    dataset.n = 24
+    with pytest.raises(ValueError, match="length changed from 20 to 24 before epoch 0 started, but epoch 0 has "
+                                         "progress committed under 20 samples.*resume with the dataset of 20"):
+        iter(dl)
+    assert dl.state_dict() == before
+    dataset.n = 20
+    assert_exactly_once(20, [first] + [b.tolist() for b in dl])  # as it was, once the length is back
+
+
+def test_a_length_change_with_block_sizes_given_is_refused():
+    dataset = IndexDataset(10)
+    dl = ResumableDataLoader(dataset, batch_size=4, shuffle=True, shuffle_blocks=[5, 5])
+    list(dl)
+    dataset.n = 12
+    with pytest.raises(ValueError, match="length changed from 10 to 12 before epoch 1 started, but shuffle_blocks "
+                                         "was given as block sizes summing to 10.*block sizes for 12"):
+        iter(dl)

@@ -1,19 +1,23 @@
 """Exactly once across restarts: several ranks simulated by several loaders in one process.
 
 Random dataset sizes, batch sizes, accumulation, world sizes that shrink and grow, ranks that stop at different
-points (also inside an update) and at least three restarts: over every epoch, each index is committed exactly
-once, and what is not committed was dropped by the tail rule (exactly as many as it drops) and is recorded as such.
-The same holds for mixtures of sources (their positions are the indices), and with the same global batch every
-update of a resized run holds the same samples, source by source, as the uninterrupted run's.
+points (also inside an update, also right at an epoch's end, before or after its StopIteration) and at least three
+restarts, batches that fail to load, and new iterators taken in the middle of a pass: over every epoch, each index
+is committed exactly once, or failed to load exactly once, or was dropped by the tail rule (exactly as many as it
+drops) and is recorded as such. The same holds for mixtures of sources (their positions are the indices), and with
+the same global batch every update of a resized run holds the same samples, source by source, as the uninterrupted
+run's.
 """
 
+import warnings
 from collections import Counter, defaultdict
 
 import numpy as np
-from hypothesis import given, settings
+import torch
+from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
-from loader import Order, ResumableDataLoader, merge_states
+from loader import ContinuedPassWarning, Order, ResumableDataLoader, merge_states
 from loader.sources import Mixture
 from tests.conftest import IndexDataset
 
@@ -45,46 +49,72 @@ def content_of(dataset):
     return located
 
 
-class SimulatedRank:
-    """One rank's training loop: consumes micro-batches, commits whole updates, remembers what it committed."""
+class FailingCollate:
+    """Collation that raises for a batch holding a bad index, remembering the batch (num_workers=0 only)."""
 
-    def __init__(self, dl):
-        self.dl, self.iterator, self.pending = dl, None, []
+    def __init__(self, bad: set[int]):
+        self.bad, self.last = bad, None
+
+    def __call__(self, items):
+        self.last = [int(i) for i in items]
+        if self.bad & set(self.last):
+            raise ValueError("a corrupt record")
+        return torch.tensor(self.last)
+
+
+class SimulatedRank:
+    """One rank's training loop: consumes micro-batches, skips batches that fail to load, sometimes takes a new
+    iterator in the middle of a pass, commits whole updates, remembers what it committed and what failed."""
+
+    def __init__(self, dl, draw):
+        self.dl, self.draw, self.iterator, self.pending = dl, draw, None, []
         self.in_pass, self.share = 0, None
         self.content = content_of(dl.dataset)
 
-    def consume(self, count, committed):
+    def consume(self, count, committed, failed):
         for _ in range(count):
             if self.iterator is None:
-                self.iterator, self.in_pass, self.share = iter(self.dl), 0, len(self.dl)
+                self.iterator, self.in_pass, self.share = iter(self.dl), 0, self.dl.batches_left
+            elif self.draw(st.integers(0, 9), label="new iterator mid-pass") == 0:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore", ContinuedPassWarning)
+                    self.iterator = iter(self.dl)  # continues the pass
             try:
                 batch = next(self.iterator)
             except StopIteration:
                 self.iterator = None
                 continue
-            ids = self.dl.last_indices().tolist()
-            assert batch.tolist() == self.content(ids)
-            self.in_pass += 1
-            self.pending.append((self.dl.epoch, ids))
-            # the test's own rule for a whole update: K micro-batches, or the end of this rank's share
+            except ValueError:  # skip the bad batch, keep iterating the same iterator
+                self.in_pass += 1
+                self.pending.append((self.dl.epoch, self.dl.collate_fn.last, failed))
+            else:
+                ids = self.dl.last_indices().tolist()
+                assert batch.tolist() == self.content(ids)
+                self.in_pass += 1
+                self.pending.append((self.dl.epoch, ids, committed))
+            # the test's own rule for a whole update: K micro-batches (failed ones included), or the end of the share
             whole = self.in_pass % self.dl.grad_accum == 0 or self.in_pass == self.share
-            assert self.dl.update_complete == whole
+            if self.pending[-1][2] is committed:
+                assert self.dl.update_complete == whole
             if whole:
-                for epoch, done in self.pending:
-                    committed[epoch].update(done)
+                for epoch, done, into in self.pending:
+                    into[epoch].update(done)
                 self.pending = []
 
-    def run_pass_to_end(self, committed):
+    def run_pass_to_end(self, committed, failed):
         """Deliver batches until this rank's current pass (or a new one) ends."""
         if self.iterator is None:
-            self.iterator, self.in_pass, self.share = iter(self.dl), 0, len(self.dl)
+            self.iterator, self.in_pass, self.share = iter(self.dl), 0, self.dl.batches_left
         while self.iterator is not None:
-            self.consume(1, committed)
+            self.consume(1, committed, failed)
 
 
 def simulate(data, dataset, batch_size, grad_accum, shuffle, drop_last, worlds, num_workers):
     n, seed = len(dataset), data.draw(st.integers(0, 2**32), label="seed")
-    committed, state = defaultdict(Counter), None
+    # FailingCollate knows a bad batch by its items, which are its indices for IndexDataset (not for a mixture)
+    failures = not num_workers and not isinstance(dataset, Mixture)
+    bad = set(data.draw(st.lists(st.integers(0, n - 1), max_size=3), label="bad indices")) if failures else set()
+    committed, failed, state = defaultdict(Counter), defaultdict(Counter), None
 
     def make(world):
         loaders = [
@@ -92,20 +122,21 @@ def simulate(data, dataset, batch_size, grad_accum, shuffle, drop_last, worlds, 
                 dataset, batch_size=batch_size, shuffle=shuffle, drop_last=drop_last, seed=seed, rank=r,
                 world_size=world, grad_accum=grad_accum, num_workers=num_workers,
                 multiprocessing_context="fork" if num_workers else None,
+                collate_fn=None if num_workers else FailingCollate(bad),
             )
             for r in range(world)
         ]
         if state is not None:
             for dl in loaders:
                 dl.load_state_dict(state)
-        return [SimulatedRank(dl) for dl in loaders]
+        return [SimulatedRank(dl, data.draw) for dl in loaders]
 
     dropped, policy = {}, {}
 
     def merge(ranks, world):
         """Also records, per epoch, the dropped positions and what the tail rule drops of the samples the finishing
         layout started from: R mod G with drop_last, else nothing unless R < W."""
-        merged = merge_states([rank.dl.state_dict() for rank in ranks])
+        merged = merge_states([rank.dl.state_dict() for rank in ranks], uneven=True)
         for record in merged["finished"]:
             if record["epoch"] not in dropped:
                 dropped[record["epoch"]] = record["dropped"]
@@ -119,18 +150,21 @@ def simulate(data, dataset, batch_size, grad_accum, shuffle, drop_last, worlds, 
     for world in worlds[:-1]:
         ranks = make(world)
         for rank in ranks:  # ranks consume unequal amounts, sometimes stopping inside an update
-            rank.consume(data.draw(st.integers(0, len(rank.dl) + 2), label="micro-batches"), committed)
+            rank.consume(data.draw(st.integers(0, len(rank.dl) + 2), label="micro-batches"), committed, failed)
         state = merge(ranks, world)
     ranks = make(worlds[-1])
     for rank in ranks:
-        rank.run_pass_to_end(committed)
+        rank.run_pass_to_end(committed, failed)
     last_epoch = ranks[0].dl.epoch
     assert all(rank.dl.epoch == last_epoch for rank in ranks)
     assert merge(ranks, worlds[-1])["epoch"] == last_epoch + 1
 
     for epoch in range(last_epoch + 1):
-        counts = committed[epoch]
+        counts = committed[epoch] + failed[epoch]
         assert max(counts.values(), default=1) == 1, f"epoch {epoch}: duplicated {[i for i, c in counts.items() if c > 1]}"
+        assert not failed[epoch] or bad & set(failed[epoch]), "only batches holding a bad index fail"
+        event(f"failed samples: {'some' if failed[epoch] else 'none'}")
+        assert not bad & set(committed[epoch]), f"epoch {epoch}: a bad sample was delivered"
         spans = np.asarray(dropped[epoch]).reshape(-1, 2)
         positions = np.concatenate([np.arange(a, b) for a, b in spans] + [np.zeros(0, np.int64)])
         dropped_ids = set(Order(n, seed, "global" if shuffle else "none").for_epoch(epoch)(positions).tolist())

@@ -28,7 +28,7 @@ def uneven_base(world_size=64):
         for _ in range(1 + 5 * rank % 13):
             next(it)
         states.append(dl.state_dict())
-    return merge_states(states)
+    return merge_states(states, uneven=True)
 
 
 def _gather_job(rank, world_size, base):
@@ -45,7 +45,7 @@ def test_ranks_exchange_o_of_w_bytes_and_merge_as_with_full_states():
     base = uneven_base()
     assert len(base["committed"][0][1]) >= 200  # the holes: the part of a state that grows
     results = run_group(_gather_job, 3, base)
-    full_merge = merge_states([r[0] for r in results])
+    full_merge = merge_states([r[0] for r in results], uneven=True)
     assert all(r[1] == full_merge for r in results)
     assert all(4 * r[2] < len(pickle.dumps(base)) for r in results)  # a digest instead of the holes
 

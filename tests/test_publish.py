@@ -7,11 +7,14 @@ import json
 import multiprocessing
 import os
 import random
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
+import warnings
 from pathlib import Path
 
 import pytest
@@ -23,6 +26,7 @@ from loader.publish import (
     CheckpointWarning,
     latest,
     list_checkpoints,
+    _sealed,
     publish,
     verify,
 )
@@ -137,16 +141,22 @@ def _damage(kind: str, ckpt: Path) -> str:
     if kind == "future_version":
         manifest.write_text(json.dumps({**json.loads(manifest.read_text()), "format_version": 99}))
         return "unknown format version 99"
-    if kind == "bad_entry":
+    if kind == "bad_entry":  # a writer's bug, sealed: the checksum holds, the content is still refused
         raw = json.loads(manifest.read_text())
+        del raw["manifest_sha256"]
         raw["files"]["../escape"] = {"size": 1, "sha256": "0" * 64}
-        manifest.write_text(json.dumps(raw))
+        manifest.write_bytes(_sealed(raw))
         return "bad entry for file '../escape'"
+    if kind == "edit":
+        raw = json.loads(manifest.read_text())
+        raw["extra"]["epoch"] = 3
+        manifest.write_text(json.dumps(raw, indent=1, sort_keys=True))
+        return f"{MANIFEST_NAME} fails its own checksum"
     raise AssertionError(kind)
 
 
 @pytest.mark.parametrize(
-    "kind", ["flip", "truncate", "delete", "no_manifest", "garbage_manifest", "future_version", "bad_entry"]
+    "kind", ["flip", "truncate", "delete", "no_manifest", "garbage_manifest", "future_version", "bad_entry", "edit"]
 )
 def test_damaged_checkpoint_is_skipped_with_reason(tmp_path, kind):
     publish_steps(tmp_path, 1, 2)
@@ -159,6 +169,31 @@ def test_damaged_checkpoint_is_skipped_with_reason(tmp_path, kind):
     with pytest.warns(CheckpointWarning) as caught:
         assert latest(tmp_path) == tmp_path / "step-000000001"
     assert [str(w.message) for w in caught] == [f"skipping {info.value}"]
+
+
+def test_every_single_bit_flip_of_a_manifest_skips_its_checkpoint(tmp_path):
+    publish_steps(tmp_path, 1, 2)
+    manifest = tmp_path / "step-000000002" / MANIFEST_NAME
+    intact = manifest.read_bytes()
+    for bit in range(8 * len(intact)):
+        flipped = bytearray(intact)
+        flipped[bit // 8] ^= 1 << (bit % 8)
+        manifest.write_bytes(flipped)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            assert latest(tmp_path) == tmp_path / "step-000000001", f"bit {bit}"
+        assert [str(w.message).split(": ")[0] for w in caught] == [f"skipping checkpoint {manifest.parent}"], bit
+    manifest.write_bytes(intact)
+    assert latest(tmp_path) == manifest.parent
+
+
+def test_a_version_1_manifest_without_its_own_checksum_still_loads(tmp_path):
+    publish_steps(tmp_path, 1)
+    manifest = tmp_path / "step-000000001" / MANIFEST_NAME
+    raw = json.loads(manifest.read_text())
+    del raw["manifest_sha256"]
+    manifest.write_text(json.dumps({**raw, "format_version": 1}, indent=1, sort_keys=True))
+    assert verify(manifest.parent).step == 1 and latest(tmp_path) == manifest.parent
 
 
 def test_size_check_without_checksums(tmp_path):
@@ -207,24 +242,56 @@ def test_keep_last_none_keeps_all(tmp_path):
     assert len(list_checkpoints(tmp_path)) == 4
 
 
-def test_refuses_to_overwrite_a_published_step(tmp_path):
-    publish_steps(tmp_path, 1)
-    before = snapshot(tmp_path)
-    called = []
-    with pytest.raises(FileExistsError, match="step-000000001 is already published; refusing to overwrite"):
-        publish(tmp_path, 1, called.append, manifest_extra=EXTRA)
-    assert called == [] and snapshot(tmp_path) == before
+def _aside(run_dir: Path, step: int) -> list[Path]:
+    return sorted(run_dir.glob(f"step-{step:09d}.quarantine-*"))
 
 
-def test_concurrent_publish_of_the_same_step_never_replaces(tmp_path):
+@pytest.mark.parametrize("broken", [True, False])
+def test_a_step_published_again_sets_the_earlier_one_aside_and_the_newest_publication_wins(tmp_path, broken):
+    """A run that resumed from step 1 (step 2 corrupt, or a deliberate step back) publishes step 2 again."""
+    publish_steps(tmp_path, 1, 2)
+    first = snapshot(tmp_path / "step-000000002")
+    state = "its manifest and sizes are intact"
+    if broken:
+        _damage("truncate", tmp_path / "step-000000002")
+        first = snapshot(tmp_path / "step-000000002")
+        state = "broken: size of 'shards/rank0.distcp': expected 77 bytes, got 10"
+    newer = {"model.pt": b"the new step 2 " * 20}
+
+    with pytest.warns(CheckpointWarning) as caught:
+        path = publish(tmp_path, 2, write(newer), manifest_extra=EXTRA, keep_last=None)
+    (aside,) = _aside(tmp_path, 2)
+    assert [str(w.message) for w in caught] == [
+        f"step 2 is published again: the earlier {path} ({state}) was moved aside to {aside}, which is never "
+        f"loaded; inspect it, then delete it"
+    ]
+    assert snapshot(aside) == first  # kept for inspection, byte for byte
+    assert latest(tmp_path) == path and set(verify(path).files) == {"model.pt"}  # the newest publication
+    assert list_checkpoints(tmp_path) == [tmp_path / "step-000000001", path]
+
+    _damage("flip", path)  # the new one broken too: the one set aside is still never a candidate
+    with pytest.warns(CheckpointWarning, match="step-000000002: checksum mismatch"):
+        assert latest(tmp_path) == tmp_path / "step-000000001"
+
+
+def test_every_republication_is_kept_aside(tmp_path):
+    for _ in range(3):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", CheckpointWarning)
+            publish_steps(tmp_path, 4)
+    assert len(_aside(tmp_path, 4)) == 2 and latest(tmp_path) == tmp_path / "step-000000004"
+
+
+def test_a_step_published_meanwhile_by_another_writer_is_set_aside_too(tmp_path):
     def publish_step_1_meanwhile(directory: Path) -> None:
         publish_steps(tmp_path, 1)
         write({"other.pt": b"late"})(directory)
 
-    with pytest.raises(FileExistsError, match="already published"):
+    with pytest.warns(CheckpointWarning, match="step 1 is published again"):
         publish(tmp_path, 1, publish_step_1_meanwhile, manifest_extra=EXTRA)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-000000001"]
-    assert set(verify(tmp_path / "step-000000001").files) == set(FILES)
+    assert set(verify(tmp_path / "step-000000001").files) == {"other.pt"}
+    (aside,) = _aside(tmp_path, 1)
+    assert set(verify(aside).files) == set(FILES)
 
 
 def test_stale_tmp_cleanup_spares_live_writers(tmp_path):
@@ -300,35 +367,69 @@ def test_run_dir_that_is_a_file(tmp_path):
     assert run_dir.read_text() == "oops"
 
 
-def _latest_unprivileged(run_dir: str, conn) -> None:
-    if os.geteuid() == 0:  # root reads everything: drop to nobody first
+def _report_unprivileged(call, conn) -> None:
+    if os.geteuid() == 0:  # root reads and writes everything: drop to nobody first
         os.setgid(65534)
         os.setuid(65534)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            outcome = ("returned", call())
+        except Exception as e:  # noqa: BLE001 - sent to the parent, which asserts on it
+            outcome = (type(e).__name__, str(e))
+    conn.send((outcome, [str(w.message) for w in caught]))
+
+
+def _unprivileged(call) -> tuple:
+    """call() in a forked process that runs as nobody when we are root, so permissions apply; returns (outcome,
+    warnings), the outcome being ("returned", value) or (exception type name, message)."""
+    ctx = multiprocessing.get_context("fork")
+    parent_end, child_end = ctx.Pipe(duplex=False)
+    child = ctx.Process(target=_report_unprivileged, args=(call, child_end))
+    child.start()
     try:
-        conn.send(("returned", latest(run_dir)))
-    except Exception as e:  # noqa: BLE001 - sent to the parent, which asserts on it
-        conn.send((type(e).__name__, str(e)))
+        assert parent_end.poll(timeout=30), "child did not report"
+        return parent_end.recv()
+    finally:
+        child.join(timeout=30)
+        if child.is_alive():
+            child.kill()
+            child.join(timeout=10)
 
 
 def test_unreadable_run_dir(tmp_path):
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     run_dir.chmod(0)
-    ctx = multiprocessing.get_context("fork")
-    parent_end, child_end = ctx.Pipe(duplex=False)
-    child = ctx.Process(target=_latest_unprivileged, args=(str(run_dir), child_end))
-    child.start()
     try:
-        assert parent_end.poll(timeout=30), "child did not report"
-        outcome = parent_end.recv()
-        child.join(timeout=30)
+        outcome, _ = _unprivileged(lambda: latest(run_dir))
     finally:
-        if child.is_alive():
-            child.kill()
-            child.join(timeout=10)
         run_dir.chmod(0o755)
     assert outcome == ("PermissionError", f"run_dir {run_dir} cannot be listed (permission denied); "
                        "fix its permissions or pass another directory")
+
+
+def test_a_failed_sync_after_the_rename_warns_and_reports_the_step_published():
+    """The run directory can be entered and written but not opened (mode 0333), so fsync of it fails for real."""
+    base = Path(tempfile.mkdtemp(prefix="loader-sync-"))  # not under pytest's 0700 root: nobody must reach it
+    try:
+        base.chmod(0o711)
+        run_dir = base / "run"
+        run_dir.mkdir()
+        run_dir.chmod(0o333)
+        outcome, caught = _unprivileged(lambda: publish(run_dir, 1, write(FILES), manifest_extra=EXTRA))
+        final = run_dir / "step-000000001"
+        assert outcome == ("returned", final)
+        assert caught == [
+            f"published {final}, but syncing {run_dir} failed ([Errno 13] Permission denied: '{run_dir}'): the "
+            f"checkpoint is complete, but a machine crash could still lose its name; check the filesystem",
+            f"published {final}, but could not tidy {run_dir}: run_dir {run_dir} cannot be listed (permission "
+            f"denied); fix its permissions or pass another directory",
+        ]
+        run_dir.chmod(0o755)
+        assert latest(run_dir) == final and verify(final).step == 1
+    finally:
+        shutil.rmtree(base)
 
 
 @pytest.mark.parametrize(

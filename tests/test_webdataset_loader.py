@@ -35,7 +35,7 @@ def test_resume_over_shards_at_another_world_size_delivers_every_key_once(source
     first = loaders(source, 3)
     for dl, count in zip(first, (4, 1, 3)):  # unequal progress per rank
         seen += [k for batch in itertools.islice(dl, count) for k in batch]
-    state = merge_states([dl.state_dict() for dl in first])
+    state = merge_states([dl.state_dict() for dl in first], uneven=True)
     second = loaders(source, 2, num_workers=2, multiprocessing_context="fork")
     for dl in second:
         dl.load_state_dict(state)

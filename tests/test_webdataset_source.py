@@ -8,6 +8,7 @@ import json
 import os
 import pickle
 import random
+import shutil
 import tarfile
 import tempfile
 import threading
@@ -22,6 +23,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from loader.sources import tar_index
+from loader.sources import webdataset as source_module
 from loader.sources.webdataset import MissingKeyError, ShardFormatError, StaleIndexError, WebDatasetSource
 
 SHARD_SIZES = [5, 0, 1, 3, 7]  # uneven, an empty shard, a single-sample shard
@@ -201,7 +203,6 @@ NAMING_CASES = [
     ("d" * 120 + "/long.txt", b"long name"),
     ("e/" + "f" * 130 + ".txt", b"long basename"),
     ("a.jpg", b""),  # empty member
-    ("dir/sub/a.cls", b"7"),  # key seen again later: a new sample, as in webdataset
 ]
 
 
@@ -215,6 +216,12 @@ def test_ustar_prefix_names_match_webdataset(tmp_path):
     entries = [("p" * 60 + "/" + "q" * 60 + f"/k{i}.txt", b"x" * i) for i in range(3)]
     shard = _raw_tar(tmp_path / "ustar.tar", entries, tarfile.USTAR_FORMAT)
     assert_same(read_all(WebDatasetSource(shard)), reference(shard))
+
+
+def tarfile_members(shard) -> list[tuple[str, int, int, int]]:
+    """What tarfile reads of each regular member: name, data offset, size and bytes of header blocks."""
+    with tarfile.open(shard) as tar:
+        return [(m.name, m.offset_data, m.size, m.offset_data - m.offset) for m in tar if m.isreg()]
 
 
 def _header(name, size=0, kind=tarfile.REGTYPE) -> bytes:
@@ -250,8 +257,7 @@ def test_extension_headers_and_v7_directories_match_tarfile(tmp_path):
     shard.write_bytes(raw)
     with open(shard, "rb") as f:
         scanned = list(tar_index.scan_tar(f, str(shard)))
-    with tarfile.open(shard) as tar:
-        assert scanned == [(m.name, m.offset_data, m.size) for m in tar if m.isreg()]
+    assert [s[:4] for s in scanned] == tarfile_members(shard)
     assert [m.name for m in scanned] == ["a/pax_wins.txt", long_name, "sized.txt", "after.txt"]
     assert_same(read_all(WebDatasetSource(str(shard))), reference(str(shard)))
 
@@ -299,13 +305,17 @@ def test_random_tars_match_tarfile_and_webdataset(members, fmt):
         shard = _raw_tar(os.path.join(tmp, "r.tar"), entries, fmt)
         with open(shard, "rb") as f:
             scanned = list(tar_index.scan_tar(f, shard))
-        with tarfile.open(shard) as tar:
-            assert scanned == [(m.name, m.offset_data, m.size) for m in tar if m.isreg()]
+        assert [s[:4] for s in scanned] == tarfile_members(shard)
         try:
             expected = reference(shard)
         except ValueError as exn:  # webdataset rejects duplicate suffixes within a sample; so must we
             assert "duplicate" in str(exn)
-            with pytest.raises(ShardFormatError, match="two members with suffix"):
+            with pytest.raises(ShardFormatError, match="two members with suffix|occurs twice"):
+                WebDatasetSource(shard, cache_dir=tmp)
+            return
+        keys = [sample["__key__"] for sample in expected]
+        if len(set(keys)) < len(keys):  # webdataset yields a key twice; (shard, key) must name one sample
+            with pytest.raises(ShardFormatError, match="occurs twice"):
                 WebDatasetSource(shard, cache_dir=tmp)
             return
         assert_same(read_all(WebDatasetSource(shard, cache_dir=tmp)), expected)
@@ -343,7 +353,7 @@ def test_keys_read_only_requested_members(shards, monkeypatch):
 
     monkeypatch.setattr(os, "pread", recording_pread)
     assert source[0] == (reference(shards[:1])[0]["cls"],)
-    assert sizes == [1]  # the one-digit class label, not the image or text
+    assert sizes == [1, 3 * 512]  # the one-digit class label and its pax + ustar headers, not the image or text
 
 
 def test_empty_keys_rejected(shards):
@@ -490,6 +500,148 @@ def test_shard_truncated_while_open_short_read(shards):
     assert shards[0] in str(info.value) and "s00_004" in str(info.value)
 
 
+# --- replaced with the same size and mtime: mv, cp -p, tar extraction -------------------------
+
+
+def _mv(shard, other) -> None:
+    os.replace(other, shard)
+
+
+def _cp_p(shard, other) -> None:
+    shutil.copy2(other, shard)  # into the existing file: same inode, new bytes, the source's mtime
+
+
+def _rewrite(shard, other) -> None:
+    st_ = os.stat(shard)
+    with open(shard, "r+b") as f:
+        f.write(Path(other).read_bytes())
+    os.utime(shard, ns=(st_.st_atime_ns, st_.st_mtime_ns))
+
+
+REPLACEMENTS = {"mv": _mv, "cp -p": _cp_p, "rewritten in place": _rewrite}
+
+
+def replace_keeping_size_and_mtime(shard, how, samples) -> None:
+    """Put another shard's bytes (other keys, `samples` of them) at `shard` the way `how` does, size and mtime kept."""
+    st_ = os.stat(shard)
+    other = write_shard(shard + ".other", make_samples(9, samples, seed=9))
+    assert os.path.getsize(other) == st_.st_size
+    os.utime(other, ns=(st_.st_atime_ns, st_.st_mtime_ns))
+    REPLACEMENTS[how](shard, other)
+    assert tar_index.file_state(os.stat(shard)) == tar_index.file_state(st_)
+
+
+def touch_ctime(path) -> None:
+    """Change the ctime alone (chmod to the same mode), as often as the clock's granularity needs for it to move."""
+    before = os.stat(path).st_ctime_ns
+    while os.stat(path).st_ctime_ns == before:
+        os.chmod(path, os.stat(path).st_mode)
+
+
+@pytest.mark.parametrize("how", REPLACEMENTS)
+@pytest.mark.parametrize("shard_no, samples", [(0, 5), (1, 1)], ids=["shard", "empty shard"])
+def test_replaced_shard_rebuilt_at_load(shards, count_builds, how, shard_no, samples):
+    WebDatasetSource(shards)
+    count_builds.clear()
+    replace_keeping_size_and_mtime(shards[shard_no], how, samples)
+    source = WebDatasetSource(shards)
+    assert count_builds == [os.path.basename(shards[shard_no])]
+    assert source.shard_sizes[shard_no] == samples
+    assert_same(read_all(source), reference(shards))
+
+
+@pytest.mark.parametrize("how", REPLACEMENTS)
+def test_replaced_shard_refused_at_read(shards, how):
+    source = WebDatasetSource(shards)
+    replace_keeping_size_and_mtime(shards[0], how, 5)
+    with pytest.raises(StaleIndexError, match="tar header of member s00_001.cls at byte .* is not the one indexed"):
+        source[1]
+    with pytest.raises(StaleIndexError) as info:
+        source[0]
+    assert shards[0] in str(info.value) and "rebuild_index=True" in str(info.value)
+
+
+@pytest.mark.parametrize("how", ["cp -p", "rewritten in place"])
+def test_shard_rewritten_while_open_refused(shards, how):
+    source = WebDatasetSource(shards)
+    source[0]  # the shard is open
+    replace_keeping_size_and_mtime(shards[0], how, 5)
+    with pytest.raises(StaleIndexError, match="is not the one indexed"):
+        source[1]
+
+
+def test_mv_over_an_open_shard(shards):
+    """An open descriptor still reads the file indexed (mv unlinks only its name); a new opening is refused."""
+    source = WebDatasetSource(shards)
+    expected = read_all(source)
+    replace_keeping_size_and_mtime(shards[0], "mv", 5)
+    assert_same(read_all(source), expected)
+    worker_copy = pickle.loads(pickle.dumps(source))  # opens its own descriptors, as a DataLoader worker does
+    with pytest.raises(StaleIndexError, match="is not the one indexed"):
+        worker_copy[0]
+
+
+def test_member_changed_between_the_spot_checks_is_refused_when_read(tmp_path, count_builds):
+    """A member resized inside its block padding moves nothing: loading may miss it, reading it may not."""
+    entries = [(f"k{i:02d}.txt", b"x" * 10) for i in range(20)]
+    shard = _raw_tar(tmp_path / "s.tar", entries)  # tarfile's defaults: every header fixed but name and size
+    index, _ = tar_index.load_or_build_index(shard)
+    spot_checked = {offset for offset, _, _ in index.spot_checks()}
+    changed = next(i for i in range(20) if index.members(i)[0].header_offset not in spot_checked)
+    st_ = os.stat(shard)
+    entries[changed] = (entries[changed][0], b"y" * 11)
+    _raw_tar(shard, entries)
+    os.utime(shard, ns=(st_.st_atime_ns, st_.st_mtime_ns))
+    count_builds.clear()
+    source = WebDatasetSource(shard)
+    assert count_builds == []  # the spot checks pass: same size, mtime and sampled headers
+    expected = reference(shard)
+    for i in range(20):
+        if i == changed:
+            with pytest.raises(StaleIndexError, match=f"member k{i:02d}.txt"):
+                source[i]
+        else:
+            assert source[i] == expected[i]
+
+
+def test_staged_copy_keeps_its_indexes_after_spot_checks(shards, tmp_path, count_builds, monkeypatch):
+    """Copying a dataset with its indexes (to node-local disk) gives new inodes and ctimes, not a rebuild."""
+    WebDatasetSource(shards)
+    staged = tmp_path / "node-local"
+    shutil.copytree(tmp_path / "data", staged)  # copy2: sizes and mtimes kept
+    checked = []
+    matches = tar_index.header_matches
+    monkeypatch.setattr(tar_index, "header_matches", lambda *args: checked.append(args[1:3]) or matches(*args))
+    count_builds.clear()
+    assert_same(read_all(WebDatasetSource(str(staged))), reference(sorted(map(str, staged.glob("*.tar")))))
+    assert count_builds == [] and len(checked) == sum(1 + min(n * 3, tar_index.SPOT_CHECKS) for n in SHARD_SIZES)
+    checked.clear()
+    WebDatasetSource(shards)  # the files indexed, untouched: nothing read back
+    assert checked == []
+
+
+def test_metadata_change_while_open_is_not_refused(shards):
+    """chmod or a new hard link moves only the ctime: the sample is read again, its headers match, it is served."""
+    source = WebDatasetSource(shards)
+    expected = reference(shards[:1])
+    source[0]
+    touch_ctime(shards[0])
+    assert_same(source[1], expected[1])
+
+
+def test_shard_changing_during_every_read_is_refused(shards, monkeypatch):
+    source = WebDatasetSource(shards)
+    checked = source_module.header_matches
+
+    def changing_meanwhile(*args):
+        touch_ctime(shards[0])
+        return checked(*args)
+
+    monkeypatch.setattr(source_module, "header_matches", changing_meanwhile)
+    with pytest.raises(StaleIndexError, match="kept changing while it was read"):
+        source[0]
+
+
 # --- bad shards -----------------------------------------------------------------------------
 
 
@@ -593,6 +745,18 @@ def test_duplicate_member_rejected(tmp_path):
         WebDatasetSource(shard)
 
 
+def test_repeated_key_rejected_with_both_offsets(tmp_path):
+    shard = _raw_tar(tmp_path / "again.tar", [("a.jpg", b"1"), ("b.jpg", b"2"), ("a.cls", b"3")])
+    assert [s["__key__"] for s in reference(shard)] == ["a", "b", "a"]  # webdataset: two samples, one key
+    with tarfile.open(shard) as tar:
+        first, _, again = (m.offset_data for m in tar)
+    with pytest.raises(ShardFormatError) as info:
+        WebDatasetSource(shard)
+    message = str(info.value)
+    for part in (shard, "key 'a' occurs twice", f"'a.jpg' at byte {first}", f"'a.cls' at byte {again}"):
+        assert part in message
+
+
 @pytest.mark.parametrize("name", ["k.__url__", "k.__key__", "k.__local_path__"])
 def test_member_shadowing_sample_metadata_rejected(tmp_path, name):
     shard = _raw_tar(tmp_path / "meta.tar", [("k.txt", b"a"), (name, b"b")])
@@ -620,6 +784,25 @@ def test_empty_and_single_sample_shards_alone(tmp_path):
     source = WebDatasetSource([single, empty])
     assert source.shard_sizes == [1, 0]
     assert_same(read_all(source), reference([single, empty]))
+
+
+@pytest.mark.parametrize("size", [1024, 10240])
+def test_zeros_of_an_empty_tar_size_are_an_empty_shard(tmp_path, size):
+    """An empty tar is its end-of-archive marker (two zero blocks), padded to a record by most writers."""
+    shard = tmp_path / "empty.tar"
+    shard.write_bytes(bytes(size))
+    assert WebDatasetSource(str(shard)).shard_sizes == [0]
+
+
+@pytest.mark.parametrize("size", [512, 1000, 10752, "zeroed shard"])
+def test_a_file_of_zeros_is_not_an_empty_shard(shards, size):
+    shard = shards[4]
+    size = os.path.getsize(shard) if size == "zeroed shard" else size
+    with open(shard, "wb") as f:
+        f.write(bytes(size))
+    with pytest.raises(ShardFormatError) as info:
+        WebDatasetSource(shards)
+    assert f"{shard}: the file is {size} bytes of zeros, not a tar archive" in str(info.value)
 
 
 # --- processes, threads, file handles ------------------------------------------------------

@@ -15,9 +15,16 @@ silent end of the shard.
 
 Indexes are cached as ``.npz`` files (plain numpy arrays, no pickle): loading
 is a few array reads instead of parsing one JSON object per member, the file is
-~20 bytes per member, and the arrays stay as a handful of buffers that forked
+~36 bytes per member plus its key, and the arrays stay as a handful of buffers that forked
 DataLoader workers share copy-on-write (a list of per-sample Python objects
 would be copied page by page as reference counts change).
+
+An index describes one file's bytes, and size and mtime do not pin them down:
+``mv``, ``cp -p``, ``rsync -t`` and tar extraction keep both.  So the index
+holds a digest of each member's header blocks; the reader checks them before
+serving a member's data, and a cached index loaded for another file (another
+inode or ctime: a replacement, or a copy staged to node-local disk) is reused
+only if the first block and a spread of member headers read back the same.
 """
 
 from __future__ import annotations
@@ -36,9 +43,11 @@ from typing import BinaryIO, NamedTuple
 import numpy as np
 from webdataset.tariterators import base_plus_ext
 
-INDEX_VERSION = 1
+INDEX_VERSION = 2  # 2: header digests and the shard's inode and ctime
 BLOCK = 512
+SPOT_CHECKS = 8  # members whose headers are read back when a cached index is loaded for another inode or ctime
 _ZERO_BLOCK = bytes(BLOCK)
+_EMPTY_TAR_BYTES = range(2 * BLOCK, 20 * BLOCK + 1, BLOCK)  # end marker, padded to at most one default record
 _TAR_ENCODING = sys.getfilesystemencoding()  # what tarfile (and so webdataset) decodes names with
 _REGULAR = (b"0", b"\0", b"7")
 _NO_DATA = (b"1", b"2", b"3", b"4", b"5", b"6")  # types whose size field tarfile ignores
@@ -57,11 +66,37 @@ class StaleIndexError(ValueError):
 
 
 class TarMember(NamedTuple):
-    """A regular file in a tar: its name and where its data lies."""
+    """A regular file in a tar: its name, where its data lies, and its header blocks just before the data."""
 
     name: str
     offset: int
     size: int
+    header_length: int  # bytes of the member's own header and of the extended headers before it
+    header_digest: int  # digest() of those bytes
+
+
+class IndexedMember(NamedTuple):
+    """A member of an indexed sample: where its data lies, and what its header blocks hashed to when indexed."""
+
+    suffix: str
+    offset: int
+    size: int
+    header_length: int
+    header_digest: int
+
+    @property
+    def header_offset(self) -> int:
+        return self.offset - self.header_length
+
+
+def digest(data: bytes) -> int:
+    """64 bits of blake2b, as a signed int64 for numpy: a changed header gets another digest but by chance."""
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little", signed=True)
+
+
+def header_matches(fd: int, offset: int, length: int, header_digest: int) -> bool:
+    """Whether the ``length`` bytes at ``offset`` are still the headers indexed there (a short read never is)."""
+    return digest(os.pread(fd, length, offset)) == header_digest
 
 
 def _fail(shard: str, offset: int, problem: str) -> ShardFormatError:
@@ -157,16 +192,33 @@ def _check_end(f: BinaryIO, offset: int, shard: str) -> None:
         offset += len(chunk)
 
 
+def _check_empty_archive(file_size: int, shard: str) -> None:
+    """A file of zeros reads as a tar with no members; only the sizes tar writers give an empty one pass.
+
+    Larger (or odd-sized) zeros are a shard preallocated or zeroed and never written: reading it as
+    empty would silently drop its samples.
+    """
+    if file_size not in _EMPTY_TAR_BYTES:
+        raise ShardFormatError(
+            f"{shard}: the file is {file_size} bytes of zeros, not a tar archive (an empty tar is "
+            f"{_EMPTY_TAR_BYTES.start} to {_EMPTY_TAR_BYTES.stop - 1} bytes); it was preallocated or zeroed but "
+            "never written. Re-create or re-download it, or remove it from the shard list."
+        )
+
+
 def scan_tar(f: BinaryIO, shard: str) -> Iterator[TarMember]:
     """Yield the regular-file members of an uncompressed tar in order, with data offsets."""
     file_size = os.fstat(f.fileno()).st_size
-    offset = 0
+    offset = start = 0  # start: where the next member's header blocks begin
+    headers: list[bytes] = []  # those blocks, for its header digest
     extensions: list[tuple[bytes, bytes]] = []  # long-name/pax headers waiting for their member
     while True:
         f.seek(offset)
         header = f.read(BLOCK)
         if header == _ZERO_BLOCK and not extensions:
             _check_end(f, offset, shard)
+            if offset == 0:
+                _check_empty_archive(file_size, shard)
             return
         if len(header) < BLOCK:
             problem = "empty file" if file_size == 0 else "file ends before the end-of-archive marker"
@@ -177,8 +229,11 @@ def scan_tar(f: BinaryIO, shard: str) -> Iterator[TarMember]:
             raise _fail(shard, offset, f"invalid tar header{hint}")
         typeflag, data_offset = header[156:157], offset + BLOCK
         where = f"{shard}: tar header at byte {offset}"
+        headers.append(header)
         if typeflag in _EXTENSIONS:
-            data = _read_exact(f, data_offset, size, shard, "an extended header")
+            padded = _read_exact(f, data_offset, _blocks(size), shard, "an extended header")
+            headers.append(padded)
+            data = padded[:size]
             offset = data_offset + _blocks(size)
             if typeflag == b"g":
                 _check_global_pax(data, where)
@@ -199,12 +254,25 @@ def scan_tar(f: BinaryIO, shard: str) -> Iterator[TarMember]:
         if regular:
             if data_offset + size > file_size:
                 raise _fail(shard, data_offset, f"file ends inside the data of {name!r}")
-            yield TarMember(name, data_offset, size)
+            yield TarMember(name, data_offset, size, data_offset - start, digest(b"".join(headers)))
+        start, headers = offset, []
+
+
+def _repeated_key(shard: str, key: str, first: TarMember, again: TarMember) -> ShardFormatError:
+    return ShardFormatError(
+        f"{shard}: sample key {key!r} occurs twice, with other samples between: {first.name!r} at byte "
+        f"{first.offset} and {again.name!r} at byte {again.offset}. webdataset would yield two samples with one "
+        "key, so (shard, key) could not tell them apart; give one of them another key and repack the shard"
+    )
 
 
 def group_samples(members: Iterable[TarMember], shard: str) -> Iterator[tuple[str, dict[str, TarMember]]]:
-    """Group consecutive members into samples with webdataset's key rules (base_plus_ext, lower-case suffix)."""
+    """Group consecutive members into samples with webdataset's key rules (base_plus_ext, lower-case suffix).
+
+    A key must name one sample: (shard, key) is the identity that resume and audit rely on.
+    """
     key, sample = None, {}
+    first_members: dict[str, TarMember] = {}  # each key's first member, to name both places of a repeat
     for member in members:
         if _META.match(member.name):
             continue
@@ -214,6 +282,9 @@ def group_samples(members: Iterable[TarMember], shard: str) -> Iterator[tuple[st
         if prefix != key:
             if sample:
                 yield key, sample
+            if prefix in first_members:
+                raise _repeated_key(shard, prefix, first_members[prefix], member)
+            first_members[prefix] = member
             key, sample = prefix, {}
         suffix = suffix.lower()
         if suffix in _RESERVED:
@@ -243,21 +314,30 @@ def _unpack_string(blob: np.ndarray, offsets: np.ndarray, i: int) -> str:
     return blob[offsets[i] : offsets[i + 1]].tobytes().decode("utf-8", "surrogateescape")
 
 
+_SHARD_FIELDS = ("shard_bytes", "shard_mtime_ns", "shard_identity", "head_digest")  # saved as one array
+
+
 @dataclass(frozen=True, eq=False)
 class ShardIndex:
-    """The samples of one shard: keys, and (suffix, offset, size) of each member.
+    """The samples of one shard: keys, and where each member's data and header blocks lie.
 
-    ``shard_bytes``/``shard_mtime_ns`` are the shard's stat when indexed; any
-    difference later means the offsets can no longer be trusted.
+    ``shard_bytes``/``shard_mtime_ns`` are the shard's stat when indexed: any
+    difference later means the offsets can no longer be trusted. Equal ones do
+    not prove the file is the one indexed (``mv``, ``cp -p`` and ``tar``
+    extraction keep them), so the header digests are what reads are checked
+    against; ``shard_identity`` (inode and ctime) tells when no check is needed.
+    Scalars go to the ``.npz`` as one array and the members as one table:
+    loading costs ~30 us per array.
     """
 
     shard_bytes: int
     shard_mtime_ns: int
+    shard_identity: int  # file_identity() when indexed
+    head_digest: int  # digest() of the shard's first block: all an index without members can be checked by
     key_blob: np.ndarray  # uint8, all sample keys back to back
     key_offsets: np.ndarray  # int64[n + 1]
     sample_members: np.ndarray  # int64[n + 1]: members of sample i are [sample_members[i], sample_members[i+1])
-    member_offsets: np.ndarray  # int64[m]: data offset in the shard
-    member_sizes: np.ndarray  # int64[m]
+    member_table: np.ndarray  # int64[m, 4]: data offset, size, header length and header digest (IndexedMember's)
     member_suffixes: np.ndarray  # int32[m]: position in `suffixes`
     suffixes: tuple[str, ...]
 
@@ -267,51 +347,61 @@ class ShardIndex:
     def key(self, i: int) -> str:
         return _unpack_string(self.key_blob, self.key_offsets, i)
 
-    def members(self, i: int) -> list[tuple[str, int, int]]:
-        """(suffix, offset, size) of sample ``i``'s members, in tar order."""
+    def members(self, i: int) -> list[IndexedMember]:
+        """Sample ``i``'s members, in tar order."""
         lo, hi = int(self.sample_members[i]), int(self.sample_members[i + 1])
-        return [
-            (self.suffixes[s], o, n)
-            for s, o, n in zip(
-                self.member_suffixes[lo:hi].tolist(),
-                self.member_offsets[lo:hi].tolist(),
-                self.member_sizes[lo:hi].tolist(),
-            )
-        ]
+        rows = zip(self.member_suffixes[lo:hi].tolist(), self.member_table[lo:hi].tolist())
+        return [IndexedMember(self.suffixes[s], *row) for s, row in rows]
 
     def matches(self, st: os.stat_result) -> bool:
+        """Same size and mtime: the file may be the one indexed (not proof: see the class docstring)."""
         return file_state(st) == (self.shard_bytes, self.shard_mtime_ns)
+
+    def untouched(self, st: os.stat_result) -> bool:
+        """The very file indexed (same inode), its ctime unmoved since: no header needs reading back."""
+        return self.matches(st) and file_identity(st) == self.shard_identity
+
+    def spot_checks(self) -> list[tuple[int, int, int]]:
+        """(offset, length, digest) of the first block and of up to SPOT_CHECKS members' headers, spread evenly."""
+        count = len(self.member_table)
+        picks = np.linspace(0, count - 1, min(count, SPOT_CHECKS)).round().astype(np.int64)
+        rows = self.member_table[picks].tolist()
+        return [(0, BLOCK, self.head_digest), *((offset - length, length, d) for offset, _, length, d in rows)]
 
     def to_arrays(self) -> dict[str, np.ndarray]:
         suffix_blob, suffix_offsets = _pack_strings(list(self.suffixes))
-        fields = {k: v for k, v in vars(self).items() if k != "suffixes"}
+        arrays = {k: v for k, v in vars(self).items() if isinstance(v, np.ndarray)}
+        shard = np.array([getattr(self, name) for name in _SHARD_FIELDS], dtype=np.int64)
         strings = {"suffix_blob": suffix_blob, "suffix_offsets": suffix_offsets}
-        return {"version": np.int64(INDEX_VERSION), **strings, **fields}
+        return {"version": np.int64(INDEX_VERSION), "shard": shard, **strings, **arrays}
 
     @classmethod
     def from_arrays(cls, arrays: dict[str, np.ndarray]) -> ShardIndex:
         blob, offsets = arrays.pop("suffix_blob"), arrays.pop("suffix_offsets")
         suffixes = tuple(_unpack_string(blob, offsets, i) for i in range(len(offsets) - 1))
         arrays.pop("version")
-        return cls(
-            shard_bytes=int(arrays.pop("shard_bytes")),
-            shard_mtime_ns=int(arrays.pop("shard_mtime_ns")),
-            suffixes=suffixes,
-            **arrays,
-        )
+        scalars = dict(zip(_SHARD_FIELDS, arrays.pop("shard").tolist(), strict=True))
+        return cls(suffixes=suffixes, **scalars, **arrays)
 
 
 def file_state(st: os.stat_result) -> tuple[int, int]:
-    """What we compare to decide a shard is unchanged: size and modification time."""
+    """What must be unchanged for an index to describe a shard at all: size and modification time."""
     return st.st_size, st.st_mtime_ns
+
+
+def file_identity(st: os.stat_result) -> int:
+    """Inode and ctime as one number: a copy gets a new inode, a write, rename or utime a new ctime."""
+    return digest(b"%d %d" % (st.st_ino, st.st_ctime_ns))
 
 
 def build_index(shard: str) -> ShardIndex:
     """Index ``shard`` by scanning its tar headers once."""
     with open(shard, "rb") as f:
         before = os.fstat(f.fileno())
+        head = os.pread(f.fileno(), BLOCK, 0)
         samples = list(group_samples(scan_tar(f, shard), shard))
-        if file_state(os.fstat(f.fileno())) != file_state(before):
+        after = os.fstat(f.fileno())
+        if (*file_state(after), after.st_ctime_ns) != (*file_state(before), before.st_ctime_ns):
             raise StaleIndexError(f"{shard} changed while it was being indexed; stop writing to it and retry")
     vocabulary: dict[str, int] = {}
     members = [(vocabulary.setdefault(suffix, len(vocabulary)), m) for _, s in samples for suffix, m in s.items()]
@@ -321,11 +411,12 @@ def build_index(shard: str) -> ShardIndex:
     return ShardIndex(
         shard_bytes=before.st_size,
         shard_mtime_ns=before.st_mtime_ns,
+        shard_identity=file_identity(before),
+        head_digest=digest(head),
         key_blob=key_blob,
         key_offsets=key_offsets,
         sample_members=sample_members,
-        member_offsets=np.array([m.offset for _, m in members], dtype=np.int64),
-        member_sizes=np.array([m.size for _, m in members], dtype=np.int64),
+        member_table=np.array([m[1:] for _, m in members], dtype=np.int64).reshape(-1, 4),
         member_suffixes=np.array([s for s, _ in members], dtype=np.int32),
         suffixes=tuple(vocabulary),
     )
@@ -350,17 +441,33 @@ def cache_paths(shard: str, cache_dir: str | None) -> list[str]:
     return [shard + ".idx.npz", os.path.join(default_cache_dir(), cached)]
 
 
-def load_index(path: str, st: os.stat_result) -> ShardIndex | None:
-    """The index cached at ``path`` if it is readable, current and describes a shard with stat ``st``."""
+def load_index(path: str) -> ShardIndex | None:
+    """The index cached at ``path`` if it is readable and of this version."""
     try:
         with np.load(path, allow_pickle=False) as npz:
             arrays = {name: npz[name] for name in npz.files}
         if int(arrays["version"]) != INDEX_VERSION:
             return None
-        index = ShardIndex.from_arrays(arrays)
+        return ShardIndex.from_arrays(arrays)
     except (OSError, ValueError, KeyError, TypeError, EOFError, zipfile.BadZipFile):
         return None  # missing, partial or from another format: rebuild it
-    return index if index.matches(st) else None
+
+
+def describes(index: ShardIndex, shard: str) -> bool:
+    """Whether ``index`` is that of ``shard`` as it is now.
+
+    The file indexed, untouched, needs no read. A copy (staging to node-local disk) or a
+    replacement with the same size and mtime gets its first block and a spread of member
+    headers read back: a few preads, where rebuilding reads every header.
+    """
+    fd = os.open(shard, os.O_RDONLY)
+    try:
+        st = os.fstat(fd)
+        if not index.matches(st):
+            return False
+        return index.untouched(st) or all(header_matches(fd, *check) for check in index.spot_checks())
+    finally:
+        os.close(fd)
 
 
 def save_index(path: str, index: ShardIndex) -> None:
@@ -379,14 +486,12 @@ def save_index(path: str, index: ShardIndex) -> None:
 
 def load_or_build_index(shard: str, cache_dir: str | None = None, rebuild: bool = False) -> tuple[ShardIndex, bool]:
     """The shard's index, from cache when valid, else built and cached; also whether it was built."""
-    try:
-        st = os.stat(shard)
-    except FileNotFoundError:
-        raise FileNotFoundError(f"WebDataset shard not found: {shard}; check the shard list or brace pattern") from None
+    if not os.path.exists(shard):
+        raise FileNotFoundError(f"WebDataset shard not found: {shard}; check the shard list or brace pattern")
     candidates = cache_paths(shard, cache_dir)
     if not rebuild:
         for path in candidates:
-            if (index := load_index(path, st)) is not None:
+            if (index := load_index(path)) is not None and describes(index, shard):
                 return index, False
     index = build_index(shard)
     errors = []

@@ -29,7 +29,15 @@ from webdataset import autodecode
 from webdataset.shardlists import expand_urls
 
 from loader.collectives import barrier, distributed, rank, world_size
-from loader.sources.tar_index import ShardFormatError, ShardIndex, StaleIndexError, file_state, load_or_build_index
+from loader.sources.tar_index import (
+    IndexedMember,
+    ShardFormatError,
+    ShardIndex,
+    StaleIndexError,
+    file_state,
+    header_matches,
+    load_or_build_index,
+)
 
 __all__ = [
     "MissingKeyError", "ShardFormatError", "StaleIndexError", "WebDatasetSource", "expand_shards", "prepare_indexes",
@@ -89,29 +97,53 @@ class _ShardFile:
 
     def __init__(self, fd: int, path: str, index: ShardIndex) -> None:
         self.fd, self.path, self.index = fd, path, index
+        self.seen = self.state()
 
-    def check_unchanged(self) -> None:
-        """Refuse to serve bytes once the shard differs from what was indexed."""
+    def stale(self, change: str) -> StaleIndexError:
+        return StaleIndexError(
+            f"{self.path} changed after its index was built ({change}); create the WebDatasetSource again "
+            "(stale indexes are rebuilt then) or pass rebuild_index=True. "
+            "Sample numbering may change with it: check fingerprint() before resuming."
+        )
+
+    def state(self) -> tuple[int, int, int]:
+        """Size, mtime and ctime now; a size or mtime other than indexed is refused."""
         st = os.fstat(self.fd)
         if not self.index.matches(st):
-            raise StaleIndexError(
-                f"{self.path} changed after its index was built (size, mtime_ns "
-                f"{(self.index.shard_bytes, self.index.shard_mtime_ns)} -> {file_state(st)}); create the "
-                "WebDatasetSource again (stale indexes are rebuilt then) or pass rebuild_index=True. "
-                "Sample numbering may change with it: check fingerprint() before resuming."
-            )
+            indexed = (self.index.shard_bytes, self.index.shard_mtime_ns)
+            raise self.stale(f"size, mtime_ns {indexed} -> {file_state(st)}")
+        return (*file_state(st), st.st_ctime_ns)
+
+    def read_member(self, member: IndexedMember, what: str) -> bytes:
+        """A member's data, served only if its header blocks are the ones indexed at that place."""
+        data = self.read(member.offset, member.size, what)
+        if not header_matches(self.fd, member.header_offset, member.header_length, member.header_digest):
+            raise self.stale(f"the tar header of {what} at byte {member.header_offset} is not the one indexed")
+        return data
+
+    def read_sample(self, members: list[IndexedMember], key: str) -> dict[str, bytes]:
+        """The members' data by suffix, read again once if the ctime moved meanwhile.
+
+        A ctime change is a chmod, a new hard link or a rewrite: the second read's header
+        checks tell them apart, and a stable ctime around them rules out a torn read.
+        """
+        for _ in range(2):
+            seen = self.seen
+            data = {m.suffix: self.read_member(m, f"member {key}.{m.suffix}") for m in members}
+            self.seen = self.state()
+            if self.seen == seen:
+                return data
+        raise self.stale("it kept changing while it was read")
 
     @classmethod
     def open(cls, path: str, index: ShardIndex) -> _ShardFile:
         try:
-            shard_file = cls(os.open(path, os.O_RDONLY), path, index)
+            return cls(os.open(path, os.O_RDONLY), path, index)
         except FileNotFoundError:
             raise FileNotFoundError(
                 f"WebDataset shard {path} disappeared after it was indexed; restore it or create the "
                 "WebDatasetSource again with the shards that exist"
             ) from None
-        shard_file.check_unchanged()
-        return shard_file
 
     def read(self, offset: int, size: int, what: str) -> bytes:
         data = os.pread(self.fd, size, offset)
@@ -262,17 +294,6 @@ class WebDatasetSource(torch.utils.data.Dataset):
         for size in self.shard_sizes:
             self._starts.append(self._starts[-1] + size)
 
-    def _index_shards(self, cache_dir: str | None, rebuild: bool, progress: bool) -> list[ShardIndex]:
-        indexes, built, last_report = [], 0, 0.0
-        for done, shard in enumerate(self.shards, 1):
-            index, was_built = load_or_build_index(shard, cache_dir, rebuild)
-            indexes.append(index)
-            built += was_built
-            if progress and built and (done == len(self.shards) or time.monotonic() - last_report > 0.5):
-                _report_progress(done, len(self.shards), built, final=done == len(self.shards))
-                last_report = time.monotonic()
-        return indexes
-
     def __len__(self) -> int:
         return self._starts[-1]
 
@@ -314,13 +335,10 @@ class WebDatasetSource(torch.utils.data.Dataset):
         shard_no, local = self._locate(index)
         shard, shard_index = self.shards[shard_no], self._indexes[shard_no]
         key, members = shard_index.key(local), shard_index.members(local)
-        chosen = self._select(shard, key, [suffix for suffix, _, _ in members])
-        f = self._files.get(shard, shard_index)
+        chosen = self._select(shard, key, [m.suffix for m in members])
+        wanted = [m for m in members if chosen is None or m.suffix in chosen]
         sample: dict[str, Any] = {"__key__": key, "__url__": shard, "__local_path__": shard}
-        for suffix, offset, size in members:
-            if chosen is None or suffix in chosen:
-                sample[suffix] = f.read(offset, size, f"member {key}.{suffix}")
-        f.check_unchanged()
+        sample.update(self._files.get(shard, shard_index).read_sample(wanted, key))
         if self._decoder is not None:
             sample = self._decoder(sample)
         return sample if chosen is None else tuple(sample[name] for name in chosen)

@@ -1,0 +1,81 @@
+"""A node that stops answering, and a rank that stalls in a checkpoint save, under two real torchrun agents.
+
+The fault SIGSTOPs node B's agent and worker (`--fail-mode hang` or `checkpoint-hang` of examples/train_elastic.py),
+as a hung machine would stop. The survivors notice through the process group's timeout, the engine's own detection:
+20 s here (`--timeout`), where gloo's default would wait 30 minutes, far past run_two_nodes' bound. Then node A's
+agent restarts, and the job resumes without node B, or with it when it comes back (SIGCONT); exactly either way.
+"""
+
+from __future__ import annotations
+
+import re
+import signal
+import time
+
+import pytest
+import torch
+
+from loader.audit import audit
+from loader.demo import RESUMED_LINE, measure_restart, print_restart, reference_run, run_two_nodes
+
+pytestmark = pytest.mark.slow
+
+GROUP_TIMEOUT = ("--timeout", "20")  # far from the 180 s bound; a slow start on a busy machine stays within it
+TIMED_OUT = re.compile(r"Timed out waiting 20000ms|Application timeout caused pair closure")  # gloo's timeout
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """The uninterrupted job at 3 workers."""
+    run = tmp_path_factory.mktemp("reference") / "run"
+    reference_run(run, timeout=120)
+    return run
+
+
+def wake_node_b_when_node_a_notices(line, agents) -> None:
+    """The hung node comes back as soon as the survivors gave up on it: it rejoins the job's next launch."""
+    _, node, text = line
+    if node == "node A" and "FAILED during" in text:
+        agents[1].signal(signal.SIGCONT)
+
+
+def run_with_fault(run_dir, fault: list[str], react=None) -> list:
+    started = time.monotonic()
+    lines = run_two_nodes(run_dir, 180, fault, GROUP_TIMEOUT, react)
+    print_restart(measure_restart(lines, started))  # detection and restart next to the replay plan (pytest -s)
+    return lines
+
+
+def launches(lines) -> list[tuple[int, int]]:
+    """(world size, step resumed at) of every launch of the job."""
+    return [(int(m.group(1)), int(m.group(2))) for _, _, text in lines if (m := RESUMED_LINE.search(text))]
+
+
+def assert_detected_by_the_group_timeout(lines) -> None:
+    fault = next(i for i, (_, _, text) in enumerate(lines) if "fault injection" in text)
+    noticed = [text for _, node, text in lines[fault:] if node == "node A" and "FAILED during" in text]
+    assert noticed and any(TIMED_OUT.search(text) for text in noticed), noticed
+
+
+def assert_exactly_once(run_dir, reference) -> None:
+    (epoch,) = audit(run_dir)
+    assert epoch.finished and epoch.clean and epoch.seen_once + epoch.dropped == epoch.expected
+    ours, theirs = torch.load(run_dir / "final-model.pt"), torch.load(reference / "final-model.pt")
+    for key in theirs:
+        torch.testing.assert_close(ours[key], theirs[key], rtol=1e-5, atol=1e-6)
+
+
+def test_a_hung_node_is_detected_and_the_job_finishes_without_it(tmp_path, reference):
+    lines = run_with_fault(tmp_path / "run", ["--fail-at-step", "8", "--fail-rank", "3", "--fail-mode", "hang"])
+    assert_detected_by_the_group_timeout(lines)
+    assert launches(lines) == [(4, 0), (3, 6)]
+    assert_exactly_once(tmp_path / "run", reference)
+
+
+def test_a_rank_stalled_in_a_checkpoint_save_is_detected_and_rejoins_when_it_returns(tmp_path, reference):
+    fault = ["--fail-at-step", "6", "--fail-rank", "3", "--fail-mode", "checkpoint-hang"]
+    lines = run_with_fault(tmp_path / "run", fault, wake_node_b_when_node_a_notices)
+    assert_detected_by_the_group_timeout(lines)
+    assert launches(lines) == [(4, 0), (4, 3)]  # the save of step 6 failed: back to step 3, with node B again
+    assert not list((tmp_path / "run").glob("step-000000006*"))
+    assert_exactly_once(tmp_path / "run", reference)
