@@ -50,7 +50,12 @@ class Config:
     shards: int
     samples_per_shard: int
     sample_bytes: int
-    # 7. restart: the plan, and (except in smoke mode) a real elastic restart through torchrun
+    # 7. LM data: one uint16 token file per mixture source; the mixture whose memory and mapping are measured
+    seq_len: int
+    tokens_per_source: int
+    token_batch_sizes: tuple[int, ...]
+    mixture_positions: int
+    # 8. restart: the plan, and (except in smoke mode) a real elastic restart through torchrun
     t_launch_s: float
     checkpoint_interval: int
     measure_restart: bool = True
@@ -69,6 +74,7 @@ QUICK = Config(
     stateful_resume_sizes=(10**4, 10**5, 10**6, 10**7), stateful_budget_s=3.0,
     memory_sizes=(10**6, 10**7, 10**8, 10**9), randperm_cap=10**7, memory_timeout_s=120.0,
     shards=8, samples_per_shard=500, sample_bytes=16384,
+    seq_len=2048, tokens_per_source=2**25, token_batch_sizes=(8, 32), mixture_positions=10**9,
     t_launch_s=10.0, checkpoint_interval=100,
 )
 
@@ -79,6 +85,7 @@ FULL = replace(
     stateful_resume_sizes=(10**4, 10**5, 10**6, 10**7, 5 * 10**7), stateful_budget_s=10.0,
     randperm_cap=10**8, memory_timeout_s=600.0,
     shards=16, samples_per_shard=2000,
+    tokens_per_source=2**26, token_batch_sizes=(8, 32, 128),
 )
 
 SMOKE = replace(
@@ -87,7 +94,9 @@ SMOKE = replace(
     state_sizes=(10**6, 10**9), ahead=(0, 10), stateful_state_sizes=(10**4,), min_call_s=0.001,
     resume_positions=(0, 5 * 10**8), stateful_resume_sizes=(10**4, 10**5), stateful_budget_s=1.0,
     memory_sizes=(10**6,), randperm_cap=10**6, memory_timeout_s=60.0,
-    shards=2, samples_per_shard=128, sample_bytes=256, measure_restart=False,
+    shards=2, samples_per_shard=128, sample_bytes=256,
+    seq_len=64, tokens_per_source=2**14, token_batch_sizes=(8,),
+    measure_restart=False,
 )
 
 

@@ -13,6 +13,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 from benchmarks.config import Config
 from benchmarks.progress import say
@@ -55,27 +56,40 @@ def _work(kind: str, n: int) -> None:
     next(iter(ours(IndexDataset(n), batch_size=64, shuffle=True)))
 
 
-def probe(kind: str, n: int) -> dict:
-    """Runs in the child: the peak RSS the work adds, in bytes, and its seconds."""
-    _work(kind, 1000)  # lazy imports and first-call allocations are not the order's
+def added_peak(work: Callable[[], object]) -> dict:
+    """Runs in the child, after its warm-up: the peak RSS `work` adds, in bytes, and its seconds."""
     method = _reset_peak()
     before = _kib("VmHWM")
     start = time.perf_counter()
-    _work(kind, n)
+    work()
     seconds = time.perf_counter() - start
     return {"added_bytes": (_kib("VmHWM") - before) * 1024, "seconds": seconds, "method": method}
 
 
-def _measure(kind: str, n: int, timeout_s: float) -> dict:
-    """One point in a fresh process; a point that runs past the timeout is killed and recorded as such."""
-    command = [sys.executable, "-m", "benchmarks.memory", kind, str(n)]
+def probe(kind: str, n: int) -> dict:
+    _work(kind, 1000)  # lazy imports and first-call allocations are not the order's
+    return added_peak(lambda: _work(kind, n))
+
+
+def in_fresh_process(module: str, args: list[str], timeout_s: float, what: str) -> dict | None:
+    """`python -m module *args` in a fresh process, its last stdout line as JSON; None when it ran past the
+    timeout (killed and reaped)."""
+    command = [sys.executable, "-m", module, *args]
     try:
         done = subprocess.run(command, cwd=_ROOT, capture_output=True, text=True, timeout=timeout_s)
-    except subprocess.TimeoutExpired:  # run() has killed and reaped the child
-        return {"n": n, "timed_out_s": timeout_s}
+    except subprocess.TimeoutExpired:
+        return None
     if done.returncode:
-        raise RuntimeError(f"memory probe {kind} N={n} exited with {done.returncode}:\n{done.stderr[-2000:]}")
-    point = {"n": n, **json.loads(done.stdout.strip().splitlines()[-1])}
+        raise RuntimeError(f"{what} exited with {done.returncode}:\n{done.stderr[-2000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def _measure(kind: str, n: int, timeout_s: float) -> dict:
+    """One point in a fresh process; a point that runs past the timeout is killed and recorded as such."""
+    measured = in_fresh_process("benchmarks.memory", [kind, str(n)], timeout_s, f"memory probe {kind} N={n}")
+    if measured is None:
+        return {"n": n, "timed_out_s": timeout_s}
+    point = {"n": n, **measured}
     say("memory", f"{kind} N={count(n)}: +{point['added_bytes'] / 1e6:.2f} MB in {point['seconds']:.2f} s")
     return point
 

@@ -19,7 +19,9 @@ if __package__ in (None, ""):  # run as a script: make the repository root impor
 
 import torch  # noqa: E402
 
-from benchmarks import checkpoint, memory, plots, report, restart, resume, throughput, training, wds  # noqa: E402
+from benchmarks import (  # noqa: E402
+    checkpoint, memory, plots, report, restart, resume, throughput, tokens, training, wds,
+)
 from benchmarks.config import Config, config_for  # noqa: E402
 from benchmarks.environment import environment, output_stem  # noqa: E402
 from benchmarks.progress import say  # noqa: E402
@@ -31,8 +33,9 @@ SECTIONS: tuple[tuple[str, str, Callable[[Config], dict]], ...] = (
     ("resume", "4. Resume cost (load_state_dict to first batch)", resume.run),
     ("memory", "5. Order memory (peak RSS added by the order and first batch)", memory.run),
     ("webdataset", "6. WebDataset (samples/s ratio to webdataset.WebDataset, sequential)", wds.run),
+    ("tokens", "7. LM data (tokens/s ratio to a plain memmap loop; mixture memory and position cost)", tokens.run),
 )
-RESTART_TITLE = "7. Restart budget (replay plans from measured inputs; a measured elastic restart)"
+RESTART_TITLE = "8. Restart budget (replay plans from measured inputs; a measured elastic restart)"
 
 
 def _arguments(argv: list[str] | None) -> argparse.Namespace:

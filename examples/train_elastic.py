@@ -13,6 +13,8 @@ brings both back); `checkpoint` kills the rank after it wrote its files of that 
 `checkpoint-hang` stops it (and its agent) before. `node`, `hang` and `checkpoint-hang` need torchrun's agent.
 A peer that stops answering is detected by the process group's timeout, `--timeout`.
 Backend: nccl when every local rank has a GPU of its own, else gloo on the CPU.
+The loop is the same for any job: `train(args, make_task)` takes the data, model and loss from a `Task`
+(examples/train_lm.py trains a language model on a mixture with it).
 """
 
 from __future__ import annotations
@@ -24,8 +26,10 @@ import signal
 import sys
 import time
 import traceback
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -57,13 +61,36 @@ class Regression(Dataset):
         return x, x.sum() * 0.5 + 0.1 * torch.randn((), generator=g)
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+@dataclass
+class Task:
+    """What differs between jobs: the data, the model, and the loss of a batch summed over its items (samples, or
+    tokens of a language model: `items_per_sample` of them per sample)."""
+
+    dataset: Dataset
+    model: torch.nn.Module
+    loss: Callable[[torch.nn.Module, Any, torch.device], torch.Tensor]
+    items_per_sample: int = 1
+    shuffle: bool = True
+
+
+def regression_task(args) -> Task:
+    def loss(model, batch, device):
+        x, y = batch
+        return torch.nn.functional.mse_loss(model(x.to(device)).squeeze(1), y.to(device), reduction="sum")
+
+    model = torch.nn.Sequential(torch.nn.Linear(FEATURES, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+    return Task(Regression(args.samples), model, loss)
+
+
+def parse_args(argv=None, add_arguments: Callable[[argparse.ArgumentParser], None] | None = None,
+               description: str | None = __doc__) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--run-dir", required=True, type=Path)
     p.add_argument("--samples", type=int, default=480)
     p.add_argument("--epochs", type=int, default=1)
     p.add_argument("--global-batch", type=int, default=24)
     p.add_argument("--micro-batch", type=int, default=2)
+    p.add_argument("--lr", type=float, default=0.05, help="SGD learning rate (momentum 0.9, halved every 10 steps)")
     p.add_argument("--checkpoint-every", type=int, default=3, help="steps between checkpoints")
     p.add_argument("--keep-last", type=int, default=3)
     p.add_argument("--workers", type=int, default=0, help="DataLoader num_workers")
@@ -77,6 +104,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="node: SIGKILL this rank's torchrun agent, then the rank: the node is gone for good; hang: "
                    "SIGSTOP both")
     p.add_argument("--timeout", type=float, default=60.0, help="seconds a collective may wait for a dead peer")
+    if add_arguments is not None:
+        add_arguments(p)
     return p.parse_args(argv)
 
 
@@ -140,18 +169,19 @@ def _one_gpu_per_rank() -> bool:
     return torch.cuda.is_available() and torch.cuda.device_count() >= int(os.environ.get("LOCAL_WORLD_SIZE", 1))
 
 
-def train(args) -> int:
+def train(args, make_task: Callable[[argparse.Namespace], Task] = regression_task) -> int:
     rank, world = dist.get_rank(), dist.get_world_size()
     device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}") if _one_gpu_per_rank() else torch.device("cpu")
     torch.manual_seed(args.seed)
-    model = torch.nn.Sequential(torch.nn.Linear(FEATURES, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1)).to(device)
+    task = make_task(args)
+    model = task.model.to(device)
     ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
-    optimizer = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
+    optimizer = torch.optim.SGD(ddp.parameters(), lr=args.lr, momentum=0.9)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=10, gamma=0.5)
     policy = BatchPolicy(args.global_batch, args.micro_batch)
     accum = policy.grad_accum(world)
-    dataset = Regression(args.samples)
-    loader = ResumableDataLoader(dataset, batch_size=args.micro_batch, shuffle=True, seed=args.seed,
+    dataset = task.dataset
+    loader = ResumableDataLoader(dataset, batch_size=args.micro_batch, shuffle=task.shuffle, seed=args.seed,
                                  grad_accum=accum, num_workers=args.workers, drop_last=True)
     objects = dict(model=ddp, optimizer=optimizer, loader=loader, scheduler=scheduler)
     started = time.perf_counter()
@@ -161,7 +191,7 @@ def train(args) -> int:
     if args.ledger:
         loader.ledger = Ledger.open(args.run_dir, step, len(dataset))
     faults = FaultInjector(args)
-    scale = world / args.global_batch  # DDP averages over ranks: this makes the gradient sum / global batch
+    scale = world / (args.global_batch * task.items_per_sample)  # DDP averages over ranks: gradient sum / items
     saved = step
 
     def finished() -> bool:
@@ -171,10 +201,10 @@ def train(args) -> int:
         """One pass over this rank's share; True when this rank stopped early (uneven inputs)."""
         nonlocal step, saved
         with ddp.join():  # uneven inputs: a rank that stops early shadows the others' all-reduces
-            for x, y in loader:
+            for batch in loader:
                 faults.strike_mid_step(step, rank)
                 with contextlib.nullcontext() if loader.update_complete else ddp.no_sync():
-                    loss = torch.nn.functional.mse_loss(ddp(x.to(device)).squeeze(1), y.to(device), reduction="sum")
+                    loss = task.loss(ddp, batch, device)
                     (loss * scale).backward()
                 if not loader.update_complete:
                     continue
@@ -182,7 +212,7 @@ def train(args) -> int:
                 scheduler.step()
                 optimizer.zero_grad(set_to_none=True)
                 step += 1
-                log(f"step {step} loss {loss.item() / args.micro_batch:.6f}")
+                log(f"step {step} loss {loss.item() / (args.micro_batch * task.items_per_sample):.6f}")
                 if args.snapshot_dir is not None and rank == 0:
                     args.snapshot_dir.mkdir(parents=True, exist_ok=True)
                     torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()},
@@ -238,8 +268,8 @@ def _store_of_this_launch(timeout: timedelta) -> dist.Store | None:
     return dist.PrefixStore(f"launch-{os.environ['TORCHELASTIC_RESTART_COUNT']}", shared)
 
 
-def main(argv=None) -> int:
-    args = parse_args(argv)
+def run(args, make_task: Callable[[argparse.Namespace], Task] = regression_task) -> int:
+    """Join the job's process group (torchrun's environment), train, leave."""
     backend = "nccl" if _one_gpu_per_rank() else "gloo"
     timeout = timedelta(seconds=args.timeout)
     store = _store_of_this_launch(timeout)
@@ -248,9 +278,13 @@ def main(argv=None) -> int:
     else:
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
-    code = train(args)  # on an exception, exit at once: the agent restarts the group, peers may be gone
+    code = train(args, make_task)  # on an exception, exit at once: the agent restarts the group, peers may be gone
     dist.destroy_process_group()
     return code
+
+
+def main(argv=None) -> int:
+    return run(parse_args(argv))
 
 
 if __name__ == "__main__":

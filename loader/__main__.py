@@ -1,4 +1,4 @@
-"""Command line: `python -m loader demo`, `python -m loader audit RUN_DIR` and `python -m loader index SHARDS`."""
+"""Command line: `python -m loader demo [--lm]`, `python -m loader audit RUN_DIR` and `python -m loader index SHARDS`."""
 
 import argparse
 import os
@@ -19,14 +19,32 @@ def _describe_by_key(shards: str):
     return describe
 
 
+def _by_source(plan_path: str) -> tuple[audit.Grouping, object]:
+    """The run's mixture plan as the audit's grouping (a row per source) and a describer (position, source, index)."""
+    from loader.sources import MixturePlan
+
+    plan = MixturePlan.load(plan_path)
+
+    def describe(position: int) -> str:
+        (source,), (index,) = plan.locate([position])
+        return f"{position} ({plan.names[source]}:{index})"
+
+    return audit.Grouping(plan.names, plan.source_of, plan.num_samples), describe
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m loader", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
-    commands.add_parser("demo", help="an elastic torchrun job loses a node mid-step and resumes on fewer workers")
+    demo_command = commands.add_parser("demo", help="an elastic torchrun job loses a node mid-step and resumes on "
+                                                    "fewer workers")
+    demo_command.add_argument("--lm", action="store_true", help="the job of examples/train_lm.py: a transformer on a "
+                                                                "70/30 mixture of token files, audited per source")
     check = commands.add_parser("audit", help="per epoch: samples seen once, skipped, duplicated, dropped by policy")
     check.add_argument("run_dir", help="the run directory whose ledger/ to read")
     check.add_argument("--limit", type=int, default=20, help="offending indices to print per epoch")
     check.add_argument("--shards", help="the run's WebDataset shards: name samples by shard and key")
+    check.add_argument("--mixture", help="the run's mixture plan (Mixture.plan.save): a row per source, samples "
+                                         "named by source and index")
     index = commands.add_parser("index", help="build the WebDataset shards' indexes ahead of a job, in parallel")
     index.add_argument("shards", help="a directory of .tar shards or a brace pattern")
     index.add_argument("--cache-dir", help="where the job will look for them (default: next to each shard)")
@@ -41,8 +59,14 @@ def main(argv: list[str] | None = None) -> int:
               f"{counts['shards'] - counts['built']} already current")
         return 0
     if args.command == "audit":
+        if args.mixture and args.shards:
+            parser.error("audit: --shards names the samples of a WebDataset run, --mixture those of a mixture run: "
+                         "pass one")
+        if args.mixture:
+            grouping, describe = _by_source(args.mixture)
+            return audit.main(args.run_dir, args.limit, describe, grouping)
         return audit.main(args.run_dir, args.limit, _describe_by_key(args.shards) if args.shards else str)
-    return demo.main()
+    return demo.main(args.lm)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
 """`python -m loader audit RUN_DIR`: per epoch, was every sample seen exactly once across all restarts?
 
 Reads the identity ledger (`loader.ledger`) of a run, across generations and world sizes. An epoch is finished
-when its dropped-by-policy record exists; for an epoch still in progress only duplicates can be judged.
+when its dropped-by-policy record exists; for an epoch still in progress only duplicates can be judged. With a
+`Grouping` (e.g. the sources of a mixture), each epoch also gets one row per group.
 """
 
 from __future__ import annotations
@@ -9,11 +10,35 @@ from __future__ import annotations
 import sys
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Sequence
 
 import numpy as np
 
 from loader.ledger import read_ledger
+
+GROUP_CHUNK = 1 << 18  # indices grouped per call: bounds the memory a grouping function may take
+
+
+@dataclass(frozen=True)
+class Grouping:
+    """Groups of dataset indices to report separately, e.g. by source: their names, and each index's group."""
+
+    names: Sequence[str]
+    of: Callable[[np.ndarray], np.ndarray]  # dataset indices -> group numbers
+    num_samples: int  # the dataset length it groups: the ledger's must be the same
+
+
+@dataclass(frozen=True)
+class GroupAudit:
+    """One group's part of an epoch's audit (counts only; the epoch's row lists the offending indices)."""
+
+    name: str
+    expected: int
+    seen_once: int
+    skipped: int
+    duplicated: int
+    dropped: int
+    failed: int
 
 
 @dataclass(frozen=True)
@@ -26,6 +51,7 @@ class EpochAudit:
     duplicated: np.ndarray
     dropped: int
     failed: np.ndarray  # samples of batches whose loading raised: consumed, never trained, never served again
+    groups: tuple[GroupAudit, ...] = ()
 
     @property
     def clean(self) -> bool:
@@ -37,8 +63,27 @@ class EpochAudit:
         return self.expected - self.seen_once - len(self.duplicated) - self.dropped - len(self.failed)
 
 
-def audit(run_dir) -> list[EpochAudit]:
+def _by_group(grouping: Grouping, counts: np.ndarray, **offending: np.ndarray) -> tuple[GroupAudit, ...]:
+    """Each group's expected and seen-once counts (all indices, in chunks) and its share of the offending ones."""
+    size = len(grouping.names)
+
+    def tally(indices: np.ndarray) -> np.ndarray:
+        return np.bincount(grouping.of(indices), minlength=size) if len(indices) else np.zeros(size, np.int64)
+
+    expected, seen_once = np.zeros(size, np.int64), np.zeros(size, np.int64)
+    for low in range(0, len(counts), GROUP_CHUNK):
+        indices = np.arange(low, min(low + GROUP_CHUNK, len(counts)))
+        expected += tally(indices)
+        seen_once += tally(indices[counts[indices] == 1])
+    columns = zip(expected, seen_once, *(tally(offending[k]) for k in ("skipped", "duplicated", "dropped", "failed")))
+    return tuple(GroupAudit(name, *map(int, row)) for name, row in zip(grouping.names, columns))
+
+
+def audit(run_dir, grouping: Grouping | None = None) -> list[EpochAudit]:
     records, dropped, num_samples = read_ledger(run_dir)
+    if grouping is not None and grouping.num_samples != num_samples:
+        raise ValueError(f"the grouping describes a dataset of {grouping.num_samples} samples, the ledger of {run_dir} "
+                         f"one of {num_samples}: pass the one this run trained on")
     per_epoch: dict[int, list[np.ndarray]] = defaultdict(list)
     failed_per_epoch: dict[int, list[np.ndarray]] = defaultdict(list)
     for record in records:
@@ -53,15 +98,20 @@ def audit(run_dir) -> list[EpochAudit]:
         unseen[failed] = False
         if finished:
             unseen[dropped[epoch]] = False
+        skipped = np.nonzero(unseen)[0] if finished else np.zeros(0, np.int64)
+        duplicated, dropped_here = np.nonzero(counts > 1)[0], dropped.get(epoch, np.zeros(0, np.int64))
+        groups = () if grouping is None else _by_group(grouping, counts, skipped=skipped, duplicated=duplicated,
+                                                       dropped=dropped_here, failed=failed)
         report.append(EpochAudit(
             epoch=epoch,
             expected=num_samples,
             finished=finished,
             seen_once=int((counts == 1).sum()),
-            skipped=np.nonzero(unseen)[0] if finished else np.zeros(0, np.int64),
-            duplicated=np.nonzero(counts > 1)[0],
-            dropped=len(dropped.get(epoch, ())),
+            skipped=skipped,
+            duplicated=duplicated,
+            dropped=len(dropped_here),
             failed=failed,
+            groups=groups,
         ))
     return report
 
@@ -74,13 +124,13 @@ def _listed(indices: np.ndarray, limit: int, describe: Callable[[int], str]) -> 
 EXACTLY_ONCE, FAILED, NO_LEDGER, UNFINISHED = 0, 1, 2, 3  # the exit statuses of `python -m loader audit`
 
 
-def main(run_dir: str, limit: int = 20, describe: Callable[[int], str] = str) -> int:
-    """Print the audit; `describe` names a sample (e.g. by its shard and key). Returns the exit status: EXACTLY_ONCE
-    (every epoch finished, every sample once), FAILED (a sample skipped or duplicated), NO_LEDGER (nothing to
-    audit), or UNFINISHED (an epoch in progress, nothing duplicated so far: a crashed job never restarted, or one
-    still running)."""
+def main(run_dir: str, limit: int = 20, describe: Callable[[int], str] = str, grouping: Grouping | None = None) -> int:
+    """Print the audit; `describe` names a sample (e.g. by its shard and key), `grouping` adds a row per group (e.g.
+    per source of a mixture) under each epoch's. Returns the exit status: EXACTLY_ONCE (every epoch finished, every
+    sample once), FAILED (a sample skipped or duplicated), NO_LEDGER (nothing to audit), or UNFINISHED (an epoch in
+    progress, nothing duplicated so far: a crashed job never restarted, or one still running)."""
     try:
-        report = audit(run_dir)
+        report = audit(run_dir, grouping)
     except (OSError, ValueError) as err:
         print(f"audit: {err}", file=sys.stderr)
         return NO_LEDGER
@@ -90,6 +140,9 @@ def main(run_dir: str, limit: int = 20, describe: Callable[[int], str] = str) ->
         skipped = str(len(e.skipped)) if e.finished else "-"
         print(f"{e.epoch:>5} {'finished' if e.finished else 'in progress':>11} {e.expected:>9} {e.seen_once:>10} "
               f"{skipped:>8} {len(e.duplicated):>11} {e.dropped:>18} {len(e.failed):>15}")
+        for g in e.groups:
+            print(f"{'':>5} {g.name:>11} {g.expected:>9} {g.seen_once:>10} {g.skipped if e.finished else '-':>8} "
+                  f"{g.duplicated:>11} {g.dropped:>18} {g.failed:>15}")
         if len(e.skipped):
             print(f"      skipped indices: {_listed(e.skipped, limit, describe)}")
         if len(e.duplicated):

@@ -4,7 +4,8 @@ Two torchrun agents on this machine form one job of 4 workers (3 + 1) over a sta
 would. During step 9 the single-worker node dies: its worker SIGKILLs its own agent, then itself. The remaining
 agent restarts its workers; they rendezvous as a job of 3, resume from the newest verified checkpoint and finish
 the epoch with the same global batch. Then the ledger is audited, the final model is compared with an
-uninterrupted run, and the restart's measured costs are put next to the replay plan.
+uninterrupted run, and the restart's measured costs are put next to the replay plan. With `--lm` the job is
+examples/train_lm.py (a transformer on a 70/30 mixture of token files) and the audit has a row per source.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from loader.replay import replay_plan
 
 PROJECT = Path(__file__).resolve().parent.parent  # the checkout: the example and the package it imports
 EXAMPLE = PROJECT / "examples" / "train_elastic.py"
+LM_EXAMPLE = PROJECT / "examples" / "train_lm.py"
 JOB = ["--samples", "480", "--global-batch", "24", "--micro-batch", "2", "--checkpoint-every", "3", "--ledger"]
 RDZV = "last_call_timeout=5,keep_alive_interval=1,keep_alive_max_attempt=2,join_timeout=60"  # 5 s: both nodes join the first round
 FAIL_AT_STEP = 8
@@ -99,10 +101,10 @@ class Agent:
         self.process.wait(timeout=30)
 
 
-def _torchrun_args(nproc: int, endpoint: str, job_id: str, run_dir: Path, extra: list[str]) -> list[str]:
+def _torchrun_args(nproc: int, endpoint: str, job_id: str, run_dir: Path, extra: list[str], example: Path) -> list[str]:
     return ["--nnodes=1:2", f"--nproc-per-node={nproc}", "--max-restarts=3", "--rdzv-backend=c10d",
             f"--rdzv-endpoint={endpoint}", f"--rdzv-id={job_id}", f"--rdzv-conf=is_host=0,{RDZV}",
-            str(EXAMPLE), "--run-dir", str(run_dir), *JOB, *extra]
+            str(example), "--run-dir", str(run_dir), *JOB, *extra]
 
 
 NODE_LOSS = ["--fail-at-step", str(FAIL_AT_STEP), "--fail-rank", "3", "--fail-mode", "node"]
@@ -114,15 +116,17 @@ def run_two_nodes(
     fault: list[str],
     extra: tuple[str, ...] = (),
     react: Callable[[Line, list[Agent]], None] | None = None,
+    example: Path = EXAMPLE,
 ) -> list[Line]:
-    """The demo's job on two torchrun agents, node A (3 workers) and node B (1 worker, told `fault`), both given
-    `extra`; `react` sees each line as it comes, with the agents (to wake a stopped node, say). Returns every line."""
+    """The demo's job (`example`) on two torchrun agents, node A (3 workers) and node B (1 worker, told `fault`),
+    both given `extra`; `react` sees each line as it comes, with the agents (to wake a stopped node, say). Returns
+    every line."""
     port = _free_port()
     store = torch.distributed.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
     lines: queue.Queue = queue.Queue()
     endpoint, job_id = f"127.0.0.1:{port}", f"demo-{uuid.uuid4().hex[:8]}"
-    agents = [Agent("node A", _torchrun_args(3, endpoint, job_id, run_dir, [*extra]), lines),
-              Agent("node B", _torchrun_args(1, endpoint, job_id, run_dir, [*fault, *extra]), lines)]
+    agents = [Agent("node A", _torchrun_args(3, endpoint, job_id, run_dir, [*extra], example), lines),
+              Agent("node B", _torchrun_args(1, endpoint, job_id, run_dir, [*fault, *extra], example), lines)]
     seen, deadline, progress = [], time.monotonic() + timeout, ProgressLine()
     try:
         while agents[0].process.poll() is None or not lines.empty():
@@ -182,9 +186,9 @@ class ProgressLine:
         self.listing = listing
 
 
-def reference_run(run_dir: Path, timeout: float) -> None:
-    """The demo's job without a fault, on 3 workers: the final model to compare with."""
-    args = ["--standalone", "--nproc-per-node=3", str(EXAMPLE), "--run-dir", str(run_dir), *JOB]
+def reference_run(run_dir: Path, timeout: float, example: Path = EXAMPLE) -> None:
+    """The demo's job (`example`) without a fault, on 3 workers: the final model to compare with."""
+    args = ["--standalone", "--nproc-per-node=3", str(example), "--run-dir", str(run_dir), *JOB]
     done = subprocess.run([sys.executable, "-m", "torch.distributed.run", *args], capture_output=True, text=True,
                           env=_environment(), timeout=timeout)
     if done.returncode != 0:
@@ -231,25 +235,36 @@ def print_restart(m: dict) -> None:
           f"(the plan has none: a lost peer is noticed at once, a hung one at the group's timeout)")
 
 
-def run_elastic_restart(run_dir: Path, timeout: float = 150) -> dict:
+def run_elastic_restart(run_dir: Path, timeout: float = 150, example: Path = EXAMPLE) -> dict:
     """The demo's elastic job (4 workers, a node lost, 3 workers) in run_dir; returns its restart measurements."""
     started = time.monotonic()
-    return measure_restart(run_two_nodes(run_dir, timeout, NODE_LOSS), started)
+    return measure_restart(run_two_nodes(run_dir, timeout, NODE_LOSS, example=example), started)
 
 
-def main() -> int:
-    if not EXAMPLE.exists():
-        raise SystemExit(f"demo: {EXAMPLE} is missing; run the demo from a checkout of the repository")
-    print("demo: one elastic job, 2 nodes (3 + 1 workers), 480 samples, global batch 24; node B dies during "
-          f"step {FAIL_AT_STEP + 1}")
+def _audit(run: Path, lm: bool) -> int:
+    """The audit as `python -m loader audit` prints it; per source for the mixture of the LM job."""
+    if not lm:
+        return audit_main(str(run))
+    from loader.__main__ import main as cli  # the command line imports this module: import it when needed
+
+    return cli(["audit", str(run), "--mixture", str(run / "mixture.json")])
+
+
+def main(lm: bool = False) -> int:
+    example = LM_EXAMPLE if lm else EXAMPLE
+    if not example.exists():
+        raise SystemExit(f"demo: {example} is missing; run the demo from a checkout of the repository")
+    data = "a 70/30 mixture of two token corpora, 480 sequences" if lm else "480 samples"
+    print(f"demo: one elastic job ({example.name}), 2 nodes (3 + 1 workers), {data}, global batch 24; node B dies "
+          f"during step {FAIL_AT_STEP + 1}")
     with tempfile.TemporaryDirectory(prefix="loader-demo-") as tmp:
         run, reference = Path(tmp) / "run", Path(tmp) / "reference"
         started = time.monotonic()
-        restart = run_elastic_restart(run)
+        restart = run_elastic_restart(run, example=example)
         print(f"  elastic job finished in {time.monotonic() - started:.0f} s; auditing the ledger:\n")
-        status = audit_main(str(run))
+        status = _audit(run, lm)
         print("\nuninterrupted reference run (3 workers) ...", flush=True)
-        reference_run(reference, timeout=120)
+        reference_run(reference, timeout=120, example=example)
         ours, theirs = torch.load(run / "final-model.pt"), torch.load(reference / "final-model.pt")
         drift = max((ours[k] - theirs[k]).abs().max().item() for k in theirs)
         same = all(torch.allclose(ours[k], theirs[k], rtol=1e-5, atol=1e-6) for k in theirs)

@@ -29,6 +29,7 @@ _MIX_2 = np.uint64(0xC4CEB9FE1A85EC53)
 _SALT_ORDER = 0x6F72646572  # distinct key streams for the order, the blocks and the sample seeds
 _SALT_BLOCKS = 0x626C6F636B73
 _SALT_SAMPLE = 0x73616D706C65
+_SALT_WINDOWS = 0x77696E646F7773
 
 SHUFFLE_MODES = ("none", "global", "blocks")
 ORDER_VERSION = 2  # bumped whenever the same (seed, epoch, position) would give another index: saved positions
@@ -136,25 +137,46 @@ def _feistel(x: np.ndarray, a, b, keys: np.ndarray) -> np.ndarray:
 def permute(x: np.ndarray, n, keys: np.ndarray) -> np.ndarray:
     """Keyed permutation of range(n) applied to the 1-D array x (all x < n).
 
-    One permutation: n an int and keys of shape (ROUNDS,). One per element: n an array and keys of shape
-    (ROUNDS, len(x)). Cycle walking maps values that land outside [0, n) again until they are inside; the walk
-    ends because x itself lies on its own cycle."""
+    One permutation: keys of shape (ROUNDS,). One per element: keys of shape (ROUNDS, len(x)), with n an int (all
+    domains alike) or an array (one size per element). Cycle walking maps values that land outside [0, n) again
+    until they are inside; the walk ends because x itself lies on its own cycle."""
     x = np.asarray(x, dtype=np.uint64)
-    per_element = np.ndim(n) > 0
     n = np.asarray(n, dtype=np.uint64)
     a, b = _split_domain(n)
     out = _feistel(x, a, b, keys)
     outside = np.nonzero(out >= n)[0]
     while outside.size:
-        if per_element:
-            walked = _feistel(out[outside], a[outside], b[outside], keys[:, outside])
-            still = walked >= n[outside]
-        else:
-            walked = _feistel(out[outside], a, b, keys)
-            still = walked >= n
+        a_o, b_o, n_o = (a[outside], b[outside], n[outside]) if n.ndim else (a, b, n)
+        walked = _feistel(out[outside], a_o, b_o, keys[:, outside] if keys.ndim == 2 else keys)
         out[outside] = walked
-        outside = outside[still]
+        outside = outside[walked >= n_o]
     return out
+
+
+@functools.lru_cache(maxsize=64)
+def _windows_key(seed: int) -> np.uint64:
+    return _stream_key(seed, 0, _SALT_WINDOWS)
+
+
+def window_arrangements(seed: int, windows: np.ndarray, size: int) -> np.ndarray:
+    """Row r: window windows[r]'s own keyed permutation of range(size), at every offset; shape (len(windows), size).
+
+    Why: a mixture arranges the slots of each window of its positions in a keyed order; all the windows of a block
+    in one vectorised pass cost ~100 ns a slot, where an EpochOrder per window would cost ~10 us each."""
+    with np.errstate(over="ignore"):
+        keys = _round_keys(_fmix64(np.asarray(windows).astype(np.uint64) ^ _windows_key(seed)))
+    offsets = np.tile(np.arange(size, dtype=np.uint64), len(windows))
+    return permute(offsets, size, np.repeat(keys, size, axis=1)).astype(np.int64).reshape(len(windows), size)
+
+
+def epoch_round_keys(seeds: np.ndarray, epochs: np.ndarray) -> np.ndarray:
+    """The round keys of `Order(n, seed, "global").for_epoch(epoch)` for 1-D arrays of (seed, epoch) pairs, shape
+    (ROUNDS, len): with `permute` (keys per element) they evaluate many epochs' orders in one pass, as a batch of
+    mixture positions needs. Seeds and epochs are non-negative."""
+    with np.errstate(over="ignore"):
+        key = _fmix64(np.asarray(seeds, dtype=np.uint64) ^ np.uint64(_SALT_ORDER))
+        key = _fmix64(key ^ _fmix64(np.asarray(epochs, dtype=np.uint64) + _GOLDEN))
+    return _round_keys(key)
 
 
 def sample_seed(seed: int, epoch: int, index) -> np.ndarray | int:

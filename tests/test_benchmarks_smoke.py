@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
-SECTIONS = ("throughput", "training", "checkpoint", "resume", "memory", "webdataset", "restart")
+SECTIONS = ("throughput", "training", "checkpoint", "resume", "memory", "webdataset", "tokens", "restart")
 LOADERS = {"DataLoader", "ResumableDataLoader", "ResumableDataLoader+state_dict", "StatefulDataLoader+state_dict"}
 
 
@@ -95,6 +95,16 @@ def test_memory_points(results):
     assert set(points) == {"ResumableDataLoader", "torch.randperm"}
     for kind_points in points.values():
         assert kind_points and all(p["added_bytes"] >= 0 and p["seconds"] >= 0 for p in kind_points)
+
+
+def test_lm_data_compares_each_loader_to_the_plain_memmap_loop(results):
+    tokens = results["sections"]["tokens"]
+    assert [case["batch_size"] for case in tokens["cases"]] == results["config"]["token_batch_sizes"] * 2
+    for case in tokens["cases"]:
+        assert set(case["values"]) == {"plain memmap loop", "ResumableDataLoader", "DataLoader"}
+        assert all(_positive(v["median"]) for v in case["values"].values())
+    assert tokens["memory"] is None or tokens["memory"]["added_bytes"] >= 0
+    assert len(tokens["mapping"]) == 3 and all(_positive(p["ns_per_position"]["median"]) for p in tokens["mapping"])
 
 
 def test_restart_is_labelled_a_plan(results):

@@ -7,7 +7,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from loader.order import Order, _halves, block_sizes_for_window, sample_seed
+from loader.order import (
+    Order, _halves, block_sizes_for_window, epoch_round_keys, permute, sample_seed, window_arrangements,
+)
 
 
 def full_order(n, **kw):
@@ -133,3 +135,31 @@ def test_sample_seed_depends_on_seed_epoch_index_only():
     assert len(np.unique(seeds)) == 10_000 and (seeds >= 0).all()
     assert sample_seed(0, 0, 77) == seeds[77]
     assert sample_seed(0, 1, 77) != seeds[77] and sample_seed(1, 0, 77) != seeds[77]
+
+
+@settings(max_examples=60, deadline=None)
+@given(sizes=st.lists(st.integers(1, 5000), min_size=1, max_size=6), seed=st.integers(0, 2**63 - 1), data=st.data())
+def test_many_epochs_in_one_pass_are_each_epochs_order(sizes, seed, data):
+    """epoch_round_keys + permute (keys per element) evaluate Order(n, seed_i).for_epoch(e_i) for many pairs at once,
+    as a mixture's batch needs: the same ids as an EpochOrder per pair."""
+    epochs = data.draw(st.lists(st.integers(0, 2**40), min_size=len(sizes), max_size=len(sizes)), label="epochs")
+    seeds = [seed + i for i in range(len(sizes))]
+    pair = np.repeat(np.arange(len(sizes)), 20)
+    positions = np.array([data.draw(st.integers(0, sizes[p] - 1)) for p in pair])
+    keys = epoch_round_keys(np.array(seeds, dtype=np.uint64), np.array(epochs))[:, pair]
+    together = permute(positions, np.array(sizes)[pair], keys).astype(np.int64)
+    one_by_one = [Order(sizes[p], seeds[p]).for_epoch(epochs[p])(positions[pair == p]) for p in range(len(sizes))]
+    assert np.array_equal(together, np.concatenate(one_by_one))
+
+
+@pytest.mark.parametrize("size", [1, 2, 3, 10, 17, 1000])
+def test_every_window_arrangement_is_a_permutation_keyed_by_seed_and_window(size):
+    windows = np.array([0, 1, 5, 10**12])
+    rows = window_arrangements(7, windows, size)
+    assert rows.shape == (4, size)
+    for row in rows:
+        assert_permutation(row, size)
+    if size >= 10:
+        assert len({tuple(r) for r in rows}) == 4  # each window its own order
+        assert not np.array_equal(window_arrangements(8, windows, size), rows)
+    assert np.array_equal(window_arrangements(7, windows[2:3], size)[0], rows[2])  # a pure function of (seed, k)

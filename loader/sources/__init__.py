@@ -1,5 +1,7 @@
 """Map-style data sources the loader can shuffle, partition and resume."""
 
+from loader.sources.mixture import Mixture, MixturePlan
+from loader.sources.tokens import TokenFileError, TokenSource
 from loader.sources.webdataset import (
     MissingKeyError,
     ShardFormatError,
@@ -8,4 +10,7 @@ from loader.sources.webdataset import (
     prepare_indexes,
 )
 
-__all__ = ["MissingKeyError", "ShardFormatError", "StaleIndexError", "WebDatasetSource", "prepare_indexes"]
+__all__ = [
+    "MissingKeyError", "Mixture", "MixturePlan", "ShardFormatError", "StaleIndexError", "TokenFileError",
+    "TokenSource", "WebDatasetSource", "prepare_indexes",
+]

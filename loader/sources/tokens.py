@@ -1,0 +1,400 @@
+"""Pre-tokenized token files as a map-style dataset of packed sequences, memory-mapped.
+
+Why map-style: sample i is the window of seq_len + 1 tokens starting at token i * seq_len of the files'
+concatenated stream, so any rank can load any sample and the loader's exactly-once progress applies unchanged.
+The files are what LM preprocessing writes: raw token arrays (`.bin`: nanoGPT, Megatron), `.npy` arrays, and
+LitData chunk directories (`index.json` with TokensLoader chunks). Construction reads headers and sizes only; each
+process maps the files on first use, and every read first checks that the file is still the one measured.
+"""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+import json
+import mmap
+import os
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+import torch.utils.data
+
+from loader._checks import check_positive_int
+
+__all__ = ["TokenFileError", "TokenSource"]
+
+TOKEN_DTYPES = ("uint16", "uint32", "int32")
+_LITDATA_DTYPES = {"no_header_tensor:15": "int32", "no_header_tensor:16": "int32", "no_header_tensor:20": "uint16"}
+_MEGATRON_MAGIC = b"MMIDIDX\x00\x00"
+_MEGATRON_HEADER = struct.Struct("<QBQQ")  # version, dtype code, sequences, documents + 1 (after the magic)
+_MEGATRON_DTYPES = {4: "int32", 8: "uint16"}  # megatron.core.datasets.indexed_dataset.DType codes of token dtypes
+
+Files = str | os.PathLike | Sequence[str | os.PathLike]
+GATHER_ROWS = 8  # from this many samples of one file on, one strided gather beats a copy per sample
+
+
+class TokenFileError(ValueError):
+    """A token or offsets file that cannot be read as declared, or that changed after the source measured it."""
+
+
+def _file_state(path: str) -> tuple[int, int, int]:
+    st = os.stat(path)
+    return st.st_size, st.st_mtime_ns, st.st_ino
+
+
+@dataclass
+class _Mapped:
+    """`count` values of `dtype` at byte `offset` of a file (up to its end unless `ends_file` is False), mapped
+    on first use in each process; pickles without the map, so spawned workers map the file themselves."""
+
+    path: str
+    offset: int
+    count: int
+    dtype: np.dtype
+    ends_file: bool = True
+    state: tuple[int, int, int] = field(init=False)
+    _array: np.ndarray | None = field(default=None, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self.state = _file_state(self.path)
+        end = self.offset + self.count * self.dtype.itemsize
+        if (self.state[0] != end) if self.ends_file else (self.state[0] < end):
+            raise TokenFileError(
+                f"{self.path}: {self.state[0]} bytes, but {self.count} {self.dtype.name} values after byte "
+                f"{self.offset} end at byte {end}; the file is truncated, has trailing bytes, or is not of this dtype"
+            )
+
+    def check_unchanged(self) -> None:
+        """Refuse to serve tokens once the file differs from what the source measured (size, mtime, inode)."""
+        try:
+            now = _file_state(self.path)
+        except FileNotFoundError:
+            raise TokenFileError(f"{self.path} disappeared after the TokenSource was built; restore it") from None
+        if now != self.state:
+            raise TokenFileError(
+                f"{self.path} changed after the TokenSource was built (size, mtime_ns, inode {self.state} -> {now}): "
+                "its samples would no longer be the ones progress was recorded for. Build the TokenSource again "
+                "and compare its fingerprint() with the checkpoint's before resuming"
+            )
+
+    def array(self) -> np.ndarray:
+        if self._array is None:
+            self.check_unchanged()
+            if self.count == 0:
+                self._array = np.empty(0, self.dtype)
+            else:
+                with open(self.path, "rb") as f:
+                    buffer = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+                self._array = np.frombuffer(buffer, self.dtype, self.count, self.offset)
+        return self._array
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_array": None}
+
+
+def _token_dtype(value, where: str) -> np.dtype:
+    try:
+        dtype = np.dtype(value)
+    except TypeError:
+        dtype = None
+    if dtype is None or dtype.name not in TOKEN_DTYPES:
+        raise ValueError(f"{where}: token dtype must be one of {TOKEN_DTYPES}, got {value!r}")
+    return dtype.newbyteorder("<")
+
+
+def _npy(path: str) -> tuple[int, np.dtype, int]:
+    """(length, dtype, data offset) of a 1-D .npy file, from its header."""
+    with open(path, "rb") as f:
+        try:
+            version = np.lib.format.read_magic(f)
+            read_header = np.lib.format.read_array_header_1_0 if version == (1, 0) else \
+                np.lib.format.read_array_header_2_0
+            shape, fortran, dtype = read_header(f)
+        except ValueError as err:
+            raise TokenFileError(f"{path}: not a .npy file ({err})") from None
+        offset = f.tell()
+    if len(shape) != 1:
+        raise TokenFileError(f"{path}: expected a 1-D array, found shape {shape}")
+    return shape[0], dtype, offset
+
+
+def _check_declared(path: str, found: np.dtype, given: np.dtype | None) -> None:
+    if given is not None and given != found:
+        raise TokenFileError(f"{path} declares {found.name} tokens but dtype={given.name!r} was given: pass the "
+                             "matching dtype, or none (this format says it)")
+
+
+def _npy_tokens(path: str, dtype: np.dtype | None) -> _Mapped:
+    count, found, offset = _npy(path)
+    found = _token_dtype(found, path)
+    _check_declared(path, found, dtype)
+    return _Mapped(path, offset, count, found)
+
+
+def _raw_tokens(path: str, dtype: np.dtype | None) -> _Mapped:
+    if dtype is None:
+        raise ValueError(f"{path}: a raw token file has no header saying its dtype: pass dtype='uint16' (nanoGPT; "
+                         "vocabularies below 65536) or dtype='uint32'")
+    size = os.path.getsize(path)
+    if size % dtype.itemsize:
+        raise TokenFileError(f"{path}: {size} bytes is not a whole number of {dtype.name} tokens "
+                             f"({dtype.itemsize} bytes each); the file is truncated or dtype= is wrong")
+    return _Mapped(path, 0, size // dtype.itemsize, dtype)
+
+
+def _litdata_tokens(directory: str, dtype: np.dtype | None) -> list[_Mapped]:
+    """The chunks of a LitData directory written with TokensLoader, in the order its index.json lists them. A chunk
+    is a uint32 item count, count + 1 uint32 offsets, then its `dim` tokens."""
+    index_path = os.path.join(directory, "index.json")
+    with open(index_path) as f:
+        index = json.load(f)
+    config = index.get("config") or {}
+    formats = config.get("data_format") or []
+    if config.get("compression") or len(formats) != 1 or formats[0] not in _LITDATA_DTYPES:
+        raise TokenFileError(
+            f"{index_path}: TokenSource reads uncompressed LitData chunks of 1-D token tensors (data_format one of "
+            f"{sorted(_LITDATA_DTYPES)}), found data_format={formats}, compression={config.get('compression')!r}"
+        )
+    found = _token_dtype(_LITDATA_DTYPES[formats[0]], index_path)
+    _check_declared(index_path, found, dtype)
+    return [_Mapped(os.path.join(directory, c["filename"]), (2 + c["chunk_size"]) * 4, c["dim"], found)
+            for c in index["chunks"]]
+
+
+def _expand(files: Files, what: str) -> list[str]:
+    """Paths in order: a glob sorted, a list as given, a LitData directory as itself."""
+    if isinstance(files, (str, os.PathLike)):
+        pattern = os.fspath(files)
+        if os.path.isdir(pattern) and not os.path.exists(os.path.join(pattern, "index.json")):
+            raise ValueError(f"{pattern} is a directory without a LitData index.json: pass a glob of its {what}, "
+                             f"e.g. {os.path.join(pattern, '*.bin')!r}")
+        paths = sorted(glob.glob(pattern)) if glob.has_magic(pattern) else [pattern]
+    else:
+        paths = [os.fspath(p) for p in files]
+    if not paths:
+        raise ValueError(f"no {what} match {files!r}")
+    for path in paths:
+        if not os.path.exists(path):
+            raise FileNotFoundError(f"{what[:-1]} {path} does not exist")
+    return paths
+
+
+def _token_files(paths: list[str], dtype: np.dtype | None) -> list[_Mapped]:
+    files: list[_Mapped] = []
+    for path in paths:
+        if os.path.isdir(path):
+            files += _litdata_tokens(path, dtype)
+        else:
+            files.append((_npy_tokens if path.endswith(".npy") else _raw_tokens)(path, dtype))
+    return files
+
+
+class _DocumentStarts:
+    """Where documents start in one token file, from its offsets file: a `.npy` of increasing token offsets, or
+    Megatron's `.idx` (sequence pointers in bytes, and the document index into the sequences). Read by binary
+    search on the mapped arrays: O(log documents) per sample, nothing loaded."""
+
+    def __init__(self, path: str, tokens: _Mapped):
+        self.path, self.itemsize, self.documents = path, tokens.dtype.itemsize, None
+        if path.endswith(".idx"):
+            self._megatron(path, tokens)
+        else:
+            count, dtype, offset = _npy(path)
+            if dtype.kind not in "iu":
+                raise TokenFileError(f"{path}: document offsets must be integers, found {dtype}")
+            self.starts = _Mapped(path, offset, count, dtype)
+            starts = self.starts.array()
+            if count and (int(starts[0]) < 0 or int(starts[-1]) >= tokens.count):
+                raise TokenFileError(f"{path}: document offsets must lie in [0, {tokens.count}) (the tokens of "
+                                     f"{tokens.path}), found {int(starts[0])} ... {int(starts[-1])}")
+
+    def _megatron(self, path: str, tokens: _Mapped) -> None:
+        with open(path, "rb") as f:
+            magic, header = f.read(len(_MEGATRON_MAGIC)), f.read(_MEGATRON_HEADER.size)
+        if magic != _MEGATRON_MAGIC or len(header) != _MEGATRON_HEADER.size:
+            raise TokenFileError(f"{path}: not a Megatron .idx file (no MMIDIDX header)")
+        version, code, sequences, documents = _MEGATRON_HEADER.unpack(header)
+        if version != 1 or _MEGATRON_DTYPES.get(code) != tokens.dtype.name:
+            raise TokenFileError(f"{path}: version {version}, dtype code {code}; expected version 1 and the dtype "
+                                 f"of {tokens.path} ({tokens.dtype.name})")
+        pointers_at = len(_MEGATRON_MAGIC) + _MEGATRON_HEADER.size + 4 * sequences  # after the int32 lengths
+        self.starts = _Mapped(path, pointers_at, sequences, np.dtype("<i8"), ends_file=False)
+        self.documents = _Mapped(path, pointers_at + 8 * sequences, documents, np.dtype("<i8"))
+        if sequences and int(self.starts.array()[-1]) >= tokens.count * self.itemsize:
+            raise TokenFileError(f"{path} points past the end of {tokens.path}: it describes another file")
+
+    def within(self, low: int, high: int) -> np.ndarray:
+        """Token offsets in [low, high) where a document starts."""
+        starts = self.starts.array()
+        if self.documents is None:
+            return starts[np.searchsorted(starts, low):np.searchsorted(starts, high)]
+        documents = self.documents.array()
+        first, last = np.searchsorted(starts, [low * self.itemsize, high * self.itemsize])
+        lo, hi = np.searchsorted(documents, [first, last])
+        return starts[documents[lo:hi]] // self.itemsize
+
+    def check_unchanged(self) -> None:
+        self.starts.check_unchanged()
+
+
+class TokenSource(torch.utils.data.Dataset):
+    """Packed LM sequences over pre-tokenized files: sample i is the int64 tensor of the seq_len + 1 tokens that
+    start at token i * seq_len of the files' concatenated stream (inputs x[:-1], targets x[1:]), across file
+    boundaries; len = (total tokens - 1) // seq_len.
+
+    Args:
+        files: a glob (files sorted by name), a list of paths (in that order), one path, or a LitData directory
+            (its index.json's chunks). `.npy` files and LitData chunks carry their dtype; raw files need `dtype`.
+        seq_len: tokens per sample, plus the one target token that overlaps the next sample.
+        dtype: "uint16" or "uint32" (or "int32") for raw files; checked against the header of the others.
+        eos_id: documents end with this token: samples become dicts {"tokens", "doc_ids"}.
+        doc_offsets: one offsets file per token file, same order (a glob, sorted, or a list): a `.npy` of the
+            token offsets where documents start in that file, or Megatron's `.idx`. Samples become dicts as with
+            `eos_id`; a file boundary is a document boundary too.
+
+    `doc_ids[t]` numbers the document of token t within the sample (0 for the first one): attend from q to k only
+    where k <= q and doc_ids[k] == doc_ids[q]. Identity: `sample_key(i)` = (file, token offset in that file).
+    """
+
+    def __init__(
+        self,
+        files: Files,
+        seq_len: int,
+        dtype: str | np.dtype | None = None,
+        *,
+        eos_id: int | None = None,
+        doc_offsets: Files | None = None,
+    ) -> None:
+        check_positive_int("seq_len", seq_len)
+        if eos_id is not None and doc_offsets is not None:
+            raise ValueError("pass eos_id= or doc_offsets= for document boundaries, not both")
+        if eos_id is not None and (not isinstance(eos_id, int) or eos_id < 0):
+            raise ValueError(f"eos_id must be a non-negative int token id, got {eos_id!r}")
+        self.seq_len, self.eos_id = seq_len, eos_id
+        declared = None if dtype is None else _token_dtype(dtype, "dtype=")
+        self._files = _token_files(_expand(files, "token files"), declared)
+        counts = np.array([f.count for f in self._files], dtype=np.int64)
+        self._starts = np.concatenate(([0], np.cumsum(counts))).astype(np.int64)
+        self.tokens = int(self._starts[-1])
+        self._len = max(0, (self.tokens - 1) // seq_len)
+        if not self._len:
+            raise ValueError(f"{len(self._files)} token file(s) hold {self.tokens} tokens: too few for one sample of "
+                             f"seq_len + 1 = {seq_len + 1}")
+        self._documents = None
+        if doc_offsets is not None:
+            paths = _expand(doc_offsets, "offsets files")
+            if len(paths) != len(self._files):
+                raise ValueError(f"doc_offsets: {len(paths)} offsets files for {len(self._files)} token files; pass "
+                                 "one per token file, in the same order")
+            self._documents = [_DocumentStarts(p, f) for p, f in zip(paths, self._files)]
+
+    @property
+    def files(self) -> list[str]:
+        return [f.path for f in self._files]
+
+    def __len__(self) -> int:
+        return self._len
+
+    def _locate(self, indices: Sequence[int]) -> tuple[list[int], list[int]]:
+        """(file number, token offset in that file) of the first token of each sample, as Python ints: a batch is
+        a few samples, and per-sample Python is cheaper than numpy's per-call cost at that size."""
+        if len(indices) and (min(indices) < 0 or max(indices) >= self._len):
+            bad = next(i for i in indices if not 0 <= i < self._len)
+            raise IndexError(f"sample index {bad} out of range for {self._len} samples")
+        if len(self._files) == 1:
+            return [0] * len(indices), [int(i) * self.seq_len for i in indices]
+        starts = np.asarray(indices, dtype=np.int64) * self.seq_len
+        files = np.searchsorted(self._starts, starts, side="right") - 1
+        return files.tolist(), (starts - self._starts[files]).tolist()
+
+    def sample_key(self, index: int) -> tuple[str, int]:
+        """(token file, token offset in it): the identity of sample `index`."""
+        (file,), (offset,) = self._locate([index])
+        return self._files[file].path, offset
+
+    def _read(self, out: np.ndarray, file: int, offset: int, touched: set[int]) -> None:
+        """Fill `out` with the tokens from (file, offset) on, continuing into the next files."""
+        filled = 0
+        while filled < len(out):
+            touched.add(file)
+            piece = self._files[file].array()[offset:offset + len(out) - filled]
+            out[filled:filled + len(piece)] = piece
+            filled, file, offset = filled + len(piece), file + 1, 0
+
+    def _doc_ids(self, tokens: np.ndarray, starts: np.ndarray) -> np.ndarray:
+        """Per token, its document's number within the sample: boundaries after each EOS, or at each offset."""
+        doc_ids = np.zeros(tokens.shape, dtype=np.int64)
+        if self.eos_id is not None:
+            np.cumsum(tokens[:, :-1] == self.eos_id, axis=1, out=doc_ids[:, 1:])
+            return doc_ids
+        span = self.seq_len + 1
+        for row, start in enumerate(starts.tolist()):
+            file = int(np.searchsorted(self._starts, start, side="right")) - 1
+            while self._starts[file] < start + span:
+                first, low = int(self._starts[file]), max(start, int(self._starts[file]))
+                documents = self._documents[file]
+                documents.check_unchanged()
+                bounds = documents.within(low - first + 1, start + span - first) + first - start
+                doc_ids[row, bounds] += 1
+                if first > start:  # a file boundary inside the sample starts a document
+                    doc_ids[row, first - start] += 1
+                file += 1
+            np.cumsum(np.minimum(doc_ids[row], 1), out=doc_ids[row])
+        return doc_ids
+
+    def _windows(self, file: int) -> np.ndarray:
+        """The file's whole samples as rows of a strided view (no copy): row r starts at the file's first sample
+        start plus r * seq_len, so a batch inside one file is gathered by one fancy index instead of a loop."""
+        tokens, span = self._files[file].array(), self.seq_len + 1
+        phase = int(-self._starts[file] % self.seq_len)
+        rows = max(0, (len(tokens) - phase - span) // self.seq_len + 1)
+        itemsize = tokens.dtype.itemsize
+        return np.ndarray((rows, span), tokens.dtype, tokens, phase * itemsize, (self.seq_len * itemsize, itemsize))
+
+    def __getitems__(self, indices: Sequence[int]) -> list:
+        """A batch in one call (torch's fetcher uses it): one file check per file the batch touches, not per sample,
+        and a batch of GATHER_ROWS samples or more inside one file gathered by one fancy index."""
+        files, offsets = self._locate(indices)
+        span = self.seq_len + 1
+        file = files[0] if files else 0
+        inside_one_file = files.count(file) == len(files) and max(offsets, default=0) + span <= self._files[file].count
+        if len(files) >= GATHER_ROWS and inside_one_file:
+            out, touched = self._windows(file)[np.asarray(offsets) // self.seq_len].astype(np.int64), {file}
+        else:
+            out, touched = np.empty((len(files), span), dtype=np.int64), set()
+            for row, (file, offset) in enumerate(zip(files, offsets)):
+                tokens = self._files[file].array()
+                if offset + span <= len(tokens):  # the usual sample: inside one file
+                    out[row] = tokens[offset:offset + span]
+                    touched.add(file)
+                else:
+                    self._read(out[row], file, offset, touched)
+        for file in touched:
+            self._files[file].check_unchanged()
+        tokens = torch.from_numpy(out).unbind(0)
+        if self.eos_id is None and self._documents is None:
+            return list(tokens)
+        starts = np.asarray(indices, dtype=np.int64) * self.seq_len
+        doc_ids = torch.from_numpy(self._doc_ids(out, starts)).unbind(0)
+        return [{"tokens": t, "doc_ids": d} for t, d in zip(tokens, doc_ids)]
+
+    def __getitem__(self, index: int):
+        return self.__getitems__([index])[0]
+
+    def fingerprint(self) -> str:
+        """Digest of the files' names and token counts, dtype, seq_len and document boundaries: a checkpoint of
+        another token stream is refused instead of resumed at the wrong samples."""
+        layout = {
+            "files": [[os.path.basename(f.path), f.count] for f in self._files],
+            "dtype": self._files[0].dtype.name, "seq_len": self.seq_len, "eos_id": self.eos_id,
+            "doc_offsets": None if self._documents is None else [os.path.basename(d.path) for d in self._documents],
+        }
+        return hashlib.sha256(json.dumps(layout).encode("utf-8", "surrogateescape")).hexdigest()[:16]
+
+    def __repr__(self) -> str:
+        return (f"TokenSource({len(self._files)} files, {self.tokens} tokens, seq_len={self.seq_len}, {len(self)} "
+                f"samples, fingerprint={self.fingerprint()})")

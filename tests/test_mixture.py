@@ -1,0 +1,191 @@
+"""Mixture: exact proportions per window, each source's epochs as permutations, a pure function of the position."""
+
+import json
+import tracemalloc
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from loader.sources import Mixture, MixturePlan
+from loader.sources.mixture import BLOCK, MAX_WINDOW, window_counts
+
+
+class Tagged:
+    """A source whose sample i is (tag, i): a batch shows which source and index each position drew."""
+
+    def __init__(self, n: int, tag: str):
+        self.n, self.tag = n, tag
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, index):
+        if not 0 <= index < self.n:
+            raise IndexError(index)
+        return self.tag, int(index)
+
+
+def mixture(lengths, weights, num_samples, seed=0, **kw):
+    return Mixture([Tagged(n, f"s{i}") for i, n in enumerate(lengths)], weights, num_samples, seed, **kw)
+
+
+@pytest.mark.parametrize("weights, window, counts", [
+    ([0.7, 0.3], None, (7, 3)),
+    ([7, 3], None, (7, 3)),
+    ([1, 1, 1], None, (1, 1, 1)),
+    ([1 / 3, 2 / 3], None, (1, 2)),
+    ([0.5, 0.3, 0.2], None, (5, 3, 2)),
+    ([0.125, 0.875], None, (1, 7)),
+    ([0.7, 0.3], 7, (5, 2)),
+    ([0.7, 0.3], 100, (70, 30)),
+    ([1, 1, 1], 4, (2, 1, 1)),  # three equal remainders: the spare slot goes to the first source
+])
+def test_window_counts(weights, window, counts):
+    assert window_counts(weights, window) == counts
+
+
+def test_weights_no_window_holds_exactly_are_rounded_within_one_at_the_largest_window():
+    weights = [np.pi, np.e, 1.0]
+    counts = window_counts(weights)
+    assert sum(counts) == MAX_WINDOW
+    assert np.all(np.abs(np.array(counts) - np.array(weights) / sum(weights) * MAX_WINDOW) < 1)
+
+
+@settings(max_examples=150, deadline=None)
+@given(window=st.one_of(st.none(), st.integers(4, 60)), data=st.data())
+def test_every_aligned_window_holds_each_share_to_within_one_sample(window, data):
+    """Any weights with a given window; with the default window, weights it holds exactly (integers: a window of
+    their sum or less; arbitrary floats would take the 10,000 positions of MAX_WINDOW per window)."""
+    values = st.integers(1, 12) if window is None else st.floats(0.05, 10.0)
+    weights = data.draw(st.lists(values, min_size=1, max_size=4), label="weights")
+    counts = window_counts(weights, window)
+    m = sum(counts)
+    if min(counts) == 0:
+        return  # refused by the plan: see test_a_source_without_a_slot_is_refused
+    lengths = data.draw(st.lists(st.integers(1, 40), min_size=len(weights), max_size=len(weights)), label="lengths")
+    windows = data.draw(st.integers(1, 6), label="windows")
+    mix = mixture(lengths, weights, m * windows + data.draw(st.integers(0, m - 1), label="tail"),
+                  seed=data.draw(st.integers(0, 2**40), label="seed"), window=window)
+    source, _ = mix.locate(list(range(len(mix))))
+    shares = np.asarray(weights) / sum(weights) * m
+    for k in range(windows):
+        held = np.bincount(source[k * m:(k + 1) * m], minlength=len(weights))
+        assert held.tolist() == list(counts)
+        assert np.all(np.abs(held - shares) < 1)
+    assert list(mix.plan.samples_per_source()) == np.bincount(source, minlength=len(weights)).tolist()
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    lengths=st.lists(st.integers(1, 30), min_size=1, max_size=4),
+    seed=st.integers(0, 2**63 - 1),
+    shuffle=st.booleans(),
+    data=st.data(),
+)
+def test_each_source_epoch_is_a_permutation_of_that_source_in_position_order(lengths, seed, shuffle, data):
+    """A source that runs out continues with its next epoch: its draws, taken in position order and cut into runs
+    of its length, are permutations (nothing repeats before the source's epoch is used up)."""
+    weights = data.draw(st.lists(st.integers(1, 9), min_size=len(lengths), max_size=len(lengths)), label="weights")
+    mix = mixture(lengths, weights, data.draw(st.integers(1, 400), label="num_samples"), seed, shuffle=shuffle)
+    source, index = mix.locate(list(range(len(mix))))
+    for s, n in enumerate(lengths):
+        drawn = index[source == s]
+        for run in range(0, len(drawn), n):
+            chunk = drawn[run:run + n].tolist()
+            assert len(set(chunk)) == len(chunk) and all(0 <= i < n for i in chunk)
+            if not shuffle:
+                assert chunk == list(range(len(chunk)))
+
+
+def test_the_arrangement_is_shuffled_inside_windows_and_keyed_by_the_seed():
+    mix = mixture([1000, 1000], [0.7, 0.3], 10_000, seed=1)
+    source, index = mix.locate(list(range(10_000)))
+    patterns = {tuple(source[k * 10:(k + 1) * 10]) for k in range(1000)}
+    assert len(patterns) > 50  # 120 arrangements of 7 + 3 slots exist; the windows use many of them
+    other_source, other_index = mixture([1000, 1000], [0.7, 0.3], 10_000, seed=2).locate(list(range(10_000)))
+    assert (other_source != source).any() and (other_index != index).any()
+    assert np.array_equal(mixture([1000, 1000], [0.7, 0.3], 10_000, seed=1).locate(list(range(10_000)))[1], index)
+
+
+@pytest.mark.parametrize("num_samples", [997, 50_000])
+def test_positions_are_a_pure_function_in_any_order_and_through_the_cache(num_samples):
+    mix = mixture([37, 500, 3], [0.6, 0.3, 0.1], num_samples, seed=11)
+    everything = mix.plan.locate(np.arange(num_samples))
+    rng = np.random.default_rng(0)
+    for positions in (rng.permutation(num_samples)[:300], np.arange(num_samples)[::-1][:300],
+                      np.arange(BLOCK - 5, BLOCK + 5) % num_samples, np.array([num_samples - 1, 0])):
+        for locate in (mix.locate, mix.plan.locate, mixture([37, 500, 3], [0.6, 0.3, 0.1], num_samples, 11).locate):
+            source, index = locate(positions.tolist())
+            assert np.array_equal(source, everything[0][positions]) and np.array_equal(index, everything[1][positions])
+    for start in range(0, num_samples, 64):  # sequential batches, as the loader asks with shuffle=False
+        batch = list(range(start, min(start + 64, num_samples)))
+        assert [mix.sample_key(p) for p in batch[:2]] == [(f"source-{everything[0][p]}", int(everything[1][p]))
+                                                          for p in batch[:2]]
+        assert np.array_equal(mix.locate(batch)[1], everything[1][batch])
+        assert len(mix._cache) <= 2
+
+
+def test_samples_come_from_the_located_source_and_index():
+    mix = mixture([5, 8], [1, 3], 64, names=["small", "large"])
+    source, index = mix.locate(list(range(64)))
+    expected = [(f"s{s}", i) for s, i in zip(source.tolist(), index.tolist())]
+    assert mix.__getitems__(list(range(64))) == expected
+    assert [mix[p] for p in range(64)] == expected
+    assert mix.sample_key(3) == (["small", "large"][source[3]], index[3])
+    with pytest.raises(IndexError, match="mixture position 64 out of range for 64 positions"):
+        mix[64]
+
+
+def test_bad_arguments_are_clear_errors():
+    with pytest.raises(ValueError, match="2 weights for 3 sources"):
+        mixture([1, 2, 3], [1, 1], 10)
+    with pytest.raises(ValueError, match="weights must be positive finite numbers"):
+        mixture([1, 2], [1, 0], 10)
+    with pytest.raises(ValueError, match="names must be distinct non-empty strings"):
+        mixture([1, 2], [1, 1], 10, names=["a", "a"])
+    with pytest.raises(ValueError, match="source 'source-1' is empty"):
+        mixture([1, 0], [1, 1], 10)
+    with pytest.raises(ValueError, match="num_samples"):
+        mixture([1, 2], [1, 1], 0)
+    with pytest.raises(ValueError, match="window"):
+        mixture([1, 2], [1, 1], 10, window=0)
+
+
+def test_a_source_without_a_slot_is_refused():
+    with pytest.raises(ValueError, match="source 'rare' has no slot in a window: raise its weight or window="):
+        mixture([10, 10], [1, 1e-5], 100, names=["common", "rare"])
+    assert mixture([10, 10], [1, 1e-5], 100, window=10**5).counts == (99_999, 1)  # a big enough window works
+    with pytest.raises(ValueError, match="window=1048577: each process builds a window's slot table"):
+        mixture([10, 10], [1, 1e-9], 100, window=2**20 + 1)
+
+
+def test_a_billion_positions_cost_a_few_windows_of_memory():
+    mix = mixture([10**9, 3 * 10**8, 10**6], [0.5, 0.3, 0.2], 10**9, seed=5)
+    mix.locate(list(range(10**9 - 64, 10**9)))  # warm: first-call allocations are not the mixture's
+    tracemalloc.start()
+    for start in (5 * 10**8, 10**9 - 200, 123_456_789):
+        mix.locate(list(range(start, start + 64)))
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert peak < 1_000_000
+
+
+def test_the_plan_saves_loads_and_fingerprints(tmp_path):
+    mix = mixture([5, 8], [1, 3], 64, seed=3, names=["a", "b"])
+    mix.plan.save(tmp_path / "plan.json")
+    plan = MixturePlan.load(tmp_path / "plan.json")
+    assert plan == mix.plan and plan.fingerprint() == mix.plan.fingerprint()
+    assert np.array_equal(plan.locate(np.arange(64))[1], mix.locate(list(range(64)))[1])
+    fingerprints = {mixture([5, 8], *args).fingerprint() for args in ([[1, 3], 64, 3], [[1, 2], 64, 3],
+                                                                        [[1, 3], 65, 3], [[1, 3], 64, 4])}
+    assert len(fingerprints) == 4
+    data = json.loads((tmp_path / "plan.json").read_text())
+    (tmp_path / "old.json").write_text(json.dumps({**data, "version": 0}))
+    with pytest.raises(ValueError, match=r"old.json: \(kind, version, order_version\) is"):
+        MixturePlan.load(tmp_path / "old.json")
+    del data["counts"]
+    (tmp_path / "cut.json").write_text(json.dumps(data))
+    with pytest.raises(ValueError, match="cut.json: no field 'counts'"):
+        MixturePlan.load(tmp_path / "cut.json")

@@ -1,0 +1,235 @@
+"""TokenSource: packed sequences over token files, checked against slicing the concatenated stream by hand."""
+
+import json
+import os
+import pickle
+import struct
+
+import numpy as np
+import pytest
+import torch
+
+from loader import ResumableDataLoader
+from loader.sources import TokenFileError, TokenSource
+from loader.sources.tokens import GATHER_ROWS
+
+
+def write_bin(path, tokens, dtype="uint16"):
+    np.asarray(tokens, dtype=dtype).tofile(path)
+    return str(path)
+
+
+def stream_files(tmp_path, sizes, dtype="uint16", seed=0):
+    """Token files named so that creation order is not name order; returns them and their sorted concatenation."""
+    rng = np.random.default_rng(seed)
+    parts = {}
+    for number, size in reversed(list(enumerate(sizes))):
+        tokens = rng.integers(0, 60000, size)
+        parts[write_bin(tmp_path / f"part-{number:03d}.bin", tokens, dtype)] = tokens
+    return parts, np.concatenate([parts[p] for p in sorted(parts)])
+
+
+def reference(stream, seq_len, index):
+    return stream[index * seq_len: index * seq_len + seq_len + 1]
+
+
+@pytest.mark.parametrize("dtype", ["uint16", "uint32"])
+@pytest.mark.parametrize("seq_len", [1, 7, 64])
+def test_every_sample_is_the_concatenated_stream_sliced_across_file_boundaries(tmp_path, dtype, seq_len):
+    _, stream = stream_files(tmp_path, [50, 0, 3, 130, 1, 77], dtype)
+    src = TokenSource(str(tmp_path / "part-*.bin"), seq_len=seq_len, dtype=dtype)
+    assert len(src) == (len(stream) - 1) // seq_len and src.tokens == len(stream)
+    for i in range(len(src)):
+        sample = src[i]
+        assert sample.dtype == torch.int64 and sample.shape == (seq_len + 1,)
+        assert sample.tolist() == reference(stream, seq_len, i).tolist()
+    everything = list(range(len(src)))
+    runs = [everything[i:i + size] for size in (3, GATHER_ROWS + 1) for i in range(len(src))]
+    for batch in [everything[::-1]] + runs:  # across files, inside one file (copied, or gathered at once)
+        assert [s.tolist() for s in src.__getitems__(batch)] == [reference(stream, seq_len, i).tolist() for i in batch]
+    with pytest.raises(IndexError, match=f"out of range for {len(src)} samples"):
+        src[len(src)]
+
+
+def test_a_list_keeps_its_order_and_sample_keys_name_file_and_offset(tmp_path):
+    a = write_bin(tmp_path / "b.bin", np.arange(10))
+    b = write_bin(tmp_path / "a.bin", np.arange(100, 120))
+    src = TokenSource([a, b], seq_len=4, dtype="uint16")
+    assert src.files == [a, b]
+    assert src[2].tolist() == [8, 9, 100, 101, 102]  # tokens 8..12 cross from b.bin into a.bin
+    assert [src.sample_key(i) for i in (0, 2, 3, 6)] == [(a, 0), (a, 8), (b, 2), (b, 14)]
+
+
+def test_npy_files_carry_their_dtype(tmp_path):
+    np.save(tmp_path / "x-0.npy", np.arange(30, dtype=np.uint32))
+    np.save(tmp_path / "x-1.npy", np.arange(30, 60, dtype=np.uint32))
+    src = TokenSource(str(tmp_path / "x-*.npy"), seq_len=8)
+    assert src[3].tolist() == list(range(24, 33))
+    with pytest.raises(TokenFileError, match=r"x-0.npy declares uint32 tokens but dtype='uint16'"):
+        TokenSource(str(tmp_path / "x-*.npy"), seq_len=8, dtype="uint16")
+    np.save(tmp_path / "float.npy", np.zeros(9, np.float32))
+    with pytest.raises(ValueError, match="float.npy: token dtype must be one of"):
+        TokenSource(tmp_path / "float.npy", seq_len=4)
+
+
+def write_litdata(directory, chunks, data_format="no_header_tensor:16"):
+    """A LitData TokensLoader output as litdata's BinaryWriter lays it out: per chunk a uint32 item count, count + 1
+    uint32 byte offsets, then the items' raw tokens; index.json lists the chunks in order."""
+    directory.mkdir()
+    infos = []
+    for number, items in enumerate(chunks):
+        sizes = [len(item) * 4 for item in items]
+        offsets = np.cumsum([0] + sizes).astype(np.uint32) + 4 * (2 + len(items))
+        name = f"chunk-0-{number}.bin"
+        with open(directory / name, "wb") as f:
+            f.write(np.uint32(len(items)).tobytes() + offsets.tobytes())
+            f.write(b"".join(np.asarray(item, np.int32).tobytes() for item in items))
+        infos.append({"chunk_bytes": sum(sizes), "chunk_size": len(items), "dim": sum(map(len, items)),
+                      "filename": name})
+    config = {"compression": None, "chunk_size": None, "chunk_bytes": 1 << 20, "data_format": [data_format],
+              "data_spec": None}
+    (directory / "index.json").write_text(json.dumps({"chunks": infos, "config": config}))
+
+
+def test_a_litdata_directory_reads_its_chunks_in_index_order(tmp_path):
+    write_litdata(tmp_path / "lit", [[np.arange(0, 10), np.arange(10, 25)], [np.arange(25, 40)]])
+    src = TokenSource(tmp_path / "lit", seq_len=6)
+    assert len(src) == 6 and src.tokens == 40
+    assert [src[i].tolist() for i in range(len(src))] == [list(range(6 * i, 6 * i + 7)) for i in range(6)]
+    assert src.sample_key(5) == (str(tmp_path / "lit" / "chunk-0-1.bin"), 5)
+    write_litdata(tmp_path / "pickled", [[np.arange(5)]], data_format="pickle")
+    with pytest.raises(TokenFileError, match="uncompressed LitData chunks of 1-D token tensors"):
+        TokenSource(tmp_path / "pickled", seq_len=2)
+
+
+def test_bad_files_and_arguments_are_clear_errors(tmp_path):
+    good = write_bin(tmp_path / "good.bin", np.arange(20))
+    odd = tmp_path / "odd.bin"
+    odd.write_bytes(b"\x00" * 41)
+    with pytest.raises(TokenFileError, match=r"odd.bin: 41 bytes is not a whole number of uint16 tokens"):
+        TokenSource([good, odd], seq_len=4, dtype="uint16")
+    with pytest.raises(ValueError, match="has no header saying its dtype: pass dtype='uint16'"):
+        TokenSource(good, seq_len=4)
+    with pytest.raises(ValueError, match="no token files match"):
+        TokenSource(str(tmp_path / "missing-*.bin"), seq_len=4, dtype="uint16")
+    with pytest.raises(FileNotFoundError, match="token file .*nope.bin does not exist"):
+        TokenSource([good, tmp_path / "nope.bin"], seq_len=4, dtype="uint16")
+    with pytest.raises(ValueError, match="directory without a LitData index.json"):
+        TokenSource(tmp_path, seq_len=4, dtype="uint16")
+    with pytest.raises(ValueError, match="too few for one sample"):
+        TokenSource(good, seq_len=20, dtype="uint16")
+    with pytest.raises(ValueError, match="seq_len"):
+        TokenSource(good, seq_len=0, dtype="uint16")
+    with pytest.raises(ValueError, match="token dtype must be one of"):
+        TokenSource(good, seq_len=4, dtype="float32")
+
+
+@pytest.mark.parametrize("change", ["rewrite", "append", "replace", "delete"])
+def test_a_file_that_changed_after_the_source_was_built_is_refused(tmp_path, change):
+    path = write_bin(tmp_path / "t.bin", np.arange(40))
+    src = TokenSource(path, seq_len=4, dtype="uint16")
+    assert src[0].tolist() == [0, 1, 2, 3, 4]
+    if change == "rewrite":  # same size, new content
+        write_bin(path, np.arange(40)[::-1])
+        os.utime(path, ns=(1, 1))
+    elif change == "append":
+        with open(path, "ab") as f:
+            f.write(b"\x00\x00")
+    elif change == "replace":
+        write_bin(tmp_path / "new.bin", np.arange(40))
+        os.replace(tmp_path / "new.bin", path)
+    else:
+        os.remove(path)
+    with pytest.raises(TokenFileError, match="t.bin (changed after|disappeared after) the TokenSource was built"):
+        src[1]
+
+
+def test_eos_boundaries_number_the_documents_inside_each_sample(tmp_path):
+    eos = 0
+    tokens = np.array([5, 6, eos, 7, 8, 9, eos, eos, 3, 4, 5, 6, 7, eos, 1, 2, 3])
+    src = TokenSource(write_bin(tmp_path / "t.bin", tokens), seq_len=5, dtype="uint16", eos_id=eos)
+    samples = [src[i] for i in range(len(src))]
+    assert [s["tokens"].tolist() for s in samples] == [tokens[5 * i: 5 * i + 6].tolist() for i in range(len(src))]
+    assert [s["doc_ids"].tolist() for s in samples] == [
+        [0, 0, 0, 1, 1, 1],  # 5 6 EOS | 7 8 9
+        [0, 0, 1, 2, 2, 2],  # 9 EOS | EOS | 3 4 5
+        [0, 0, 0, 0, 1, 1],  # 5 6 7 EOS | 1 2
+    ]
+    collated = next(iter(ResumableDataLoader(src, batch_size=3)))
+    assert collated["tokens"].shape == collated["doc_ids"].shape == (3, 6)
+
+
+def write_megatron(prefix, documents, dtype=np.uint16, code=8):
+    """A Megatron IndexedDataset (.bin + .idx, version 1) with one sequence per document, as its builder writes."""
+    write_bin(f"{prefix}.bin", np.concatenate(documents), dtype)
+    lengths = np.array([len(d) for d in documents], np.int32)
+    pointers = np.concatenate(([0], np.cumsum(lengths)[:-1])).astype(np.int64) * np.dtype(dtype).itemsize
+    doc_idx = np.arange(len(documents) + 1, dtype=np.int64)
+    with open(f"{prefix}.idx", "wb") as f:
+        f.write(b"MMIDIDX\x00\x00" + struct.pack("<QBQQ", 1, code, len(documents), len(doc_idx)))
+        f.write(lengths.tobytes() + pointers.tobytes() + doc_idx.tobytes())
+
+
+def doc_ids_by_hand(document_of_token, seq_len, index):
+    window = document_of_token[index * seq_len: index * seq_len + seq_len + 1]
+    return (np.cumsum(np.diff(window, prepend=window[0]) != 0)).tolist()
+
+
+@pytest.mark.parametrize("kind", ["npy", "megatron"])
+def test_offsets_files_give_document_boundaries_and_files_start_documents(tmp_path, kind):
+    rng = np.random.default_rng(1)
+    files = [[rng.integers(1, 100, n) for n in sizes] for sizes in ([3, 9, 1, 6], [4, 4], [11, 2, 2])]
+    document_of_token, number = [], 0
+    for f, documents in enumerate(files):
+        prefix = tmp_path / f"shard-{f}"
+        if kind == "megatron":
+            write_megatron(prefix, documents)
+        else:
+            write_bin(f"{prefix}.bin", np.concatenate(documents))
+            np.save(f"{prefix}.npy", np.cumsum([0] + [len(d) for d in documents[:-1]]))
+        for d in documents:
+            document_of_token += [number] * len(d)
+            number += 1
+    offsets = str(tmp_path / ("shard-*.idx" if kind == "megatron" else "shard-*.npy"))
+    src = TokenSource(str(tmp_path / "shard-*.bin"), seq_len=4, dtype="uint16", doc_offsets=offsets)
+    for i in range(len(src)):
+        assert src[i]["doc_ids"].tolist() == doc_ids_by_hand(np.array(document_of_token), 4, i), i
+
+
+def test_offsets_files_must_match_the_token_files(tmp_path):
+    write_megatron(tmp_path / "a", [np.arange(1, 9), np.arange(1, 5)])
+    write_bin(tmp_path / "b.bin", np.arange(30))
+    with pytest.raises(ValueError, match="2 offsets files for 1 token files"):
+        TokenSource(tmp_path / "b.bin", seq_len=4, dtype="uint16", doc_offsets=[tmp_path / "a.idx"] * 2)
+    with pytest.raises(TokenFileError, match="a.idx: version 1, dtype code 8; expected version 1 and the dtype"):
+        TokenSource(tmp_path / "a.bin", seq_len=4, dtype="uint32", doc_offsets=tmp_path / "a.idx")
+    np.save(tmp_path / "far.npy", np.array([0, 40]))
+    with pytest.raises(TokenFileError, match=r"far.npy: document offsets must lie in \[0, 30\)"):
+        TokenSource(tmp_path / "b.bin", seq_len=4, dtype="uint16", doc_offsets=tmp_path / "far.npy")
+    with pytest.raises(ValueError, match="not both"):
+        TokenSource(tmp_path / "b.bin", seq_len=4, dtype="uint16", eos_id=0, doc_offsets=tmp_path / "far.npy")
+
+
+def test_fingerprint_names_the_stream_and_pickles_without_the_maps(tmp_path):
+    path = write_bin(tmp_path / "t.bin", np.arange(100))
+    src = TokenSource(path, seq_len=8, dtype="uint16")
+    src[0]  # maps the file in this process
+    restored = pickle.loads(pickle.dumps(src))
+    assert len(pickle.dumps(src)) < 2000  # the 200 bytes of tokens do not travel; at 100 GB neither would they
+    assert restored[5].tolist() == src[5].tolist() and restored.fingerprint() == src.fingerprint()
+    assert TokenSource(path, seq_len=9, dtype="uint16").fingerprint() != src.fingerprint()
+    assert TokenSource(path, seq_len=8, dtype="uint16", eos_id=0).fingerprint() != src.fingerprint()
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_through_the_loader_batches_are_the_stacked_samples(tmp_path, workers):
+    _, stream = stream_files(tmp_path, [300, 211, 90])
+    src = TokenSource(str(tmp_path / "part-*.bin"), seq_len=16, dtype="uint16")
+    dl = ResumableDataLoader(src, batch_size=5, shuffle=True, seed=3, num_workers=workers,
+                             multiprocessing_context="fork" if workers else None)
+    seen = []
+    for batch in dl:
+        ids = dl.last_indices().tolist()
+        assert batch.tolist() == [reference(stream, 16, i).tolist() for i in ids]
+        seen += ids
+    assert sorted(seen) == list(range(len(src)))
