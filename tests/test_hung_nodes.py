@@ -47,11 +47,12 @@ def run_with_fault(run_dir, fault: list[str], react=None) -> list:
 
 
 def assert_launches(lines, first: tuple[int, int], second: tuple[int, int]) -> None:
-    """(world size, step resumed at) of the job's first two launches; any later one has the second's world size.
-    (A later one was seen twice in 25 runs, resuming at the final step right after the job's last checkpoint, which
-    leaves the result exact; its cause was not identified.)"""
+    """(world size, step resumed at) of the job's first two launches. Any later one resumes at the job's last
+    checkpoint, the final step, and trains nothing: seen in a few of 25 runs, at 4 and at 3 workers, when the agents
+    re-form the group after the last step (node B rejoining as node A's workers exit); harmless to the result."""
     found = [(int(m.group(1)), int(m.group(2))) for _, _, text in lines if (m := RESUMED_LINE.search(text))]
-    assert found[:2] == [first, second] and {w for w, _ in found[2:]} <= {second[0]}, after_the_fault(lines)
+    final = max(step for _, step in found)
+    assert found[:2] == [first, second] and all(step == final for _, step in found[2:]), after_the_fault(lines)
 
 
 def after_the_fault(lines, last: int = 80) -> str:
