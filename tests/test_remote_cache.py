@@ -15,15 +15,17 @@ CHUNK = 4096
 
 
 def du(directory) -> int:
-    """Space everything under ``directory`` takes, as the cache counts it."""
-    total = 0
-    for root, _, names in os.walk(directory):
-        for name in names:
-            try:
-                total += disk_bytes(os.stat(os.path.join(root, name)))
-            except FileNotFoundError:
-                pass
-    return total
+    """Space everything under a cache's directory takes, measured under its lock: a file being renamed from
+    partial/ to shards/ would otherwise be counted twice (or not at all) by a walk that meets it in both."""
+    with ShardCache(directory, 1)._locked():
+        total = 0
+        for root, _, names in os.walk(directory):
+            for name in names:
+                try:
+                    total += disk_bytes(os.stat(os.path.join(root, name)))
+                except FileNotFoundError:
+                    pass
+        return total
 
 
 def content(name: str, nbytes: int) -> bytes:
@@ -43,7 +45,7 @@ def writer(name: str, nbytes: int, measured: list[int] | None = None, calls: str
                 f.write(data[start:start + CHUNK])
                 f.flush()
                 if measured is not None:
-                    measured.append(du(os.path.dirname(os.path.dirname(dest))))
+                    measured.append(du(os.path.dirname(os.path.dirname(dest))))  # the cache holding ``dest``
 
     return fill
 

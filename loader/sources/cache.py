@@ -43,6 +43,34 @@ _POLL_S = (0.005, 0.2)  # first and longest pause between looks while waiting fo
 COPY, INDEX, PARTIAL, OTHER = "copy", "index", "partial", "other"
 
 
+_HELD: set[int] = set()  # descriptors whose flocks this process holds for a moment (the cache lock, a download, its
+# plan): a child forked meanwhile (a DataLoader worker) would keep them locked forever through its copies, so it closes
+# them (closing a copy never releases the parent's lock)
+
+
+def _close_inherited() -> None:
+    for fd in _HELD:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+    _HELD.clear()
+
+
+os.register_at_fork(after_in_child=_close_inherited)
+
+
+def _open_held(path: str, flags: int) -> int:
+    fd = os.open(path, flags | os.O_CLOEXEC, 0o644)
+    _HELD.add(fd)
+    return fd
+
+
+def _close_held(fd: int) -> None:
+    _HELD.discard(fd)
+    os.close(fd)
+
+
 class CacheFullError(RuntimeError):
     """The cache cannot make room: what it must hold at once (files being read, the one needed) exceeds its limit."""
 
@@ -115,6 +143,8 @@ class ShardCache:
         self._block = max(4096, os.statvfs(self.directory).f_frsize)  # the allocation unit a file takes
         self._plan_fd: int | None = None
         self._plan_pid = -1
+        with self._locked():
+            self.count()  # the counters' file exists before any download needs its room
 
     def __getstate__(self) -> dict:
         return {"directory": self.directory, "limit": self.limit, "wait_s": self.wait_s, "_block": self._block}
@@ -139,12 +169,12 @@ class ShardCache:
 
     @contextmanager
     def _locked(self) -> Iterator[None]:
-        fd = os.open(os.path.join(self.directory, ".lock"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        fd = _open_held(os.path.join(self.directory, ".lock"), os.O_RDWR | os.O_CREAT)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
             yield
         finally:
-            os.close(fd)
+            _close_held(fd)
 
     # -- what is there ---------------------------------------------------------------------------------------------
 
@@ -174,13 +204,13 @@ class ShardCache:
     def _held(path: str) -> bool:
         """Whether some process holds a lock on the file (a live download or plan)."""
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+            fd = _open_held(path, os.O_RDONLY)
         except FileNotFoundError:
             return False
         try:
             return not _try_lock(fd, fcntl.LOCK_EX)
         finally:
-            os.close(fd)
+            _close_held(fd)
 
     def usage(self) -> int:
         """Bytes everything under the directory takes now, downloads in progress at their full size."""
@@ -209,7 +239,7 @@ class ShardCache:
             if self._plan_fd is None or self._plan_pid != os.getpid():
                 self._room_for(self.footprint(len(data)), "a plan")
                 path = os.path.join(self.directory, "plans", f"{os.getpid()}-{uuid.uuid4().hex[:8]}.json")
-                self._plan_fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+                self._plan_fd = _open_held(path, os.O_RDWR | os.O_CREAT)
                 self._plan_pid = os.getpid()
                 fcntl.flock(self._plan_fd, fcntl.LOCK_SH)  # alive while this process holds it
             elif (grow := self.footprint(len(data)) - disk_bytes(os.fstat(self._plan_fd))) > 0:
@@ -244,9 +274,9 @@ class ShardCache:
                     break
                 fd = None
                 if f.kind == COPY:  # a reader holds a shared lock on a copy it reads: leave that one
-                    fd = os.open(f.path, os.O_RDONLY | os.O_CLOEXEC)
+                    fd = _open_held(f.path, os.O_RDONLY)
                     if not _try_lock(fd, fcntl.LOCK_EX):
-                        os.close(fd)
+                        _close_held(fd)
                         continue
                 chosen.append((f, fd))
                 freed += f.nbytes
@@ -258,7 +288,7 @@ class ShardCache:
         finally:
             for _, fd in chosen:
                 if fd is not None:
-                    os.close(fd)
+                    _close_held(fd)
 
     def _room_for(self, nbytes: int, what: str) -> None:
         """Make room for a small file the cache writes itself (index, plan, counters), or refuse. Under the lock."""
@@ -299,7 +329,7 @@ class ShardCache:
                 else:
                     fits, kept = self._make_room(self.footprint(nbytes), rank)
                     if fits:
-                        lock = os.open(partial, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+                        lock = _open_held(partial, os.O_RDWR | os.O_CREAT | os.O_TRUNC)
                         fcntl.flock(lock, fcntl.LOCK_EX)
                         break
                     if rank is None and time.monotonic() > deadline:
@@ -322,13 +352,14 @@ class ShardCache:
                 if not pin:
                     return Fetched(path, None, True)
                 fcntl.flock(lock, fcntl.LOCK_SH)  # the writer's lock becomes the reader's pin
+                _HELD.discard(lock)  # a pin is closed by its reader, also in a forked child
                 pinned, lock = lock, None
                 return Fetched(path, pinned, True)
         finally:
             if lock is not None:
                 if os.path.exists(partial):
                     os.unlink(partial)  # fill failed: drop what it wrote (only its writer holds this name)
-                os.close(lock)
+                _close_held(lock)
 
     def discard(self, name: str) -> None:
         """Remove the copy ``name`` (corrupt or truncated): the next fetch downloads it again."""
@@ -363,7 +394,7 @@ class ShardCache:
         for key, amount in amounts.items():
             counters[key] = counters.get(key, 0) + amount
         data = json.dumps(counters).encode()
-        if not os.path.exists(path):
+        if not os.path.exists(path) or self.footprint(len(data)) > disk_bytes(os.stat(path)):
             self._room_for(self.footprint(len(data)), "the counters")
         with open(path, "wb") as f:  # in place: no second file while it is rewritten
             f.write(data)
