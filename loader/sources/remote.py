@@ -195,25 +195,24 @@ class RemoteShards:
 
     def _retry(self, call: Callable[[], T], url: str, what: str) -> T:
         """``call()``, retried with exponential backoff while it fails transiently, at most ``retries`` times."""
-        start, delay = time.monotonic(), RETRY_DELAY_S
-        for attempt in range(self.retries + 1):
+        start, delay, attempts = time.monotonic(), RETRY_DELAY_S, 0
+        while True:
             try:
                 return call()
+            except (StaleIndexError, ShardFormatError, ShardUnavailableError):
+                raise
             except Exception as exn:
-                if isinstance(exn, (StaleIndexError, ShardFormatError, ShardUnavailableError)):
-                    raise
+                attempts += 1
                 if not _transient(exn):
                     raise ShardUnavailableError(f"{what} {url} failed: {exn!r}") from exn
-                if attempt == self.retries:
+                if attempts > self.retries:
                     raise ShardUnavailableError(
-                        f"{what} {url} still failed after {attempt + 1} attempts over "
-                        f"{time.monotonic() - start:.1f} s (last error: {exn!r}); the shard stays unavailable"
+                        f"{what} {url} still failed after {attempts} attempts over {time.monotonic() - start:.1f} s "
+                        f"(last error: {exn!r}); the shard stays unavailable"
                     ) from exn
-                log.warning("%s %s failed (%r); retry %d/%d in %.1f s", what, url, exn, attempt + 1, self.retries,
-                            delay)
+                log.warning("%s %s failed (%r); retry %d/%d in %.1f s", what, url, exn, attempts, self.retries, delay)
                 time.sleep(delay)
                 delay = min(2 * delay, RETRY_MAX_DELAY_S)
-        raise AssertionError("unreachable")
 
     # -- versions --------------------------------------------------------------------------------------------------
 
