@@ -2,8 +2,8 @@
 
 The loader's order is a pure function of (seed, epoch, position), so the batches it will dispatch are known
 before they are. ``Prefetcher.follow`` passes them through unchanged while reading ahead in them, and a thread
-keeps the copies of the shards they need in the node's cache, soonest first: those of the batches in flight
-(dispatched to workers, not yet delivered), then ``depth`` more. The plan it publishes tells the cache which
+keeps the copies of the shards they need in the node's cache, soonest first (``depth`` downloads at once): those
+of the batches in flight (dispatched to workers, not yet delivered), then ``depth`` more. The plan it publishes tells the cache which
 shards this rank needs and in what order; a shard no plan names (read already this epoch) is evicted first.
 """
 
@@ -13,6 +13,7 @@ import logging
 import threading
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
 __all__ = ["Prefetcher"]
@@ -122,27 +123,30 @@ class Prefetcher:
             plan.stop()
 
     def _run(self, plan: _Plan) -> None:
-        """Fetch the plan's shards in order; start over when it changes; after a full cache, look again later."""
+        """Fetch the plan's shards, ``depth`` at once in plan order (a store serves parallel streams faster than
+        one, as webdataset's workers each stream a shard); start over when it changes; after a full cache, look
+        again later."""
         seen, failed = -1, set()
         shards, version, stopped = plan.wait(seen, None)
-        while not stopped:
-            if version != seen:
-                try:
-                    self.publish(list(shards))
-                except Exception as exn:  # a cache too full for the plan: prefetch without telling it
-                    log.warning("publishing the prefetch plan failed: %r", exn)
-                seen = version
-            complete = True
-            for rank, shard in enumerate(shards):
-                if plan.version != version or plan.stopped:
-                    break
-                if shard in failed:
-                    continue
-                try:
-                    if not self.fetch(shard, rank):
-                        complete = False
-                        break
-                except Exception as exn:  # the reader meets it again and raises it with its context
-                    failed.add(shard)
-                    log.warning("prefetching shard %d failed: %r", shard, exn)
-            shards, version, stopped = plan.wait(seen, None if complete else NO_ROOM_RETRY_S)
+        with ThreadPoolExecutor(max(1, self.depth), thread_name_prefix="loader-prefetch") as pool:
+            while not stopped:
+                if version != seen:
+                    try:
+                        self.publish(list(shards))
+                    except Exception as exn:  # a cache too full for the plan: prefetch without telling it
+                        log.warning("publishing the prefetch plan failed: %r", exn)
+                    seen = version
+                fetches = [(s, pool.submit(self._fetch, plan, version, s, r)) for r, s in enumerate(shards)
+                           if s not in failed]
+                complete = True
+                for shard, fetch in fetches:
+                    try:
+                        complete &= fetch.result()
+                    except Exception as exn:  # the reader meets it again and raises it with its context
+                        failed.add(shard)
+                        log.warning("prefetching shard %d failed: %r", shard, exn)
+                shards, version, stopped = plan.wait(seen, None if complete else NO_ROOM_RETRY_S)
+
+    def _fetch(self, plan: _Plan, version: int, shard: int, rank: int) -> bool:
+        """One shard of the plan, unless the plan moved on meanwhile (the next round looks again)."""
+        return plan.version != version or plan.stopped or self.fetch(shard, rank)
