@@ -73,7 +73,7 @@ def _bars(figure, section: dict) -> None:
 
 
 _DRAW: dict[str, Callable] = {"throughput": _bars, "training": _bars, "checkpoint": _checkpoint,
-                              "resume": _resume, "memory": _memory, "webdataset": _bars, "tokens": _bars}
+                              "resume": _resume, "memory": _memory, "webdataset": _bars, "tokens": _bars, "remote": _bars}
 
 
 def write(results: dict, out: Path, stem: str) -> dict:

@@ -1,5 +1,5 @@
-"""The runner: `python -m benchmarks [--quick | --smoke] [--device cpu|cuda] [--out DIR] [--t-launch S]`, or
-`python benchmarks/run.py` with the same options.
+"""The runner: `python -m benchmarks [--quick | --smoke] [--device cpu|cuda] [--out DIR] [--t-launch S]
+[--sections KEY ...]`, or `python benchmarks/run.py` with the same options.
 
 Runs the sections in order, then the restart plan from their numbers, and writes <out>/<stem>.json, .md and one
 PNG per section (stem: cpu-<hostname> or cuda-<gpu name>).
@@ -20,7 +20,7 @@ if __package__ in (None, ""):  # run as a script: make the repository root impor
 import torch  # noqa: E402
 
 from benchmarks import (  # noqa: E402
-    checkpoint, memory, plots, report, restart, resume, throughput, tokens, training, wds,
+    checkpoint, memory, plots, report, restart, resume, throughput, tokens, training, wds, wds_remote,
 )
 from benchmarks.config import Config, config_for  # noqa: E402
 from benchmarks.environment import environment, output_stem  # noqa: E402
@@ -34,8 +34,10 @@ SECTIONS: tuple[tuple[str, str, Callable[[Config], dict]], ...] = (
     ("memory", "5. Order memory (peak RSS added by the order and first batch)", memory.run),
     ("webdataset", "6. WebDataset (samples/s ratio to webdataset.WebDataset, sequential)", wds.run),
     ("tokens", "7. LM data (tokens/s ratio to a plain memmap loop; mixture memory and position cost)", tokens.run),
+    ("remote", "8. Remote shards on a loopback S3 endpoint (samples/s ratio to webdataset streaming them)",
+     wds_remote.run),
 )
-RESTART_TITLE = "8. Restart budget (replay plans from measured inputs; a measured elastic restart)"
+RESTART_TITLE = "9. Restart budget (replay plans from measured inputs; a measured elastic restart)"
 
 
 def _arguments(argv: list[str] | None) -> argparse.Namespace:
@@ -45,6 +47,9 @@ def _arguments(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
     parser.add_argument("--t-launch", type=float, default=10.0, help="relaunch seconds for the restart plan")
+    parser.add_argument("--sections", nargs="+", choices=[key for key, _, _ in SECTIONS],
+                        help="run only these (the restart plan needs training and resume); results go to "
+                             "<stem>-<sections>.json/.md, next to a full run's")
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: torch.cuda.is_available() is False here")
@@ -57,15 +62,19 @@ def main(argv: list[str] | None = None) -> int:
     cfg = config_for(mode, args.device, args.t_launch)
     results = {"mode": mode, "config": dataclasses.asdict(cfg), "environment": environment(args.device),
                "sections": {}}
-    for number, (key, title, run) in enumerate(SECTIONS, 1):
-        say(key, f"section {number}/{len(SECTIONS) + 1}: {title}")
-        start = time.perf_counter()
-        results["sections"][key] = {"title": title, **run(cfg), "seconds": time.perf_counter() - start}
+    chosen = [s for s in SECTIONS if args.sections is None or s[0] in args.sections]
     sections = results["sections"]
-    say("restart", f"section {len(SECTIONS) + 1}/{len(SECTIONS) + 1}: {RESTART_TITLE}")
-    sections["restart"] = {"title": RESTART_TITLE, **restart.run(cfg, sections["training"], sections["resume"])}
+    with_restart = {"training", "resume"} <= {key for key, _, _ in chosen}
+    total = len(chosen) + with_restart
+    for number, (key, title, run) in enumerate(chosen, 1):
+        say(key, f"section {number}/{total}: {title}")
+        start = time.perf_counter()
+        sections[key] = {"title": title, **run(cfg), "seconds": time.perf_counter() - start}
+    if with_restart:
+        say("restart", f"section {total}/{total}: {RESTART_TITLE}")
+        sections["restart"] = {"title": RESTART_TITLE, **restart.run(cfg, sections["training"], sections["resume"])}
     args.out.mkdir(parents=True, exist_ok=True)
-    stem = output_stem(args.device)
+    stem = output_stem(args.device) + ("" if args.sections is None else "-" + "-".join(args.sections))
     results["plots"] = plots.write(results, args.out, stem)
     for path in report.write(results, args.out, stem):
         say("done", f"wrote {path}")

@@ -1,6 +1,7 @@
 """Command line: `python -m loader demo [--lm]`, `python -m loader audit RUN_DIR` and `python -m loader index SHARDS`."""
 
 import argparse
+import json
 import os
 import sys
 
@@ -46,15 +47,20 @@ def main(argv: list[str] | None = None) -> int:
     check.add_argument("--mixture", help="the run's mixture plan (Mixture.plan.save): a row per source, samples "
                                          "named by source and index")
     index = commands.add_parser("index", help="build the WebDataset shards' indexes ahead of a job, in parallel")
-    index.add_argument("shards", help="a directory of .tar shards or a brace pattern")
-    index.add_argument("--cache-dir", help="where the job will look for them (default: next to each shard)")
+    index.add_argument("shards", help="a directory of .tar shards or a brace pattern (local, or URLs fsspec opens)")
+    index.add_argument("--cache-dir", help="where the job will look for them (default: next to each shard, also "
+                                           "for remote shards: <url>.idx.npz, for every later job)")
+    index.add_argument("--cache-limit", help="remote shards with --cache-dir: that node cache's limit, e.g. 50GB")
+    index.add_argument("--storage-options", type=json.loads, default=None,
+                       help="remote shards: fsspec storage options as JSON, e.g. '{\"endpoint_url\": \"...\"}'")
     index.add_argument("--rebuild", action="store_true", help="rebuild indexes that are cached and current")
     index.add_argument("--jobs", type=int, help="processes (default: one per CPU)")
     args = parser.parse_args(argv)
     if args.command == "index":
         from loader.sources import prepare_indexes
 
-        counts = prepare_indexes(args.shards, args.cache_dir, args.rebuild, args.jobs)
+        counts = prepare_indexes(args.shards, args.cache_dir, args.rebuild, args.jobs, args.storage_options,
+                                 args.cache_limit)
         print(f"{counts['shards']} shards, {counts['samples']} samples: {counts['built']} indexes built, "
               f"{counts['shards'] - counts['built']} already current")
         return 0

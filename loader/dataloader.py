@@ -55,6 +55,21 @@ class _WithSampleSeeds:
         return len(self.sampler)
 
 
+class _Planned:
+    """The batch sampler as torch iterates it, through the dataset's `planned(batches, in_flight)` hook when it has
+    one: the order is known ahead, so a dataset can fetch what the next batches need (remote shards) before a
+    worker asks. The hook must yield the batches unchanged."""
+
+    def __init__(self, batches, planned: Callable, in_flight: int):
+        self.batches, self.planned, self.in_flight = batches, planned, in_flight
+
+    def __iter__(self) -> Iterator:
+        return iter(self.planned(iter(self.batches), self.in_flight))
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+
 class _RankIndices:
     """`loader.sampler`: this rank's dataset indices in delivery order, for code written against DistributedSampler
     (`loader.sampler.set_epoch(e)`, `len(loader.sampler)` in samples). With batch_size=None torch iterates it too,
@@ -253,14 +268,19 @@ class ResumableDataLoader(DataLoader[T_co]):
         order = _order_for(len(dataset), bool(shuffle), seed, shuffle_blocks)
         self.resumable_sampler = ResumableSampler(order, layout, rank)
         indices = _WithSampleSeeds(self.resumable_sampler, seed) if sample_seeds else self.resumable_sampler
-        rank_indices = _RankIndices(indices, self.resumable_sampler, self.set_epoch)
+        dispatched = indices
+        if callable(planned := getattr(dataset, "planned", None)):
+            in_flight = num_workers * (2 if prefetch_factor is None else prefetch_factor) if num_workers else 1
+            dispatched = _Planned(indices, planned, in_flight)
         if batch_size is None:
-            super().__init__(dataset, batch_size=None, sampler=rank_indices, **common)
+            sampler = _RankIndices(dispatched, self.resumable_sampler, self.set_epoch)  # torch iterates it
+            super().__init__(dataset, batch_size=None, sampler=sampler, **common)
         else:
-            super().__init__(dataset, batch_sampler=indices, **common)
+            super().__init__(dataset, batch_sampler=dispatched, **common)
             object.__setattr__(self, "batch_size", batch_size)  # what the user asked for, as DataLoader reports it
             object.__setattr__(self, "drop_last", bool(drop_last))
-            object.__setattr__(self, "sampler", rank_indices)  # torch's placeholder would have no set_epoch
+            sampler = _RankIndices(indices, self.resumable_sampler, self.set_epoch)  # users iterate it, unplanned
+            object.__setattr__(self, "sampler", sampler)  # torch's placeholder would have no set_epoch
 
     # -- iteration -------------------------------------------------------------------------------------------------
 

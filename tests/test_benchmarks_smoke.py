@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
-SECTIONS = ("throughput", "training", "checkpoint", "resume", "memory", "webdataset", "tokens", "restart")
+SECTIONS = ("throughput", "training", "checkpoint", "resume", "memory", "webdataset", "tokens", "remote", "restart")
 LOADERS = {"DataLoader", "ResumableDataLoader", "ResumableDataLoader+state_dict", "StatefulDataLoader+state_dict"}
 
 
@@ -39,8 +39,8 @@ def test_every_section_is_there_with_sane_rows(results):
     for key in SECTIONS:
         section = results["sections"][key]
         assert section["title"]
-        if "skipped" in section:  # only where /proc is missing (not Linux), and then it says why
-            assert key == "memory" and section["skipped"]
+        if "skipped" in section:  # memory: /proc is missing (not Linux); remote: its extra is not installed
+            assert key in ("memory", "remote") and section["skipped"]
             continue
         assert section["rows"], key
         for row in section["rows"]:
@@ -105,6 +105,18 @@ def test_lm_data_compares_each_loader_to_the_plain_memmap_loop(results):
         assert all(_positive(v["median"]) for v in case["values"].values())
     assert tokens["memory"] is None or tokens["memory"]["added_bytes"] >= 0
     assert len(tokens["mapping"]) == 3 and all(_positive(p["ns_per_position"]["median"]) for p in tokens["mapping"])
+
+
+def test_remote_compares_the_same_loaders_and_counts_bytes(results):
+    remote = results["sections"]["remote"]
+    if "skipped" in remote:
+        pytest.skip(remote["skipped"])
+    for case in remote["cases"]:
+        assert set(case["values"]) == {"webdataset.WebDataset S3 stream", "ResumableDataLoader S3 + cache",
+                                       "ResumableDataLoader local disk"}
+        assert all(_positive(v["median"]) for v in case["values"].values())
+    first, second = remote["downloaded_per_epoch"]
+    assert first == 1.0 and 0 <= second <= 1.0 and _positive(remote["index_bytes"])  # each shard once an epoch
 
 
 def test_restart_is_labelled_a_plan(results):

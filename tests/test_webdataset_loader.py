@@ -30,18 +30,24 @@ def loaders(source, world, **kw):
             for r in range(world)]
 
 
-def test_resume_over_shards_at_another_world_size_delivers_every_key_once(source):
+def resume_at_another_world_size(source, restarted) -> tuple[list[str], int]:
+    """3 ranks deliver unequal amounts of ``source``; 2 ranks of 2 workers each resume ``restarted`` from the merged
+    state. Returns the keys delivered in all and the samples the tail rule dropped."""
     seen = []
     first = loaders(source, 3)
     for dl, count in zip(first, (4, 1, 3)):  # unequal progress per rank
         seen += [k for batch in itertools.islice(dl, count) for k in batch]
     state = merge_states([dl.state_dict() for dl in first], uneven=True)
-    second = loaders(source, 2, num_workers=2, multiprocessing_context="fork")
+    second = loaders(restarted, 2, num_workers=2, multiprocessing_context="fork")
     for dl in second:
         dl.load_state_dict(state)
         seen += [k for batch in dl for k in batch]
     final = merge_states([dl.state_dict() for dl in second])
-    dropped = sum(b - a for a, b in zip(*[iter(final["finished"][0]["dropped"])] * 2))
+    return seen, sum(b - a for a, b in zip(*[iter(final["finished"][0]["dropped"])] * 2))
+
+
+def test_resume_over_shards_at_another_world_size_delivers_every_key_once(source):
+    seen, dropped = resume_at_another_world_size(source, source)
     keys = {source.sample_key(i)[1] for i in range(len(source))}
     assert len(seen) == len(set(seen)) == len(source) - dropped and set(seen) <= keys
     assert dropped < 2

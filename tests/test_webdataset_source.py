@@ -669,9 +669,14 @@ def test_no_shards(tmp_path):
         WebDatasetSource(tmp_path / "empty-dir")
 
 
-@pytest.mark.parametrize("url", ["pipe:curl -s http://x/a.tar", "https://example.com/a.tar", "s3://b/a.tar"])
-def test_remote_urls_rejected(url):
-    with pytest.raises(ValueError, match="local, uncompressed tar"):
+def test_pipe_commands_rejected():
+    with pytest.raises(ValueError, match="pipe: commands can only be streamed"):
+        WebDatasetSource("pipe:curl -s http://x/a.tar")
+
+
+@pytest.mark.parametrize("url", ["https://example.com/a.tar", "s3://b/a.tar"])
+def test_remote_urls_need_a_cache_limit(url):
+    with pytest.raises(ValueError, match="pass cache_limit="):
         WebDatasetSource(url)
 
 

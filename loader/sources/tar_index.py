@@ -30,6 +30,7 @@ only if the first block and a spread of member headers read back the same.
 from __future__ import annotations
 
 import hashlib
+import io
 import os
 import re
 import sys
@@ -206,9 +207,13 @@ def _check_empty_archive(file_size: int, shard: str) -> None:
         )
 
 
-def scan_tar(f: BinaryIO, shard: str) -> Iterator[TarMember]:
-    """Yield the regular-file members of an uncompressed tar in order, with data offsets."""
-    file_size = os.fstat(f.fileno()).st_size
+def scan_tar(f: BinaryIO, shard: str, file_size: int | None = None) -> Iterator[TarMember]:
+    """Yield the regular-file members of an uncompressed tar in order, with data offsets.
+
+    ``f`` needs only seek and read (a remote file read by ranges works); ``file_size`` defaults to its fstat's.
+    """
+    if file_size is None:
+        file_size = os.fstat(f.fileno()).st_size
     offset = start = 0  # start: where the next member's header blocks begin
     headers: list[bytes] = []  # those blocks, for its header digest
     extensions: list[tuple[bytes, bytes]] = []  # long-name/pax headers waiting for their member
@@ -403,15 +408,22 @@ def build_index(shard: str) -> ShardIndex:
         after = os.fstat(f.fileno())
         if (*file_state(after), after.st_ctime_ns) != (*file_state(before), before.st_ctime_ns):
             raise StaleIndexError(f"{shard} changed while it was being indexed; stop writing to it and retry")
+    return assemble_index(samples, before.st_size, before.st_mtime_ns, file_identity(before), head)
+
+
+def assemble_index(
+    samples: list[tuple[str, dict[str, TarMember]]], size: int, mtime_ns: int, identity: int, head: bytes
+) -> ShardIndex:
+    """The index of grouped samples, for a shard of that size, mtime and identity whose first block is ``head``."""
     vocabulary: dict[str, int] = {}
     members = [(vocabulary.setdefault(suffix, len(vocabulary)), m) for _, s in samples for suffix, m in s.items()]
     key_blob, key_offsets = _pack_strings([key for key, _ in samples])
     sample_members = np.zeros(len(samples) + 1, dtype=np.int64)
     np.cumsum([len(s) for _, s in samples], out=sample_members[1:])
     return ShardIndex(
-        shard_bytes=before.st_size,
-        shard_mtime_ns=before.st_mtime_ns,
-        shard_identity=file_identity(before),
+        shard_bytes=size,
+        shard_mtime_ns=mtime_ns,
+        shard_identity=identity,
         head_digest=digest(head),
         key_blob=key_blob,
         key_offsets=key_offsets,
@@ -441,16 +453,31 @@ def cache_paths(shard: str, cache_dir: str | None) -> list[str]:
     return [shard + ".idx.npz", os.path.join(default_cache_dir(), cached)]
 
 
-def load_index(path: str) -> ShardIndex | None:
-    """The index cached at ``path`` if it is readable and of this version."""
+def load_index(source: str | BinaryIO) -> ShardIndex | None:
+    """The index cached at ``source`` (a path or an open file) if it is readable and of this version."""
     try:
-        with np.load(path, allow_pickle=False) as npz:
+        with np.load(source, allow_pickle=False) as npz:
             arrays = {name: npz[name] for name in npz.files}
         if int(arrays["version"]) != INDEX_VERSION:
             return None
         return ShardIndex.from_arrays(arrays)
     except (OSError, ValueError, KeyError, TypeError, EOFError, zipfile.BadZipFile):
         return None  # missing, partial or from another format: rebuild it
+
+
+def index_bytes(index: ShardIndex) -> bytes:
+    """The ``.npz`` file of an index, as bytes: what is cached locally or stored next to a remote shard."""
+    buffer = io.BytesIO()
+    np.savez(buffer, **index.to_arrays())
+    return buffer.getvalue()
+
+
+def same_layout(a: ShardIndex, b: ShardIndex) -> bool:
+    """Whether two indexes list the same samples, members, offsets and header digests (the shard's stat aside)."""
+    arrays = ("key_blob", "key_offsets", "sample_members", "member_table", "member_suffixes")
+    return a.head_digest == b.head_digest and a.suffixes == b.suffixes and all(
+        np.array_equal(getattr(a, name), getattr(b, name)) for name in arrays
+    )
 
 
 def describes(index: ShardIndex, shard: str) -> bool:
@@ -462,12 +489,17 @@ def describes(index: ShardIndex, shard: str) -> bool:
     """
     fd = os.open(shard, os.O_RDONLY)
     try:
-        st = os.fstat(fd)
-        if not index.matches(st):
-            return False
-        return index.untouched(st) or all(header_matches(fd, *check) for check in index.spot_checks())
+        return describes_file(index, fd)
     finally:
         os.close(fd)
+
+
+def describes_file(index: ShardIndex, fd: int) -> bool:
+    """``describes`` for an open file."""
+    st = os.fstat(fd)
+    if not index.matches(st):
+        return False
+    return index.untouched(st) or all(header_matches(fd, *check) for check in index.spot_checks())
 
 
 def save_index(path: str, index: ShardIndex) -> None:
@@ -476,7 +508,7 @@ def save_index(path: str, index: ShardIndex) -> None:
     tmp = f"{path}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp"
     try:
         with open(tmp, "xb") as f:
-            np.savez(f, **index.to_arrays())
+            f.write(index_bytes(index))
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):

@@ -3,9 +3,12 @@
 Samples are numbered shard by shard in shard-list order, and ``__getitem__``
 returns what ``webdataset.WebDataset(urls, shardshuffle=False)`` (plus the same
 ``.decode(...)`` and ``.to_tuple(...)``) yields at that position, including the
-``__key__``, ``__url__`` and ``__local_path__`` entries.  Shards must be local,
-uncompressed tar files given as plain paths (no ``file:``/``pipe:``/``http:``
-URLs), so ``__url__`` and ``__local_path__`` are both the shard path.
+``__key__``, ``__url__`` and ``__local_path__`` entries.  Shards are uncompressed
+tar files: local paths (``__url__`` and ``__local_path__`` are both the path) or
+URLs that fsspec opens (``s3://``, ``gs://``, ``http(s)://``...; ``__url__`` is
+the URL and, as webdataset streams them, there is no ``__local_path__``), read
+from verified copies in a bounded node-local cache (``remote.py``, ``cache.py``)
+that the loader's plan fills ahead of the readers (``prefetch.py``).
 """
 
 from __future__ import annotations
@@ -20,28 +23,38 @@ import sys
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
-from concurrent.futures import ProcessPoolExecutor
-from typing import Any
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
+from typing import Any, TypeVar
 
+import numpy as np
 import torch.utils.data
 from webdataset import autodecode
 from webdataset.shardlists import expand_urls
 
 from loader.collectives import barrier, distributed, rank, world_size
+from loader.sources.cache import ShardCache, human
+from loader.sources.prefetch import Prefetcher
+from loader.sources.remote import RemoteShard, RemoteShards, ShardUnavailableError, is_remote, local_path
 from loader.sources.tar_index import (
     IndexedMember,
     ShardFormatError,
     ShardIndex,
     StaleIndexError,
+    default_cache_dir,
     file_state,
     header_matches,
     load_or_build_index,
 )
 
 __all__ = [
-    "MissingKeyError", "ShardFormatError", "StaleIndexError", "WebDatasetSource", "expand_shards", "prepare_indexes",
+    "MissingKeyError", "ShardFormatError", "ShardUnavailableError", "StaleIndexError", "WebDatasetSource",
+    "expand_shards", "prepare_indexes",
 ]
+
+T = TypeVar("T")
+REMOTE_JOBS = 16  # concurrent requests while looking up and indexing remote shards
+REMOTE_OPEN_FILES = 2  # cached copies a process keeps open: an open copy is pinned against eviction
 
 Handler = str | Callable[[str, bytes], Any]
 DecodeSpec = Handler | Sequence[Handler] | autodecode.Decoder | None
@@ -60,12 +73,12 @@ def expand_shards(urls: str | os.PathLike | Sequence[str | os.PathLike]) -> list
         urls = os.fspath(urls)
     if isinstance(urls, str) and os.path.isdir(urls):
         return [os.path.join(urls, n) for n in sorted(os.listdir(urls)) if n.endswith(".tar")]
-    shards = expand_urls(urls) if isinstance(urls, str) else [os.fspath(u) for u in urls]
-    remote = [s for s in shards if ":" in s.split("/", 1)[0] and not os.path.exists(s)]
-    if remote:
+    shards = [local_path(s) for s in (expand_urls(urls) if isinstance(urls, str) else map(os.fspath, urls))]
+    other = [s for s in shards if not is_remote(s) and ":" in s.split("/", 1)[0] and not os.path.exists(s)]
+    if other:
         raise ValueError(
-            f"random access needs local, uncompressed tar files, got {remote[0]!r}; "
-            "download or mount the shards and pass their paths"
+            f"random access needs uncompressed tar files, local or at a URL fsspec opens (s3://, gs://, "
+            f"http(s)://...), got {other[0]!r}; webdataset's pipe: commands can only be streamed"
         )
     return shards
 
@@ -181,14 +194,15 @@ class _OpenShards:
     def __len__(self) -> int:
         return len(self._files)
 
-    def get(self, path: str, index: ShardIndex) -> _ShardFile:
+    def get(self, path: str, index: ShardIndex, opener: Callable[[], _ShardFile] | None = None) -> _ShardFile:
+        """The open shard at ``path``, opened by ``opener`` (default: the local file) when it is not open yet."""
         if self._pid != os.getpid():  # forked: inherited descriptors (and a possibly held lock) are the parent's
             self._reset()
         with self._lock:
             if (f := self._files.get(path)) is not None:
                 self._files.move_to_end(path)
                 return f
-        f = _ShardFile.open(path, index)
+        f = _ShardFile.open(path, index) if opener is None else opener()
         with self._lock:
             self._files[path] = f
             self._files.move_to_end(path)
@@ -196,22 +210,29 @@ class _OpenShards:
                 self._files.popitem(last=False)
         return f
 
+    def drop(self, path: str) -> None:
+        with self._lock:
+            self._files.pop(path, None)
+
 
 def _report_progress(done: int, total: int, built: int, final: bool) -> None:
     end = "\n" if final else ""
     print(f"\rloader: indexing WebDataset shards {done}/{total} ({built} built)", end=end, file=sys.stderr, flush=True)
 
 
-def index_shards(shards: list[str], cache_dir: str | None, rebuild: bool, progress: bool) -> list[ShardIndex]:
-    """Each shard's index, loaded from cache or built (and cached), with a progress line while any is built."""
+def index_shards(
+    shards: list[str], index_of: Callable[[str], tuple[ShardIndex, bool]], progress: bool, jobs: int = 1
+) -> list[ShardIndex]:
+    """Each shard's index from ``index_of`` (loaded or built), in ``jobs`` threads, with a progress line while any
+    is built."""
     indexes, built, last_report = [], 0, 0.0
-    for done, shard in enumerate(shards, 1):
-        index, was_built = load_or_build_index(shard, cache_dir, rebuild)
-        indexes.append(index)
-        built += was_built
-        if progress and built and (done == len(shards) or time.monotonic() - last_report > 0.5):
-            _report_progress(done, len(shards), built, final=done == len(shards))
-            last_report = time.monotonic()
+    with ThreadPoolExecutor(jobs) as pool:
+        for done, (index, was_built) in enumerate(pool.map(index_of, shards) if jobs > 1 else map(index_of, shards), 1):
+            indexes.append(index)
+            built += was_built
+            if progress and built and (done == len(shards) or time.monotonic() - last_report > 0.5):
+                _report_progress(done, len(shards), built, final=done == len(shards))
+                last_report = time.monotonic()
     return indexes
 
 
@@ -220,24 +241,56 @@ def _load_or_build(task: tuple[str, str | None, bool]) -> tuple[int, bool]:
     return len(index), built
 
 
+def _remote_shards(
+    shards: list[str], cache_dir: str | None, cache_limit: int | str | None, storage_options: dict | None, retries: int
+) -> RemoteShards | None:
+    """Access to the remote shards and the node cache they are copied into; None when every shard is local."""
+    if not any(map(is_remote, shards)):
+        return None
+    if cache_limit is None:
+        raise ValueError(
+            "remote shards are read from copies in a bounded local cache: pass cache_limit= (bytes, or a string "
+            "such as '50GB'), and cache_dir= on fast local disk"
+        )
+    directory = cache_dir or os.path.join(os.path.dirname(default_cache_dir()), "remote")
+    return RemoteShards(storage_options, ShardCache(directory, cache_limit), retries)
+
+
 def prepare_indexes(
     urls: str | os.PathLike | Sequence[str | os.PathLike],
     cache_dir: str | os.PathLike | None = None,
     rebuild: bool = False,
     jobs: int | None = None,
+    storage_options: dict | None = None,
+    cache_limit: int | str | None = None,
 ) -> dict[str, int]:
-    """Build the shards' indexes ahead of a job, in `jobs` processes (default: one per CPU), so that no rank of
-    the job reads a tar header at start-up. Returns the counts of shards, samples and indexes built."""
+    """Build the shards' indexes ahead of a job, in `jobs` processes (default: one per CPU; threads of requests
+    for remote shards), so that no rank of the job reads a tar header at start-up. Remote shards' indexes are
+    written next to them (``<url>.idx.npz``, for every later job) or, with ``cache_dir`` and ``cache_limit``, into
+    that node cache. Returns the counts of shards, samples and indexes built."""
     shards = expand_shards(urls)
     if not shards:
         raise ValueError(f"no shards found for {urls!r}")
     cache = None if cache_dir is None else os.fspath(cache_dir)
-    tasks = [(shard, cache, rebuild) for shard in shards]
-    if jobs == 1:
-        results = list(map(_load_or_build, tasks))
+    if any(map(is_remote, shards)):
+        remote = (RemoteShards(storage_options, None) if cache is None
+                  else _remote_shards(shards, cache, cache_limit, storage_options, retries=5))
+
+        def prepare(shard: str) -> tuple[int, bool]:
+            if not is_remote(shard):
+                return _load_or_build((shard, cache, rebuild))
+            if cache is None:
+                return remote.publish_index(shard, rebuild)
+            index, built = remote.index(remote.stat(shard), rebuild)
+            return len(index), built
+
+        with ThreadPoolExecutor(jobs or REMOTE_JOBS) as pool:
+            results = list(pool.map(prepare, shards))
+    elif jobs == 1:
+        results = list(map(_load_or_build, [(shard, cache, rebuild) for shard in shards]))
     else:
         with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
-            results = list(pool.map(_load_or_build, tasks))
+            results = list(pool.map(_load_or_build, [(shard, cache, rebuild) for shard in shards]))
     return {"shards": len(shards), "samples": sum(n for n, _ in results), "built": sum(b for _, b in results)}
 
 
@@ -245,8 +298,11 @@ class WebDatasetSource(torch.utils.data.Dataset):
     """Map-style dataset over WebDataset tar shards with random access through per-shard indexes.
 
     Args:
-        urls: a brace pattern (``"data/train-{000000..000127}.tar"``), a list of
-            shard paths, or a directory (its ``*.tar`` files, sorted).
+        urls: a brace pattern (``"data/train-{000000..000127}.tar"``,
+            ``"s3://bucket/train-{000000..000511}.tar"``), a list of shard paths or
+            URLs, or a local directory (its ``*.tar`` files, sorted). URLs are any
+            fsspec opens (``s3://``, ``gs://``, ``az://``, ``http(s)://``); ``file://``
+            URLs are read as the local paths they name.
         decode: what ``WebDataset(...).decode(...)`` takes: an image spec such as
             ``"torchrgb"``, a handler callable, a sequence of those, or a ready
             ``webdataset.autodecode.Decoder`` (for ``pre=``/``post=``/``only=``).
@@ -255,6 +311,16 @@ class WebDatasetSource(torch.utils.data.Dataset):
             and ``__local_path__`` as webdataset sets them.
         cache_dir: where to keep indexes; default is next to each shard, falling
             back to ``$XDG_CACHE_HOME/loader/webdataset-index`` if that is not writable.
+            Remote shards: the node's cache of their indexes and copies (default
+            ``$XDG_CACHE_HOME/loader/remote``), shared by every worker and rank that sees it.
+        cache_limit: remote shards only, required: bytes that everything under ``cache_dir`` may take (an
+            int, or ``"50GB"`` = 50·10^9, ``"50GiB"`` = 50·2^30). It must hold ``prefetch + 2`` of the largest
+            shards (the one read, the next, those prefetched); a smaller one is refused here.
+        storage_options: remote shards: fsspec's options for their file system (``endpoint_url``, ``key``,
+            ``secret``, ``client_kwargs``, timeouts...), as ``fsspec.open`` takes them.
+        prefetch: remote shards: shards the loader's plan downloads ahead of those being read.
+        retries: remote shards: retries of a transient failure (timeouts, connection errors, HTTP 5xx), with
+            exponential backoff, before the shard is reported unavailable.
         rebuild_index: ignore cached indexes and rebuild them all.
         max_open_files: open shards kept per process (LRU).
         progress: print an indexing progress line on stderr when indexes are built.
@@ -276,6 +342,10 @@ class WebDatasetSource(torch.utils.data.Dataset):
         max_open_files: int = 16,
         progress: bool = True,
         group=None,
+        storage_options: dict | None = None,
+        cache_limit: int | str | None = None,
+        prefetch: int = 2,
+        retries: int = 5,
     ) -> None:
         self.shards: list[str] = expand_shards(urls)
         if not self.shards:
@@ -283,16 +353,51 @@ class WebDatasetSource(torch.utils.data.Dataset):
         self._decoder = _make_decoder(decode)
         self._keys = _parse_keys(keys)
         self._files = _OpenShards(max_open_files)
+        self._copies = _OpenShards(REMOTE_OPEN_FILES)
         cache_dir = None if cache_dir is None else os.fspath(cache_dir)
+        self._remote = _remote_shards(self.shards, cache_dir, cache_limit, storage_options, retries)
+        self._versions: dict[str, RemoteShard] = {}
+        jobs = 1
+        if self._remote is not None:
+            remote_urls = [s for s in self.shards if is_remote(s)]
+            with ThreadPoolExecutor(REMOTE_JOBS) as pool:
+                self._versions = dict(zip(remote_urls, pool.map(self._remote.stat, remote_urls)))
+            self._check_cache_limit(prefetch)
+            jobs = REMOTE_JOBS
+        self._prefetch = prefetch
+        self._prefetcher: Prefetcher | None = None
         if group is not None and distributed():
-            index_shards(self.shards[rank(group)::world_size(group)], cache_dir, rebuild_index, progress)
+            index_shards(self.shards[rank(group)::world_size(group)], self._index_of(cache_dir, rebuild_index),
+                         progress, jobs)
             barrier(group)
             rebuild_index = False  # every index was just built by some rank of the group
-        self._indexes = index_shards(self.shards, cache_dir, rebuild_index, progress)
+        self._indexes = index_shards(self.shards, self._index_of(cache_dir, rebuild_index), progress, jobs)
         self.shard_sizes: list[int] = [len(index) for index in self._indexes]
         self._starts = [0]
         for size in self.shard_sizes:
             self._starts.append(self._starts[-1] + size)
+        self._starts_array = np.array(self._starts, dtype=np.int64)
+
+    def _index_of(self, cache_dir: str | None, rebuild: bool) -> Callable[[str], tuple[ShardIndex, bool]]:
+        def index_of(shard: str) -> tuple[ShardIndex, bool]:
+            if shard in self._versions:
+                return self._remote.index(self._versions[shard], rebuild)
+            return load_or_build_index(shard, cache_dir, rebuild)
+
+        return index_of
+
+    def _check_cache_limit(self, prefetch: int) -> None:
+        """Refuse a cache that cannot hold the shards in use at once: read, next, and ``prefetch`` ahead."""
+        if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
+            raise ValueError(f"prefetch must be an int >= 0, got {prefetch!r}")
+        cache, largest = self._remote.cache, max(shard.size for shard in self._versions.values())
+        minimum = (prefetch + 2) * cache.footprint(largest) + 2 * cache.footprint(1)  # and the counters, a plan
+        if cache.limit < minimum:
+            raise ValueError(
+                f"cache_limit {human(cache.limit)} is too small: the cache holds the shard being read, "
+                f"the next one and prefetch={prefetch} more at once, each up to {human(largest)}: at least "
+                f"{human(minimum)}; raise cache_limit or lower prefetch"
+            )
 
     def __len__(self) -> int:
         return self._starts[-1]
@@ -331,17 +436,66 @@ class WebDatasetSource(torch.utils.data.Dataset):
             chosen.append(name)
         return chosen
 
+    def _read(self, shard: str, index: ShardIndex, members: list[IndexedMember], key: str) -> dict[str, bytes]:
+        """The members' bytes: from the shard, or from the cache's copy of a remote one. A copy that fails its
+        checks while it is read (damaged or truncated on local disk) is fetched again, once."""
+        version = self._versions.get(shard)
+        if version is None:
+            return self._files.get(shard, index).read_sample(members, key)
+        opener = lambda: _ShardFile(*self._remote.open_copy(version, index), index)  # noqa: E731
+        copy = self._copies.get(shard, index, opener)  # a shard changed on the server is refused here
+        try:
+            return copy.read_sample(members, key)
+        except (StaleIndexError, ShardFormatError):
+            self._copies.drop(shard)
+            self._remote.discard_copy(version)
+        return self._copies.get(shard, index, opener).read_sample(members, key)
+
     def __getitem__(self, index: int) -> dict[str, Any] | tuple[Any, ...]:
         shard_no, local = self._locate(index)
         shard, shard_index = self.shards[shard_no], self._indexes[shard_no]
         key, members = shard_index.key(local), shard_index.members(local)
         chosen = self._select(shard, key, [m.suffix for m in members])
         wanted = [m for m in members if chosen is None or m.suffix in chosen]
-        sample: dict[str, Any] = {"__key__": key, "__url__": shard, "__local_path__": shard}
-        sample.update(self._files.get(shard, shard_index).read_sample(wanted, key))
+        sample: dict[str, Any] = {"__key__": key, "__url__": shard}
+        if shard not in self._versions:
+            sample["__local_path__"] = shard  # webdataset sets it for local files, not for streamed URLs
+        sample.update(self._read(shard, shard_index, wanted, key))
         if self._decoder is not None:
             sample = self._decoder(sample)
         return sample if chosen is None else tuple(sample[name] for name in chosen)
+
+    # -- the loader's plan (remote shards) ----------------------------------------------------------------------------
+
+    def planned(self, batches: Iterable[T], in_flight: int) -> Iterable[T]:
+        """The loader's hook: ``batches`` are this rank's upcoming index lists, in dispatch order, ``in_flight`` of
+        them loading at once. Returns them unchanged; with remote shards, reading ahead in them to download the
+        next shards before any worker asks (``prefetch`` shards past those in flight)."""
+        if self._remote is None:
+            return batches
+        if self._prefetcher is None:
+            self._prefetcher = Prefetcher(self._shards_of, self._prefetch_shard, self._publish, self._prefetch)
+        return self._prefetcher.follow(batches, in_flight)
+
+    def _shards_of(self, batch: Any) -> list[int]:
+        ids = np.asarray(batch, dtype=np.int64).reshape(-1)
+        return list(dict.fromkeys((np.searchsorted(self._starts_array, ids, side="right") - 1).tolist()))
+
+    def _prefetch_shard(self, shard_no: int, rank: int) -> bool:
+        version = self._versions.get(self.shards[shard_no])
+        return version is None or self._remote.prefetch(version, self._indexes[shard_no], rank)
+
+    def _publish(self, shard_nos: list[int]) -> None:
+        versions = (self._versions.get(self.shards[n]) for n in shard_nos)
+        self._remote.cache.publish_plan([v.copy_name() for v in versions if v is not None])
+
+    def cache_stats(self) -> dict[str, int]:
+        """The node cache's counters (remote shards): ``downloads``, ``downloaded_bytes``, ``indexes_built``,
+        ``index_bytes`` (read by ranged requests to index), across every process using ``cache_dir``."""
+        return {} if self._remote is None else self._remote.cache.stats()
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_prefetcher": None}  # the plan is followed in the loader's process only
 
     def __repr__(self) -> str:
         name, shards = type(self).__name__, len(self.shards)
