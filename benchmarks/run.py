@@ -1,8 +1,9 @@
-"""The runner: `python -m benchmarks [--quick | --smoke] [--device cpu|cuda] [--out DIR] [--t-launch S]`, or
-`python benchmarks/run.py` with the same options.
+"""The runner: `python -m benchmarks [--quick | --smoke] [--device cpu|cuda] [--out DIR] [--overwrite]
+[--t-launch S]`, or `python benchmarks/run.py` with the same options.
 
 Runs the sections in order, then the restart plan from their numbers, and writes <out>/<stem>.json, .md and one
-PNG per section (stem: cpu-<hostname> or cuda-<gpu name>).
+PNG per section (stem: cpu-<hostname> or cuda-<gpu name>). A smoke run writes to a temporary directory unless
+--out is given; no run replaces results already in benchmarks/results without --overwrite (or an explicit --out).
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Callable
@@ -33,18 +35,27 @@ SECTIONS: tuple[tuple[str, str, Callable[[Config], dict]], ...] = (
     ("webdataset", "6. WebDataset (samples/s ratio to webdataset.WebDataset, sequential)", wds.run),
 )
 RESTART_TITLE = "7. Restart budget (replay plans from measured inputs; a measured elastic restart)"
+RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def _arguments(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__)
-    parser.add_argument("--quick", action="store_true", help="a few minutes on 2 CPU cores")
-    parser.add_argument("--smoke", action="store_true", help="seconds: tiny sizes, one repetition (CI)")
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument("--quick", action="store_true", help="a few minutes on 2 CPU cores")
+    mode.add_argument("--smoke", action="store_true", help="seconds: tiny sizes, one repetition, no grading (CI)")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
+    parser.add_argument("--out", type=Path, help="default: a temporary directory with --smoke, else benchmarks/results")
+    parser.add_argument("--overwrite", action="store_true", help="replace the results published in benchmarks/results")
     parser.add_argument("--t-launch", type=float, default=10.0, help="relaunch seconds for the restart plan")
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: torch.cuda.is_available() is False here")
+    args.stem = output_stem(args.device)
+    if args.out is None:
+        args.out = Path(tempfile.gettempdir()) / "loader-benchmarks-smoke" if args.smoke else RESULTS
+        published = args.out / f"{args.stem}.json"
+        if published.exists() and not args.overwrite:
+            parser.error(f"{published} holds published results: pass --overwrite to replace them, or --out DIR")
     return args
 
 
@@ -54,17 +65,20 @@ def main(argv: list[str] | None = None) -> int:
     cfg = config_for(mode, args.device, args.t_launch)
     results = {"mode": mode, "config": dataclasses.asdict(cfg), "environment": environment(args.device),
                "sections": {}}
-    for number, (key, title, run) in enumerate(SECTIONS, 1):
-        say(key, f"section {number}/{len(SECTIONS) + 1}: {title}")
-        start = time.perf_counter()
-        results["sections"][key] = {"title": title, **run(cfg), "seconds": time.perf_counter() - start}
     sections = results["sections"]
-    say("restart", f"section {len(SECTIONS) + 1}/{len(SECTIONS) + 1}: {RESTART_TITLE}")
+    total = len(SECTIONS) + 1
+    for number, (key, title, run) in enumerate(SECTIONS, 1):
+        say(key, f"section {number}/{total}: {title}")
+        start = time.perf_counter()
+        sections[key] = {"title": title, **run(cfg), "seconds": time.perf_counter() - start}
+    say("restart", f"section {total}/{total}: {RESTART_TITLE}")
     sections["restart"] = {"title": RESTART_TITLE, **restart.run(cfg, sections["training"], sections["resume"])}
+    if mode == "smoke":  # one repetition at tiny sizes: the figures prove the suite runs, not the targets
+        for row in (r for section in sections.values() for r in section.get("rows", [])):
+            row["met"] = None
     args.out.mkdir(parents=True, exist_ok=True)
-    stem = output_stem(args.device)
-    results["plots"] = plots.write(results, args.out, stem)
-    for path in report.write(results, args.out, stem):
+    results["plots"] = plots.write(results, args.out, args.stem)
+    for path in report.write(results, args.out, args.stem):
         say("done", f"wrote {path}")
     return 0
 
