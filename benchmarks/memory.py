@@ -13,6 +13,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 from benchmarks.config import Config
 from benchmarks.progress import say
@@ -24,7 +25,7 @@ _STATUS = "/proc/self/status"
 _ROOT = Path(__file__).resolve().parent.parent  # where `python -m benchmarks.memory` finds the package
 
 
-def _kib(field: str) -> int:
+def kib(field: str) -> int:
     with open(_STATUS) as status:
         for line in status:
             if line.startswith(field + ":"):
@@ -32,7 +33,7 @@ def _kib(field: str) -> int:
     raise KeyError(field)
 
 
-def _reset_peak() -> str:
+def reset_peak() -> str:
     """Make the peak RSS the current RSS; return how peaks are read, for the record."""
     try:
         with open("/proc/self/clear_refs", "w") as clear:
@@ -58,24 +59,37 @@ def _work(kind: str, n: int) -> None:
 def probe(kind: str, n: int) -> dict:
     """Runs in the child: the peak RSS the work adds, in bytes, and its seconds."""
     _work(kind, 1000)  # lazy imports and first-call allocations are not the order's
-    method = _reset_peak()
-    before = _kib("VmHWM")
+    return peak_added(lambda: _work(kind, n))
+
+
+def peak_added(work: Callable[[], object]) -> dict:
+    """The peak RSS that work() adds, in bytes, and its seconds (the peak reset first, where Linux allows)."""
+    method = reset_peak()
+    before = kib("VmHWM")
     start = time.perf_counter()
-    _work(kind, n)
+    work()
     seconds = time.perf_counter() - start
-    return {"added_bytes": (_kib("VmHWM") - before) * 1024, "seconds": seconds, "method": method}
+    return {"added_bytes": (kib("VmHWM") - before) * 1024, "seconds": seconds, "method": method}
+
+
+def in_child(module: str, args: list[str], timeout_s: float) -> dict:
+    """`python -m module *args` in a fresh process: the JSON it prints last, or {"timed_out_s"} for a child run
+    past the timeout (killed and reaped by subprocess.run)."""
+    command = [sys.executable, "-m", module, *args]
+    try:
+        done = subprocess.run(command, cwd=_ROOT, capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return {"timed_out_s": timeout_s}
+    if done.returncode:
+        raise RuntimeError(f"memory probe {' '.join(args)} exited with {done.returncode}:\n{done.stderr[-2000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def _measure(kind: str, n: int, timeout_s: float) -> dict:
     """One point in a fresh process; a point that runs past the timeout is killed and recorded as such."""
-    command = [sys.executable, "-m", "benchmarks.memory", kind, str(n)]
-    try:
-        done = subprocess.run(command, cwd=_ROOT, capture_output=True, text=True, timeout=timeout_s)
-    except subprocess.TimeoutExpired:  # run() has killed and reaped the child
-        return {"n": n, "timed_out_s": timeout_s}
-    if done.returncode:
-        raise RuntimeError(f"memory probe {kind} N={n} exited with {done.returncode}:\n{done.stderr[-2000:]}")
-    point = {"n": n, **json.loads(done.stdout.strip().splitlines()[-1])}
+    point = {"n": n, **in_child("benchmarks.memory", [kind, str(n)], timeout_s)}
+    if "timed_out_s" in point:
+        return point
     say("memory", f"{kind} N={count(n)}: +{point['added_bytes'] / 1e6:.2f} MB in {point['seconds']:.2f} s")
     return point
 

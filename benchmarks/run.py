@@ -1,9 +1,10 @@
-"""The runner: `python -m benchmarks [--quick | --smoke] [--device cpu|cuda] [--out DIR] [--overwrite]
+"""The runner: `python -m benchmarks [--quick | --smoke] [--peers] [--device cpu|cuda] [--out DIR] [--overwrite]
 [--t-launch S]`, or `python benchmarks/run.py` with the same options.
 
 Runs the sections in order, then the restart plan from their numbers, and writes <out>/<stem>.json, .md and one
-PNG per section (stem: cpu-<hostname> or cuda-<gpu name>). A smoke run writes to a temporary directory unless
---out is given; no run replaces results already in benchmarks/results without --overwrite (or an explicit --out).
+PNG per section (stem: cpu-<hostname> or cuda-<gpu name>). `--peers` runs the peers section alone instead (stem
+<stem>-peers). A smoke run writes to a temporary directory unless --out is given; no run replaces results already
+in benchmarks/results without --overwrite (or an explicit --out).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ if __package__ in (None, ""):  # run as a script: make the repository root impor
 
 import torch  # noqa: E402
 
-from benchmarks import checkpoint, memory, plots, report, restart, resume, throughput, training, wds  # noqa: E402
+from benchmarks import checkpoint, memory, peers, plots, report, restart, resume, throughput, training, wds  # noqa: E402
 from benchmarks.config import Config, config_for  # noqa: E402
 from benchmarks.environment import environment, output_stem  # noqa: E402
 from benchmarks.progress import say  # noqa: E402
@@ -35,6 +36,8 @@ SECTIONS: tuple[tuple[str, str, Callable[[Config], dict]], ...] = (
     ("webdataset", "6. WebDataset (samples/s ratio to webdataset.WebDataset, sequential)", wds.run),
 )
 RESTART_TITLE = "7. Restart budget (replay plans from measured inputs; a measured elastic restart)"
+PEERS = ("peers", "8. Peers side by side: samples skipped or duplicated by a resume, resume time, state, memory, "
+         "throughput", peers.run)
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
@@ -43,6 +46,8 @@ def _arguments(argv: list[str] | None) -> argparse.Namespace:
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument("--quick", action="store_true", help="a few minutes on 2 CPU cores")
     mode.add_argument("--smoke", action="store_true", help="seconds: tiny sizes, one repetition, no grading (CI)")
+    parser.add_argument("--peers", action="store_true",
+                        help="only the peers section: other loaders side by side (pip install -e '.[peers]')")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--out", type=Path, help="default: a temporary directory with --smoke, else benchmarks/results")
     parser.add_argument("--overwrite", action="store_true", help="replace the results published in benchmarks/results")
@@ -50,7 +55,7 @@ def _arguments(argv: list[str] | None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: torch.cuda.is_available() is False here")
-    args.stem = output_stem(args.device)
+    args.stem = output_stem(args.device) + ("-peers" if args.peers else "")
     if args.out is None:
         args.out = Path(tempfile.gettempdir()) / "loader-benchmarks-smoke" if args.smoke else RESULTS
         published = args.out / f"{args.stem}.json"
@@ -66,13 +71,15 @@ def main(argv: list[str] | None = None) -> int:
     results = {"mode": mode, "config": dataclasses.asdict(cfg), "environment": environment(args.device),
                "sections": {}}
     sections = results["sections"]
-    total = len(SECTIONS) + 1
-    for number, (key, title, run) in enumerate(SECTIONS, 1):
+    chosen = (PEERS,) if args.peers else SECTIONS
+    total = len(chosen) + (not args.peers)
+    for number, (key, title, run) in enumerate(chosen, 1):
         say(key, f"section {number}/{total}: {title}")
         start = time.perf_counter()
         sections[key] = {"title": title, **run(cfg), "seconds": time.perf_counter() - start}
-    say("restart", f"section {total}/{total}: {RESTART_TITLE}")
-    sections["restart"] = {"title": RESTART_TITLE, **restart.run(cfg, sections["training"], sections["resume"])}
+    if not args.peers:
+        say("restart", f"section {total}/{total}: {RESTART_TITLE}")
+        sections["restart"] = {"title": RESTART_TITLE, **restart.run(cfg, sections["training"], sections["resume"])}
     if mode == "smoke":  # one repetition at tiny sizes: the figures prove the suite runs, not the targets
         for row in (r for section in sections.values() for r in section.get("rows", [])):
             row["met"] = None

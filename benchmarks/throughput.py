@@ -26,13 +26,17 @@ def rate(candidate: Candidate, dataset, **kwargs) -> float:
     """Samples per second of one pass, after every worker delivered its first batch (batch i comes from worker
     i mod num_workers), so that process start-up, slow and erratic on a loaded machine, is not in the figure."""
     loader = candidate.make(dataset, **kwargs)
-    batches = steps(loader, candidate.checkpoint)
-    for _ in range(max(1, loader.num_workers)):
+    return timed_pass(steps(loader, candidate.checkpoint), loader.num_workers, candidate.name)
+
+
+def timed_pass(batches: Iterator, num_workers: int, name: str) -> float:
+    """Samples per second of the rest of a pass once each of `num_workers` workers delivered its first batch."""
+    for _ in range(max(1, num_workers)):
         next(batches)
     start = time.perf_counter()
     samples = sum(batch_len(batch) for batch in batches)
     if not samples:
-        raise ValueError(f"{candidate.name}: nothing came after the start-up batches; use more samples")
+        raise ValueError(f"{name}: nothing came after the start-up batches; use more samples")
     return samples / (time.perf_counter() - start)
 
 
