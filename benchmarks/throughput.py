@@ -46,7 +46,7 @@ def calibrated_size(dataset_of_size, run_s: float, probe: int, **kwargs) -> int:
     return max(probe, int(rate(TORCH, dataset_of_size(probe), **kwargs) * run_s))
 
 
-def _oversubscribed(num_workers: int) -> str:
+def oversubscribed(num_workers: int) -> str:
     """A note on cases with more processes than usable CPUs: the scheduler, not the loader, sets their spread."""
     cpus, processes = usable_cpus(), num_workers + 1
     return f" ({processes} processes on {cpus} CPUs)" if processes > cpus else ""
@@ -57,7 +57,7 @@ def _case(cfg: Config, cost: str, busy_us: float, num_workers: int) -> dict:
     dataset_of_size = partial(FeatureDataset, features=cfg.features, busy_us=busy_us)
     size = calibrated_size(dataset_of_size, cfg.run_s, cfg.batch_size * 16, **kwargs)
     dataset = dataset_of_size(size)
-    label = f"{cost}, workers={num_workers}" + _oversubscribed(num_workers)
+    label = f"{cost}, workers={num_workers}" + oversubscribed(num_workers)
     candidates = {c.name: partial(rate, c, dataset, **kwargs) for c in CANDIDATES}
     result = compare(candidates, TORCH.name, cfg.reps, cfg.warmup, f"throughput {label}", "samples/s")
     return {"label": label, "busy_us": busy_us, "dataset_size": size, **kwargs, **result}

@@ -32,7 +32,7 @@ def _candidate(peer: Peer, key: str, n: int, pc: PeersConfig, store: Store):
     return run, run()
 
 
-def run(pc: PeersConfig, peers: dict[str, Peer], store: Store) -> dict:
+def run(pc: PeersConfig, peers: dict[str, Peer], store: Store, reps: int, warmup: int) -> dict:
     points, stopped, last = [], {}, {}
     for n in pc.resume_sizes:
         candidates = {}
@@ -48,6 +48,6 @@ def run(pc: PeersConfig, peers: dict[str, Peer], store: Store) -> dict:
             except Exception as err:  # reported, not raised: the other systems go on
                 stopped[key] = {"n": n, "why": why_not(err)}
         last["n"] = n
-        result = compare(candidates, OURS.key, pc.reps, pc.warmup, f"peers resume N={count(n)}", "s")
+        result = compare(candidates, OURS.key, reps, warmup, f"peers resume N={count(n)}", "s")
         points.append({"n": n, "position": n // 2 // pc.batch * pc.batch, **result})
     return {"batch": pc.batch, "points": points, "stopped": stopped}

@@ -127,13 +127,13 @@ def run(cfg: Config) -> dict:
         section["seconds"][f"exactly_once {key}"] = time.perf_counter() - start
     with tempfile.TemporaryDirectory(prefix="loader-peers-costs-") as directory:
         store = Store(Path(directory), pc.write_budget_s)
-        section["resume"] = resume.run(pc, peers, store)
+        section["resume"] = resume.run(pc, peers, store, cfg.reps, cfg.warmup)
         section["memory"] = memory.run(pc, peers, store)
-        section["throughput"] = throughput.run(pc, peers, store)
+        section["throughput"] = throughput.run(pc, peers, store, cfg.reps, cfg.warmup)
     section["rows"] = _rows(section)
     section["tables"] = (["### Exactly once: skipped / duplicated samples, by identity", "", _script(pc), ""]
                          + exactly_once_table(section)
-                         + ["", "### Costs (one rank; resume and memory at N/2; ratios are medians)", ""]
+                         + ["", "### Costs (one rank; resume and memory at N/2; medians; every measurement's spread is below)", ""]
                          + costs_table(section) + ["", "### How each system saves its state", ""]
                          + saves_table(section) + ["", "Versions: " + ", ".join(
                              f"{name} {v}" for name, v in section["versions"].items()) + "."])
