@@ -28,11 +28,11 @@ class PeersConfig:
 QUICK = PeersConfig(
     n=10_000, stop_updates=50, faults=FAULTS, launch_timeout_s=600.0,
     batch=64,
-    resume_sizes=(10**5, 10**6, 10**7), resume_budget_s=3.0, write_budget_s=60.0,
+    resume_sizes=(10**5, 10**6, 10**7), resume_budget_s=3.0, write_budget_s=180.0,
     memory_sizes=(10**5, 10**6, 10**7), memory_timeout_s=120.0,
     workers=(0, 2), run_s=0.25,
 )
-FULL = replace(QUICK, resume_budget_s=10.0, write_budget_s=300.0, memory_timeout_s=300.0)
+FULL = replace(QUICK, resume_budget_s=10.0, write_budget_s=600.0, memory_timeout_s=300.0)
 SMOKE = replace(
     QUICK, n=960, stop_updates=5, faults=(Fault(4, 3), Fault(4, 3, uneven=True), Fault(3, None)),
     launch_timeout_s=300.0, resume_sizes=(10**4,), resume_budget_s=1.0, write_budget_s=10.0,

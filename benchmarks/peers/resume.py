@@ -29,11 +29,12 @@ def _candidate(peer: Peer, key: str, n: int, pc: PeersConfig, store: Store):
     data = store.data(key, peer, n)
     state = peer.state_at(n, data, pc.batch, n // 2 // pc.batch * pc.batch)
     run = partial(_seconds, peer, n, data, pc.batch, state)
-    return run, run()
+    run()
+    return run
 
 
 def run(pc: PeersConfig, peers: dict[str, Peer], store: Store, reps: int, warmup: int) -> dict:
-    points, stopped, last = [], {}, {}
+    points, stopped, last = [], {}, {}  # last: the previous N and each system's median there
     for n in pc.resume_sizes:
         candidates = {}
         for key, peer in peers.items():
@@ -44,10 +45,10 @@ def run(pc: PeersConfig, peers: dict[str, Peer], store: Store, reps: int, warmup
                 stopped[key] = {"n": n, "why": f"predicted {predicted:.1f} s > budget {pc.resume_budget_s:.0f} s"}
                 continue
             try:
-                candidates[key], last[key] = _candidate(peer, key, n, pc, store)
+                candidates[key] = _candidate(peer, key, n, pc, store)
             except Exception as err:  # reported, not raised: the other systems go on
                 stopped[key] = {"n": n, "why": why_not(err)}
-        last["n"] = n
         result = compare(candidates, OURS.key, reps, warmup, f"peers resume N={count(n)}", "s")
+        last = {"n": n, **{key: value["median"] for key, value in result["values"].items()}}
         points.append({"n": n, "position": n // 2 // pc.batch * pc.batch, **result})
     return {"batch": pc.batch, "points": points, "stopped": stopped}

@@ -49,8 +49,12 @@ def _resume_ms(section: dict, key: str) -> list[str]:
 
 def _memory_mb(section: dict, key: str) -> list[str]:
     points = {p["n"]: p for p in section["memory"].get("points", {}).get(key, [])}
-    return [f"{points[n]['added_bytes'] / 1e6:.3g}" if "added_bytes" in points.get(n, {}) else "—"
-            for n in section["memory_sizes"]]
+    return [_mb(points[n]["added_bytes"]) if "added_bytes" in points.get(n, {}) else "—" for n in section["memory_sizes"]]
+
+
+def _mb(added: int) -> str:
+    """Megabytes; under 0.1 MB (page-granular readings, one of them below zero) as "< 0.1"."""
+    return f"{added / 1e6:.3g}" if added >= 1e5 else "< 0.1"
 
 
 def _ratios(section: dict, key: str) -> list[str]:
@@ -71,6 +75,16 @@ def costs_table(section: dict) -> list[str]:
         cells += _resume_ms(section, key) + _memory_mb(section, key) + _ratios(section, key)
         lines.append("| " + " | ".join(cells) + " |")
     return lines
+
+
+def not_measured(section: dict) -> list[str]:
+    """Why a cost cell is "—": each stop of the resume sweep and each memory point not taken."""
+    lines = [f"- {_name(key)}: resume from N={count(stop['n'])} on: {stop['why']}"
+             for key, stop in section["resume"]["stopped"].items()]
+    lines += [f"- {_name(key)}: memory at N={count(p['n'])}: {p.get('error') or 'ran past ' + str(p['timed_out_s']) + ' s'}"
+              for key, points in section["memory"].get("points", {}).items() for p in points
+              if "added_bytes" not in p]
+    return ["", "Not measured (\"—\"):", ""] + lines if lines else []
 
 
 def saves_table(section: dict) -> list[str]:
@@ -134,7 +148,8 @@ def run(cfg: Config) -> dict:
     section["tables"] = (["### Exactly once: skipped / duplicated samples, by identity", "", _script(pc), ""]
                          + exactly_once_table(section)
                          + ["", "### Costs (one rank; resume and memory at N/2; medians; every measurement's spread is below)", ""]
-                         + costs_table(section) + ["", "### How each system saves its state", ""]
+                         + costs_table(section) + not_measured(section)
+                         + ["", "### How each system saves its state", ""]
                          + saves_table(section) + ["", "Versions: " + ", ".join(
                              f"{name} {v}" for name, v in section["versions"].items()) + "."])
     return section
