@@ -74,6 +74,7 @@ def _bars(figure, section: dict) -> None:
 
 def _peers(figure, section: dict) -> None:
     """Resume time and memory against N per system, and each system's throughput ratios."""
+    figure.set_size_inches(12, 4.5)
     left, middle, right = figure.subplots(1, 3)
     keys = list(section["exactly_once"])
     resume = {key: ([p["n"] for p in section["resume"]["points"] if key in p["values"]],
@@ -89,11 +90,11 @@ def _peers(figure, section: dict) -> None:
     for i, key in enumerate(keys):
         medians = [case["ratios"].get(key, {}).get("median", 0.0) for case in cases]
         right.bar([c + i * width for c in range(len(cases))], medians, width, label=key)
-    right.set_xticks([c + 0.4 - width / 2 for c in range(len(cases))], [case["label"] for case in cases], fontsize=6)
+    right.set_xticks([c + 0.4 - width / 2 for c in range(len(cases))],
+                     [f"{case['kind']}\nworkers={case['num_workers']}" for case in cases], fontsize=7)
     right.set_yscale("log")
     right.axhline(1.0, color="black", linewidth=0.8)
     right.set_ylabel("throughput / DataLoader")
-    right.legend(fontsize=6)
 
 
 _DRAW: dict[str, Callable] = {"throughput": _bars, "training": _bars, "checkpoint": _checkpoint,
