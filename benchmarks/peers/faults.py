@@ -74,7 +74,10 @@ def _launch(peer: Peer, module: str, phases: list[Phase], timeout_s: float) -> l
         return [Outcome(error=error_text(err))] * len(phases)
 
 
-def _result(n: int, fault: Fault, stop: Outcome | None, outcome: Outcome) -> dict:
+def _result(n: int, stop: Outcome | None, outcome: Outcome) -> dict:
+    """Counts of the stop and the resume together (or of the control alone), or why there are none."""
+    if stop is not None and stop.error:  # nothing was saved: what ran after it is no resume
+        return {"error": f"the stop failed: {stop.error}"}
     if outcome.error:
         key = "cannot_resume" if stop is not None else "error"
         return {key: outcome.error, **({"state_bytes": len(pickle.dumps(stop.saved))} if stop and stop.saved else {})}
@@ -91,8 +94,8 @@ def _resume(fault: Fault, same_launch: bool, index: dict, stopped: list[Outcome]
     return key if same_launch else stopped[key].saved
 
 
-def exactly_once(peer: Peer, module: str, n: int, stop_updates: int, faults=FAULTS, timeout_s: float = 600.0,
-                 ) -> dict[str, dict]:
+def exactly_once(peer: Peer, module: str, n: int, stop_updates: int, faults: tuple[Fault, ...] = FAULTS,
+                 timeout_s: float = 600.0) -> dict[str, dict]:
     """Every fault on one system, as few launches as the script allows: one per world size. The first launch (at
     the world size every fault stops at) makes the stops, the resumes at that size and its control; each other
     world size resumes from the saved states in a launch of its own. Data is written once, in a temporary
@@ -120,5 +123,5 @@ def exactly_once(peer: Peer, module: str, n: int, stop_updates: int, faults=FAUL
                 stopped, outcomes = outcomes[:len(first)], outcomes[len(first):]
             for f, outcome in zip(mine, outcomes):
                 stop = None if f.after is None else stopped[index[(f.accum, f.uneven)]]
-                results[f.label] = _result(n, f, stop, outcome)
+                results[f.label] = _result(n, stop, outcome)
     return {f.label: results[f.label] for f in faults}

@@ -64,6 +64,15 @@ class Peer(Protocol):
     def save(self, states: list, phase: Phase) -> Any:
         """What the job saves from its ranks' states, as the system's documentation says."""
 
+    def state_at(self, n: int, data: Path, batch: int, position: int) -> Any:
+        """The state one rank saves after `position` samples of epoch 0 (for the cost measurements)."""
+
+    def first_batch(self, n: int, data: Path, batch: int, state: Any) -> Any:
+        """Build the loader, load `state` and return its first batch: what a restarted job waits for."""
+
+    def loader(self, n: int, data: Path, batch: int, workers: int, kind: str) -> Iterable:
+        """One rank's loader of one shuffled epoch of `kind` samples (for throughput)."""
+
 
 def version(distribution: str) -> str:
     """The installed version of a distribution, or "not installed"."""
