@@ -106,6 +106,23 @@ def _script(pc: PeersConfig) -> str:
             "handling: padding with repeats, or drops).")
 
 
+def errors(section: dict) -> list[str]:
+    """The full error behind each "cannot resume" or "error" cell, once per system and message."""
+    seen = {(key, r.get("cannot_resume") or r.get("error")) for key, results in section["exactly_once"].items()
+            for r in results.values() if "cannot_resume" in r or "error" in r}
+    return ["", "Errors:", ""] + [f"- {_name(key)}: {message}" for key, message in sorted(seen)] if seen else []
+
+
+def tables(section: dict, script: str) -> list[str]:
+    """The section's Markdown: the exactly-once table, the costs, how each system saves, the versions."""
+    versions = ", ".join(f"{name} {v}" for name, v in section["versions"].items())
+    return (["### Exactly once: skipped / duplicated samples, by identity", "", script, ""]
+            + exactly_once_table(section) + errors(section)
+            + ["", "### Costs (one rank; resume and memory at N/2; medians; every measurement's spread is below)", ""]
+            + costs_table(section) + not_measured(section)
+            + ["", "### How each system saves its state", ""] + saves_table(section) + ["", f"Versions: {versions}."])
+
+
 def _rows(section: dict) -> list[dict]:
     rows = []
     for key, results in section["exactly_once"].items():
@@ -145,11 +162,5 @@ def run(cfg: Config) -> dict:
         section["memory"] = memory.run(pc, peers, store)
         section["throughput"] = throughput.run(pc, peers, store, cfg.reps, cfg.warmup)
     section["rows"] = _rows(section)
-    section["tables"] = (["### Exactly once: skipped / duplicated samples, by identity", "", _script(pc), ""]
-                         + exactly_once_table(section)
-                         + ["", "### Costs (one rank; resume and memory at N/2; medians; every measurement's spread is below)", ""]
-                         + costs_table(section) + not_measured(section)
-                         + ["", "### How each system saves its state", ""]
-                         + saves_table(section) + ["", "Versions: " + ", ".join(
-                             f"{name} {v}" for name, v in section["versions"].items()) + "."])
+    section["tables"] = tables(section, _script(pc))
     return section
