@@ -25,7 +25,7 @@ _STATUS = "/proc/self/status"
 _ROOT = Path(__file__).resolve().parent.parent  # where `python -m benchmarks.memory` finds the package
 
 
-def _kib(field: str) -> int:
+def kib(field: str) -> int:
     with open(_STATUS) as status:
         for line in status:
             if line.startswith(field + ":"):
@@ -33,7 +33,7 @@ def _kib(field: str) -> int:
     raise KeyError(field)
 
 
-def _reset_peak() -> str:
+def reset_peak() -> str:
     """Make the peak RSS the current RSS; return how peaks are read, for the record."""
     try:
         with open("/proc/self/clear_refs", "w") as clear:
@@ -56,40 +56,40 @@ def _work(kind: str, n: int) -> None:
     next(iter(ours(IndexDataset(n), batch_size=64, shuffle=True)))
 
 
-def added_peak(work: Callable[[], object]) -> dict:
-    """Runs in the child, after its warm-up: the peak RSS `work` adds, in bytes, and its seconds."""
-    method = _reset_peak()
-    before = _kib("VmHWM")
+def probe(kind: str, n: int) -> dict:
+    """Runs in the child: the peak RSS the work adds, in bytes, and its seconds."""
+    _work(kind, 1000)  # lazy imports and first-call allocations are not the order's
+    return peak_added(lambda: _work(kind, n))
+
+
+def peak_added(work: Callable[[], object]) -> dict:
+    """The peak RSS that work() adds, in bytes, and its seconds (the peak reset first, where Linux allows)."""
+    method = reset_peak()
+    before = kib("VmHWM")
     start = time.perf_counter()
     work()
     seconds = time.perf_counter() - start
-    return {"added_bytes": (_kib("VmHWM") - before) * 1024, "seconds": seconds, "method": method}
+    return {"added_bytes": (kib("VmHWM") - before) * 1024, "seconds": seconds, "method": method}
 
 
-def probe(kind: str, n: int) -> dict:
-    _work(kind, 1000)  # lazy imports and first-call allocations are not the order's
-    return added_peak(lambda: _work(kind, n))
-
-
-def in_fresh_process(module: str, args: list[str], timeout_s: float, what: str) -> dict | None:
-    """`python -m module *args` in a fresh process, its last stdout line as JSON; None when it ran past the
-    timeout (killed and reaped)."""
+def in_child(module: str, args: list[str], timeout_s: float) -> dict:
+    """`python -m module *args` in a fresh process: the JSON it prints last, or {"timed_out_s"} for a child run
+    past the timeout (killed and reaped by subprocess.run)."""
     command = [sys.executable, "-m", module, *args]
     try:
         done = subprocess.run(command, cwd=_ROOT, capture_output=True, text=True, timeout=timeout_s)
     except subprocess.TimeoutExpired:
-        return None
+        return {"timed_out_s": timeout_s}
     if done.returncode:
-        raise RuntimeError(f"{what} exited with {done.returncode}:\n{done.stderr[-2000:]}")
+        raise RuntimeError(f"memory probe {' '.join(args)} exited with {done.returncode}:\n{done.stderr[-2000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def _measure(kind: str, n: int, timeout_s: float) -> dict:
     """One point in a fresh process; a point that runs past the timeout is killed and recorded as such."""
-    measured = in_fresh_process("benchmarks.memory", [kind, str(n)], timeout_s, f"memory probe {kind} N={n}")
-    if measured is None:
-        return {"n": n, "timed_out_s": timeout_s}
-    point = {"n": n, **measured}
+    point = {"n": n, **in_child("benchmarks.memory", [kind, str(n)], timeout_s)}
+    if "timed_out_s" in point:
+        return point
     say("memory", f"{kind} N={count(n)}: +{point['added_bytes'] / 1e6:.2f} MB in {point['seconds']:.2f} s")
     return point
 

@@ -72,8 +72,34 @@ def _bars(figure, section: dict) -> None:
     _ratio_bars(figure.subplots(), section)
 
 
+def _peers(figure, section: dict) -> None:
+    """Resume time and memory against N per system, and each system's throughput ratios."""
+    figure.set_size_inches(12, 4.5)
+    left, middle, right = figure.subplots(1, 3)
+    keys = list(section["exactly_once"])
+    resume = {key: ([p["n"] for p in section["resume"]["points"] if key in p["values"]],
+                    [p["values"][key]["median"] for p in section["resume"]["points"] if key in p["values"]])
+              for key in keys}
+    _lines(left, resume, "N (resumed at N/2)", "build + load -> first batch (s)")
+    memory = {key: ([p["n"] for p in points if "added_bytes" in p], [max(p["added_bytes"], 1e3) / 1e6 for p in points
+                                                                      if "added_bytes" in p])
+              for key, points in section["memory"].get("points", {}).items()}
+    _lines(middle, memory, "N (resumed at N/2)", "peak RSS added (MB, floor 1 kB)")
+    cases = section["throughput"]
+    width = 0.8 / max(1, len(keys))
+    for i, key in enumerate(keys):
+        medians = [case["ratios"].get(key, {}).get("median", 0.0) for case in cases]
+        right.bar([c + i * width for c in range(len(cases))], medians, width, label=key)
+    right.set_xticks([c + 0.4 - width / 2 for c in range(len(cases))],
+                     [f"{case['kind']}\nworkers={case['num_workers']}" for case in cases], fontsize=7)
+    right.set_yscale("log")
+    right.axhline(1.0, color="black", linewidth=0.8)
+    right.set_ylabel("throughput / DataLoader")
+
+
 _DRAW: dict[str, Callable] = {"throughput": _bars, "training": _bars, "checkpoint": _checkpoint,
-                              "resume": _resume, "memory": _memory, "webdataset": _bars, "tokens": _bars, "remote": _bars}
+                              "resume": _resume, "memory": _memory, "webdataset": _bars, "tokens": _bars, "remote": _bars,
+                              "peers": _peers}
 
 
 def write(results: dict, out: Path, stem: str) -> dict:
@@ -94,7 +120,7 @@ def write(results: dict, out: Path, stem: str) -> dict:
         figure = pyplot.figure(figsize=(9, 3.5), layout="constrained")
         figure.suptitle(section["title"], fontsize=10)
         _DRAW[key](figure, section)
-        name = f"{stem}-{key}.png"
+        name = f"{stem}.png" if stem.endswith(f"-{key}") else f"{stem}-{key}.png"
         figure.savefig(out / name, dpi=DPI)
         pyplot.close(figure)
         section["plot"] = name

@@ -1,30 +1,28 @@
-"""Progress while the suite runs: a bar per comparison and a counter per section (no tqdm dependency).
+"""Progress while the suite runs: a line per measurement and per section on stderr, and a tqdm bar per comparison.
 
-On a terminal the bar redraws one line in place; in a log (CI, `| tee`) every update is its own line, so the log
-keeps each measurement.
+tqdm draws the bar only on a terminal (`disable=None`); in a log (CI, `| tee`) it draws nothing and the lines stay,
+one per measurement. Lines go through `tqdm.write`, so they scroll above a live bar instead of breaking it.
 """
 
 from __future__ import annotations
 
 import sys
 import time
+from contextlib import contextmanager
+from typing import Iterator
+
+from tqdm import tqdm
 
 _START = time.perf_counter()
-BAR_WIDTH = 20
 
 
-def bar(done: int, total: int) -> str:
-    """`[########------------] 8/20`"""
-    filled = BAR_WIDTH * done // total
-    return f"[{'#' * filled}{'-' * (BAR_WIDTH - filled)}] {done}/{total}"
+def say(section: str, message: str) -> None:
+    """`[  12.3s] section: message` on stderr."""
+    tqdm.write(f"[{time.perf_counter() - _START:7.1f}s] {section}: {message}", file=sys.stderr)
 
 
-def say(section: str, message: str, done: int | None = None, total: int | None = None) -> None:
-    """`[  12.3s] section: [bar] message` on stderr, flushed at once; the bar only when `total` is given."""
-    progress = "" if total is None else bar(done or 0, total) + " "
-    line = f"[{time.perf_counter() - _START:7.1f}s] {section}: {progress}{message}"
-    if sys.stderr.isatty():
-        unfinished = total is not None and (done or 0) < total
-        print(f"\r\033[K{line}", end="" if unfinished else "\n", file=sys.stderr, flush=True)
-    else:
-        print(line, file=sys.stderr, flush=True)
+@contextmanager
+def progress_bar(section: str, total: int) -> Iterator[tqdm]:
+    """A bar of `total` steps for one comparison, on a terminal only; removed when it is done."""
+    with tqdm(total=total, desc=section, file=sys.stderr, disable=None, leave=False, dynamic_ncols=True) as bar:
+        yield bar

@@ -1,8 +1,10 @@
-"""The runner: `python -m benchmarks [--quick | --smoke] [--device cpu|cuda] [--out DIR] [--t-launch S]
-[--sections KEY ...]`, or `python benchmarks/run.py` with the same options.
+"""The runner: `python -m benchmarks [--quick | --smoke] [--peers | --sections KEY ...] [--device cpu|cuda]
+[--out DIR] [--overwrite] [--t-launch S]`, or `python benchmarks/run.py` with the same options.
 
 Runs the sections in order, then the restart plan from their numbers, and writes <out>/<stem>.json, .md and one
-PNG per section (stem: cpu-<hostname> or cuda-<gpu name>).
+PNG per section (stem: cpu-<hostname> or cuda-<gpu name>). `--sections` runs only those (stem <stem>-<keys>);
+`--peers` is `--sections peers`, the peers section, which a default run leaves out (it takes minutes). A smoke run writes to a temporary directory unless --out is given; no run replaces results already
+in benchmarks/results without --overwrite (or an explicit --out).
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Callable
@@ -20,7 +23,7 @@ if __package__ in (None, ""):  # run as a script: make the repository root impor
 import torch  # noqa: E402
 
 from benchmarks import (  # noqa: E402
-    checkpoint, memory, plots, report, restart, resume, throughput, tokens, training, wds, wds_remote,
+    checkpoint, memory, peers, plots, report, restart, resume, throughput, tokens, training, wds, wds_remote,
 )
 from benchmarks.config import Config, config_for  # noqa: E402
 from benchmarks.environment import environment, output_stem  # noqa: E402
@@ -38,21 +41,36 @@ SECTIONS: tuple[tuple[str, str, Callable[[Config], dict]], ...] = (
      wds_remote.run),
 )
 RESTART_TITLE = "9. Restart budget (replay plans from measured inputs; a measured elastic restart)"
+PEERS = ("peers", "10. Peers side by side: samples skipped or duplicated by a resume, resume time, state, memory, "
+         "throughput", peers.run)
+RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def _arguments(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__)
-    parser.add_argument("--quick", action="store_true", help="a few minutes on 2 CPU cores")
-    parser.add_argument("--smoke", action="store_true", help="seconds: tiny sizes, one repetition (CI)")
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument("--quick", action="store_true", help="a few minutes on 2 CPU cores")
+    mode.add_argument("--smoke", action="store_true", help="seconds: tiny sizes, one repetition, no grading (CI)")
+    only = parser.add_mutually_exclusive_group()
+    only.add_argument("--peers", action="store_true",
+                      help="only the peers section: other loaders side by side (pip install -e '.[peers]')")
+    only.add_argument("--sections", nargs="+", choices=[key for key, _, _ in SECTIONS + (PEERS,)],
+                      help="run only these (the restart plan needs training and resume)")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
+    parser.add_argument("--out", type=Path, help="default: a temporary directory with --smoke, else benchmarks/results")
+    parser.add_argument("--overwrite", action="store_true", help="replace the results published in benchmarks/results")
     parser.add_argument("--t-launch", type=float, default=10.0, help="relaunch seconds for the restart plan")
-    parser.add_argument("--sections", nargs="+", choices=[key for key, _, _ in SECTIONS],
-                        help="run only these (the restart plan needs training and resume); results go to "
-                             "<stem>-<sections>.json/.md, next to a full run's")
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: torch.cuda.is_available() is False here")
+    if args.peers:
+        args.sections = [PEERS[0]]
+    args.stem = output_stem(args.device) + ("" if args.sections is None else "-" + "-".join(args.sections))
+    if args.out is None:
+        args.out = Path(tempfile.gettempdir()) / "loader-benchmarks-smoke" if args.smoke else RESULTS
+        published = args.out / f"{args.stem}.json"
+        if published.exists() and not args.overwrite:
+            parser.error(f"{published} holds published results: pass --overwrite to replace them, or --out DIR")
     return args
 
 
@@ -62,8 +80,8 @@ def main(argv: list[str] | None = None) -> int:
     cfg = config_for(mode, args.device, args.t_launch)
     results = {"mode": mode, "config": dataclasses.asdict(cfg), "environment": environment(args.device),
                "sections": {}}
-    chosen = [s for s in SECTIONS if args.sections is None or s[0] in args.sections]
     sections = results["sections"]
+    chosen = [s for s in SECTIONS + (PEERS,) if s[0] in args.sections] if args.sections else SECTIONS
     with_restart = {"training", "resume"} <= {key for key, _, _ in chosen}
     total = len(chosen) + with_restart
     for number, (key, title, run) in enumerate(chosen, 1):
@@ -73,10 +91,12 @@ def main(argv: list[str] | None = None) -> int:
     if with_restart:
         say("restart", f"section {total}/{total}: {RESTART_TITLE}")
         sections["restart"] = {"title": RESTART_TITLE, **restart.run(cfg, sections["training"], sections["resume"])}
+    if mode == "smoke":  # one repetition at tiny sizes: the figures prove the suite runs, not the targets
+        for row in (r for section in sections.values() for r in section.get("rows", [])):
+            row["met"] = None
     args.out.mkdir(parents=True, exist_ok=True)
-    stem = output_stem(args.device) + ("" if args.sections is None else "-" + "-".join(args.sections))
-    results["plots"] = plots.write(results, args.out, stem)
-    for path in report.write(results, args.out, stem):
+    results["plots"] = plots.write(results, args.out, args.stem)
+    for path in report.write(results, args.out, args.stem):
         say("done", f"wrote {path}")
     return 0
 

@@ -26,13 +26,17 @@ def rate(candidate: Candidate, dataset, **kwargs) -> float:
     """Samples per second of one pass, after every worker delivered its first batch (batch i comes from worker
     i mod num_workers), so that process start-up, slow and erratic on a loaded machine, is not in the figure."""
     loader = candidate.make(dataset, **kwargs)
-    batches = steps(loader, candidate.checkpoint)
-    for _ in range(max(1, loader.num_workers)):
+    return timed_pass(steps(loader, candidate.checkpoint), loader.num_workers, candidate.name)
+
+
+def timed_pass(batches: Iterator, num_workers: int, name: str) -> float:
+    """Samples per second of the rest of a pass once each of `num_workers` workers delivered its first batch."""
+    for _ in range(max(1, num_workers)):
         next(batches)
     start = time.perf_counter()
     samples = sum(batch_len(batch) for batch in batches)
     if not samples:
-        raise ValueError(f"{candidate.name}: nothing came after the start-up batches; use more samples")
+        raise ValueError(f"{name}: nothing came after the start-up batches; use more samples")
     return samples / (time.perf_counter() - start)
 
 
@@ -42,7 +46,7 @@ def calibrated_size(dataset_of_size, run_s: float, probe: int, **kwargs) -> int:
     return max(probe, int(rate(TORCH, dataset_of_size(probe), **kwargs) * run_s))
 
 
-def _oversubscribed(num_workers: int) -> str:
+def oversubscribed(num_workers: int) -> str:
     """A note on cases with more processes than usable CPUs: the scheduler, not the loader, sets their spread."""
     cpus, processes = usable_cpus(), num_workers + 1
     return f" ({processes} processes on {cpus} CPUs)" if processes > cpus else ""
@@ -53,7 +57,7 @@ def _case(cfg: Config, cost: str, busy_us: float, num_workers: int) -> dict:
     dataset_of_size = partial(FeatureDataset, features=cfg.features, busy_us=busy_us)
     size = calibrated_size(dataset_of_size, cfg.run_s, cfg.batch_size * 16, **kwargs)
     dataset = dataset_of_size(size)
-    label = f"{cost}, workers={num_workers}" + _oversubscribed(num_workers)
+    label = f"{cost}, workers={num_workers}" + oversubscribed(num_workers)
     candidates = {c.name: partial(rate, c, dataset, **kwargs) for c in CANDIDATES}
     result = compare(candidates, TORCH.name, cfg.reps, cfg.warmup, f"throughput {label}", "samples/s")
     return {"label": label, "busy_us": busy_us, "dataset_size": size, **kwargs, **result}

@@ -17,7 +17,7 @@ from typing import Callable, Mapping, Sequence
 import numpy as np
 import torch
 
-from benchmarks.progress import say
+from benchmarks.progress import progress_bar, say
 
 ORDER_SEED = 0  # the rounds' candidate orders: random, and the same in every run
 Measure = Callable[[], float]  # runs one repetition and returns its measurement (seconds, samples/s, ...)
@@ -77,14 +77,16 @@ def interleave(
     samples: dict[str, list[float]] = {name: [] for name in names}
     order = np.random.default_rng(ORDER_SEED)
     done, total = 0, (warmup + reps) * len(names)
-    for round_ in range(warmup + reps):
-        tag = "warm-up" if round_ < warmup else f"rep {round_ - warmup + 1}/{reps}"
-        for name in order.permutation(names).tolist():
-            value = _without_gc(candidates[name])
-            done += 1
-            say(section, f"{name} {tag}: {value:.4g} {unit}", done, total)
-            if round_ >= warmup:
-                samples[name].append(value)
+    with progress_bar(section, total) as bar:
+        for round_ in range(warmup + reps):
+            tag = "warm-up" if round_ < warmup else f"rep {round_ - warmup + 1}/{reps}"
+            for name in order.permutation(names).tolist():
+                value = _without_gc(candidates[name])
+                done += 1
+                bar.update()
+                say(section, f"{name} {tag}: {value:.4g} {unit} ({done}/{total})")
+                if round_ >= warmup:
+                    samples[name].append(value)
     return samples
 
 

@@ -25,7 +25,7 @@ from torch.utils.data import DataLoader
 
 from benchmarks.config import Config
 from benchmarks.loaders import ours
-from benchmarks.memory import added_peak, in_fresh_process
+from benchmarks.memory import in_child, peak_added
 from benchmarks.progress import say
 from benchmarks.rows import count, row, single
 from benchmarks.states import global_state_at
@@ -126,7 +126,7 @@ def memory_probe(directory: str, seq_len: int, positions: int) -> dict:
         next(iter(loader))
 
     first_batch_at(positions // 2)  # lazy imports, first-call allocations, the file pages of this batch
-    return added_peak(lambda: first_batch_at(positions // 2))
+    return peak_added(lambda: first_batch_at(positions // 2))
 
 
 def _mapping_costs(cfg: Config, paths: list[Path]) -> list[dict]:
@@ -157,10 +157,12 @@ def run(cfg: Config) -> dict:
         cases = [_token_source(cfg, paths[0], batch) for batch in cfg.token_batch_sizes]
         cases += [_mixture(cfg, paths, batch) for batch in cfg.token_batch_sizes]
         args = [directory, str(cfg.seq_len), str(cfg.mixture_positions)]
-        memory = in_fresh_process("benchmarks.tokens", args, cfg.memory_timeout_s, "mixture memory probe")
+        memory = in_child("benchmarks.tokens", args, cfg.memory_timeout_s)
         mapping = _mapping_costs(cfg, paths)
     rows = [r for case in cases for r in case["rows"]]
-    if memory is not None:
+    if "timed_out_s" in memory:
+        memory = None
+    else:
         say("tokens", f"mixture of {count(cfg.mixture_positions)} positions: +{memory['added_bytes'] / 1e6:.2f} MB")
         rows.append(row(f"memory: resume a {count(cfg.mixture_positions)}-position mixture at its middle, one batch",
                         single(memory["added_bytes"]), "MB", MEMORY_TARGET, scale=1e-6))

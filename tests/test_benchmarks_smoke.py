@@ -20,7 +20,7 @@ LOADERS = {"DataLoader", "ResumableDataLoader", "ResumableDataLoader+state_dict"
 @pytest.fixture(scope="module")
 def results(tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("benchmarks")
-    command = [sys.executable, "-m", "benchmarks", "--quick", "--smoke", "--device", "cpu", "--out", str(out)]
+    command = [sys.executable, "-m", "benchmarks", "--smoke", "--device", "cpu", "--out", str(out)]
     done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-4000:]
     (json_path,) = out.glob("cpu-*.json")
@@ -133,10 +133,35 @@ def test_plots_are_written_or_skipped_with_a_reason(results):
         assert all((results["_out"] / name).stat().st_size > 0 for name in plots["files"])
 
 
-def test_progress_counts_sections_and_fills_a_bar_per_comparison(results):
+def test_progress_counts_sections_and_measurements(results):
     log = results["_stderr"]
     assert all(f"section {n}/{len(SECTIONS)}:" in log for n in range(1, len(SECTIONS) + 1))
-    assert "[" + "#" * 20 + "] 4/4 " in log  # one throughput comparison of 4 loaders, finished
+    assert "rep 1/1: " in log and " (4/4)" in log  # a line per measurement: one comparison of 4 loaders, done
+
+
+def test_a_smoke_run_is_not_graded(results):
+    assert all(row["met"] is None for s in results["sections"].values() for row in s.get("rows", []))
+    table = (results["_out"] / next(results["_out"].glob("cpu-*.md")).name).read_text()
+    assert "**no**" not in table and "| met |" not in table and "not graded" in table
+
+
+def test_quick_and_smoke_together_are_refused():
+    done = subprocess.run([sys.executable, "-m", "benchmarks", "--quick", "--smoke"], cwd=REPO, capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 2 and "not allowed with" in done.stderr
+
+
+def test_published_results_are_replaced_only_when_asked(tmp_path, monkeypatch):
+    from benchmarks import run
+
+    monkeypatch.setattr(run, "RESULTS", tmp_path)
+    assert run._arguments(["--smoke", "--device", "cpu"]).out != tmp_path  # smoke: a temporary directory
+    stem = run._arguments(["--quick", "--device", "cpu"]).stem
+    (tmp_path / f"{stem}.json").write_text("{}")
+    with pytest.raises(SystemExit):
+        run._arguments(["--quick", "--device", "cpu"])
+    assert run._arguments(["--quick", "--device", "cpu", "--overwrite"]).out == tmp_path
+    assert run._arguments(["--quick", "--device", "cpu", "--out", str(tmp_path)]).out == tmp_path
 
 
 

@@ -1,0 +1,50 @@
+"""LitData: StreamingDataset + StreamingDataLoader on its optimized chunks, written with its BinaryWriter (what
+`litdata.optimize` runs in each of its workers; optimize itself took 10x longer here for integer samples).
+
+It reads the rank from torch.distributed, so every simulated rank is a process in a gloo group (`ranks.launch`).
+Under data parallelism rank 0's StreamingDataLoader.state_dict() is saved (as Lightning Fabric does) and every
+rank loads it.
+"""
+
+from __future__ import annotations
+
+
+import litdata
+from litdata.streaming.writer import BinaryWriter
+
+from benchmarks.peers.phase import RankZero
+from benchmarks.peers.samples import SEED, decode, item
+
+SAMPLES_PER_CHUNK = 4096
+
+
+class _Decoded(litdata.StreamingDataset):
+    """JPEG samples decoded in __getitem__, as its documentation has transforms added."""
+
+    def __getitem__(self, index):
+        return {"i": decode(super().__getitem__(index)["i"])}
+
+
+def _loader(data, batch: int, workers: int = 0, kind: str = "index") -> litdata.StreamingDataLoader:
+    dataset = (litdata.StreamingDataset if kind == "index" else _Decoded)(str(data), shuffle=True, seed=SEED)
+    return litdata.StreamingDataLoader(dataset, batch_size=batch, num_workers=workers)
+
+
+class Lit(RankZero):
+    _loader = staticmethod(_loader)
+    saves = "rank 0's StreamingDataLoader.state_dict(); every rank loads it"
+
+    def prepare(self, n, data, kind="index") -> None:
+        writer = BinaryWriter(str(data), chunk_size=SAMPLES_PER_CHUNK)
+        for i in range(n):
+            writer[i] = {"i": item(kind, i)}
+        writer.done()
+        writer.merge()
+
+    def _moved(self, state: dict, position: int) -> dict:
+        state["num_samples_yielded"] = state["dataset"]["num_samples_yielded"] = position
+        state["dataset"]["sample_in_epoch"] = position
+        return state
+
+
+PEER = Lit()

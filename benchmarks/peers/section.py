@@ -1,0 +1,166 @@
+"""The peers section: the exactly-once table, then the costs, every system in one run; its rows and tables."""
+
+from __future__ import annotations
+
+import tempfile
+import time
+from pathlib import Path
+
+from benchmarks.config import Config
+from benchmarks.peers import memory, resume, throughput
+from benchmarks.peers.config import PeersConfig, peers_config
+from benchmarks.peers.faults import GLOBAL_BATCH, exactly_once
+from benchmarks.peers.store import Store
+from benchmarks.peers.systems import SYSTEMS, load_all, versions
+from benchmarks.progress import say
+from benchmarks.rows import count, row, single
+
+
+def _cell(result: dict) -> str:
+    """skipped / duplicated, or why there is no count."""
+    if "cannot_resume" in result:
+        return f"cannot resume ({result['cannot_resume'].split(':')[0]})"
+    if "error" in result:
+        return f"error ({result['error'].split(':')[0]})"
+    return f"{result['skipped']}/{result['duplicated']}"
+
+
+def _name(key: str) -> str:
+    return next(s.name for s in SYSTEMS if s.key == key)
+
+
+def exactly_once_table(section: dict) -> list[str]:
+    faults = list(next(iter(section["exactly_once"].values()), {}))
+    lines = ["| system (state saved under DP) | " + " | ".join(faults) + " |", "|---" * (len(faults) + 1) + "|"]
+    for key, results in section["exactly_once"].items():
+        lines.append(f"| {_name(key)} | " + " | ".join(_cell(results[f]) for f in faults) + " |")
+    for key, error in section["not_run"].items():
+        lines.append(f"| {_name(key)} | not run: {error} |" + " |" * (len(faults) - 1))
+    return lines
+
+
+def _resume_ms(section: dict, key: str) -> list[str]:
+    cells = []
+    for point in section["resume"]["points"]:
+        value = point["values"].get(key)
+        cells.append(f"{value['median'] * 1e3:.3g}" if value else "—")
+    return cells
+
+
+def _memory_mb(section: dict, key: str) -> list[str]:
+    points = {p["n"]: p for p in section["memory"].get("points", {}).get(key, [])}
+    return [_mb(points[n]["added_bytes"]) if "added_bytes" in points.get(n, {}) else "—" for n in section["memory_sizes"]]
+
+
+def _mb(added: int) -> str:
+    """Megabytes; under 0.1 MB (page-granular readings, one of them below zero) as "< 0.1"."""
+    return f"{added / 1e6:.3g}" if added >= 1e5 else "< 0.1"
+
+
+def _ratios(section: dict, key: str) -> list[str]:
+    return [f"{case['ratios'][key]['median']:.2f}" if key in case["ratios"] else "—"
+            for case in section["throughput"]]
+
+
+def costs_table(section: dict) -> list[str]:
+    resume_n = [count(p["n"]) for p in section["resume"]["points"]]
+    memory_n = [count(n) for n in section["memory_sizes"]]
+    header = (["system", "state saved at 4 ranks (B)"] + [f"resume ms, N={n}" for n in resume_n]
+              + [f"memory MB, N={n}" for n in memory_n]
+              + [f"throughput / DataLoader, {case['label']}" for case in section["throughput"]])
+    lines = ["| " + " | ".join(header) + " |", "|---" * len(header) + "|"]
+    for key, results in section["exactly_once"].items():
+        state = next((r["state_bytes"] for r in results.values() if "state_bytes" in r), None)
+        cells = [_name(key), f"{state:,}" if state is not None else "—"]
+        cells += _resume_ms(section, key) + _memory_mb(section, key) + _ratios(section, key)
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
+def not_measured(section: dict) -> list[str]:
+    """Why a cost cell is "—": each stop of the resume sweep and each memory point not taken."""
+    lines = [f"- {_name(key)}: resume from N={count(stop['n'])} on: {stop['why']}"
+             for key, stop in section["resume"]["stopped"].items()]
+    lines += [f"- {_name(key)}: memory at N={count(p['n'])}: {p.get('error') or 'ran past ' + str(p['timed_out_s']) + ' s'}"
+              for key, points in section["memory"].get("points", {}).items() for p in points
+              if "added_bytes" not in p]
+    return ["", "Not measured (\"—\"):", ""] + lines if lines else []
+
+
+def saves_table(section: dict) -> list[str]:
+    lines = ["| system | version | how it saves state under data parallelism |", "|---|---|---|"]
+    for system in SYSTEMS:
+        version = section["versions"][system.distribution]
+        how = section["saves"].get(system.key, "not run: " + section["not_run"].get(system.key, ""))
+        lines.append(f"| {system.name} | {system.distribution} {version} | {how} |")
+    return lines
+
+
+def _script(pc: PeersConfig) -> str:
+    return (f"N = {pc.n:,} samples whose item is its index, shuffled, global batch {GLOBAL_BATCH} at every world size "
+            f"(micro-batch 48 / (W x grad_accum)); 4 ranks stop after {pc.stop_updates} optimizer updates "
+            f"({pc.stop_updates * GLOBAL_BATCH:,} samples), save as the system documents, and a new launch at W "
+            "ranks runs to the end of the epoch. Uneven: rank 1 one micro-batch ahead of rank 0 and rank 2 one "
+            "behind at the stop (DDP Join, uneven inputs). A cell is skipped / duplicated samples over the whole "
+            "epoch, counted by identity; \"no restart\" is the epoch run uninterrupted (the system's own tail "
+            "handling: padding with repeats, or drops).")
+
+
+def errors(section: dict) -> list[str]:
+    """The full error behind each "cannot resume" or "error" cell, once per system and message."""
+    seen = {(key, r.get("cannot_resume") or r.get("error")) for key, results in section["exactly_once"].items()
+            for r in results.values() if "cannot_resume" in r or "error" in r}
+    return ["", "Errors:", ""] + [f"- {_name(key)}: {message}" for key, message in sorted(seen)] if seen else []
+
+
+def tables(section: dict, script: str) -> list[str]:
+    """The section's Markdown: the exactly-once table, the costs, how each system saves, the versions."""
+    versions = ", ".join(f"{name} {v}" for name, v in section["versions"].items())
+    return (["### Exactly once: skipped / duplicated samples, by identity", "", script, ""]
+            + exactly_once_table(section) + errors(section)
+            + ["", "### Costs (one rank; resume and memory at N/2; medians; every measurement's spread is below)", ""]
+            + costs_table(section) + not_measured(section)
+            + ["", "### How each system saves its state", ""] + saves_table(section) + ["", f"Versions: {versions}."])
+
+
+def _rows(section: dict) -> list[dict]:
+    rows = []
+    for key, results in section["exactly_once"].items():
+        state = next((r["state_bytes"] for r in results.values() if "state_bytes" in r), None)
+        if state is not None:
+            rows.append(row(f"{_name(key)}: state saved at 4 ranks", single(state), "bytes"))
+    for point in section["resume"]["points"]:
+        rows += [row(f"{_name(key)}: resume at N/2, N={count(point['n'])}", stats, "ms", scale=1e3)
+                 for key, stats in point["values"].items()]
+    for key, points in section["memory"].get("points", {}).items():
+        rows += [row(f"{_name(key)}: memory at N={count(p['n'])}", single(p["added_bytes"]), "MB", scale=1e-6)
+                 for p in points if "added_bytes" in p]
+    for case in section["throughput"]:
+        rows += [row(f"{case['label']}: {_name(key)} / DataLoader", ratio, "ratio")
+                 for key, ratio in case["ratios"].items()]
+    return rows
+
+
+def run(cfg: Config) -> dict:
+    pc: PeersConfig = peers_config(cfg.mode)
+    peers, not_run = load_all()
+    for key, error in not_run.items():
+        say("peers", f"{_name(key)} not run: {error}")
+    section = {"versions": versions(), "saves": {key: peer.saves for key, peer in peers.items()},
+               "not_run": not_run, "n": pc.n, "global_batch": GLOBAL_BATCH, "stop_updates": pc.stop_updates,
+               "memory_sizes": list(pc.memory_sizes), "exactly_once": {}, "seconds": {}}
+    for key, peer in peers.items():
+        start = time.perf_counter()
+        say("peers", f"exactly-once: {_name(key)}")
+        module = next(s.module for s in SYSTEMS if s.key == key)
+        section["exactly_once"][key] = exactly_once(peer, module, pc.n, pc.stop_updates, pc.faults,
+                                                    pc.launch_timeout_s)
+        section["seconds"][f"exactly_once {key}"] = time.perf_counter() - start
+    with tempfile.TemporaryDirectory(prefix="loader-peers-costs-") as directory:
+        store = Store(Path(directory), pc.write_budget_s)
+        section["resume"] = resume.run(pc, peers, store, cfg.reps, cfg.warmup)
+        section["memory"] = memory.run(pc, peers, store)
+        section["throughput"] = throughput.run(pc, peers, store, cfg.reps, cfg.warmup)
+    section["rows"] = _rows(section)
+    section["tables"] = tables(section, _script(pc))
+    return section

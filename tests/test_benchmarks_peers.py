@@ -1,0 +1,77 @@
+"""The peers section: the fault script counts by identity, ours resumes exactly under every fault, and
+`python -m benchmarks --peers --smoke` runs every installed system (Grain from the `peers` extra, torchdata's
+StatefulDataLoader always) and reports the others with their error. Structure only: nothing timed is asserted."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from benchmarks.peers import ours, torch_skip
+from benchmarks.peers.faults import FAULTS, GLOBAL_BATCH, Fault, exactly_once, tally
+from benchmarks.peers.systems import SYSTEMS
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def test_tally_counts_skipped_and_extra_deliveries():
+    assert tally(5, [[0, 1], [1, 1, 4]]) == {"skipped": 2, "duplicated": 2, "delivered": 5}
+
+
+def test_every_fault_keeps_the_global_batch():
+    for fault in FAULTS:
+        for world in (fault.before, fault.after or fault.before):
+            assert fault.batch(world) * world * fault.accum == GLOBAL_BATCH
+    assert Fault(4, 3, uneven=True).stop(50) == (50, 51, 49, 50)
+    assert Fault(4, 6, accum=2).stop(50) == (100,) * 4
+
+
+def test_ours_resumes_exactly_under_every_fault():
+    results = exactly_once(ours.PEER, ours.__name__, 960, 5)
+    assert set(results) == {f.label for f in FAULTS}
+    for label, result in results.items():
+        assert (result["skipped"], result["duplicated"]) == (0, 0), (label, result)
+
+
+def test_skipping_k_batches_misses_what_unequal_ranks_consumed():
+    # rank 1 was one micro-batch ahead of rank 0 (its batch comes again), rank 2 one behind (its batch is lost)
+    result = exactly_once(torch_skip.PEER, torch_skip.__name__, 960, 5, (Fault(4, 4, uneven=True),))
+    assert (result["4→4 uneven"]["skipped"], result["4→4 uneven"]["duplicated"]) == (12, 12)
+
+
+@pytest.fixture(scope="module")
+def peers(tmp_path_factory) -> dict:
+    out = tmp_path_factory.mktemp("peers")
+    command = [sys.executable, "-m", "benchmarks", "--peers", "--smoke", "--device", "cpu", "--out", str(out)]
+    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    (json_path,) = out.glob("cpu-*-peers.json")
+    data = json.loads(json_path.read_text())
+    data["_markdown"] = json_path.with_suffix(".md").read_text()
+    return data
+
+
+def test_every_system_is_measured_or_reported_with_its_error(peers):
+    section = peers["sections"]["peers"]
+    keys = {s.key for s in SYSTEMS}
+    assert set(section["exactly_once"]) | set(section["not_run"]) == keys
+    assert {"torch_skip", "stateful", "grain_index", "ours"} <= set(section["exactly_once"])  # grain: .[peers]
+    for key, error in section["not_run"].items():
+        assert error and next(s.name for s in SYSTEMS if s.key == key) in peers["_markdown"]
+    for results in section["exactly_once"].values():
+        for label, result in results.items():
+            assert ("skipped" in result) != ("cannot_resume" in result or "error" in result), (label, result)
+
+
+def test_the_smoke_table_has_every_cost_and_the_versions(peers):
+    section = peers["sections"]["peers"]
+    assert section["versions"]["grain"] != "not installed"
+    assert all(p["values"] for p in section["resume"]["points"])
+    assert {case["kind"] for case in section["throughput"]} == {"index", "jpeg"}
+    for case in section["throughput"]:
+        assert "ours" in case["ratios"] and all(r["median"] > 0 for r in case["ratios"].values())
+    markdown = peers["_markdown"]
+    assert "### Exactly once" in markdown and "### Costs" in markdown and "how it saves state" in markdown
+    assert "| met |" not in markdown
