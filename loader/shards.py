@@ -114,11 +114,11 @@ def merge(deal: ShardDeal, ranks: list[RankShards]) -> ShardProgress:
         done, offsets = set(state.done), dict(state.offsets)
         for r in ranks:
             for worker, position in enumerate(r.positions):
+                if r.epoch < epoch or (r.epoch == epoch and position is None):
+                    continue
                 tasks = deal.tasks(epoch, r.rank, worker)
                 if r.epoch > epoch or position == "ended":
                     read_to = len(tasks)
-                elif r.epoch < epoch or position is None:
-                    continue
                 else:
                     read_to, offset = position
                     shard, start = tasks[read_to]

@@ -139,7 +139,7 @@ class StreamSource(IterableDataset):
             _set_rng(origin)
             task, offset, batches = 0, tasks[0][1] if tasks else 0, 0
         reader = _ShardReader(self.dataset, tasks, task, offset)
-        return _Batches(self, pass_id, iter(reader), None, batches, reader)
+        return _Batches(self, pass_id, reader, None, batches, reader)
 
     # -- a worker's state -----------------------------------------------------------------------------------------
 
@@ -168,19 +168,40 @@ def _set_rng(snapshot: dict | None) -> None:
 
 class _ShardReader:
     """A worker's records: its tasks (shard, first record) in order, from task `task` at record `offset`, keeping
-    (task, next record) current as records are drawn."""
+    (task, next record) current as records are drawn. An error while reading a shard fails the batch being made and
+    consumes the rest of that shard (a shard that cannot be read would otherwise fail every batch after it); the
+    worker goes on with its next shard."""
 
     def __init__(self, dataset, tasks: list, task: int, offset: int):
         self.dataset, self.tasks, self.task, self.offset = dataset, tasks, task, offset
+        self._records, self._done = None, not tasks
 
-    def __iter__(self) -> Iterator:
-        for task in range(self.task, len(self.tasks)):
-            shard, start = self.tasks[task]
-            if task > self.task:
-                self.task, self.offset = task, start
-            for record in self.dataset.iter_shard(shard, self.offset):
-                self.offset += 1
-                yield record
+    def __iter__(self) -> "_ShardReader":
+        return self
+
+    def __next__(self):
+        while not self._done:
+            if self._records is None:
+                self._records = iter(self.dataset.iter_shard(self.tasks[self.task][0], self.offset))
+            try:
+                record = next(self._records)
+            except StopIteration:
+                self._next_task()
+                continue
+            except Exception:
+                self._next_task()
+                raise
+            self.offset += 1
+            return record
+        raise StopIteration
+
+    def _next_task(self) -> None:
+        self._records = None
+        if self.task + 1 < len(self.tasks):
+            self.task += 1
+            self.offset = self.tasks[self.task][1]
+        else:
+            self._done = True
 
 
 class _Batches:

@@ -261,20 +261,12 @@ def _parse_all(states) -> list[RankStream]:
 
 
 def rank_streams(state) -> list[RankStream]:
-    """Every rank's parsed state out of a merged state, a list of states, or one state (of a one-rank run, or
-    standing alone: then only that rank can resume from it)."""
+    """Every rank's parsed state out of a merged state, a list of states, or the state of a one-rank run: a stream
+    has no progress that one rank's state could stand for in the others."""
     if isinstance(state, (list, tuple)):
         return _parse_all(state)
     kind = _check_header(state, ("stream", "streams"), "state")
-    if kind == "stream":
-        one = RankStream.from_dict(state)
-        if one.world_size > 1 and one.shards is not None:
-            raise StateError(
-                f"this is rank {one.rank}'s state of a sharded stream read by {one.world_size} ranks: the other "
-                f"ranks' shards are not in it. Load the merged state (loader.merge_states of every rank's state)"
-            )
-        return [one]
-    return _parse_all(_get(state, "ranks", list, "state"))
+    return _parse_all([state] if kind == "stream" else _get(state, "ranks", list, "state"))
 
 
 def regathered(ranks: list[RankStream]) -> tuple[ShardProgress, int, bool]:

@@ -1,5 +1,7 @@
-"""Map-style data sources the loader can shuffle, partition and resume."""
+"""Data sources the loader can shuffle, partition and resume at any world size: tar shards as a map-style dataset,
+and sharded streams (files, webdataset pipelines, Hugging Face streaming datasets)."""
 
+from loader.sources.sharded import FileShards, HuggingFaceShards, WebDatasetShards
 from loader.sources.webdataset import (
     MissingKeyError,
     ShardFormatError,
@@ -8,4 +10,13 @@ from loader.sources.webdataset import (
     prepare_indexes,
 )
 
-__all__ = ["MissingKeyError", "ShardFormatError", "StaleIndexError", "WebDatasetSource", "prepare_indexes"]
+__all__ = [
+    "FileShards",
+    "HuggingFaceShards",
+    "MissingKeyError",
+    "ShardFormatError",
+    "StaleIndexError",
+    "WebDatasetShards",
+    "WebDatasetSource",
+    "prepare_indexes",
+]
