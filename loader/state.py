@@ -84,7 +84,8 @@ def _get(state: dict, key: str, kind, where: str, default=_MISSING):
     if kind is int and (not is_int(value) or not 0 <= value < LARGEST):
         raise StateError(f"{where}.{key} must be a non-negative int, got {_short(value)}: the state is corrupted")
     if kind is not int and not isinstance(value, kind):
-        raise StateError(f"{where}.{key} must be of type {kind.__name__}, got {_short(value)}: the state is corrupted")
+        names = " or ".join(k.__name__ for k in kind) if isinstance(kind, tuple) else kind.__name__
+        raise StateError(f"{where}.{key} must be of type {names}, got {_short(value)}: the state is corrupted")
     return value
 
 
