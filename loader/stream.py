@@ -15,7 +15,7 @@ from loader._checks import is_int
 from loader.shards import ShardProgress, is_sharded, shard_digest
 from loader.state import StateError
 from loader.stream_source import Plan, StreamSource, is_stateful
-from loader.stream_state import RankStream, Shards, rank_streams, regathered
+from loader.stream_state import RankStream, Shards, rank_streams, regathered, stream_state
 
 _ENDED_ELSEWHERE = {"batches": 0, "ended": True, "dataset": None, "iterator": None, "shard": [0, 0], "rng": None}
 
@@ -86,7 +86,7 @@ class StreamProgress:
         if self.num_workers and plan.base_seed is None:
             self.base_seed = torch_iterator._base_seed
         if not self.num_workers and self.latest[0] is None and self.source._live is not None:
-            self.latest[0] = self.source.snapshot(self.source._live, ended=False)
+            self.latest[0] = self.source._live.snapshot(ended=False)
             if not self.delivered:
                 self._commit()
 
@@ -129,8 +129,8 @@ class StreamProgress:
 
     def state_dict(self) -> dict:
         delivered, latest, next_worker = self._committed
-        return RankStream(self.world_size, self.rank, self.epoch, delivered, self.exhausted, self.ended,
-                          self.num_workers, self.base_seed, next_worker, self.origins, latest, self.shards).to_dict()
+        return stream_state(self.world_size, self.rank, self.epoch, delivered, self.exhausted, self.ended,
+                            self.num_workers, self.base_seed, next_worker, self.origins, latest, self.shards)
 
     def load_state_dict(self, state) -> None:
         ranks = rank_streams(state)

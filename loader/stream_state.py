@@ -14,6 +14,7 @@ from __future__ import annotations
 import base64
 import binascii
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 import torch
@@ -124,7 +125,9 @@ class Shards:
     shuffle: bool
     base: ShardProgress
 
-    def to_dict(self) -> dict:
+    @cached_property
+    def serialised(self) -> dict:
+        """Built once: the shards and their base progress do not change while a rank runs."""
         return {"count": self.count, "digest": self.digest, "seed": self.seed, "shuffle": self.shuffle,
                 "base": _progress_to_dict(self.base)}
 
@@ -159,23 +162,9 @@ class RankStream:
     shards: Shards | None
 
     def to_dict(self) -> dict:
-        return {
-            "format": FORMAT,
-            "version": VERSION,
-            "kind": "stream",
-            "world_size": self.world_size,
-            "rank": self.rank,
-            "epoch": self.epoch,
-            "batches": self.batches,
-            "exhausted": self.exhausted,
-            "ended": self.ended,
-            "num_workers": self.num_workers,
-            "base_seed": self.base_seed,
-            "next_worker": self.next_worker,
-            "origins": list(self.origins),
-            "workers": list(self.workers),
-            "shards": None if self.shards is None else self.shards.to_dict(),
-        }
+        return stream_state(self.world_size, self.rank, self.epoch, self.batches, self.exhausted, self.ended,
+                            self.num_workers, self.base_seed, self.next_worker, self.origins, self.workers,
+                            self.shards)
 
     @classmethod
     def from_dict(cls, state, where: str = "state") -> "RankStream":
@@ -240,6 +229,30 @@ class RankStream:
         if self.exhausted:
             positions = ["ended"] * len(self.workers)
         return RankShards(self.rank, self.epoch, positions)
+
+
+def stream_state(world_size: int, rank: int, epoch: int, batches: int, exhausted: bool, ended: bool,
+                 num_workers: int, base_seed: int | None, next_worker: int, origins, workers,
+                 shards: Shards | None) -> dict:
+    """A rank's stream state in its serialised form, built directly: the loader makes one per state_dict() call,
+    i.e. per step. The snapshots are shared, never copied: nothing changes them once made."""
+    return {
+        "format": FORMAT,
+        "version": VERSION,
+        "kind": "stream",
+        "world_size": world_size,
+        "rank": rank,
+        "epoch": epoch,
+        "batches": batches,
+        "exhausted": exhausted,
+        "ended": ended,
+        "num_workers": num_workers,
+        "base_seed": base_seed,
+        "next_worker": next_worker,
+        "origins": list(origins),
+        "workers": list(workers),
+        "shards": None if shards is None else shards.serialised,
+    }
 
 
 def merge_stream_states(states: list[dict]) -> dict:
