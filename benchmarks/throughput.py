@@ -1,7 +1,8 @@
 """1. Loader throughput: samples/s of our loader against torch's DataLoader and torchdata's StatefulDataLoader.
 
-Same map-style dataset, batch size and workers, all shuffled; the `+state_dict` candidates checkpoint after every
-batch, as a resumable training loop does. A cheap sample shows the loader's own per-batch cost; an expensive one
+Same map-style dataset, batch size and workers, all shuffled, then the same rows as a stream (an IterableDataset
+whose iterator has a state, which our workers snapshot with every batch); the `+state_dict` candidates checkpoint
+after every batch, as a resumable training loop does. A cheap sample shows the loader's own per-batch cost; an expensive one
 (a busy wait per sample) shows whether it stays out of the way when loading dominates. Timing starts after the
 first batch of every worker: start-up is the same for every loader and is resume latency, not throughput.
 """
@@ -13,13 +14,14 @@ from functools import partial
 from typing import Iterator
 
 from benchmarks.config import Config
-from benchmarks.datasets import FeatureDataset
+from benchmarks.datasets import FeatureDataset, FeatureStream
 from benchmarks.environment import usable_cpus
 from benchmarks.loaders import CANDIDATES, OURS, TORCH, Candidate, batch_len, steps
 from benchmarks.rows import row
 from benchmarks.timing import compare
 
 OURS_TARGET = ">= 0.99"  # our throughput / DataLoader's, with or without a state_dict() per step
+STREAM_TARGET = ">= 0.98"  # the same on a stream, whose workers snapshot their state with every batch
 
 
 def rate(candidate: Candidate, dataset, **kwargs) -> float:
@@ -52,15 +54,19 @@ def oversubscribed(num_workers: int) -> str:
     return f" ({processes} processes on {cpus} CPUs)" if processes > cpus else ""
 
 
-def _case(cfg: Config, cost: str, busy_us: float, num_workers: int) -> dict:
-    kwargs = dict(batch_size=cfg.batch_size, shuffle=True, num_workers=num_workers, pin_memory=cfg.device == "cuda")
-    dataset_of_size = partial(FeatureDataset, features=cfg.features, busy_us=busy_us)
+def _case(cfg: Config, cost: str, busy_us: float, num_workers: int, stream: bool = False) -> dict:
+    """Map-style (shuffled), or a stream (`FeatureStream`, the same rows with an iterator state: what each worker
+    snapshots with every batch)."""
+    kwargs = dict(batch_size=cfg.batch_size, num_workers=num_workers, pin_memory=cfg.device == "cuda")
+    if not stream:
+        kwargs["shuffle"] = True
+    dataset_of_size = partial(FeatureStream if stream else FeatureDataset, features=cfg.features, busy_us=busy_us)
     size = calibrated_size(dataset_of_size, cfg.run_s, cfg.batch_size * 16, **kwargs)
     dataset = dataset_of_size(size)
-    label = f"{cost}, workers={num_workers}" + oversubscribed(num_workers)
+    label = f"{'stream, ' if stream else ''}{cost}, workers={num_workers}" + oversubscribed(num_workers)
     candidates = {c.name: partial(rate, c, dataset, **kwargs) for c in CANDIDATES}
     result = compare(candidates, TORCH.name, cfg.reps, cfg.warmup, f"throughput {label}", "samples/s")
-    return {"label": label, "busy_us": busy_us, "dataset_size": size, **kwargs, **result}
+    return {"label": label, "busy_us": busy_us, "dataset_size": size, "stream": stream, **kwargs, **result}
 
 
 def ratio_rows(case: dict, baseline: str, target: str) -> Iterator[dict]:
@@ -72,5 +78,7 @@ def ratio_rows(case: dict, baseline: str, target: str) -> Iterator[dict]:
 
 def run(cfg: Config) -> dict:
     costs = (("cheap", 0.0), ("expensive", cfg.busy_us))
-    cases = [_case(cfg, cost, busy_us, workers) for cost, busy_us in costs for workers in cfg.workers]
-    return {"cases": cases, "rows": [r for case in cases for r in ratio_rows(case, TORCH.name, OURS_TARGET)]}
+    cases = [_case(cfg, cost, busy_us, workers, stream) for stream in (False, True) for cost, busy_us in costs
+             for workers in cfg.workers]
+    rows = [r for case in cases for r in ratio_rows(case, TORCH.name, STREAM_TARGET if case["stream"] else OURS_TARGET)]
+    return {"cases": cases, "rows": rows}

@@ -8,6 +8,7 @@ from loader.dataloader import ContinuedPassWarning, ResumableDataLoader, SampleI
 from loader.order import Order, sample_seed
 from loader.partition import EpochPlan, Layout
 from loader.sampler import ResumableSampler
+from loader.shards import ShardedStream
 from loader.state import StateError, merge_states
 
 __all__ = [
@@ -18,6 +19,7 @@ __all__ = [
     "ResumableDataLoader",
     "ResumableSampler",
     "SampleIndex",
+    "ShardedStream",
     "StateError",
     "merge_states",
     "sample_seed",

@@ -7,11 +7,13 @@ fetched it. With in-order delivery, the k-th batch out is the k-th index list in
 
 from __future__ import annotations
 
+import copy
 import warnings
 from typing import Any, Callable, Iterator, TypeVar
 
 import numpy as np
 import torch.distributed as dist
+from torch._utils import ExceptionWrapper
 from torch.utils.data import DataLoader, IterableDataset
 from torch.utils.data._utils.fetch import _MapDatasetFetcher
 
@@ -19,6 +21,7 @@ from loader._checks import check_positive_int, check_rank, is_int
 from loader.order import Order, block_sizes_for_window, sample_seed
 from loader.partition import Layout
 from loader.sampler import ResumableSampler
+from loader.shards import is_sharded
 from loader.stream import StreamProgress
 
 
@@ -100,8 +103,8 @@ class _Delivery:
     over (and, with persistent workers, would read from the newest one's reset worker iterator). torch's
     iterator attributes (`_workers`, `_num_workers`, ...) are forwarded, for the tools that read them."""
 
-    def __init__(self, inner, loader: "ResumableDataLoader", iteration: int, skip: int = 0):
-        self._inner, self._loader, self._iteration, self._skip = inner, loader, iteration, skip
+    def __init__(self, inner, loader: "ResumableDataLoader", iteration: int):
+        self._inner, self._loader, self._iteration = inner, loader, iteration
         self._interrupted = False
 
     def __iter__(self) -> "_Delivery":
@@ -119,9 +122,8 @@ class _Delivery:
         received = getattr(self._inner, "_rcvd_idx", None)
         return 1 if received is None else received - received_before
 
-    def __next__(self):
-        loader = self._loader
-        if loader._iterations != self._iteration:
+    def _check_active(self) -> None:
+        if self._loader._iterations != self._iteration:
             raise RuntimeError(
                 "this iterator was superseded (by a newer iter(), load_state_dict() or set_epoch() on the same "
                 "ResumableDataLoader): progress counts what one iterator delivers, so iterate a new one, which "
@@ -130,10 +132,11 @@ class _Delivery:
         if self._interrupted:
             raise RuntimeError("this iterator was interrupted inside next(): take a new iter(), which serves the "
                                "interrupted batch again")
+
+    def __next__(self):
+        loader = self._loader
+        self._check_active()
         try:
-            while self._skip:  # a stream without random access: replay what was already delivered, unseen
-                next(self._inner)
-                self._skip -= 1
             received_before = getattr(self._inner, "_rcvd_idx", None)
             batch = next(self._inner)
         except StopIteration:
@@ -152,6 +155,57 @@ class _Delivery:
 
 def _distributed() -> bool:
     return dist.is_available() and dist.is_initialized()
+
+
+class _StreamDelivery(_Delivery):
+    """A stream's delivery: torch yields (note, batch) pairs; each note moves its worker's state on (see
+    loader.stream). A batch whose making raised is consumed (the stream moved past it) and its error raised; a
+    note without a batch marks a worker's end. An error torch raises itself (a worker that died, a timeout) counts
+    nothing."""
+
+    def __next__(self):
+        loader = self._loader
+        self._check_active()
+        while True:
+            try:
+                note, batch = next(self._inner)
+            except StopIteration:
+                loader._end_pass()
+                raise
+            except Exception:
+                raise
+            except BaseException:  # as for map-style: nothing counted, a new iter() serves the batch again
+                self._interrupted = True
+                raise
+            loader._stream.receive(note)
+            if not note.end:
+                break
+        if note.error is not None:
+            loader._fail()
+            error, note.error = _unwrapped(note.error), None
+            try:
+                raise error
+            finally:
+                del error  # no cycle (exception -> traceback -> this frame -> exception) keeps the workers alive
+        loader._deliver()
+        return batch
+
+
+def _unwrapped(error: BaseException | ExceptionWrapper) -> BaseException:
+    """The exception a worker's ExceptionWrapper stands for, without the reference cycle torch's reraise() leaves
+    in its traceback: a cycle keeps this iterator and its worker processes alive until the garbage collector runs,
+    and a worker forked meanwhile inherits them."""
+    if not isinstance(error, ExceptionWrapper):
+        return error
+    try:
+        error.reraise()
+    except Exception as err:  # noqa: BLE001 - reraise raises the worker's exception type
+        return err.with_traceback(None)
+
+
+def _as_is(data):
+    """torch's collate_fn for a stream: the source already made the batch."""
+    return data
 
 
 def _default_rank_and_world(rank: int | None, world_size: int | None) -> tuple[int, int]:
@@ -259,9 +313,13 @@ class ResumableDataLoader(DataLoader[T_co]):
         if isinstance(dataset, IterableDataset):
             if sample_seeds or shuffle_blocks is not None:
                 raise ValueError("sample_seeds and shuffle_blocks need a map-style dataset (random access)")
+            sharded = is_sharded(dataset)  # the loader deals its shards, in an order it may shuffle
             self.resumable_sampler = None
-            self._stream = StreamProgress(dataset, world_size, rank, grad_accum, snapshots=num_workers == 0)
-            super().__init__(dataset, batch_size=batch_size, shuffle=shuffle, drop_last=drop_last, **common)
+            self._stream = StreamProgress(dataset, world_size, rank, grad_accum, num_workers, persistent_workers,
+                                          seed, bool(shuffle) and sharded)
+            super().__init__(dataset, batch_size=batch_size, shuffle=None if sharded else shuffle,
+                             drop_last=drop_last, **common)
+            self._stream.attach(batch_size, drop_last, self.collate_fn, worker_init_fn)
             return
         self._stream = None
         self._shuffle_blocks = shuffle_blocks
@@ -335,10 +393,7 @@ class ResumableDataLoader(DataLoader[T_co]):
             )
         self._supersede()
         if self._stream is not None:
-            if self.ledger is not None:
-                raise TypeError("a ledger records sample indices, which an IterableDataset does not have")
-            skip = self._stream.begin_pass()
-            return _Delivery(super().__iter__(), self, self._iterations, skip)
+            return self._stream_iter()
         self.resumable_sampler.begin_pass()
         self._follow_length()
         return _Delivery(super().__iter__(), self, self._iterations)
@@ -359,6 +414,30 @@ class ResumableDataLoader(DataLoader[T_co]):
                 f"sizes for {new} (an int window follows the length)"
             )
         sampler.follow_length(_order_for(new, sampler.order.shuffle != "none", self.seed, self._shuffle_blocks))
+
+    def _stream_iter(self) -> _StreamDelivery:
+        if self.ledger is not None:
+            raise TypeError("a ledger records sample indices, which an IterableDataset does not have")
+        stream = self._stream
+        if stream.exhausted and not stream.ended:  # set_epoch() named the epoch whose stream is over: empty pass
+            return _StreamDelivery(iter(()), self, self._iterations)
+        plan = stream.begin_pass()
+        if plan is not None and self._iterator is not None:  # persistent workers stand elsewhere: start anew
+            self._iterator._shutdown_workers()
+            self._iterator = None
+        stream.source.plan = plan
+        inner = super().__iter__()
+        stream.started(inner, plan)
+        return _StreamDelivery(inner, self, self._iterations)
+
+    def _get_iterator(self):
+        """torch's iterator; for a stream, over the stream's source, which makes the batches (with their notes)."""
+        if self._stream is None:
+            return super()._get_iterator()
+        view = copy.copy(self)
+        view.__dict__.update(dataset=self._stream.source, batch_sampler=None, collate_fn=_as_is, drop_last=False,
+                             worker_init_fn=self._stream.source.init_worker)
+        return DataLoader._get_iterator(view)
 
     def _supersede(self) -> None:
         """From now on, only an iterator made after this call delivers."""

@@ -5,9 +5,8 @@ epoch and how many micro-batches it delivered in completed updates. `merge_state
 into the global progress: per epoch, the committed positions as intervals, which a restart at any world size
 reads as one small object. Everything is plain Python types, so a state is JSON- and torch.save-able.
 
-Map-style datasets get the full guarantee. A plain IterableDataset has no random access; its ("stream") state
-can only be restored by the same rank at the same world size, and the merge keeps the per-rank states side by
-side for that.
+Map-style datasets get the full guarantee. Stream (IterableDataset) states are defined in `loader.stream_state`;
+the merge keeps them side by side per rank.
 """
 
 from __future__ import annotations
@@ -420,6 +419,8 @@ def merge_states(states: list[dict], uneven: bool = False) -> dict:
     if len(kinds) > 1:
         raise StateError("merge_states got map-style and stream states mixed: they come from different loaders")
     if kinds == {"stream"}:
+        from loader.stream_state import merge_stream_states  # imports this module
+
         return merge_stream_states(states)
     parsed_bases: dict = {}
     ranks = [RankProgress.from_dict(s, f"states[{i}]", parsed_bases) for i, s in enumerate(states)]
@@ -493,57 +494,3 @@ def _check_ranks(ranks: list[int], world_size: int) -> None:
         f"the states were saved at world_size {world_size} but {len(ranks)} were given (missing ranks "
         f"{_first(missing)}, repeated ranks {_first(repeated)}): pass exactly one state per rank"
     )
-
-
-# -- IterableDataset ("stream") states ---------------------------------------------------------------------------
-
-
-def stream_state(world_size: int, rank: int, epoch: int, batches: int, finished: bool, dataset_state) -> dict:
-    return {
-        "format": FORMAT,
-        "version": VERSION,
-        "kind": "stream",
-        "world_size": world_size,
-        "rank": rank,
-        "epoch": epoch,
-        "batches": batches,
-        "finished": finished,
-        "dataset": dataset_state,
-    }
-
-
-def merge_stream_states(states: list[dict]) -> dict:
-    if not isinstance(states, list) or not states:
-        raise StateError("stream progress needs a non-empty list of per-rank states (one per rank)")
-    for i, s in enumerate(states):
-        where = f"states[{i}]"
-        _check_header(s, ("stream",), where)
-        for key in ("world_size", "rank", "epoch", "batches"):
-            _get(s, key, int, where)
-        _get(s, "finished", bool, where)
-        if not s["rank"] < s["world_size"]:
-            raise StateError(f"{where}.rank is {s['rank']}, outside world_size {s['world_size']}: the state is corrupted")
-    world_size = states[0]["world_size"]
-    if any(s["world_size"] != world_size for s in states):
-        raise StateError("stream states were saved at different world sizes: pass the states of one step")
-    _check_ranks([s["rank"] for s in states], world_size)
-    ordered = sorted(states, key=lambda s: s["rank"])
-    return {"format": FORMAT, "version": VERSION, "kind": "streams", "world_size": world_size, "ranks": ordered}
-
-
-def stream_state_for(state, world_size: int, rank: int) -> dict:
-    """This rank's stream state out of a merged one, a list, or a single state; refuses another world size."""
-    if isinstance(state, (list, tuple)):
-        ranks = list(state)
-    else:
-        kind = _check_header(state, ("stream", "streams"), "state")
-        ranks = [state] if kind == "stream" else _get(state, "ranks", list, "state")
-    state = merge_stream_states(ranks)  # every entry checked, exactly one per rank, whatever the container said
-    saved = state["world_size"]
-    if saved != world_size:
-        raise StateError(
-            f"this IterableDataset progress was saved at world_size {saved}, the loader runs at {world_size}: an "
-            f"IterableDataset has no random access, so its progress cannot be repartitioned. Restart at world_size "
-            f"{saved}, or use a map-style dataset (or a loader.sources source) to change the world size"
-        )
-    return state["ranks"][rank]

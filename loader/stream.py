@@ -1,89 +1,210 @@
-"""Progress of a plain IterableDataset: the best guarantee a stream without random access allows.
+"""Progress of a stream (IterableDataset) in the main process: per worker, the snapshot of the last batch delivered.
 
-A stream cannot be repartitioned, so its progress is (epoch, batches delivered in completed updates) for one rank,
-restorable only at the same world size. Resuming replays the stream and discards what was already committed.
-When the dataset has its own `state_dict`/`load_state_dict` and is read in this process (num_workers == 0), its
-state is snapshotted at each completed update and restored instead, so resuming costs no replay.
+Batches arrive in torch's round robin over the workers, each with its worker's note (see `loader.stream_source`);
+the note of a batch is kept when the batch is delivered (or fails to load: the stream moved past it), and the notes
+as they stood after the last completed update are the state. A new torch iterator (a resume, a new iter() in the
+middle of a pass, another epoch) starts every worker from its snapshot, and torch's round robin at the worker after
+the one that delivered last. Persistent workers go on to the next pass as they are when their pass ended cleanly.
+
+A plain stream resumes at the same world size and number of workers; a sharded stream (`loader.shards`) at any.
 """
 
 from __future__ import annotations
 
-import copy
-
 from loader._checks import is_int
-from loader.state import StateError, stream_state, stream_state_for
+from loader.shards import ShardProgress, is_sharded, shard_digest
+from loader.state import StateError
+from loader.stream_source import Plan, StreamSource, is_stateful
+from loader.stream_state import RankStream, Shards, rank_streams, regathered, stream_state
 
-
-def is_stateful(dataset) -> bool:
-    return callable(getattr(dataset, "state_dict", None)) and callable(getattr(dataset, "load_state_dict", None))
+_ENDED_ELSEWHERE = {"batches": 0, "ended": True, "dataset": None, "iterator": None, "shard": [0, 0], "rng": None}
 
 
 class StreamProgress:
-    def __init__(self, dataset, world_size: int, rank: int, grad_accum: int, snapshots: bool):
+    def __init__(self, dataset, world_size: int, rank: int, grad_accum: int, num_workers: int, persistent: bool,
+                 seed: int, shuffle: bool):
         self.dataset, self.world_size, self.rank, self.grad_accum = dataset, world_size, rank, grad_accum
-        self.snapshots = snapshots and is_stateful(dataset)
-        self._set(epoch=0, delivered=0, finished=False, snapshot=None)
+        self.num_workers, self.persistent = num_workers, persistent and num_workers > 0
+        self.workers = max(num_workers, 1)
+        self.shards = None
+        if is_sharded(dataset):
+            names = list(dataset.shards())
+            self.shards = Shards(len(names), shard_digest(names), seed, bool(shuffle), ShardProgress(len(names)))
+        self.source: StreamSource | None = None
+        self._pass_id, self._rotation = 0, 0
+        self._reusable = False  # persistent workers ended their pass cleanly, unrotated: they may go on as they are
+        self._origins_live = False  # the main process's dataset stands at the origin (it ran the pass that ended)
+        self._start(0, (None,) * self.workers)
 
-    def _set(self, epoch: int, delivered: int, finished: bool, snapshot) -> None:
-        self.epoch, self.delivered, self.finished = epoch, delivered, finished
-        self._snapshot = snapshot  # (batches, dataset state) at the last completed update, or None
+    def attach(self, batch_size: int | None, drop_last: bool, collate_fn, worker_init_fn) -> StreamSource:
+        """The dataset torch iterates: this stream's batches, made where it is read, each with its worker's note."""
+        deal = None if self.shards is None else self.shards.deal(self.world_size, self.workers)
+        self.source = StreamSource(self.dataset, batch_size, drop_last, collate_fn, self.num_workers, worker_init_fn,
+                                   self.rank, deal)
+        return self.source
+
+    def _start(self, epoch: int, origins: tuple, *, delivered: int = 0, latest=None, next_worker: int = 0,
+               base_seed: int | None = None, exhausted: bool = False, ended: bool = False) -> None:
+        self.epoch, self.delivered, self.exhausted, self.ended = epoch, delivered, exhausted, ended
+        self.origins, self.base_seed, self.next_worker = origins, base_seed, next_worker
+        self.latest = list(latest or (None,) * self.workers)
+        self._pass_id += 1
+        self._commit()
+
+    def _commit(self) -> None:
+        self._committed = (self.delivered, tuple(self.latest), self.next_worker)
 
     @property
-    def ended(self) -> bool:
-        return self.finished
+    def finished(self) -> bool:
+        return self.exhausted
 
     @property
     def delivered_any(self) -> bool:
+        """A batch was delivered in this loader's life so far (rank and world size can no longer change)."""
         return self.delivered > 0 or self.epoch > 0
 
-    def set_epoch(self, epoch: int) -> bool:
-        """Another epoch starts from its beginning; returns whether anything changed."""
-        if not is_int(epoch) or epoch < 0:
-            raise ValueError(f"epoch must be a non-negative int, got {epoch!r}")
-        if epoch == self.epoch:
-            return False
-        self._set(epoch, 0, False, None)
-        return True
+    # -- passes ----------------------------------------------------------------------------------------------------
 
-    def begin_pass(self) -> int:
-        """Start or continue a pass; returns how many batches of the stream to discard before delivering."""
-        if self.finished:
-            self._set(self.epoch + 1, 0, False, None)
-        if self._snapshot is None:
-            return self.delivered
-        batches, dataset_state = self._snapshot
-        self.dataset.load_state_dict(copy.deepcopy(dataset_state))
-        return self.delivered - batches
+    def _advance(self) -> None:
+        """The next epoch, as the live loader goes on to it: worker states carry over where the dataset objects
+        live on (the main process, persistent workers); other workers start from fresh copies."""
+        carried = self.num_workers == 0 or self.persistent
+        self._start(self.epoch + 1, tuple(self.latest) if carried else (None,) * self.workers)
+
+    def begin_pass(self) -> Plan | None:
+        """At iter(): the plan every worker of a new torch iterator starts from; None when the persistent workers
+        go on to the next pass as they are."""
+        if self.ended:
+            self._advance()
+        if self._reusable and not self.delivered:
+            return None
+        origins = (None,) * self.workers if self._origins_live and not self.num_workers else self.origins
+        return Plan(self._pass_id, self.epoch, self.base_seed, self.next_worker, tuple(zip(origins, self.latest)))
+
+    def started(self, torch_iterator, plan: Plan | None) -> None:
+        """A torch iterator was made (or persistent workers reset) for the plan: note torch's base seed where the
+        workers took it, and, in the main process, the stream's state before its first batch."""
+        self._reusable = self._origins_live = False  # the workers (the dataset) move on from the pass's start now
+        if plan is None:
+            return
+        self._rotation = plan.rotation
+        if self.num_workers and plan.base_seed is None:
+            self.base_seed = torch_iterator._base_seed
+        if not self.num_workers and self.latest[0] is None and self.source._live is not None:
+            self.latest[0] = self.source._live.snapshot(ended=False)
+            if not self.delivered:
+                self._commit()
+
+    def receive(self, note) -> None:
+        """A worker's note came in (with a batch to deliver or fail, or its end): it stands after it now."""
+        self.latest[note.worker] = note.snapshot
+        self.next_worker = (note.worker + 1) % self.workers
 
     def deliver(self) -> None:
         self.delivered += 1
-        if self.snapshots and self.delivered % self.grad_accum == 0:
-            self._snapshot = (self.delivered, copy.deepcopy(self.dataset.state_dict()))
+        if self.delivered % self.grad_accum == 0:
+            self._commit()
 
     def end_pass(self) -> None:
-        self.finished = True
+        self.exhausted = self.ended = True
+        self._reusable = self.persistent and self._rotation == 0
+        self._origins_live = True
+        self._commit()
 
     @property
     def completed(self) -> int:
-        return self.delivered if self.finished else self.delivered - self.delivered % self.grad_accum
+        return self._committed[0]
+
+    def set_epoch(self, epoch: int) -> bool:
+        """The current epoch: what is left of it (nothing after its end was handed out). The next one after an
+        exhausted pass: the natural advance. Any other: that epoch from its start. Returns whether anything changed."""
+        if not is_int(epoch) or epoch < 0:
+            raise ValueError(f"epoch must be a non-negative int, got {epoch!r}")
+        if epoch == self.epoch:
+            changed, self.ended = self.ended, False
+            return changed
+        if epoch == self.epoch + 1 and self.exhausted:
+            self._advance()
+        else:
+            self._reusable = self._origins_live = False
+            self._start(epoch, (None,) * self.workers)
+        return True
+
+    # -- state -----------------------------------------------------------------------------------------------------
 
     def state_dict(self) -> dict:
-        completed = self.completed
-        dataset_state = None
-        if self._snapshot is not None and self._snapshot[0] == completed:
-            dataset_state = self._snapshot[1]
-        return stream_state(self.world_size, self.rank, self.epoch, completed, self.finished, dataset_state)
+        delivered, latest, next_worker = self._committed
+        return stream_state(self.world_size, self.rank, self.epoch, delivered, self.exhausted, self.ended,
+                            self.num_workers, self.base_seed, next_worker, self.origins, latest, self.shards)
 
     def load_state_dict(self, state) -> None:
-        mine = stream_state_for(state, self.world_size, self.rank)
-        finished = mine.get("finished")
-        dataset_state = mine.get("dataset")
-        if not isinstance(finished, bool):
-            raise StateError(f"state.finished of rank {self.rank} must be a bool, got {finished!r}")
-        if dataset_state is not None and not is_stateful(self.dataset):
+        ranks = rank_streams(state)
+        saved = ranks[0]
+        if (saved.shards is None) != (self.shards is None):
+            raise StateError(
+                f"this state was saved for a {'plain' if saved.shards is None else 'sharded'} stream, but "
+                f"{type(self.dataset).__name__} is {'sharded' if saved.shards is None else 'not sharded'}: "
+                f"construct the loader with the dataset that saved it"
+            )
+        if self.shards is not None:
+            self._check_same_shards(saved.shards)
+            if (saved.world_size, saved.num_workers) != (self.world_size, self.num_workers):
+                return self._redeal(ranks)
+        self._check_layout(saved)
+        mine = ranks[self.rank]
+        if any(s is not None and s["dataset"] is not None for s in mine.workers + mine.origins) and not is_stateful(
+            self.dataset
+        ):
             raise StateError(
                 f"the state of rank {self.rank} holds a dataset state, but {type(self.dataset).__name__} has no "
                 f"load_state_dict: construct the loader with the dataset class that saved it"
             )
-        snapshot = None if dataset_state is None else (mine["batches"], dataset_state)
-        self._set(mine["epoch"], mine["batches"], finished, snapshot)
+        self._restore(mine)
+
+    def _check_layout(self, saved: RankStream) -> None:
+        if saved.world_size != self.world_size:
+            raise StateError(
+                f"this IterableDataset progress was saved at world_size {saved.world_size}, the loader runs at "
+                f"{self.world_size}: an IterableDataset has no random access, so its progress cannot be "
+                f"repartitioned. Restart at world_size {saved.world_size}, or make the stream sharded "
+                f"(loader.shards.ShardedStream) or map-style to change the world size"
+            )
+        if saved.num_workers != self.num_workers:
+            raise StateError(
+                f"this IterableDataset progress was saved with num_workers={saved.num_workers}, the loader has "
+                f"num_workers={self.num_workers}: each worker's stream resumes in its own worker, so the count must "
+                f"stay. Construct the loader with num_workers={saved.num_workers}, or make the stream sharded "
+                f"(loader.shards.ShardedStream) to change it"
+            )
+
+    def _check_same_shards(self, saved: Shards) -> None:
+        ours = self.shards
+        for name, theirs, mine, hint in (
+            ("count", saved.count, ours.count, "the stream lists another number of shards"),
+            ("digest", saved.digest, ours.digest, "the stream lists other shards, or in another order"),
+            ("seed", saved.seed, ours.seed, f"construct the loader with seed={saved.seed}"),
+            ("shuffle", saved.shuffle, ours.shuffle, f"construct the loader with shuffle={saved.shuffle}"),
+        ):
+            if theirs != mine:
+                raise StateError(f"state.shards.{name} is {theirs!r} in the saved state but {mine!r} in this loader: "
+                                 f"{hint}")
+
+    def _restore(self, mine: RankStream) -> None:
+        if self.shards is not None:
+            self._rebase(mine.shards)
+        self._reusable = self._origins_live = False
+        self._start(mine.epoch, mine.origins, delivered=mine.batches, latest=mine.workers,
+                    next_worker=mine.next_worker, base_seed=mine.base_seed, exhausted=mine.exhausted,
+                    ended=mine.ended)
+
+    def _redeal(self, ranks: list[RankStream]) -> None:
+        """Another world size or number of workers: deal every rank's unfinished shards again, from their records."""
+        progress, epoch, over = regathered(ranks)
+        self._rebase(Shards(self.shards.count, self.shards.digest, self.shards.seed, self.shards.shuffle, progress))
+        self._reusable = self._origins_live = False
+        ends = (dict(_ENDED_ELSEWHERE),) * self.workers if over else None
+        self._start(epoch, (None,) * self.workers, latest=ends, exhausted=over, ended=over)
+
+    def _rebase(self, shards: Shards) -> None:
+        self.shards = shards
+        self.source.deal = shards.deal(self.world_size, self.workers)

@@ -393,7 +393,7 @@ def test_iterable_dataset_resumes_at_the_same_world_size(make):
     dl = ResumableDataLoader(make(23), batch_size=4, grad_accum=2)
     seen = as_lists(batches(dl, count=3))
     state = dl.state_dict()
-    assert state["batches"] == 2 and (state["dataset"] is not None) == (make is StatefulStream)
+    assert state["batches"] == 2 and (state["workers"][0]["dataset"] is not None) == (make is StatefulStream)
     resumed = ResumableDataLoader(make(23), batch_size=4, grad_accum=2)
     resumed.load_state_dict(json.loads(json.dumps(state)))
     assert seen[:2] + as_lists(batches(resumed)) == reference

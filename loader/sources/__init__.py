@@ -1,7 +1,9 @@
-"""Map-style data sources the loader can shuffle, partition and resume."""
+"""Data sources the loader can shuffle, partition and resume at any world size: tar shards as a map-style dataset,
+and sharded streams (files, webdataset pipelines, Hugging Face streaming datasets)."""
 
 from loader.sources.cache import CacheFullError
 from loader.sources.mixture import Mixture, MixturePlan
+from loader.sources.sharded import FileShards, HuggingFaceShards, WebDatasetShards
 from loader.sources.tokens import TokenFileError, TokenSource
 from loader.sources.webdataset import (
     MissingKeyError,
@@ -13,6 +15,7 @@ from loader.sources.webdataset import (
 )
 
 __all__ = [
-    "CacheFullError", "MissingKeyError", "Mixture", "MixturePlan", "ShardFormatError", "ShardUnavailableError",
-    "StaleIndexError", "TokenFileError", "TokenSource", "WebDatasetSource", "prepare_indexes",
+    "CacheFullError", "FileShards", "HuggingFaceShards", "MissingKeyError", "Mixture", "MixturePlan",
+    "ShardFormatError", "ShardUnavailableError", "StaleIndexError", "TokenFileError", "TokenSource",
+    "WebDatasetShards", "WebDatasetSource", "prepare_indexes",
 ]

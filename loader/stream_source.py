@@ -1,0 +1,278 @@
+"""Where a stream is read: each worker process (the main process at num_workers=0) makes its batches itself, and
+each batch leaves with a note of its worker's state right after it. The main process keeps, per worker, the note of
+the last batch it *delivered*, so the state at "k batches delivered" is exact however far the workers prefetched,
+and a resume restores every worker there instead of replaying the stream.
+
+A worker's state: its dataset's and its iterator's own states (StatefulDataLoader's protocol: `state_dict` /
+`load_state_dict` on the dataset, or on the iterator its `__iter__` returns), its random states (torch, numpy,
+random; in workers only, the main process's belong to the training), how many batches it made in the pass, and for
+a sharded stream the task and record it reached. torch's workers run this unchanged: the loader hands torch this
+source as the dataset (batch_size=None), and a worker_init_fn that tells each worker which state it resumes from.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import itertools
+import sys
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator
+
+import torch.utils.data._utils.worker as torch_worker
+from torch._utils import ExceptionWrapper
+from torch.utils.data import IterableDataset, get_worker_info
+
+from loader.rng import rng_state, seed_like_torch, set_rng_state
+from loader.shards import ShardDeal
+
+
+def is_stateful(obj) -> bool:
+    return callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))
+
+
+class Note:
+    """What travels with a batch: the worker that made it, the worker's snapshot right after it ("ended" once its
+    stream is exhausted), and the error when making it raised (the batch is then consumed, not delivered). A note
+    with `end` comes without a batch: the worker's stream ended after its last batch. A class, not a dict, so that
+    pin_memory leaves it alone."""
+
+    __slots__ = ("worker", "snapshot", "error", "end")
+
+    def __init__(self, worker: int, snapshot: dict, error: Any = None, end: bool = False):
+        self.worker, self.snapshot, self.error, self.end = worker, snapshot, error, end
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Where each worker of a new torch iterator starts: per logical worker, (origin, latest), where `origin` is its
+    state when the pass began (None: a fresh copy of the dataset, seeded from `base_seed`) and `latest` its snapshot
+    after the last batch delivered (None: none yet). torch's worker i runs logical worker (i + rotation) % N, so
+    that torch's round robin continues after the worker that delivered last."""
+
+    pass_id: int
+    epoch: int
+    base_seed: int | None
+    rotation: int
+    workers: tuple
+
+
+class StreamSource(IterableDataset):
+    """The dataset torch iterates for a stream: yields (Note, batch) pairs, one per batch of the user's stream."""
+
+    def __init__(self, dataset, batch_size: int | None, drop_last: bool, collate_fn: Callable, num_workers: int,
+                 worker_init_fn: Callable | None, rank: int, deal: ShardDeal | None):
+        self.dataset, self.batch_size, self.drop_last, self.collate_fn = dataset, batch_size, drop_last, collate_fn
+        self.num_workers, self.user_init, self.rank, self.deal = num_workers, worker_init_fn, rank, deal
+        self.plan: Plan | None = None  # set by the main process before torch makes an iterator
+        self._worker, self._epoch, self._live = 0, 0, None
+
+    def init_worker(self, worker_id: int) -> None:
+        """torch's worker_init_fn: become the logical worker of the plan, reseeded as that worker when resuming, then
+        the user's worker_init_fn. WorkerInfo names the user's dataset and the logical id."""
+        info, plan = get_worker_info(), self.plan
+        seed = info.seed
+        if plan is not None:
+            self._worker = (worker_id + plan.rotation) % self.num_workers
+            base_seed = info.seed - worker_id if plan.base_seed is None else plan.base_seed
+            seed = seed_like_torch(base_seed, self._worker)
+        else:
+            self._worker = worker_id
+        torch_worker._worker_info = dataclasses.replace(info, id=self._worker, seed=seed, dataset=self.dataset)
+        if self.user_init is not None:
+            self.user_init(self._worker)
+
+    def __iter__(self) -> Iterator:
+        plan, self.plan = self.plan, None
+        if plan is None:  # persistent workers going on to the next pass
+            self._epoch += 1
+            return self._open(self._epoch, -1, None, None)
+        self._epoch = plan.epoch
+        origin, latest = plan.workers[self._worker]
+        live = self._live
+        if live is not None and live.resumes(plan.pass_id, latest):  # main process: its live iterator is there
+            return live
+        return self._open(plan.epoch, plan.pass_id, origin, latest)
+
+    # -- opening a worker's pass at a snapshot ------------------------------------------------------------------
+
+    def _open(self, epoch: int, pass_id: int, origin: dict | None, latest: dict | None) -> "_Batches":
+        if self.deal is not None:
+            batches = self._open_shards(epoch, pass_id, origin, latest)
+        elif latest is not None and (latest["dataset"] is not None or latest["iterator"] is not None):
+            if latest["dataset"] is not None:
+                self.dataset.load_state_dict(copy.deepcopy(latest["dataset"]))
+            iterator = iter(self.dataset)
+            if latest["iterator"] is not None:
+                iterator.load_state_dict(copy.deepcopy(latest["iterator"]))
+            _set_rng(latest)
+            batches = _Batches(self, pass_id, iterator, iterator, latest["batches"])
+        else:
+            batches = self._open_at_origin(pass_id, origin)
+            if latest is not None:
+                batches.replay(latest["batches"])  # a stream without state: its worker reads up to there again
+        if latest is not None and latest["ended"]:
+            batches.finished = True
+        self._live = batches if get_worker_info() is None else None
+        return batches
+
+    def _open_at_origin(self, pass_id: int, origin: dict | None) -> "_Batches":
+        """The pass as it began: the dataset as the previous pass left it (a dataset that is its own iterator gets
+        that pass's iterator state, loaded after an __iter__, as StatefulDataLoader does), the random state of then,
+        and a new __iter__ (which may reset the dataset, or draw)."""
+        if origin is not None and origin["dataset"] is not None:
+            self.dataset.load_state_dict(copy.deepcopy(origin["dataset"]))
+        if origin is not None and origin["iterator"] is not None:
+            previous = iter(self.dataset)
+            if previous is self.dataset:
+                previous.load_state_dict(copy.deepcopy(origin["iterator"]))
+        _set_rng(origin)
+        iterator = iter(self.dataset)
+        return _Batches(self, pass_id, iterator, iterator, 0)
+
+    def _open_shards(self, epoch: int, pass_id: int, origin: dict | None, latest: dict | None) -> "_Batches":
+        tasks = self.deal.tasks(epoch, self.rank, self._worker)
+        if latest is not None:
+            _set_rng(latest)
+            task, offset = latest["shard"]
+            batches = latest["batches"]
+        else:
+            _set_rng(origin)
+            task, offset, batches = 0, tasks[0][1] if tasks else 0, 0
+        reader = _ShardReader(self.dataset, tasks, task, offset)
+        return _Batches(self, pass_id, reader, None, batches, reader)
+
+
+_ATOMS = (int, float, str, bool, type(None))
+_NEVER = object()
+
+
+def _frozen(state):
+    """A copy the dataset can no longer change: its state_dict may return objects it goes on mutating. A flat dict
+    of numbers and strings (the usual state) is copied shallowly, 10x faster than deepcopy."""
+    if type(state) is dict and all(type(v) in _ATOMS for v in state.values()):
+        return dict(state)
+    return copy.deepcopy(state)
+
+
+def _set_rng(snapshot: dict | None) -> None:
+    if snapshot is not None and snapshot["rng"] is not None:
+        set_rng_state(snapshot["rng"])
+
+
+class _ShardReader:
+    """A worker's records: its tasks (shard, first record) in order, from task `task` at record `offset`, keeping
+    (task, next record) current as records are drawn. An error while reading a shard fails the batch being made and
+    consumes the rest of that shard (a shard that cannot be read would otherwise fail every batch after it); the
+    worker goes on with its next shard."""
+
+    def __init__(self, dataset, tasks: list, task: int, offset: int):
+        self.dataset, self.tasks, self.task, self.offset = dataset, tasks, task, offset
+        self._records, self._done = None, not tasks
+
+    def __iter__(self) -> "_ShardReader":
+        return self
+
+    def __next__(self):
+        while not self._done:
+            if self._records is None:
+                self._records = iter(self.dataset.iter_shard(self.tasks[self.task][0], self.offset))
+            try:
+                record = next(self._records)
+            except StopIteration:
+                self._next_task()
+                continue
+            except Exception:
+                self._next_task()
+                raise
+            self.offset += 1
+            return record
+        raise StopIteration
+
+    def _next_task(self) -> None:
+        self._records = None
+        if self.task + 1 < len(self.tasks):
+            self.task += 1
+            self.offset = self.tasks[self.task][1]
+        else:
+            self._done = True
+
+
+class _Batches:
+    """One worker's pass: the stream's records made into batches here, each paired with its Note. An error while
+    drawing or collating consumes the batch (the stream moved past it) and travels as the note's error."""
+
+    def __init__(self, source: StreamSource, pass_id: int, records: Iterator, iterator, count: int,
+                 reader: _ShardReader | None = None):
+        self.source, self.pass_id, self.iterator, self.reader = source, pass_id, iterator, reader
+        # drawn through its __next__: islice would call iter() on it, which resets a dataset that is its own iterator
+        self.records = iter(records.__next__, _NEVER)
+        self.count, self.finished, self.exhausted, self.clean = count, False, False, True
+        self._pending: tuple | None = None
+        # what a snapshot holds, decided once: a dataset that is its own iterator keeps its state once
+        self._keeps_dataset = reader is None and iterator is not source.dataset and is_stateful(source.dataset)
+        self._keeps_iterator = reader is None and is_stateful(iterator)
+        self._in_worker = get_worker_info() is not None
+
+    def snapshot(self, ended: bool) -> dict:
+        """The worker's state now: what a new worker needs to go on from here."""
+        reader = self.reader
+        return {
+            "batches": self.count,
+            "ended": ended,
+            "dataset": _frozen(self.source.dataset.state_dict()) if self._keeps_dataset else None,
+            "iterator": _frozen(self.iterator.state_dict()) if self._keeps_iterator else None,
+            "shard": None if reader is None else [reader.task, reader.offset],
+            "rng": rng_state() if self._in_worker else None,
+        }
+
+    def resumes(self, pass_id: int, latest: dict | None) -> bool:
+        """Whether this live iterator (main process) stands exactly where `latest` does, so it can just go on."""
+        return self.clean and pass_id == self.pass_id and self.count == (0 if latest is None else latest["batches"])
+
+    def __iter__(self) -> "_Batches":
+        return self
+
+    def __next__(self) -> tuple:
+        if self._pending is not None:
+            message, self._pending = self._pending, None
+            return message
+        if self.finished:
+            raise StopIteration
+        self.clean = False  # until the batch is made: an interrupt in between leaves the stream somewhere unknown
+        message = self._make()
+        self.clean = True
+        return message
+
+    def _make(self) -> tuple:
+        source, size = self.source, self.source.batch_size or 1
+        try:
+            items = list(itertools.islice(self.records, size)) if not self.exhausted else []
+            self.exhausted = len(items) < size  # the records ended (their end was drawn: a stream's last code ran)
+            if not items or (source.drop_last and len(items) < size):
+                self.finished = True
+                return Note(source._worker, self.snapshot(ended=True), end=True), None
+            batch = source.collate_fn(items if source.batch_size is not None else items[0])
+        except Exception as err:  # noqa: BLE001 - whatever the user's code raised fails this batch only
+            return self._made(_wrap(err)), None  # returned from here: no local keeps `err` (a cycle)
+        return self._made(None), batch
+
+    def _made(self, error) -> Note:
+        self.count += 1
+        self.finished = self.exhausted  # a short last batch: the stream ended with it
+        return Note(self.source._worker, self.snapshot(ended=self.exhausted), error)
+
+    def replay(self, count: int) -> None:
+        """Make `count` batches again, unseen: how a stream without state gets back to where its worker was."""
+        while self.count < count and not self.finished:
+            message = self._make()
+            if message[0].end:
+                self._pending = message  # the stream ended before: its end is still news to the main process
+
+
+def _wrap(err: Exception):
+    """In a worker, torch's ExceptionWrapper (the exception itself may not pickle); in the main process, itself."""
+    info = get_worker_info()
+    if info is None:
+        return err
+    return ExceptionWrapper(exc_info=sys.exc_info(), where=f"in DataLoader worker process {info.id}")

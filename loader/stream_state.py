@@ -1,0 +1,299 @@
+"""The state of a stream (IterableDataset): its serialised form, its validation, and the merge of per-rank states.
+
+A rank's stream state says where its pass stands (epoch, batches delivered in completed updates, whether the stream
+was exhausted and whether its end was handed out) and, per worker (one, the main process, at num_workers=0):
+`workers`, its snapshot after the last batch delivered (None: none yet in this pass), and `origins`, its state when
+the pass began (the end of the previous pass, where the dataset objects live on: persistent workers or the main
+process; None: a fresh copy seeded from `base_seed`). `next_worker` is the worker torch's round robin serves next.
+A sharded stream adds its shard list's identity, the order's seed and the global shard progress the rank started
+from (`base`). Everything is validated before anything changes; a bad state is a short StateError.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+from dataclasses import dataclass
+from functools import cached_property
+
+import numpy as np
+import torch
+
+from loader._checks import is_int
+from loader.shards import EpochShards, RankShards, ShardDeal, ShardProgress, merge
+from loader.state import (
+    FORMAT,
+    LARGEST,
+    MAX_EPOCHS_AHEAD,
+    VERSION,
+    StateError,
+    _check_header,
+    _check_ranks,
+    _get,
+    _short,
+    intervals_from_json,
+    intervals_to_json,
+)
+from loader.progress import normalize
+
+SNAPSHOT_KEYS = ("batches", "ended", "dataset", "iterator", "shard", "rng")
+_RNG_FIXED = 8 * 3 + 8 * 2 + 4 * 624 + 4 * 625  # see loader.rng
+
+
+def _seed(value, where: str):
+    if value is not None and not (is_int(value) and 0 <= value < 2**64):
+        raise StateError(f"{where} must be None or a 64-bit seed, got {_short(value)}: the state is corrupted")
+    return value
+
+
+def _check_rng(text, where: str) -> None:
+    if text is None:
+        return
+    try:
+        packed = base64.b64decode(text, validate=True) if isinstance(text, str) else None
+    except (binascii.Error, ValueError):
+        packed = None
+    if packed is None or len(packed) != _RNG_FIXED + torch.get_rng_state().numel():
+        raise StateError(f"{where}.rng is not a random state of this torch: the state is corrupted")
+
+
+def _snapshot(value, where: str, sharded: bool) -> dict | None:
+    if value is None:
+        return None
+    if not isinstance(value, dict) or set(value) != set(SNAPSHOT_KEYS):
+        raise StateError(f"{where} must be None or a dict with fields {SNAPSHOT_KEYS}, got {_short(value)}")
+    _get(value, "batches", int, where)
+    _get(value, "ended", bool, where)
+    _check_rng(value["rng"], where)
+    shard = value["shard"]
+    if sharded:
+        if not (isinstance(shard, list) and len(shard) == 2 and all(is_int(v) and 0 <= v < LARGEST for v in shard)):
+            raise StateError(f"{where}.shard must be [task, next record], got {_short(shard)}")
+        if value["dataset"] is not None or value["iterator"] is not None:
+            raise StateError(f"{where} of a sharded stream holds a dataset state: the state is corrupted")
+    elif shard is not None:
+        raise StateError(f"{where}.shard is set, but the stream is not sharded: the state is corrupted")
+    return value
+
+
+def _progress_to_dict(progress: ShardProgress) -> dict:
+    return {
+        "epoch": progress.epoch,
+        "epochs": [
+            {"epoch": e, "done": intervals_to_json(_spans(s.done)),
+             "offsets": [[shard, offset] for shard, offset in sorted(s.offsets.items())]}
+            for e, s in sorted(progress.epochs.items())
+        ],
+    }
+
+
+def _spans(shards) -> np.ndarray:
+    """A set of shard indices as sorted, disjoint, non-touching intervals: a finished run of shards is one pair."""
+    starts = np.fromiter(shards, dtype=np.int64, count=len(shards))
+    return normalize(np.stack((starts, starts + 1), axis=1))
+
+
+def _progress_from_dict(value, count: int, where: str) -> ShardProgress:
+    epoch = _get(value, "epoch", int, where)
+    epochs = {}
+    for i, entry in enumerate(_get(value, "epochs", list, where)):
+        at = f"{where}.epochs[{i}]"
+        e = _get(entry, "epoch", int, at)
+        if e < epoch or e in epochs or e - epoch > MAX_EPOCHS_AHEAD:
+            raise StateError(f"{at}.epoch is {e}: epochs must be distinct and from {epoch} on")
+        spans = intervals_from_json(_get(entry, "done", list, at), count, f"{at}.done")
+        done = set(np.concatenate([np.arange(a, b) for a, b in spans]).tolist()) if len(spans) else set()
+        offsets = {}
+        for pair in _get(entry, "offsets", list, at):
+            if not (isinstance(pair, list) and len(pair) == 2 and is_int(pair[0]) and 0 <= pair[0] < count
+                    and is_int(pair[1]) and 0 < pair[1] < LARGEST) or pair[0] in done or pair[0] in offsets:
+                raise StateError(f"{at}.offsets must be [shard, next record > 0] of unfinished shards, got "
+                                 f"{_short(pair)}")
+            offsets[pair[0]] = pair[1]
+        epochs[e] = EpochShards(frozenset(done), offsets)
+    return ShardProgress(count, epoch, epochs)
+
+
+@dataclass(frozen=True)
+class Shards:
+    """A sharded stream's identity (count and digest of its shard list, the order's seed and mode) and the global
+    progress its rank started from."""
+
+    count: int
+    digest: str
+    seed: int
+    shuffle: bool
+    base: ShardProgress
+
+    @cached_property
+    def serialised(self) -> dict:
+        """Built once: the shards and their base progress do not change while a rank runs."""
+        return {"count": self.count, "digest": self.digest, "seed": self.seed, "shuffle": self.shuffle,
+                "base": _progress_to_dict(self.base)}
+
+    @classmethod
+    def from_dict(cls, value, where: str) -> "Shards":
+        count = _get(value, "count", int, where)
+        digest = _get(value, "digest", str, where)
+        seed = _get(value, "seed", int, where)
+        shuffle = _get(value, "shuffle", bool, where)
+        return cls(count, digest, seed, shuffle, _progress_from_dict(_get(value, "base", dict, where), count,
+                                                                     f"{where}.base"))
+
+    def deal(self, world_size: int, workers: int) -> ShardDeal:
+        return ShardDeal(self.base, world_size, workers, self.seed, self.shuffle)
+
+
+@dataclass(frozen=True)
+class RankStream:
+    """One rank's stream state, parsed."""
+
+    world_size: int
+    rank: int
+    epoch: int
+    batches: int
+    exhausted: bool
+    ended: bool
+    num_workers: int
+    base_seed: int | None
+    next_worker: int
+    origins: tuple
+    workers: tuple
+    shards: Shards | None
+
+    def to_dict(self) -> dict:
+        return stream_state(self.world_size, self.rank, self.epoch, self.batches, self.exhausted, self.ended,
+                            self.num_workers, self.base_seed, self.next_worker, self.origins, self.workers,
+                            self.shards)
+
+    @classmethod
+    def from_dict(cls, state, where: str = "state") -> "RankStream":
+        _check_header(state, ("stream",), where)
+        if isinstance(state, dict) and "num_workers" not in state:
+            raise StateError(
+                f"{where} was saved by an earlier release, which did not record num_workers: resuming it could "
+                f"skip or repeat records. Start the stream's epoch again (construct the loader without loading it)"
+            )
+        world_size, rank = _get(state, "world_size", int, where), _get(state, "rank", int, where)
+        if world_size == 0 or rank >= world_size:
+            raise StateError(f"{where}.rank is {rank}, outside world_size {world_size}: the state is corrupted")
+        epoch, batches = _get(state, "epoch", int, where), _get(state, "batches", int, where)
+        exhausted, ended = _get(state, "exhausted", bool, where), _get(state, "ended", bool, where)
+        num_workers = _get(state, "num_workers", int, where)
+        count = max(num_workers, 1)
+        shards_value = _get(state, "shards", (dict, type(None)), where)
+        shards = None if shards_value is None else Shards.from_dict(shards_value, f"{where}.shards")
+        lists = {}
+        for name in ("origins", "workers"):
+            value = _get(state, name, list, where)
+            if len(value) != count:
+                raise StateError(f"{where}.{name} has {len(value)} entries for {count} worker(s): the state is corrupted")
+            lists[name] = tuple(_snapshot(v, f"{where}.{name}[{i}]", shards is not None) for i, v in enumerate(value))
+        next_worker = _get(state, "next_worker", int, where)
+        delivered = sum(s["batches"] for s in lists["workers"] if s is not None)
+        if next_worker >= count or delivered != batches or (ended and not exhausted) or (
+            exhausted and not all(s is not None and s["ended"] for s in lists["workers"])
+        ):
+            raise StateError(
+                f"{where}: its workers' snapshots ({delivered} batches, next worker {next_worker} of {count}) do not "
+                f"add up to its progress ({batches} batches, exhausted={exhausted}, ended={ended}): the state is "
+                f"corrupted"
+            )
+        if shards is not None and not (shards.base.epoch <= epoch <= shards.base.epoch + MAX_EPOCHS_AHEAD
+                                       or (epoch == shards.base.epoch - 1 and exhausted and not batches)):
+            raise StateError(f"{where}.epoch is {epoch}, not within its shard progress from epoch "
+                             f"{shards.base.epoch}: the state is corrupted")
+        base_seed = _seed(_get(state, "base_seed", (int, type(None)), where), f"{where}.base_seed")
+        rank_stream = cls(world_size, rank, epoch, batches, exhausted, ended, num_workers, base_seed, next_worker,
+                          lists["origins"], lists["workers"], shards)
+        if shards is not None:
+            rank_stream.check_positions(where)
+        return rank_stream
+
+    def check_positions(self, where: str) -> None:
+        """Every worker's shard position must name one of its tasks in this epoch, at or after the task's start."""
+        deal = self.shards.deal(self.world_size, len(self.workers))
+        for worker, snapshot in enumerate(self.workers):
+            if snapshot is None or self.epoch < self.shards.base.epoch:
+                continue
+            tasks = deal.tasks(self.epoch, self.rank, worker)
+            task, offset = snapshot["shard"]
+            if (task, offset) != (0, 0) and not (task < len(tasks) and offset >= tasks[task][1]):
+                raise StateError(
+                    f"{where}.workers[{worker}].shard is {[task, offset]}, but that worker reads {len(tasks)} "
+                    f"shard(s) in epoch {self.epoch}: the state is corrupted or belongs to another run"
+                )
+
+    def shard_positions(self) -> RankShards:
+        positions = [None if s is None else "ended" if s["ended"] else tuple(s["shard"]) for s in self.workers]
+        if self.exhausted:
+            positions = ["ended"] * len(self.workers)
+        return RankShards(self.rank, self.epoch, positions)
+
+
+def stream_state(world_size: int, rank: int, epoch: int, batches: int, exhausted: bool, ended: bool,
+                 num_workers: int, base_seed: int | None, next_worker: int, origins, workers,
+                 shards: Shards | None) -> dict:
+    """A rank's stream state in its serialised form, built directly: the loader makes one per state_dict() call,
+    i.e. per step. The snapshots are shared, never copied: nothing changes them once made."""
+    return {
+        "format": FORMAT,
+        "version": VERSION,
+        "kind": "stream",
+        "world_size": world_size,
+        "rank": rank,
+        "epoch": epoch,
+        "batches": batches,
+        "exhausted": exhausted,
+        "ended": ended,
+        "num_workers": num_workers,
+        "base_seed": base_seed,
+        "next_worker": next_worker,
+        "origins": list(origins),
+        "workers": list(workers),
+        "shards": None if shards is None else shards.serialised,
+    }
+
+
+def merge_stream_states(states: list[dict]) -> dict:
+    """The states of all ranks side by side, each checked, one per rank (a stream's positions are per rank)."""
+    ranks = _parse_all(states)
+    return {"format": FORMAT, "version": VERSION, "kind": "streams", "world_size": ranks[0].world_size,
+            "ranks": [r.to_dict() for r in ranks]}
+
+
+def _parse_all(states) -> list[RankStream]:
+    if not isinstance(states, (list, tuple)) or not states:
+        raise StateError("stream progress needs a non-empty list of per-rank states (one per rank)")
+    ranks = [RankStream.from_dict(s, f"states[{i}]") for i, s in enumerate(states)]
+    world_size = ranks[0].world_size
+    if any(r.world_size != world_size for r in ranks):
+        raise StateError("stream states were saved at different world sizes: pass the states of one step")
+    _check_ranks([r.rank for r in ranks], world_size)
+    return sorted(ranks, key=lambda r: r.rank)
+
+
+def rank_streams(state) -> list[RankStream]:
+    """Every rank's parsed state out of a merged state, a list of states, or the state of a one-rank run: a stream
+    has no progress that one rank's state could stand for in the others."""
+    if isinstance(state, (list, tuple)):
+        return _parse_all(state)
+    kind = _check_header(state, ("stream", "streams"), "state")
+    return _parse_all([state] if kind == "stream" else _get(state, "ranks", list, "state"))
+
+
+def regathered(ranks: list[RankStream]) -> tuple[ShardProgress, int, bool]:
+    """The global shard progress of all ranks' committed positions, to deal again at another layout; with the epoch
+    a restored rank stands in and whether that epoch is over for every rank (each had handed out its end)."""
+    first = ranks[0]
+    for r in ranks:
+        if r.shards is None or r.shards != first.shards or r.num_workers != first.num_workers:
+            raise StateError(
+                f"the state of rank {r.rank} has another shard list, order or number of workers than rank "
+                f"{first.rank}'s: pass the states of one step of one run"
+            )
+    deal = first.shards.deal(first.world_size, max(first.num_workers, 1))
+    progress = merge(deal, [r.shard_positions() for r in ranks])
+    last = max(r.epoch for r in ranks)
+    all_ended = all(r.epoch == last and r.ended for r in ranks) and progress.epoch == last + 1
+    return progress, last if all_ended else progress.epoch, all_ended

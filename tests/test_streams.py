@@ -1,0 +1,361 @@
+"""Streams (IterableDataset) with any num_workers: each worker's state travels with its batches, so a resume at
+"k batches delivered" continues exactly, bit-identically for streams that draw random numbers, without replay for
+streams with state. Every test counts each record of the pass: delivered exactly once, or consumed by a failure.
+"""
+
+import copy
+import gc
+import itertools
+import json
+import random
+import weakref
+
+import numpy as np
+import pytest
+import torch
+from torch.utils.data import get_worker_info
+
+from loader import ContinuedPassWarning, ResumableDataLoader, StateError
+from loader.rng import rng_state, set_rng_state
+from tests.streams import FORK, DatasetState, Failing, IteratorState, Plain, SelfIterating, ids
+
+KINDS = [Plain, IteratorState, DatasetState, SelfIterating]
+SETUPS = {
+    "main process": dict(num_workers=0),
+    "2 workers": dict(num_workers=2, **FORK),
+    "3 persistent workers, prefetch 3": dict(num_workers=3, persistent_workers=True, prefetch_factor=3, **FORK),
+}
+pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create 3 worker processes")  # > 2 cores: meant
+
+
+def make(kind, setup, n=23, random_draws=True, seed=1, **kw):
+    """A loader whose workers' base seeds come from a generator of `seed`, as a job's restored RNG would give."""
+    generator = torch.Generator().manual_seed(seed)
+    return ResumableDataLoader(kind(n, random_draws), batch_size=3, collate_fn=list, generator=generator,
+                               **SETUPS[setup], **kw)
+
+
+def assert_each_once(n, delivered):
+    counts = sorted(ids(delivered))
+    assert counts == list(range(n)), f"skipped or repeated: {sorted(set(range(n)) ^ set(counts))}"
+
+
+def stop_and_resume(kind, setup, stop, **kw):
+    """`stop` batches from a first loader, its state through JSON, and a new loader resumed from it: what each
+    delivered. In the main process the stream draws from the training's generators: they are restored as a
+    checkpoint restores them."""
+    first = make(kind, setup, **kw)
+    it = iter(first)
+    seen = [next(it) for _ in range(stop)]
+    state, rng = json.loads(json.dumps(first.state_dict())), rng_state()
+    del it
+    resumed = make(kind, setup, **kw)
+    resumed.load_state_dict(state)
+    set_rng_state(rng)
+    return seen, resumed
+
+
+@pytest.mark.parametrize("setup", SETUPS)
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_resume_at_any_batch_continues_bit_identically(kind, setup):
+    reference_loader = make(kind, setup)
+    set_rng_state(rng := rng_state())
+    reference = [list(reference_loader), list(reference_loader)]  # two passes: the epoch and the next one
+    # a stream without state replays its pass where it is read; in the main process that draws the training's
+    # random numbers again, so there only the records are the same, not their draws
+    same = ids if (kind, setup) == (Plain, "main process") else list
+    for stop in (0, 1, 4, len(reference[0])):
+        set_rng_state(rng)
+        seen, resumed = stop_and_resume(kind, setup, stop)
+        rest = list(resumed)
+        assert same(seen + rest) == same(reference[0]), f"stopped after {stop} batches"
+        assert_each_once(23, seen + rest)
+        assert same(list(resumed)) == same(reference[1]), f"the pass after, stopped after {stop} batches"
+
+
+@pytest.mark.parametrize("setup", ["main process", "2 workers"])
+@pytest.mark.parametrize("kind", [Plain, IteratorState])
+def test_a_state_mid_update_resumes_at_the_last_completed_update(kind, setup):
+    reference = list(make(kind, setup, grad_accum=2, random_draws=False))
+    seen, resumed = stop_and_resume(kind, setup, 3, grad_accum=2, random_draws=False)
+    assert resumed.state_dict()["batches"] == 2
+    assert seen[:2] + list(resumed) == reference  # the half-accumulated update comes again
+
+
+def test_another_num_workers_is_refused_naming_both_counts():
+    dl = make(IteratorState, "2 workers")
+    next(iter(dl))
+    for setup, count in (("main process", 0), ("3 persistent workers, prefetch 3", 3)):
+        other = make(IteratorState, setup)
+        with pytest.raises(StateError, match=f"saved with num_workers=2, the loader has num_workers={count}"):
+            other.load_state_dict(dl.state_dict())
+        assert other.state_dict()["batches"] == 0  # unchanged
+
+
+def test_a_state_of_the_earlier_release_is_refused():
+    state = make(Plain, "main process").state_dict()
+    del state["num_workers"]
+    with pytest.raises(StateError, match="earlier release, which did not record num_workers"):
+        make(Plain, "main process").load_state_dict(state)
+
+
+@pytest.mark.parametrize("setup", SETUPS)
+def test_a_new_iter_in_the_middle_of_a_pass_continues_after_the_last_delivered_batch(setup):
+    reference = list(make(IteratorState, setup, random_draws=False))
+    dl = make(IteratorState, setup, random_draws=False)
+    first = list(itertools.islice(dl, 5))  # workers prefetched beyond these
+    with pytest.warns(ContinuedPassWarning):
+        rest = list(dl)
+    assert first + rest == reference
+
+
+# -- a batch that fails to load, an interrupt -------------------------------------------------------------------------
+
+
+def train_skipping_errors(loader, limit=None):
+    delivered, errors = [], 0
+    iterator = iter(loader)
+    while limit is None or len(delivered) < limit:
+        try:
+            delivered.append(next(iterator))
+        except StopIteration:
+            break
+        except ValueError:
+            errors += 1
+    return delivered, errors
+
+
+@pytest.mark.parametrize("setup", SETUPS)
+def test_a_failed_batch_is_consumed_and_a_resume_after_it_neither_skips_nor_repeats(setup):
+    bad = {4, 11, 12}
+
+    def loader():
+        return ResumableDataLoader(Failing(30, bad), batch_size=3, collate_fn=list, **SETUPS[setup])
+
+    reference, errors = train_skipping_errors(loader())
+    lost = set(range(30)) - set(ids(reference))
+    assert errors == 3 and bad <= lost and len(lost) <= 3 * len(bad) and len(ids(reference)) == 30 - len(lost)
+    for stop in (1, 3):
+        first = loader()
+        before, _ = train_skipping_errors(first, limit=stop)
+        resumed = loader()
+        resumed.load_state_dict(first.state_dict())
+        after, _ = train_skipping_errors(resumed)
+        assert before + after == reference, f"stopped after {stop} delivered batches"
+
+
+@pytest.mark.parametrize("kind", [Plain, IteratorState])
+def test_an_interrupt_in_the_main_process_serves_the_batch_again(kind):
+    class Interrupted(kind):
+        armed = True
+
+        def __iter__(self):
+            for r in super().__iter__():
+                if r == 7 and self.armed:
+                    self.armed = False
+                    raise KeyboardInterrupt
+                yield r
+
+    dl = ResumableDataLoader(Interrupted(20), batch_size=3, collate_fn=list)
+    it = iter(dl)
+    delivered = [next(it), next(it)]
+    with pytest.raises(KeyboardInterrupt):
+        next(it)
+    with pytest.warns(ContinuedPassWarning):
+        delivered += list(dl)
+    assert delivered == list(ResumableDataLoader(kind(20), batch_size=3, collate_fn=list))
+
+
+# -- StatefulDataLoader's protocol --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("setup", ["main process", "3 persistent workers, prefetch 3"])
+def test_the_datasets_own_epoch_counter_survives_a_resume_at_the_epoch_boundary(setup):
+    """DatasetState counts its epochs itself, where it lives on (the main process, persistent workers)."""
+    live = make(DatasetState, setup, random_draws=False)
+    first = list(live)
+    end_of_pass = live.state_dict()
+    second = list(live)
+    assert {epoch for batch in first for _, epoch in batch} == {0}
+    assert {epoch for batch in second for _, epoch in batch} == {1}
+    resumed = make(DatasetState, setup, random_draws=False)
+    list(itertools.islice(resumed, 2))  # the dataset object moves on before the state is loaded
+    resumed.load_state_dict(end_of_pass)
+    assert list(resumed) == second
+
+
+def test_a_second_iter_before_any_batch_starts_the_pass_once_with_persistent_workers():
+    reference = make(DatasetState, "3 persistent workers, prefetch 3", random_draws=False)
+    passes = [list(reference), list(reference)]
+    dl = make(DatasetState, "3 persistent workers, prefetch 3", random_draws=False)
+    assert list(dl) == passes[0]
+    iter(dl)  # the workers go on to the next pass, and prefetch
+    assert list(dl) == passes[1]  # a new iter(): they start that pass again, from where the last one left them
+
+
+def test_a_state_before_the_first_batch_rewinds_a_dataset_object_that_moved_on():
+    dl = make(DatasetState, "main process", random_draws=False)
+    it = iter(dl)
+    state = dl.state_dict()
+    expected = list(it)
+    dl.load_state_dict(state)  # the dataset object stands at the end of the pass now
+    assert list(dl) == expected
+
+
+def test_an_iterator_that_is_the_dataset_keeps_its_state_once():
+    dl = make(SelfIterating, "2 workers")
+    list(itertools.islice(dl, 3))
+    for snapshot in dl.state_dict()["workers"]:
+        assert snapshot["dataset"] is None and snapshot["iterator"] == {"i": snapshot["batches"] * 3}
+
+
+@pytest.mark.parametrize("setup", ["main process", "2 workers"])
+def test_a_state_does_not_change_as_the_loader_goes_on(setup):
+    class LiveState(IteratorState):
+        """Its iterator's state_dict returns one dict it keeps updating."""
+
+        def __iter__(self):
+            cursor, live = super().__iter__(), {}
+            cursor.state_dict = lambda: live.update(i=cursor.i) or live
+            return cursor
+
+    dl = ResumableDataLoader(LiveState(20), batch_size=2, collate_fn=list, **SETUPS[setup])
+    it = iter(dl)
+    next(it)
+    state = dl.state_dict()
+    frozen = copy.deepcopy(state)
+    for _ in range(4):
+        next(it)
+    assert state == frozen and dl.state_dict() != frozen
+
+
+class CountingIter(IteratorState):
+    """Counts its __iter__ calls in its own (per worker) copy, and reports the count in its state."""
+
+    calls = 0
+
+    def __iter__(self):
+        self.calls += 1
+        cursor, calls = super().__iter__(), self.calls
+        cursor.state_dict = lambda: {"i": cursor.i, "calls": calls}
+        return cursor
+
+
+@pytest.mark.parametrize("setup", ["main process", "2 workers"])
+def test_iter_is_called_once_per_worker_and_pass_also_after_a_resume(setup):
+    dl = ResumableDataLoader(CountingIter(12), batch_size=2, collate_fn=list, **SETUPS[setup])
+    it = iter(dl)
+    for _ in range(SETUPS[setup]["num_workers"] + 1):
+        next(it)
+    state = dl.state_dict()
+    assert [s["iterator"]["calls"] for s in state["workers"]] == [1] * max(1, SETUPS[setup]["num_workers"])
+    resumed = ResumableDataLoader(CountingIter(12), batch_size=2, collate_fn=list, **SETUPS[setup])
+    resumed.load_state_dict(state)
+    it = iter(resumed)
+    for _ in range(SETUPS[setup]["num_workers"] + 1):
+        next(it)
+    assert [s["iterator"]["calls"] for s in resumed.state_dict()["workers"]] == [1] * max(
+        1, SETUPS[setup]["num_workers"])
+
+
+def test_worker_init_fn_sees_the_logical_worker_and_the_users_dataset_after_a_resume():
+    def init(worker_id):
+        info = get_worker_info()
+        assert info.id == worker_id and isinstance(info.dataset, Plain)
+        info.dataset.n = 15  # the documented idiom: configure this worker's copy
+
+    kw = dict(batch_size=2, collate_fn=list, num_workers=3, worker_init_fn=init, **FORK)
+    reference = list(ResumableDataLoader(Plain(100), **kw))
+    assert_each_once(15, reference)
+    first = ResumableDataLoader(Plain(100), **kw)
+    seen = list(itertools.islice(first, 4))  # the next batch comes from worker 1: torch's worker 0 runs it now
+    resumed = ResumableDataLoader(Plain(100), **kw)
+    resumed.load_state_dict(first.state_dict())
+    assert seen + list(resumed) == reference
+
+
+def test_spawned_workers_resume_too():
+    """What a spawned worker gets is pickled: the source, its plan and the worker_init_fn that reads it."""
+    kw = dict(batch_size=2, collate_fn=list, num_workers=2)
+    reference = list(ResumableDataLoader(IteratorState(10), **kw, **FORK))
+    first = ResumableDataLoader(IteratorState(10), **kw, **FORK)
+    seen = list(itertools.islice(first, 3))
+    resumed = ResumableDataLoader(IteratorState(10), **kw, multiprocessing_context="spawn")
+    resumed.load_state_dict(first.state_dict())
+    assert seen + list(resumed) == reference
+
+
+# -- epochs ------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("setup", ["main process", "2 workers"])
+def test_the_set_epoch_loop_resumed_at_every_checkpoint_trains_each_epoch_once(setup):
+    epochs = 3
+
+    def run(state, crash_after):
+        dl = make(IteratorState, setup, n=7, random_draws=False)
+        if state is not None:
+            dl.load_state_dict(state)
+        trained, checkpoints = [], []
+        for epoch in range(dl.epoch, epochs):
+            dl.set_epoch(epoch)
+            for batch in dl:
+                trained.append((dl.epoch, batch))
+                checkpoints.append(dl.state_dict())
+                if len(trained) == crash_after:
+                    return trained, checkpoints
+        return trained, checkpoints
+
+    reference, _ = run(None, None)
+    assert [e for e, _ in reference] == [0] * 3 + [1] * 3 + [2] * 3
+    for crash_after in range(1, len(reference)):
+        trained, saved = run(None, crash_after)
+        resumed, _ = run(saved[-1], None)
+        assert trained + resumed == reference, f"crash after {crash_after} batches"
+
+
+def test_set_epoch_of_the_epoch_whose_pass_ended_gives_an_empty_pass():
+    dl = make(Plain, "main process", random_draws=False)
+    list(dl)
+    dl.set_epoch(0)
+    assert list(dl) == [] and dl.epoch == 0
+    assert len(ids(list(dl))) == 23 and dl.epoch == 1
+
+
+def test_workers_without_records_and_a_stream_shorter_than_its_progress():
+    dl = ResumableDataLoader(Plain(2), batch_size=1, collate_fn=list, num_workers=3, **FORK)
+    first = list(itertools.islice(dl, 1))
+    state = dl.state_dict()
+    resumed = ResumableDataLoader(Plain(2), batch_size=1, collate_fn=list, num_workers=3, **FORK)
+    resumed.load_state_dict(state)
+    assert first + list(resumed) == [[0], [1]]
+    shorter = ResumableDataLoader(Plain(1), batch_size=1, collate_fn=list, num_workers=3, **FORK)
+    shorter.load_state_dict(dl.state_dict())  # the stream changed: worker 1's saved batch no longer exists
+    assert list(shorter) == [] and shorter.exhausted
+
+
+def test_random_state_round_trips():
+    torch.manual_seed(3), np.random.seed(3), random.seed(3)
+    torch.rand(3), np.random.randn(), random.gauss(0, 1)  # a cached gaussian in random's state
+    state = rng_state()
+    before = (torch.rand(2).tolist(), np.random.randn(3).tolist(), random.gauss(0, 1), random.random())
+    set_rng_state(state)
+    assert (torch.rand(2).tolist(), np.random.randn(3).tolist(), random.gauss(0, 1), random.random()) == before
+
+
+@pytest.mark.parametrize("workers", [dict(num_workers=0), dict(num_workers=2, persistent_workers=True, **FORK)])
+def test_a_failed_batch_leaves_no_cycle_that_keeps_the_workers_alive(workers):
+    """A loader whose batch failed is freed as soon as the loop that skipped the error lets go of it: a reference
+    cycle through the error's traceback would keep it and its workers alive until the garbage collector ran (and
+    workers forked meanwhile would inherit them: shutting those down then stalls for seconds)."""
+
+    def a_loop_that_skips_a_bad_batch():
+        dl = ResumableDataLoader(Failing(30, {1}), batch_size=3, collate_fn=list, **workers)
+        assert train_skipping_errors(dl, limit=3)[1] == 1
+        return weakref.ref(dl)
+
+    gc.disable()
+    try:
+        assert a_loop_that_skips_a_bad_batch()() is None
+    finally:
+        gc.enable()
