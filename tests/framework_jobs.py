@@ -14,6 +14,7 @@ import os
 import signal
 from collections import Counter
 from pathlib import Path
+from typing import Callable
 
 import torch
 from torch.utils.data import Dataset
@@ -73,6 +74,28 @@ def record_epoch_end(dl: ResumableDataLoader) -> None:
     progress = global_progress(dl)
     if collectives.rank() == 0:
         dl.ledger.record_finished(progress, dl)
+
+
+def train_epochs(dl: ResumableDataLoader, optimizer: torch.optim.Optimizer, args: argparse.Namespace,
+                 log: "TrainedLog", step: int, backward: Callable[[torch.Tensor, torch.Tensor, bool], None],
+                 checkpoint: Callable[[int], None]) -> None:
+    """The plain loop the Accelerate and DCP jobs share: `backward(x, y, sync)` with gradient sync only on an
+    update's last micro-batch, the optimizer step when the loader says the update is complete, then
+    `checkpoint(step)` every --every steps."""
+    for epoch in range(dl.epoch, args.epochs):
+        dl.set_epoch(epoch)
+        for x, y, index in dl:
+            backward(x, y, dl.update_complete)
+            log.trained(step + 1, epoch, index.tolist())
+            if not dl.update_complete:
+                continue
+            strike(args, step, collectives.rank())
+            optimizer.step()
+            optimizer.zero_grad()
+            step += 1
+            if step % args.every == 0:
+                checkpoint(step)
+        record_epoch_end(dl)
 
 
 class TrainedLog:
