@@ -28,13 +28,20 @@ def log(run_dir, launch_number):
     return (run_dir.parent / f"launch-{launch_number}.log").read_text()
 
 
-def fit_in_process(tmp_path, grad_accum, **trainer_options):
+def fit_in_process(tmp_path, grad_accum, **trainer_options) -> Trainer:
     torch.manual_seed(0)
     dl = ResumableDataLoader(Indexed(24), batch_size=4, grad_accum=grad_accum)
     trainer = Trainer(accelerator="cpu", devices=1, use_distributed_sampler=False, max_epochs=2, logger=False,
                       enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                       **trainer_options)
     trainer.fit(Regression(tmp_path, 1), train_dataloaders=dl)
+    return trainer
+
+
+def test_an_epoch_the_user_limits_keeps_its_limit(tmp_path):
+    """limit_train_batches=1 (the int: one batch) is the user's choice, not a cap to lift, and no skip to refuse."""
+    trainer = fit_in_process(tmp_path, 1, limit_train_batches=1, callbacks=[ResumableLoaderCallback()])
+    assert trainer.global_step == 2  # one batch in each of the two epochs
 
 
 def test_a_loader_accumulating_otherwise_than_lightning_is_refused_at_the_first_batch(tmp_path):

@@ -26,6 +26,12 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from loader.dataloader import ResumableDataLoader
 
 
+def _whole_epoch(trainer: Trainer) -> bool:
+    """No limit of the user's: `limit_train_batches` is the float 1.0 (the int 1 means one batch) and no overfitting."""
+    limit = trainer.limit_train_batches
+    return isinstance(limit, float) and limit == 1.0 and not trainer.overfit_batches
+
+
 def _loaders(trainer: Trainer) -> list[ResumableDataLoader]:
     combined = trainer.fit_loop._combined_loader
     return [] if combined is None else [dl for dl in combined.flattened if isinstance(dl, ResumableDataLoader)]
@@ -42,7 +48,7 @@ class ResumableLoaderCallback(Callback):
     def _follow_len(self, trainer: Trainer) -> None:
         """Lightning's batch limit for this epoch is our loaders' len() as it is now, not as it was measured once."""
         fit_loop, combined = trainer.fit_loop, trainer.fit_loop._combined_loader
-        if trainer.limit_train_batches != 1.0 or trainer.overfit_batches or combined.limits is None:
+        if not _whole_epoch(trainer) or combined.limits is None:
             return  # a deliberately shortened epoch: Lightning's limits are the user's
         for i, dl in enumerate(combined.flattened):  # in place: the running iterator holds this very list
             if isinstance(dl, ResumableDataLoader):
@@ -69,7 +75,7 @@ class ResumableLoaderCallback(Callback):
     def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         """The last line of defence: an epoch that Lightning ended, unasked, before the loader's end skips samples."""
         stopped = trainer.should_stop or 0 <= trainer.max_steps <= trainer.global_step
-        if trainer.limit_train_batches != 1.0 or stopped:
+        if not _whole_epoch(trainer) or stopped:
             return
         for dl in _loaders(trainer):
             if not dl.exhausted:
