@@ -1,5 +1,5 @@
-"""A minimal elastic agent for tests: runs a training script's `main(argv)` (examples/train_elastic.py unless told
-otherwise) in forked ranks, like torchrun's agent.
+"""A minimal elastic agent for tests: runs an example (examples/train_elastic.py unless told) in forked ranks, like
+torchrun's agent.
 
 Forked processes (torch already imported) make a generation cost about a second instead of torchrun's ~10 s. As
 torchrun does, the first rank that fails ends the whole generation: the others are killed by pid. Each generation
@@ -10,6 +10,7 @@ import contextlib
 import importlib.util
 import os
 import signal
+import sys
 import time
 import traceback
 from pathlib import Path
@@ -21,14 +22,15 @@ from tests.distributed import free_port
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "train_elastic.py"
 
 
-def load_example(script: Path = EXAMPLE):
-    spec = importlib.util.spec_from_file_location(script.stem, script)
+def load_example(path: Path = EXAMPLE):
+    spec = importlib.util.spec_from_file_location(path.stem, path)
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # as an import would: dataclasses look their module up there
     spec.loader.exec_module(module)
     return module
 
 
-def _rank_main(rank, world_size, port, argv, log_dir, script):
+def _rank_main(rank, world_size, port, argv, log_dir, example):
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     import torch
@@ -37,7 +39,7 @@ def _rank_main(rank, world_size, port, argv, log_dir, script):
     with open(Path(log_dir) / f"rank-{rank}.log", "a", buffering=1) as out:
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
             try:
-                code = load_example(script).main(argv)
+                code = load_example(example).main(argv)
             except BaseException:
                 traceback.print_exc()
                 code = 1
@@ -45,12 +47,12 @@ def _rank_main(rank, world_size, port, argv, log_dir, script):
 
 
 def run_generation(world_size: int, argv: list[str], log_dir: Path, timeout: float = 120.0,
-                   script: Path = EXAMPLE) -> list[int | None]:
+                   example: Path = EXAMPLE) -> list[int | None]:
     """Run one launch of the job; returns each rank's exit code (negative: killed by that signal)."""
     log_dir.mkdir(parents=True, exist_ok=True)
     ctx = mp.get_context("fork")
     port = free_port()
-    procs = [ctx.Process(target=_rank_main, args=(r, world_size, port, argv, str(log_dir), script))
+    procs = [ctx.Process(target=_rank_main, args=(r, world_size, port, argv, str(log_dir), example))
              for r in range(world_size)]
     for p in procs:
         p.start()

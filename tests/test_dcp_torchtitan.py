@@ -15,7 +15,7 @@ JOB = REPO / "tests" / "dcp_job.py"
 
 def run(run_dir, launch, world_size, *extra):
     argv = [str(run_dir), "--launch", str(launch), "--epochs", "2", "--accumulate", "2", *map(str, extra)]
-    return run_generation(world_size, argv, run_dir.parent / f"logs-{launch}", timeout=180, script=JOB)
+    return run_generation(world_size, argv, run_dir.parent / f"logs-{launch}", timeout=180, example=JOB)
 
 
 def test_dcp_save_at_three_ranks_resumes_at_two_after_sigkill(tmp_path):
