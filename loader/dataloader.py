@@ -518,6 +518,19 @@ class ResumableDataLoader(DataLoader[T_co]):
             raise TypeError("an IterableDataset has no sample indices; use a map-style dataset for sample identity")
         return self.resumable_sampler.last_indices()
 
+    @property
+    def _is_accelerate_prepared(self) -> bool:
+        """accelerate's `prepare()` asks this first. Its answer for any other DataLoader is to rebuild it with its own
+        batch sharding, which would shard this loader's already sharded batches again (half the samples trained at
+        2 processes) and drop its state_dict(): so refuse, at prepare time, saying what works instead."""
+        raise TypeError(
+            "accelerator.prepare() would rebuild this ResumableDataLoader with accelerate's own sharding and lose "
+            "its progress: it is already sharded by rank and resumable, so leave it out of prepare(). Prepare the "
+            "model and optimizer only, call accelerator.register_for_checkpointing(loader) so that save_state() and "
+            "load_state() carry its progress, move each batch with batch.to(accelerator.device), and step the "
+            "optimizer when loader.update_complete (see the README, Accelerate)"
+        )
+
     # -- state -----------------------------------------------------------------------------------------------------
 
     def state_dict(self) -> dict:
