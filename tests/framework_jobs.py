@@ -19,10 +19,9 @@ from typing import Callable
 import torch
 from torch.utils.data import Dataset
 
-from loader import ResumableDataLoader
+from loader import ResumableDataLoader, collectives
 from loader.audit import audit
 from loader.checkpoint import global_progress
-from loader import collectives
 
 SAMPLES = 203  # the framework jobs' dataset: no multiple of their global batches, so every epoch ends short
 
@@ -65,7 +64,8 @@ def strike(args: argparse.Namespace, step: int, rank: int) -> None:
 
 
 def job_loader(grad_accum: int) -> ResumableDataLoader:
-    """Built as a script would, before any process group exists: rank and world size are read at iteration."""
+    """Rank and world size left to torch.distributed, read when iteration starts (the Lightning job builds the
+    loader before the process group exists)."""
     return ResumableDataLoader(Indexed(SAMPLES), batch_size=4, shuffle=True, seed=7, grad_accum=grad_accum)
 
 
@@ -123,7 +123,7 @@ def trained_counts(run_dir: Path) -> dict[int, Counter]:
     for i, launch in enumerate(launches):
         cutoff = min((starts[later] for later in launches[i + 1:]), default=float("inf"))
         for path in sorted(root.glob(f"launch-{launch:03d}-rank-*.jsonl")):
-            for line in path.read_text().splitlines():
+            for line in path.read_text().split("\n")[:-1]:  # what follows the last newline was torn by a kill
                 step, epoch, indices = json.loads(line)
                 if step <= cutoff:
                     counts.setdefault(epoch, Counter()).update(indices)
