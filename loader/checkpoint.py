@@ -33,7 +33,6 @@ from loader.collectives import all_gather, broadcast, distributed, rank, world_s
 from loader.publish import CheckpointError, check_arguments, latest, publish, verify
 from loader.sampler import ResumableSampler
 from loader.state import FORMAT, VERSION, StateError, attach_base, check_fingerprint, detach_base, merge_states
-from loader.stream import StreamProgress
 
 CHECKPOINT_FORMAT = 1
 
@@ -393,8 +392,7 @@ def _check_progress(loader, progress: dict) -> None:
     if sampler is not None:
         ResumableSampler(sampler.order, sampler.layout, sampler.rank).load_state_dict(progress)
     else:
-        stream = StreamProgress(loader.dataset, loader.world_size, loader.rank, loader.grad_accum, snapshots=False)
-        stream.load_state_dict(progress)
+        loader._stream.check(progress)
 
 
 def _read_weights(path: Path, model, optimizer, group) -> dict:

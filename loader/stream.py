@@ -137,6 +137,14 @@ class StreamProgress:
         return stream_state(self.world_size, self.rank, self.epoch, delivered, self.exhausted, self.ended,
                             self.num_workers, self.base_seed, next_worker, self.origins, latest, self.shards)
 
+    def check(self, state) -> None:
+        """Validate `state` in full, as load_state_dict does, changing nothing: on a fresh keeper of this
+        configuration (restoring touches only the keeper; the dataset's own state is loaded in its workers)."""
+        seed, shuffle = (self.shards.seed, self.shards.shuffle) if self.shards is not None else (0, False)
+        fresh = StreamProgress(self.dataset, self.world_size, self.rank, self.grad_accum, self.num_workers,
+                               self.persistent, seed, shuffle)
+        fresh.load_state_dict(state)
+
     def load_state_dict(self, state) -> None:
         ranks = rank_streams(state)
         saved = ranks[0]
