@@ -7,6 +7,7 @@ state it had after the batches that were delivered: the three generators a datas
 from __future__ import annotations
 
 import base64
+import ctypes
 import random
 
 import numpy as np
@@ -14,6 +15,32 @@ import torch
 from torch.utils.data._utils.worker import _generate_state
 
 _INTS, _FLOATS, _NP_WORDS, _PY_WORDS = 3, 2, 624, 625  # the fixed-size parts; torch's state is the rest
+
+
+UNCHANGED = ""  # what RngWatch.state() gives while nothing was drawn: no valid state is empty
+
+
+class RngWatch:
+    """A worker's random states after each batch, captured and encoded again only when something was drawn since
+    the last time (UNCHANGED otherwise): a stream that draws nothing then pays about 3 us per batch, not 20, and
+    sends a few bytes instead of 13 KB. The check reads numpy's generator words in place."""
+
+    def __init__(self):
+        self._raw: tuple | None = None
+        self._np_gauss = False  # numpy's cached gaussian may be used up without its words changing
+
+    def state(self) -> str:
+        raw = (torch.get_rng_state().numpy().tobytes(), _numpy_words(), random.getstate())
+        if raw == self._raw and not self._np_gauss:
+            return UNCHANGED
+        self._raw, self._np_gauss = raw, bool(np.random.get_state(legacy=True)[3])
+        return rng_state()
+
+
+def _numpy_words() -> bytes:
+    """numpy's global generator state (624 words and a position), read in place: get_state() copies it, 10x slower."""
+    generator = np.random.mtrand._rand._bit_generator
+    return ctypes.string_at(generator.ctypes.state_address, 4 * _NP_WORDS + 4)
 
 
 def rng_state() -> str:

@@ -23,7 +23,7 @@ import torch.utils.data._utils.worker as torch_worker
 from torch._utils import ExceptionWrapper
 from torch.utils.data import IterableDataset, get_worker_info
 
-from loader.rng import rng_state, seed_like_torch, set_rng_state
+from loader.rng import RngWatch, seed_like_torch, set_rng_state
 from loader.shards import ShardDeal
 
 
@@ -212,7 +212,7 @@ class _Batches:
         # what a snapshot holds, decided once: a dataset that is its own iterator keeps its state once
         self._keeps_dataset = reader is None and iterator is not source.dataset and is_stateful(source.dataset)
         self._keeps_iterator = reader is None and is_stateful(iterator)
-        self._in_worker = get_worker_info() is not None
+        self._rng = RngWatch() if get_worker_info() is not None else None  # the main process's are the training's
 
     def snapshot(self, ended: bool) -> dict:
         """The worker's state now: what a new worker needs to go on from here."""
@@ -223,7 +223,7 @@ class _Batches:
             "dataset": _frozen(self.source.dataset.state_dict()) if self._keeps_dataset else None,
             "iterator": _frozen(self.iterator.state_dict()) if self._keeps_iterator else None,
             "shard": None if reader is None else [reader.task, reader.offset],
-            "rng": rng_state() if self._in_worker else None,
+            "rng": None if self._rng is None else self._rng.state(),
         }
 
     def resumes(self, pass_id: int, latest: dict | None) -> bool:

@@ -16,7 +16,7 @@ import torch
 from torch.utils.data import get_worker_info
 
 from loader import ContinuedPassWarning, ResumableDataLoader, StateError
-from loader.rng import rng_state, set_rng_state
+from loader.rng import UNCHANGED, RngWatch, rng_state, set_rng_state
 from tests.streams import FORK, DatasetState, Failing, IteratorState, Plain, SelfIterating, ids
 
 KINDS = [Plain, IteratorState, DatasetState, SelfIterating]
@@ -332,6 +332,16 @@ def test_workers_without_records_and_a_stream_shorter_than_its_progress():
     shorter = ResumableDataLoader(Plain(1), batch_size=1, collate_fn=list, num_workers=3, **FORK)
     shorter.load_state_dict(dl.state_dict())  # the stream changed: worker 1's saved batch no longer exists
     assert list(shorter) == [] and shorter.exhausted
+
+
+def test_a_workers_random_state_is_sent_again_only_after_a_draw():
+    watch = RngWatch()
+    first = watch.state()
+    assert first and watch.state() == UNCHANGED
+    for draw in (lambda: torch.rand(1), np.random.rand, random.random, np.random.randn, np.random.randn):
+        draw()  # the second randn uses numpy's cached gaussian: its generator words do not change
+        assert watch.state() not in (UNCHANGED, first)
+    assert watch.state() == UNCHANGED
 
 
 def test_random_state_round_trips():
