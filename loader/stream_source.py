@@ -67,6 +67,9 @@ class StreamSource(IterableDataset):
         self.plan: Plan | None = None  # set by the main process before torch makes an iterator
         self._worker, self._epoch, self._live = 0, 0, None
 
+    def __repr__(self) -> str:  # torch names the dataset in its messages: the user's
+        return repr(self.dataset)
+
     def init_worker(self, worker_id: int) -> None:
         """torch's worker_init_fn: become the logical worker of the plan, reseeded as that worker when resuming, then
         the user's worker_init_fn. WorkerInfo names the user's dataset and the logical id."""

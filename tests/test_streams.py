@@ -8,6 +8,7 @@ import gc
 import itertools
 import json
 import random
+import warnings
 import weakref
 
 import numpy as np
@@ -369,3 +370,20 @@ def test_a_failed_batch_leaves_no_cycle_that_keeps_the_workers_alive(workers):
         assert a_loop_that_skips_a_bad_batch()() is None
     finally:
         gc.enable()
+
+
+@pytest.mark.parametrize("setup", ["main process", "3 persistent workers, prefetch 3"])
+def test_a_stream_with_a_length_passes_torchs_length_check(setup):
+    """torch warns when an iterator yields more than len(dataset) items (workers that all read everything): each
+    worker's end comes as one more item from torch's iterator, which must not count."""
+
+    class Sized(Plain):
+        def __len__(self):
+            return self.n
+
+    dl = ResumableDataLoader(Sized(7), batch_size=None, **SETUPS[setup])
+    assert len(dl) == 7
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="Length of IterableDataset")
+        for _ in range(2):  # persistent workers: the second pass resets torch's iterator
+            assert sorted(dl) == list(range(7))
