@@ -16,6 +16,7 @@ from __future__ import annotations
 import importlib.util
 import sys
 import unittest
+import warnings
 from pathlib import Path
 
 ITERABLE_TESTS = [
@@ -47,6 +48,7 @@ def main(argv: list[str]) -> int:
         print(__doc__, file=sys.stderr)
         return 2
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    warnings.filterwarnings("ignore", message="This DataLoader will create")  # its tests use 3-4 workers anywhere
     from loader import ResumableDataLoader
 
     class Swapped(ResumableDataLoader):
