@@ -17,6 +17,7 @@ import torch
 from torch.utils.data import get_worker_info
 
 from loader import ContinuedPassWarning, ResumableDataLoader, StateError
+from loader import rng
 from loader.rng import UNCHANGED, RngWatch, rng_state, set_rng_state
 from tests.streams import FORK, DatasetState, Failing, IteratorState, Plain, SelfIterating, ids
 
@@ -335,12 +336,17 @@ def test_workers_without_records_and_a_stream_shorter_than_its_progress():
     assert list(shorter) == [] and shorter.exhausted
 
 
-def test_a_workers_random_state_is_sent_again_only_after_a_draw():
+@pytest.mark.parametrize("header", [16, 8])
+def test_a_workers_random_state_is_sent_again_only_after_a_draw(monkeypatch, header):
+    """Python's random words are read in place where they are where CPython keeps them (header 16 on 64 bits);
+    where not (a wrong header here), getstate() tells."""
+    monkeypatch.setattr(rng, "_HEADER", header)
     watch = RngWatch()
     first = watch.state()
     assert first and watch.state() == UNCHANGED
-    for draw in (lambda: torch.rand(1), np.random.rand, random.random, np.random.randn, np.random.randn):
-        draw()  # the second randn uses numpy's cached gaussian: its generator words do not change
+    gauss = lambda: random.gauss(0, 1)  # noqa: E731
+    for draw in (lambda: torch.rand(1), np.random.rand, random.random, np.random.randn, np.random.randn, gauss, gauss):
+        draw()  # each second gaussian is a cached one: its generator's words do not change
         assert watch.state() not in (UNCHANGED, first)
     assert watch.state() == UNCHANGED
 
