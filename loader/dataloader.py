@@ -427,6 +427,8 @@ class ResumableDataLoader(DataLoader[T_co]):
             self._iterator = None
         stream.source.plan = plan
         inner = super().__iter__()
+        if inner._IterableDataset_len_called is not None:  # torch warns past len(dataset) items; each worker's end
+            inner._IterableDataset_len_called += stream.workers  # comes as one more item
         stream.started(inner, plan)
         return _StreamDelivery(inner, self, self._iterations)
 

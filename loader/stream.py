@@ -12,6 +12,7 @@ A plain stream resumes at the same world size and number of workers; a sharded s
 from __future__ import annotations
 
 from loader._checks import is_int
+from loader.rng import UNCHANGED
 from loader.shards import ShardProgress, is_sharded, shard_digest
 from loader.state import StateError
 from loader.stream_source import Plan, StreamSource, is_stateful
@@ -96,8 +97,12 @@ class StreamProgress:
                 self._commit()
 
     def receive(self, note) -> None:
-        """A worker's note came in (with a batch to deliver or fail, or its end): it stands after it now."""
-        self.latest[note.worker] = note.snapshot
+        """A worker's note came in (with a batch to deliver or fail, or its end): it stands after it now. Its random
+        state is sent only when it changed since the worker's previous note, which came in just before."""
+        snapshot = note.snapshot
+        if snapshot["rng"] == UNCHANGED:
+            snapshot["rng"] = self.latest[note.worker]["rng"]
+        self.latest[note.worker] = snapshot
         self.next_worker = (note.worker + 1) % self.workers
 
     def deliver(self) -> None:

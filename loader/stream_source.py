@@ -23,7 +23,7 @@ import torch.utils.data._utils.worker as torch_worker
 from torch._utils import ExceptionWrapper
 from torch.utils.data import IterableDataset, get_worker_info
 
-from loader.rng import rng_state, seed_like_torch, set_rng_state
+from loader.rng import RngWatch, seed_like_torch, set_rng_state
 from loader.shards import ShardDeal
 
 
@@ -66,6 +66,9 @@ class StreamSource(IterableDataset):
         self.num_workers, self.user_init, self.rank, self.deal = num_workers, worker_init_fn, rank, deal
         self.plan: Plan | None = None  # set by the main process before torch makes an iterator
         self._worker, self._epoch, self._live = 0, 0, None
+
+    def __repr__(self) -> str:  # torch names the dataset in its messages: the user's
+        return repr(self.dataset)
 
     def init_worker(self, worker_id: int) -> None:
         """torch's worker_init_fn: become the logical worker of the plan, reseeded as that worker when resuming, then
@@ -212,7 +215,7 @@ class _Batches:
         # what a snapshot holds, decided once: a dataset that is its own iterator keeps its state once
         self._keeps_dataset = reader is None and iterator is not source.dataset and is_stateful(source.dataset)
         self._keeps_iterator = reader is None and is_stateful(iterator)
-        self._in_worker = get_worker_info() is not None
+        self._rng = RngWatch() if get_worker_info() is not None else None  # the main process's are the training's
 
     def snapshot(self, ended: bool) -> dict:
         """The worker's state now: what a new worker needs to go on from here."""
@@ -223,7 +226,7 @@ class _Batches:
             "dataset": _frozen(self.source.dataset.state_dict()) if self._keeps_dataset else None,
             "iterator": _frozen(self.iterator.state_dict()) if self._keeps_iterator else None,
             "shard": None if reader is None else [reader.task, reader.offset],
-            "rng": rng_state() if self._in_worker else None,
+            "rng": None if self._rng is None else self._rng.state(),
         }
 
     def resumes(self, pass_id: int, latest: dict | None) -> bool:

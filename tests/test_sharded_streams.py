@@ -32,37 +32,51 @@ def read_by(deal, epoch, rank, worker, position, lengths):
 
 
 @st.composite
-def progress_cases(draw):
-    lengths = draw(st.lists(st.integers(0, 5), min_size=0, max_size=9))
-    world, workers = draw(st.integers(1, 3)), draw(st.integers(1, 3))
-    deal = ShardDeal(ShardProgress(len(lengths)), world, workers, draw(st.integers(0, 9)), draw(st.booleans()))
+def rank_positions(draw, deal, lengths):
+    """Where every rank of the deal stands: an epoch from the deal's first unfinished one, and per worker nothing
+    read, everything read, or (task, next record) somewhere in its tasks."""
     ranks = []
-    for rank in range(world):
-        epoch = draw(st.integers(0, 1))
+    for rank in range(deal.world_size):
+        epoch = deal.progress.epoch + draw(st.integers(0, 1))
         positions = []
-        for worker in range(workers):
+        for worker in range(deal.workers):
             tasks = deal.tasks(epoch, rank, worker)
             choices = [None, "ended"] + [(t, o) for t, (s, start) in enumerate(tasks) for o in range(start, lengths[s] + 1)]
             positions.append(draw(st.sampled_from(choices)))
         ranks.append(RankShards(rank, epoch, positions))
-    return lengths, deal, ranks, draw(st.integers(1, 4)), draw(st.integers(1, 4))
+    return ranks
+
+
+def records_read(deal, ranks, lengths):
+    """Per epoch, the (shard, record) pairs the ranks read since the deal was made."""
+    read = {}
+    for r in ranks:
+        for worker, position in enumerate(r.positions):
+            for epoch in range(deal.progress.epoch, r.epoch + 1):
+                done = "ended" if epoch < r.epoch else position
+                read.setdefault(epoch, []).extend(read_by(deal, epoch, r.rank, worker, done, lengths))
+    return read
+
+
+layouts = st.tuples(st.integers(1, 3), st.integers(1, 3))
 
 
 @settings(max_examples=300, deadline=None)
-@given(progress_cases())
-def test_a_redeal_at_any_layout_reads_every_record_of_every_epoch_once(case):
-    lengths, deal, ranks, new_world, new_workers = case
-    before = {0: [], 1: []}
-    for r in ranks:
-        for worker, position in enumerate(r.positions):
-            for epoch in range(r.epoch + 1):
-                before[epoch] += read_by(deal, epoch, r.rank, worker, "ended" if epoch < r.epoch else position, lengths)
-    redeal = ShardDeal(merge(deal, ranks), new_world, new_workers, deal.seed, deal.shuffle)
-    for epoch in (0, 1):
-        after = [pair for rank in range(new_world) for worker in range(new_workers)
-                 for pair in read_by(redeal, epoch, rank, worker, "ended", lengths)]
-        every = [(s, r) for s, n in enumerate(lengths) for r in range(n)]
-        assert sorted(before[epoch] + after) == every, f"epoch {epoch}"
+@given(st.lists(st.integers(0, 5), max_size=9), st.integers(0, 9), st.booleans(), layouts, layouts, layouts, st.data())
+def test_resizes_one_after_another_read_every_record_of_every_epoch_once(lengths, seed, shuffle, first, second,
+                                                                          last, data):
+    """Two restarts at other layouts: the second merges progress over a base the first one left."""
+    deal, read = ShardDeal(ShardProgress(len(lengths)), *first, seed, shuffle), {}
+    for layout in (second, last):
+        ranks = data.draw(rank_positions(deal, lengths))
+        for epoch, pairs in records_read(deal, ranks, lengths).items():
+            read.setdefault(epoch, []).extend(pairs)
+        deal = ShardDeal(merge(deal, ranks), *layout, seed, shuffle)
+    every = sorted((s, r) for s, n in enumerate(lengths) for r in range(n))
+    for epoch in range(3):
+        rest = [pair for rank in range(deal.world_size) for worker in range(deal.workers)
+                for pair in read_by(deal, epoch, rank, worker, "ended", lengths)]
+        assert sorted(read.get(epoch, []) + rest) == every, f"epoch {epoch}"
 
 
 def test_each_epoch_deals_every_shard_once_in_its_own_order():
@@ -131,6 +145,21 @@ def test_a_resume_at_another_world_size_and_worker_count_reads_every_record_once
         seen += list(dl)
     assert sorted(names(seen)) == every_record()
     assert all(dl.epoch == 0 and dl.exhausted for dl in second)
+
+
+def test_two_restarts_in_a_row_at_other_layouts_read_every_record_once(tmp_path):
+    paths = write_shards(tmp_path)
+    first = loaders(paths, 2, 2, shuffle=True)
+    seen = take(first[0], 3) + take(first[1], 1)
+    state = merge_states([dl.state_dict() for dl in first])
+    second = loaders(paths, 3, 1, shuffle=True)
+    for dl, count in zip(second, (1, 0, 2)):
+        dl.load_state_dict(state)
+        seen += take(dl, count)
+    state = merge_states([dl.state_dict() for dl in second])
+    (last,) = loaders(paths, 1, 0, shuffle=True)
+    last.load_state_dict(state)
+    assert sorted(names(seen + list(last))) == every_record()
 
 
 def test_a_resume_at_the_same_layout_is_bit_identical(tmp_path):

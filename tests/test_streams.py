@@ -8,6 +8,7 @@ import gc
 import itertools
 import json
 import random
+import warnings
 import weakref
 
 import numpy as np
@@ -16,7 +17,8 @@ import torch
 from torch.utils.data import get_worker_info
 
 from loader import ContinuedPassWarning, ResumableDataLoader, StateError
-from loader.rng import rng_state, set_rng_state
+from loader import rng
+from loader.rng import UNCHANGED, RngWatch, rng_state, set_rng_state
 from tests.streams import FORK, DatasetState, Failing, IteratorState, Plain, SelfIterating, ids
 
 KINDS = [Plain, IteratorState, DatasetState, SelfIterating]
@@ -334,6 +336,21 @@ def test_workers_without_records_and_a_stream_shorter_than_its_progress():
     assert list(shorter) == [] and shorter.exhausted
 
 
+@pytest.mark.parametrize("header", [16, 8])
+def test_a_workers_random_state_is_sent_again_only_after_a_draw(monkeypatch, header):
+    """Python's random words are read in place where they are where CPython keeps them (header 16 on 64 bits);
+    where not (a wrong header here), getstate() tells."""
+    monkeypatch.setattr(rng, "_HEADER", header)
+    watch = RngWatch()
+    first = watch.state()
+    assert first and watch.state() == UNCHANGED
+    gauss = lambda: random.gauss(0, 1)  # noqa: E731
+    for draw in (lambda: torch.rand(1), np.random.rand, random.random, np.random.randn, np.random.randn, gauss, gauss):
+        draw()  # each second gaussian is a cached one: its generator's words do not change
+        assert watch.state() not in (UNCHANGED, first)
+    assert watch.state() == UNCHANGED
+
+
 def test_random_state_round_trips():
     torch.manual_seed(3), np.random.seed(3), random.seed(3)
     torch.rand(3), np.random.randn(), random.gauss(0, 1)  # a cached gaussian in random's state
@@ -359,3 +376,20 @@ def test_a_failed_batch_leaves_no_cycle_that_keeps_the_workers_alive(workers):
         assert a_loop_that_skips_a_bad_batch()() is None
     finally:
         gc.enable()
+
+
+@pytest.mark.parametrize("setup", ["main process", "3 persistent workers, prefetch 3"])
+def test_a_stream_with_a_length_passes_torchs_length_check(setup):
+    """torch warns when an iterator yields more than len(dataset) items (workers that all read everything): each
+    worker's end comes as one more item from torch's iterator, which must not count."""
+
+    class Sized(Plain):
+        def __len__(self):
+            return self.n
+
+    dl = ResumableDataLoader(Sized(7), batch_size=None, **SETUPS[setup])
+    assert len(dl) == 7
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="Length of IterableDataset")
+        for _ in range(2):  # persistent workers: the second pass resets torch's iterator
+            assert sorted(dl) == list(range(7))
