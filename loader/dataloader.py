@@ -158,17 +158,17 @@ def _distributed() -> bool:
 
 
 class _StreamDelivery(_Delivery):
-    """A stream's delivery: torch yields (note, batch) pairs; each note moves its worker's state on (see
-    loader.stream). A batch whose making raised is consumed (the stream moved past it) and its error raised; a
-    note without a batch marks a worker's end. An error torch raises itself (a worker that died, a timeout) counts
-    nothing."""
+    """A stream's delivery: torch yields (worker, snapshot, error, end, batch) per batch (see loader.stream_source);
+    each snapshot moves its worker's state on. A batch whose making raised is consumed (the stream moved past it)
+    and its error raised; `end` marks a worker's end, without a batch. An error torch raises itself (a worker that
+    died, a timeout) counts nothing."""
 
     def __next__(self):
         loader = self._loader
         self._check_active()
         while True:
             try:
-                note, batch = next(self._inner)
+                worker, snapshot, raised, end, batch = next(self._inner)
             except StopIteration:
                 loader._end_pass()
                 raise
@@ -177,12 +177,12 @@ class _StreamDelivery(_Delivery):
             except BaseException:  # as for map-style: nothing counted, a new iter() serves the batch again
                 self._interrupted = True
                 raise
-            loader._stream.receive(note)
-            if not note.end:
+            loader._stream.receive(worker, snapshot)
+            if not end:
                 break
-        if note.error is not None:
+        if raised is not None:
             loader._fail()
-            error, note.error = _unwrapped(note.error), None
+            error = _unwrapped(raised.take())
             try:
                 raise error
             finally:
@@ -433,7 +433,7 @@ class ResumableDataLoader(DataLoader[T_co]):
         return _StreamDelivery(inner, self, self._iterations)
 
     def _get_iterator(self):
-        """torch's iterator; for a stream, over the stream's source, which makes the batches (with their notes)."""
+        """torch's iterator; for a stream, over the stream's source, which makes the batches (with their states)."""
         if self._stream is None:
             return super()._get_iterator()
         view = copy.copy(self)

@@ -1,8 +1,8 @@
 """Progress of a stream (IterableDataset) in the main process: per worker, the snapshot of the last batch delivered.
 
-Batches arrive in torch's round robin over the workers, each with its worker's note (see `loader.stream_source`);
-the note of a batch is kept when the batch is delivered (or fails to load: the stream moved past it), and the notes
-as they stood after the last completed update are the state. A new torch iterator (a resume, a new iter() in the
+Batches arrive in torch's round robin over the workers, each with its worker's snapshot (see
+`loader.stream_source`); the snapshot of a batch is kept when the batch is delivered (or fails to load: the stream
+moved past it), and the snapshots as they stood after the last completed update are the state. A new torch iterator (a resume, a new iter() in the
 middle of a pass, another epoch) starts every worker from its snapshot, and torch's round robin at the worker after
 the one that delivered last. Persistent workers go on to the next pass as they are when their pass ended cleanly.
 
@@ -38,7 +38,7 @@ class StreamProgress:
         self._start(0, (None,) * self.workers)
 
     def attach(self, batch_size: int | None, drop_last: bool, collate_fn, worker_init_fn) -> StreamSource:
-        """The dataset torch iterates: this stream's batches, made where it is read, each with its worker's note."""
+        """The dataset torch iterates: this stream's batches, made where it is read, each with its worker's state."""
         deal = None if self.shards is None else self.shards.deal(self.world_size, self.workers)
         self.source = StreamSource(self.dataset, batch_size, drop_last, collate_fn, self.num_workers, worker_init_fn,
                                    self.rank, deal)
@@ -96,14 +96,13 @@ class StreamProgress:
             if not self.delivered:
                 self._commit()
 
-    def receive(self, note) -> None:
-        """A worker's note came in (with a batch to deliver or fail, or its end): it stands after it now. Its random
-        state is sent only when it changed since the worker's previous note, which came in just before."""
-        snapshot = note.snapshot
+    def receive(self, worker: int, snapshot: dict) -> None:
+        """A worker's snapshot came in (with a batch to deliver or fail, or its end): it stands there now. Its random
+        state is sent only when it changed since the worker's previous snapshot, which came in just before."""
         if snapshot["rng"] == UNCHANGED:
-            snapshot["rng"] = self.latest[note.worker]["rng"]
-        self.latest[note.worker] = snapshot
-        self.next_worker = (note.worker + 1) % self.workers
+            snapshot["rng"] = self.latest[worker]["rng"]
+        self.latest[worker] = snapshot
+        self.next_worker = (worker + 1) % self.workers
 
     def deliver(self) -> None:
         self.delivered += 1
