@@ -195,6 +195,31 @@ def test_a_second_iter_before_any_batch_starts_the_pass_once_with_persistent_wor
     assert list(dl) == passes[1]  # a new iter(): they start that pass again, from where the last one left them
 
 
+def test_a_dataset_state_is_loaded_after_torch_draws_its_base_seed():
+    """A dataset that keeps torch's generator in its state (StatefulDataLoader's own tests do): loaded before
+    DataLoader.__iter__, the base seed torch draws from that generator would shift every draw after the resume."""
+
+    class TorchRngInState(DatasetState):
+        def state_dict(self):
+            return {**super().state_dict(), "rng": torch.get_rng_state().tolist()}
+
+        def load_state_dict(self, state):
+            super().load_state_dict(state)
+            torch.set_rng_state(torch.tensor(state["rng"], dtype=torch.uint8))
+
+    def torch_draws(batches):
+        return [(r[0][0], r[0][1]) for batch in batches for r in batch]  # (id, torch draw) of (record, epoch)
+
+    torch.manual_seed(0)
+    reference = list(ResumableDataLoader(TorchRngInState(20, random_draws=True), batch_size=3, collate_fn=list))
+    torch.manual_seed(0)
+    first = ResumableDataLoader(TorchRngInState(20, random_draws=True), batch_size=3, collate_fn=list)
+    seen = list(itertools.islice(first, 2))
+    resumed = ResumableDataLoader(TorchRngInState(20, random_draws=True), batch_size=3, collate_fn=list)
+    resumed.load_state_dict(first.state_dict())
+    assert torch_draws(seen + list(resumed)) == torch_draws(reference)
+
+
 def test_a_state_before_the_first_batch_rewinds_a_dataset_object_that_moved_on():
     dl = make(DatasetState, "main process", random_draws=False)
     it = iter(dl)
