@@ -418,3 +418,21 @@ def test_a_stream_with_a_length_passes_torchs_length_check(setup):
         warnings.filterwarnings("error", message="Length of IterableDataset")
         for _ in range(2):  # persistent workers: the second pass resets torch's iterator
             assert sorted(dl) == list(range(7))
+
+
+def test_a_stream_goes_through_save_checkpoint_and_resume(tmp_path):
+    from loader.checkpoint import resume, save_checkpoint
+
+    def objects():
+        model = torch.nn.Linear(1, 1)
+        loader = ResumableDataLoader(IteratorState(20, random_draws=True), batch_size=3, collate_fn=list,
+                                     num_workers=2, generator=torch.Generator().manual_seed(4), **FORK)
+        return dict(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), loader=loader)
+
+    reference = list(objects()["loader"])
+    saved = objects()
+    seen = list(itertools.islice(saved["loader"], 3))
+    save_checkpoint(tmp_path, 3, **saved)
+    restored = objects()
+    assert resume(tmp_path, **restored) == 3
+    assert seen + list(restored["loader"]) == reference
