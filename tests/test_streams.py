@@ -349,6 +349,19 @@ def test_set_epoch_of_the_epoch_whose_pass_ended_gives_an_empty_pass():
     assert len(ids(list(dl))) == 23 and dl.epoch == 1
 
 
+def test_an_empty_pass_after_a_resume_at_the_end_of_an_epoch_keeps_the_restored_dataset_state():
+    """The loop that restores its epoch counter, saved before its increment: set_epoch(e) after a resume at the end
+    of epoch e gives an empty pass; the next pass starts from the dataset state of the checkpoint."""
+    live = make(DatasetState, "main process", random_draws=False)
+    list(live)
+    state = live.state_dict()
+    resumed = make(DatasetState, "main process", random_draws=False)
+    resumed.load_state_dict(state)
+    resumed.set_epoch(0)
+    assert list(resumed) == []
+    assert {epoch for batch in resumed for _, epoch in batch} == {1}  # the dataset's own count, restored
+
+
 def test_workers_without_records_and_a_stream_shorter_than_its_progress():
     dl = ResumableDataLoader(Plain(2), batch_size=1, collate_fn=list, num_workers=3, **FORK)
     first = list(itertools.islice(dl, 1))
