@@ -172,7 +172,7 @@ class _StreamDelivery(_Delivery):
             except StopIteration:
                 loader._end_pass()
                 raise
-            except Exception:
+            except Exception:  # torch's own (a worker that died, a timeout): nothing counted
                 raise
             except BaseException:  # as for map-style: nothing counted, a new iter() serves the batch again
                 self._interrupted = True

@@ -2,9 +2,10 @@
 
 Batches arrive in torch's round robin over the workers, each with its worker's snapshot (see
 `loader.stream_source`); the snapshot of a batch is kept when the batch is delivered (or fails to load: the stream
-moved past it), and the snapshots as they stood after the last completed update are the state. A new torch iterator (a resume, a new iter() in the
-middle of a pass, another epoch) starts every worker from its snapshot, and torch's round robin at the worker after
-the one that delivered last. Persistent workers go on to the next pass as they are when their pass ended cleanly.
+moved past it), and the snapshots as they stood after the last completed update are the state. A new torch iterator
+(a resume, a new iter() in the middle of a pass, another epoch) starts every worker from its snapshot, and torch's
+round robin at the worker after the one that delivered last. Persistent workers go on to the next pass as they are
+when their pass ended cleanly.
 
 A plain stream resumes at the same world size and number of workers; a sharded stream (`loader.shards`) at any.
 """
@@ -35,6 +36,7 @@ class StreamProgress:
         self._pass_id, self._rotation = 0, 0
         self._reusable = False  # persistent workers ended their pass cleanly, unrotated: they may go on as they are
         self._origins_live = False  # the main process's dataset stands at the origin (it ran the pass that ended)
+        self._running = False  # a torch iterator runs the current pass (an empty pass after set_epoch() has none)
         self._start(0, (None,) * self.workers)
 
     def attach(self, batch_size: int | None, drop_last: bool, collate_fn, worker_init_fn) -> StreamSource:
@@ -49,7 +51,7 @@ class StreamProgress:
         self.epoch, self.delivered, self.exhausted, self.ended = epoch, delivered, exhausted, ended
         self.origins, self.base_seed, self.next_worker = origins, base_seed, next_worker
         self.latest = list(latest or (None,) * self.workers)
-        self._pass_id += 1
+        self._pass_id, self._running = self._pass_id + 1, False
         self._commit()
 
     def _commit(self) -> None:
@@ -86,6 +88,7 @@ class StreamProgress:
         """A torch iterator was made (or persistent workers reset) for the plan: note torch's base seed where the
         workers took it, and, in the main process, the stream's state before its first batch."""
         self._reusable = self._origins_live = False  # the workers (the dataset) move on from the pass's start now
+        self._running = True
         if plan is None:
             return
         self._rotation = plan.rotation
@@ -111,8 +114,8 @@ class StreamProgress:
 
     def end_pass(self) -> None:
         self.exhausted = self.ended = True
-        self._reusable = self.persistent and self._rotation == 0
-        self._origins_live = True
+        if self._running:  # its workers (the main process's dataset) ended the pass, and stand at its end
+            self._reusable, self._origins_live = self.persistent and self._rotation == 0, True
         self._commit()
 
     @property

@@ -195,6 +195,31 @@ def test_a_second_iter_before_any_batch_starts_the_pass_once_with_persistent_wor
     assert list(dl) == passes[1]  # a new iter(): they start that pass again, from where the last one left them
 
 
+def test_a_dataset_state_is_loaded_after_torch_draws_its_base_seed():
+    """A dataset that keeps torch's generator in its state (StatefulDataLoader's own tests do): loaded before
+    DataLoader.__iter__, the base seed torch draws from that generator would shift every draw after the resume."""
+
+    class TorchRngInState(DatasetState):
+        def state_dict(self):
+            return {**super().state_dict(), "rng": torch.get_rng_state().tolist()}
+
+        def load_state_dict(self, state):
+            super().load_state_dict(state)
+            torch.set_rng_state(torch.tensor(state["rng"], dtype=torch.uint8))
+
+    def torch_draws(batches):
+        return [(r[0][0], r[0][1]) for batch in batches for r in batch]  # (id, torch draw) of (record, epoch)
+
+    torch.manual_seed(0)
+    reference = list(ResumableDataLoader(TorchRngInState(20, random_draws=True), batch_size=3, collate_fn=list))
+    torch.manual_seed(0)
+    first = ResumableDataLoader(TorchRngInState(20, random_draws=True), batch_size=3, collate_fn=list)
+    seen = list(itertools.islice(first, 2))
+    resumed = ResumableDataLoader(TorchRngInState(20, random_draws=True), batch_size=3, collate_fn=list)
+    resumed.load_state_dict(first.state_dict())
+    assert torch_draws(seen + list(resumed)) == torch_draws(reference)
+
+
 def test_a_state_before_the_first_batch_rewinds_a_dataset_object_that_moved_on():
     dl = make(DatasetState, "main process", random_draws=False)
     it = iter(dl)
@@ -324,6 +349,19 @@ def test_set_epoch_of_the_epoch_whose_pass_ended_gives_an_empty_pass():
     assert len(ids(list(dl))) == 23 and dl.epoch == 1
 
 
+def test_an_empty_pass_after_a_resume_at_the_end_of_an_epoch_keeps_the_restored_dataset_state():
+    """The loop that restores its epoch counter, saved before its increment: set_epoch(e) after a resume at the end
+    of epoch e gives an empty pass; the next pass starts from the dataset state of the checkpoint."""
+    live = make(DatasetState, "main process", random_draws=False)
+    list(live)
+    state = live.state_dict()
+    resumed = make(DatasetState, "main process", random_draws=False)
+    resumed.load_state_dict(state)
+    resumed.set_epoch(0)
+    assert list(resumed) == []
+    assert {epoch for batch in resumed for _, epoch in batch} == {1}  # the dataset's own count, restored
+
+
 def test_workers_without_records_and_a_stream_shorter_than_its_progress():
     dl = ResumableDataLoader(Plain(2), batch_size=1, collate_fn=list, num_workers=3, **FORK)
     first = list(itertools.islice(dl, 1))
@@ -393,3 +431,21 @@ def test_a_stream_with_a_length_passes_torchs_length_check(setup):
         warnings.filterwarnings("error", message="Length of IterableDataset")
         for _ in range(2):  # persistent workers: the second pass resets torch's iterator
             assert sorted(dl) == list(range(7))
+
+
+def test_a_stream_goes_through_save_checkpoint_and_resume(tmp_path):
+    from loader.checkpoint import resume, save_checkpoint
+
+    def objects():
+        model = torch.nn.Linear(1, 1)
+        loader = ResumableDataLoader(IteratorState(20, random_draws=True), batch_size=3, collate_fn=list,
+                                     num_workers=2, generator=torch.Generator().manual_seed(4), **FORK)
+        return dict(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), loader=loader)
+
+    reference = list(objects()["loader"])
+    saved = objects()
+    seen = list(itertools.islice(saved["loader"], 3))
+    save_checkpoint(tmp_path, 3, **saved)
+    restored = objects()
+    assert resume(tmp_path, **restored) == 3
+    assert seen + list(restored["loader"]) == reference
