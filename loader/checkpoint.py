@@ -50,7 +50,7 @@ def global_progress(loader, group=None) -> dict:
 
     Ranks exchange their states without the base they share (see `detach_base`): O(world size) bytes. The states
     are of one step by construction, so ranks that consumed unequal amounts (DDP Join) merge as they are."""
-    state = loader.state_dict()
+    state = loader.state_dict(check_lockstep=False)  # gathered from every rank: none stands alone
     gathered = all_gather(detach_base(state), group)
     if state.get("kind") != "rank":
         return merge_states(gathered)

@@ -19,6 +19,7 @@ from torch.utils.data._utils.fetch import _MapDatasetFetcher
 
 from loader._checks import check_positive_int, check_rank, is_int
 from loader.order import Order, block_sizes_for_window, sample_seed
+from loader.lockstep import LockstepWatch, warn_out_of_step
 from loader.partition import Layout
 from loader.sampler import ResumableSampler
 from loader.shards import is_sharded
@@ -231,6 +232,12 @@ def _order_for(num_samples: int, shuffle: bool, seed: int, shuffle_blocks) -> Or
     return Order(num_samples, seed, "blocks", tuple(int(size) for size in shuffle_blocks))
 
 
+def _identity(order: Order, layout: Layout) -> str:
+    """What names one loader alike on every rank (with its rank and the order loaders were made in)."""
+    fingerprint = order.fingerprint()
+    return f"{fingerprint['num_samples']}-{fingerprint['seed']}-{fingerprint['shuffle']}-{layout.grad_accum}"
+
+
 T_co = TypeVar("T_co", covariant=True)
 
 
@@ -325,6 +332,7 @@ class ResumableDataLoader(DataLoader[T_co]):
         self._shuffle_blocks = shuffle_blocks
         order = _order_for(len(dataset), bool(shuffle), seed, shuffle_blocks)
         self.resumable_sampler = ResumableSampler(order, layout, rank)
+        self._lockstep = LockstepWatch(_identity(order, layout))
         indices = _WithSampleSeeds(self.resumable_sampler, seed) if sample_seeds else self.resumable_sampler
         dispatched = indices
         if callable(planned := getattr(dataset, "planned", None)):
@@ -452,8 +460,14 @@ class ResumableDataLoader(DataLoader[T_co]):
             self._stream.deliver()
             return
         self.resumable_sampler.deliver()
+        self._publish_update()
         if self.ledger is not None:
             self.ledger.record(self.epoch, self.last_indices(), self.update_complete)
+
+    def _publish_update(self) -> None:
+        """Tell the other ranks when this rank completed an optimizer update (see `loader.lockstep`)."""
+        if self._world_size > 1 and self.resumable_sampler.update_complete:
+            self._lockstep.publish(self._rank, self.resumable_sampler.lockstep_token)
 
     def _fail(self) -> None:
         if self._stream is not None:
@@ -462,6 +476,7 @@ class ResumableDataLoader(DataLoader[T_co]):
         if self.ledger is not None:
             self.ledger.record_failed(self.epoch, self.resumable_sampler.next_indices())
         self.resumable_sampler.fail()
+        self._publish_update()
 
     def _end_pass(self) -> None:
         (self._stream or self.resumable_sampler).end_pass()
@@ -535,12 +550,22 @@ class ResumableDataLoader(DataLoader[T_co]):
 
     # -- state -----------------------------------------------------------------------------------------------------
 
-    def state_dict(self) -> dict:
+    def state_dict(self, *, check_lockstep: bool = True) -> dict:
         """This rank's progress in completed updates: small, plain Python types, JSON- and torch.save-able. Its
         `base` entry (the progress this run resumed from) is one shared dict, as modules share tensors: copy the
-        state (copy.deepcopy) before editing it."""
-        return (self._stream or self.resumable_sampler).state_dict()  # no rank resolution: before the first
+        state (copy.deepcopy) before editing it.
+
+        Under torch.distributed it also checks that the ranks are in lockstep, so that this state may stand for
+        every rank (see `loader.lockstep`); a state taken otherwise is marked and warned about.
+        `check_lockstep=False` is for callers that gather every rank's state anyway."""
+        state = (self._stream or self.resumable_sampler).state_dict()  # no rank resolution: before the first
         # iter() nothing was delivered, and a state without progress means the same under any layout
+        if check_lockstep and self._stream is None and self._world_size > 1:
+            mark = self._lockstep.check(self._rank, self._world_size, self.resumable_sampler.lockstep_token)
+            if mark is not None:
+                warn_out_of_step(self._rank, mark)
+                state = {**state, "lockstep": mark}
+        return state
 
     def load_state_dict(self, state) -> None:
         """A merged state (see `merge_states`), the list of all ranks' states, or one rank's state (standing for

@@ -18,7 +18,7 @@ from loader._checks import check_rank, is_int
 from loader.order import EpochOrder, Order
 from loader.partition import EpochPlan, Layout
 from loader.progress import Remaining, whole
-from loader.state import Progress, check_fingerprint, progress_of, rank_state
+from loader.state import Progress, base_digest, check_fingerprint, progress_of, rank_state
 
 CHUNK_SAMPLES = 8192  # ids computed per vectorised call: amortises numpy's per-call cost (~40 us a chunk), keeps
 # the first batch fast (< 1 ms) and the working set small (~0.3 MB)
@@ -52,12 +52,16 @@ class ResumableSampler:
         # so the batch just delivered is almost always in one of them and last_indices slices it (else recomputes)
         self._recent_chunks: deque = deque(maxlen=2)
         self.delivered_any = False  # a batch was delivered (or failed) since the progress was last loaded
+        self._bases_set = 0
         self._start_epoch(0)
 
     # -- the cursor ------------------------------------------------------------------------------------------------
 
     def _start_epoch(self, epoch: int, base: Progress | None = None, *, ended: bool = False) -> None:
         self._base = base or Progress(self.order.fingerprint(), epoch, {})
+        self._bases_set += 1  # every rank of one job sets its progress the same number of times
+        self._base_digest: str | None = None
+        self._updates = 0  # optimizer updates completed since the progress was set: equal on ranks in lockstep
         self._enter(epoch, ended)
 
     def _enter(self, epoch: int, ended: bool = False) -> None:
@@ -142,13 +146,24 @@ class ResumableSampler:
     def deliver(self) -> None:
         """The loader handed the next micro-batch to the training loop."""
         self._last_delivered = self._position
-        self._position += 1
-        self.delivered_any = True
+        self._consume()
 
     def fail(self) -> None:
         """Loading the next micro-batch raised: it is consumed (never served again), but not delivered."""
+        self._consume()
+
+    def _consume(self) -> None:
         self._position += 1
         self.delivered_any = True
+        self._updates += self.update_complete
+
+    @property
+    def lockstep_token(self) -> tuple[int, str, int]:
+        """(times the progress was set, digest of that progress, updates completed since): what ranks in
+        lockstep have in common at each step (see `loader.lockstep`)."""
+        if self._base_digest is None:
+            self._base_digest = base_digest(self._base.to_dict())
+        return self._bases_set, self._base_digest, self._updates
 
     def relayout(self, layout: Layout, rank: int) -> None:
         """Deal the same progress under another layout: only before this sampler delivered anything under its own."""

@@ -255,9 +255,12 @@ class RankProgress:
     epoch: int
     completed: int
     ended: bool = False
+    out_of_step: dict | None = None  # another rank's count of updates when this state was taken, if it showed
+    # the ranks were not in lockstep (see `loader.lockstep`): then this state does not stand for every rank
 
     def to_dict(self) -> dict:
-        return rank_state(self.base, self.layout, self.rank, self.epoch, self.completed, self.ended)
+        state = rank_state(self.base, self.layout, self.rank, self.epoch, self.completed, self.ended)
+        return state if self.out_of_step is None else {**state, "lockstep": self.out_of_step}
 
     @classmethod
     def from_dict(cls, state: dict, where: str = "state", parsed_bases: dict | None = None) -> "RankProgress":
@@ -290,7 +293,13 @@ class RankProgress:
                 f"{where}.epoch is {epoch}, more than {MAX_EPOCHS_AHEAD} epochs after its base epoch {base.epoch}: "
                 f"the state is corrupted (or merge states at least every {MAX_EPOCHS_AHEAD} epochs)"
             )
-        return cls(base, layout, rank, epoch, completed, _get(state, "ended", bool, where, default=False))
+        mark = _get(state, "lockstep", dict, where, default=None)
+        if mark is not None:
+            if set(mark) != {"rank", "updates", "own_updates"}:
+                raise StateError(f"{where}.lockstep must have the fields rank, updates, own_updates: the state is "
+                                 f"corrupted")
+            mark = {name: _get(mark, name, int, f"{where}.lockstep") for name in ("rank", "updates", "own_updates")}
+        return cls(base, layout, rank, epoch, completed, _get(state, "ended", bool, where, default=False), mark)
 
 
 def rank_state(base: Progress, layout: Layout, rank: int, epoch: int, completed: int, ended: bool) -> dict:
@@ -445,11 +454,27 @@ def progress_of(state) -> Progress:
     if isinstance(state, (list, tuple)):
         state = merge_states(list(state))
     elif isinstance(state, dict) and state.get("kind") == "rank":
-        return merge([RankProgress.from_dict(state)])
+        alone = RankProgress.from_dict(state)
+        if alone.out_of_step is not None and alone.layout.world_size > 1:
+            raise _not_standing_for_all(alone)
+        return merge([alone])
     return Progress.from_dict(state)
 
 
-def _base_digest(base: dict) -> str:
+def _not_standing_for_all(alone: RankProgress) -> StateError:
+    mark = alone.out_of_step
+    return StateError(
+        f"this is rank {alone.rank}'s state alone, taken while rank {mark['rank']} had completed {mark['updates']} "
+        f"optimizer updates and rank {alone.rank} {mark['own_updates']}: the ranks were not in lockstep (or it was "
+        f"taken before the optimizer step), so it does not say what every rank trained (resuming from it would "
+        f"repeat or skip samples). Resume from a "
+        f"checkpoint holding every rank's progress: saved by loader.checkpoint.save_checkpoint or LoaderState "
+        f"(DCP), or the list of every rank's state_dict()"
+    )
+
+
+def base_digest(base: dict) -> str:
+    """A short digest of a serialised base: equal on the ranks that set their progress to the same base."""
     return hashlib.sha256(json.dumps(base, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
@@ -459,13 +484,13 @@ def detach_base(state: dict) -> dict:
     of detached states costs O(world size) whatever the base holds. Other states pass unchanged."""
     if not isinstance(state, dict) or state.get("kind") != "rank":
         return state
-    return {**state, "base": {"digest": _base_digest(state["base"])}}
+    return {**state, "base": {"digest": base_digest(state["base"])}}
 
 
 def attach_base(states: list[dict], base: dict) -> list[dict]:
     """Undo `detach_base` with this rank's own base (one shared object, parsed once by `merge_states`), refusing a
     rank that started from another base."""
-    digest = _base_digest(base)
+    digest = base_digest(base)
     attached = []
     for i, state in enumerate(states):
         if isinstance(state, dict) and state.get("kind") == "rank":

@@ -12,10 +12,15 @@ import numpy as np
 import pytest
 import torch
 
+import torch.distributed as dist
+
 from loader import ContinuedPassWarning, ResumableDataLoader, StateError, merge_states
 from loader.audit import audit
+from loader.checkpoint import global_progress
 from loader.ledger import Ledger
+from loader.lockstep import LockstepWarning
 from tests.conftest import IndexDataset
+from tests.distributed import run_group
 
 WORKERS = [dict(), dict(num_workers=2, multiprocessing_context="fork")]
 
@@ -326,6 +331,102 @@ def test_rank_zeros_state_of_a_lockstep_run_resumes_exactly_at_any_world_size(ol
     dropped_ids = ranks[0].resumable_sampler.order.for_epoch(0)(np.concatenate([np.arange(a, b) for a, b in dropped]))
     assert_exactly_once(n, trained, [dropped_ids.tolist()])
     assert len(dropped_ids) < new_world * grad_accum * 3  # drop_last: less than one global batch
+
+
+LOCKSTEP_KW = dict(batch_size=2, shuffle=True, seed=5, grad_accum=2)
+
+
+def _take_updates(it, dl, updates):
+    """Deliver `updates` whole optimizer updates; the indices trained."""
+    trained = []
+    for _ in range(updates * dl.grad_accum):
+        trained.append(next(it).tolist())
+    assert dl.update_complete
+    return trained
+
+
+def _ddp_like_job(rank, world_size):
+    """Lockstep as under DDP: an all_reduce ends every update. Rank 1 runs one update ahead while rank 0 takes its
+    state (the moment a rank-0-only save sees): rank 0's state must not be marked, and alone it resumes exactly."""
+    dl = ResumableDataLoader(IndexDataset(60), **LOCKSTEP_KW)
+    it, trained = iter(dl), []
+    store = dist.distributed_c10d._get_default_store()
+    for _ in range(3):
+        trained += _take_updates(it, dl, 1)
+        dist.all_reduce(torch.zeros(1))  # the gradient all-reduce of the update
+    if rank == 1:
+        trained += _take_updates(it, dl, 1)  # the next update's batches, before rank 0 has saved
+    else:
+        store.wait(["rank 1 ahead"])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        state = dl.state_dict()  # rank 0: after its step; rank 1: before the step of the update it delivered
+    if rank == 1:
+        store.set("rank 1 ahead", "1")
+    else:
+        trained += _take_updates(it, dl, 1)
+    dist.all_reduce(torch.zeros(1))
+    return state, trained, [w.category for w in caught]
+
+
+def test_rank_zeros_state_in_a_real_lockstep_group_is_not_marked_and_resumes_exactly():
+    results = run_group(_ddp_like_job, 2)
+    saved, _, warned = results[0]
+    assert "lockstep" not in saved and warned == []
+    # rank 1 took its state before the optimizer step of an update it delivered: incoherent with any model, and
+    # indistinguishable from ranks out of lockstep, so it is marked
+    assert results[1][0]["lockstep"] == {"rank": 0, "updates": 3, "own_updates": 4}
+    assert results[1][2] == [LockstepWarning]
+    trained = [batch for _, batches, _ in results for batch in batches[:6]]  # the 3 updates rank 0's state covers
+    resumed = [ResumableDataLoader(IndexDataset(60), rank=r, world_size=3, **LOCKSTEP_KW) for r in range(3)]
+    for dl in resumed:
+        dl.load_state_dict(saved)
+        trained += [b.tolist() for b in dl]
+    assert_exactly_once(60, trained)
+
+
+def _uneven_job(rank, world_size):
+    """Ranks that are not in lockstep: rank 1 leaves its loop two updates early (a rank-local stop)."""
+    dl = ResumableDataLoader(IndexDataset(60), **LOCKSTEP_KW)
+    it = iter(dl)
+    trained = _take_updates(it, dl, 5 if rank == 0 else 3)
+    dist.barrier()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        alone = dl.state_dict()
+    gathered = global_progress(dl)  # every rank's progress: what the warning says to save
+    return alone, [str(w.message) for w in caught if w.category is LockstepWarning], gathered, trained
+
+
+def test_a_state_taken_out_of_lockstep_is_marked_at_save_and_refused_alone_at_load():
+    results = run_group(_uneven_job, 2)
+    (alone0, warned0, gathered, trained0), (alone1, warned1, _, trained1) = results
+    assert alone0["lockstep"] == {"rank": 1, "updates": 3, "own_updates": 5}
+    assert alone1["lockstep"] == {"rank": 0, "updates": 5, "own_updates": 3}
+    assert len(warned0) == 1 and "rank 1 had completed 3 optimizer updates" in warned0[0]
+    assert "save_checkpoint" in warned0[0]
+    for alone in (alone0, alone1):
+        dl = ResumableDataLoader(IndexDataset(60), rank=0, world_size=2, **LOCKSTEP_KW)
+        before = dl.state_dict()
+        with pytest.raises(StateError, match="not in lockstep.*every rank's progress"):
+            dl.load_state_dict(alone)
+        assert dl.state_dict() == before
+    trained = trained0 + trained1
+    resumed = [ResumableDataLoader(IndexDataset(60), rank=r, world_size=3, **LOCKSTEP_KW) for r in range(3)]
+    for dl in resumed:
+        dl.load_state_dict(gathered)  # the fix the message names: every rank's progress, merged
+        trained += [b.tolist() for b in dl]
+    assert_exactly_once(60, trained)
+
+
+@pytest.mark.parametrize("mark", [{"rank": 1}, {"rank": -1, "updates": 3, "own_updates": 5}, "yes"])
+def test_a_corrupted_lockstep_mark_is_refused(mark):
+    dl = ResumableDataLoader(IndexDataset(20), rank=0, world_size=2, **LOCKSTEP_KW)
+    state = {**dl.state_dict(), "lockstep": mark}
+    with pytest.raises(StateError, match="lockstep"):
+        dl.load_state_dict(state)
+    with pytest.raises(StateError, match="lockstep"):
+        merge_states([state, {**state, "rank": 1}])
 
 
 # -- drop-in gaps found by running torch's own DataLoader tests --------------------------------------------------------
