@@ -6,7 +6,10 @@ it for the tests too). Candidates, same workers and batch size: `webdataset.WebD
 4 of the 8 shards, the smallest accepted with prefetch=2; the copies are removed before each round, so every
 round downloads the whole dataset as the stream does), and ours over the same shards on local disk. Also: the
 bytes downloaded per epoch / the dataset's bytes with that small cache (plan-driven prefetch and eviction: 1.0
-means each shard is downloaded exactly once an epoch), and the bytes read by ranged requests to index.
+means each shard is downloaded exactly once an epoch), and the bytes read by ranged requests to index. And the
+bytes one node downloads per epoch / its share of the dataset, two nodes of one rank each with their own small
+cache: with `lanes=2` each node reads its own half of the shards (1.0 is the share exactly; the shard a lane
+boundary cuts is read by both), without lanes every node reads every shard (2.0).
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ OURS_REMOTE = Candidate("ResumableDataLoader S3 + cache", ours, False)
 OURS_LOCAL = Candidate("ResumableDataLoader local disk", ours, False)
 TARGET = ">= 0.9"
 BYTES_TARGET = "<= 1.01"
+NODE_TARGET = "<= 1.25"  # a node's share, and the shard a lane boundary cuts
 PREFETCH = 2
 WAIT_S = 60.0  # for a download still finishing from the previous round
 
@@ -87,6 +91,23 @@ def _downloaded_per_epoch(cfg: Config, source, cache_dir: str, dataset_bytes: in
     return ratios
 
 
+NODES = 2
+
+
+def _downloaded_per_node(cfg: Config, nodes: list[tuple], dataset_bytes: int, lanes: int | None) -> list[float]:
+    """Bytes each of NODES one-rank nodes ((source, its cache_dir) each) downloads in an epoch / its share."""
+    shares = []
+    for rank, (source, cache_dir) in enumerate(nodes):
+        _clear_copies(cache_dir)
+        before = source.cache_stats().get("downloaded_bytes", 0)
+        loader = ours(source, batch_size=cfg.batch_size, shuffle=True, shuffle_blocks=source.shard_sizes,
+                      num_workers=max(cfg.workers), rank=rank, world_size=NODES, lanes=lanes)
+        for _ in loader:
+            pass
+        shares.append((source.cache_stats()["downloaded_bytes"] - before) * NODES / dataset_bytes)
+    return shares
+
+
 def run(cfg: Config) -> dict:
     if (missing := _missing()) is not None:
         return {"skipped": missing}
@@ -115,6 +136,11 @@ def run(cfg: Config) -> dict:
         local = WebDatasetSource(local_urls, decode=autodecode.Decoder([]), keys=KEYS, progress=False)
         cases = [_case(cfg, signed, remote, local, cache_dir, workers) for workers in cfg.workers]
         per_epoch = _downloaded_per_epoch(cfg, remote, cache_dir, dataset_bytes)
+        nodes = [(WebDatasetSource([f"s3://bench/{name}" for name in names], decode=autodecode.Decoder([]), keys=KEYS,
+                                   storage_options=options, cache_dir=node_dir, cache_limit=limit, prefetch=PREFETCH,
+                                   progress=False), node_dir)
+                 for node_dir in (os.path.join(directory, f"node{r}") for r in range(NODES))]
+        per_node = {lanes: _downloaded_per_node(cfg, nodes, dataset_bytes, lanes) for lanes in (NODES, None)}
     rows = []
     for case in cases:
         for name, ratio in case["ratios"].items():
@@ -127,7 +153,11 @@ def run(cfg: Config) -> dict:
                     BYTES_TARGET))
     rows.append(row("bytes read by ranged requests to index / dataset bytes", single(index_bytes / dataset_bytes),
                     "ratio"))
+    for lanes, shares in per_node.items():
+        rows.append(row(f"bytes downloaded per node, epoch / node's share, {NODES} nodes, lanes={lanes}, "
+                        f"{cache_label}", single(max(shares)), "ratio", NODE_TARGET if lanes else None))
     shape = {"shards": cfg.shards, "samples_per_shard": cfg.samples_per_shard, "sample_bytes": cfg.sample_bytes,
              "dataset_bytes": dataset_bytes, "cache_limit": limit, "prefetch": PREFETCH}
     return {**shape, "index_build_s": index_s, "index_bytes": index_bytes, "downloaded_per_epoch": per_epoch,
+            "downloaded_per_node_share": {str(lanes): shares for lanes, shares in per_node.items()},
             "cases": cases, "rows": rows}

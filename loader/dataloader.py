@@ -18,7 +18,7 @@ from torch.utils.data import DataLoader, IterableDataset
 from torch.utils.data._utils.fetch import _MapDatasetFetcher
 
 from loader._checks import check_positive_int, check_rank, is_int
-from loader.order import Order, block_sizes_for_window, sample_seed
+from loader.order import Lanes, Order, block_sizes_for_window, sample_seed
 from loader.lockstep import LockstepWatch, warn_out_of_step
 from loader.partition import Layout
 from loader.sampler import ResumableSampler
@@ -220,16 +220,24 @@ def _default_rank_and_world(rank: int | None, world_size: int | None) -> tuple[i
     return rank, world_size
 
 
-def _order_for(num_samples: int, shuffle: bool, seed: int, shuffle_blocks) -> Order:
+def _order_for(num_samples: int, shuffle: bool, seed: int, shuffle_blocks, lanes: Lanes | None) -> Order:
     if not shuffle:
         if shuffle_blocks is not None:
             raise ValueError("shuffle_blocks needs shuffle=True")
-        return Order(num_samples, seed, "none")
+        return Order(num_samples, seed, "none", lanes=lanes)
     if shuffle_blocks is None:
-        return Order(num_samples, seed, "global")
+        return Order(num_samples, seed, "global", lanes=lanes)
     if is_int(shuffle_blocks):
         shuffle_blocks = block_sizes_for_window(num_samples, shuffle_blocks)
-    return Order(num_samples, seed, "blocks", tuple(int(size) for size in shuffle_blocks))
+    return Order(num_samples, seed, "blocks", tuple(int(size) for size in shuffle_blocks), lanes)
+
+
+def _lanes_for(lanes: int | None, lane_chunk: int | None, batch_size: int) -> Lanes | None:
+    if lanes is None:
+        if lane_chunk is not None:
+            raise ValueError("lane_chunk needs lanes=")
+        return None
+    return Lanes(lanes, batch_size if lane_chunk is None else lane_chunk)
 
 
 def _identity(order: Order, layout: Layout) -> str:
@@ -247,8 +255,10 @@ class ResumableDataLoader(DataLoader[T_co]):
     Beyond DataLoader's arguments: `seed` (the order is a pure function of seed, epoch and position), `rank` and
     `world_size` (default: torch.distributed's, else 0 and 1; no DistributedSampler needed), `grad_accum` (only
     whole optimizer updates count as progress), `shuffle_blocks` (shuffle blocks of indices, e.g. shards, then
-    inside each block: an int window or a list of block sizes) and `sample_seeds` (the dataset receives
-    `SampleIndex` ints carrying a per-sample seed).
+    inside each block: an int window or a list of block sizes), `sample_seeds` (the dataset receives
+    `SampleIndex` ints carrying a per-sample seed) and `lanes` (each rank reads its own part of the shards: set it
+    to a multiple of every world size the job runs at, see `loader.order.Lanes`; `lane_chunk` defaults to
+    batch_size).
 
     A new `iter()` continues the current epoch right after the last delivered batch (with a
     `ContinuedPassWarning` when an earlier iterator left the pass after delivering batches); after a pass that
@@ -281,6 +291,8 @@ class ResumableDataLoader(DataLoader[T_co]):
         grad_accum: int = 1,
         shuffle_blocks: int | list[int] | None = None,
         sample_seeds: bool = False,
+        lanes: int | None = None,
+        lane_chunk: int | None = None,
     ):
         if sampler is not None or batch_sampler is not None:
             raise ValueError(
@@ -318,8 +330,8 @@ class ResumableDataLoader(DataLoader[T_co]):
         self._iterations = 0  # iterators superseded so far: only the newest iterator delivers
         self._delivered_by_iterator = 0  # batches the newest iterator delivered
         if isinstance(dataset, IterableDataset):
-            if sample_seeds or shuffle_blocks is not None:
-                raise ValueError("sample_seeds and shuffle_blocks need a map-style dataset (random access)")
+            if sample_seeds or shuffle_blocks is not None or lanes is not None:
+                raise ValueError("sample_seeds, shuffle_blocks and lanes need a map-style dataset (random access)")
             sharded = is_sharded(dataset)  # the loader deals its shards, in an order it may shuffle
             self.resumable_sampler = None
             self._stream = StreamProgress(dataset, world_size, rank, grad_accum, num_workers, persistent_workers,
@@ -329,8 +341,8 @@ class ResumableDataLoader(DataLoader[T_co]):
             self._stream.attach(batch_size, drop_last, self.collate_fn, worker_init_fn)
             return
         self._stream = None
-        self._shuffle_blocks = shuffle_blocks
-        order = _order_for(len(dataset), bool(shuffle), seed, shuffle_blocks)
+        self._shuffle_blocks, self._lanes = shuffle_blocks, _lanes_for(lanes, lane_chunk, batch_size or 1)
+        order = _order_for(len(dataset), bool(shuffle), seed, shuffle_blocks, self._lanes)
         self.resumable_sampler = ResumableSampler(order, layout, rank)
         self._lockstep = LockstepWatch(_identity(order, layout))
         indices = _WithSampleSeeds(self.resumable_sampler, seed) if sample_seeds else self.resumable_sampler
@@ -421,7 +433,8 @@ class ResumableDataLoader(DataLoader[T_co]):
                 f"shuffle_blocks was given as block sizes summing to {old}: build a new ResumableDataLoader with block "
                 f"sizes for {new} (an int window follows the length)"
             )
-        sampler.follow_length(_order_for(new, sampler.order.shuffle != "none", self.seed, self._shuffle_blocks))
+        sampler.follow_length(_order_for(new, sampler.order.shuffle != "none", self.seed, self._shuffle_blocks,
+                                         self._lanes))
 
     def _stream_iter(self) -> _StreamDelivery:
         if self.ledger is not None:

@@ -197,17 +197,63 @@ def block_sizes_for_window(num_samples: int, window: int) -> list[int]:
 
 
 @dataclass(frozen=True)
+class Lanes:
+    """Splits an order into `count` lanes read side by side, so that each rank reads from one lane only.
+
+    Why: with block shuffling every global batch comes from one or two blocks (shards), dealt across all ranks, so
+    every node reads every shard. Here lane l is the l-th of `count` near-equal contiguous parts of the order
+    (of the shuffled blocks: about 1/count of the shards), and positions take `chunk` samples from each lane in
+    turn: position p is sample (p // chunk // count) * chunk + p % chunk of lane (p // chunk) % count. With chunk =
+    the micro-batch size B, rank r's micro-batch of micro-step s covers chunk s*W + r (`loader.partition`), of
+    lane (s*W + r) mod count: when the world size W divides count, rank r reads lanes r, r + W, r + 2W, ... only,
+    so each rank, and each node, reads its own count/W lanes' shards. Set count to the largest world size the job
+    runs at (a multiple of every one it runs at); at other sizes every rank reads every lane, exactly once all the
+    same. After the full rounds, the lanes' last partial chunks follow one another. A bijection of range(n)."""
+
+    count: int
+    chunk: int
+
+    def __post_init__(self) -> None:
+        check_positive_int("lanes", self.count)
+        check_positive_int("lane_chunk", self.chunk)
+
+    def inner(self, positions: np.ndarray, n: int) -> np.ndarray:
+        """The positions of the order without lanes that `positions` (int64, all < n) stand for."""
+        size, longer = divmod(n, self.count)
+        rounds = size // self.chunk  # every lane has at least this many whole chunks
+        in_rounds = rounds * self.count * self.chunk
+        quotient, offset = np.divmod(positions, self.chunk)
+        round_number, lane = np.divmod(quotient, self.count)
+        inner = self._lane_start(lane, size, longer) + round_number * self.chunk + offset
+        late = positions >= in_rounds
+        if late.any():  # lane l's rest (size - rounds*chunk, one more for l < longer) follows lane l-1's
+            rest = positions[late] - in_rounds
+            each = size - rounds * self.chunk
+            starts = self._lane_start(np.arange(self.count + 1), each, longer)
+            lane = np.searchsorted(starts, rest, side="right") - 1
+            inner[late] = self._lane_start(lane, size, longer) + rounds * self.chunk + rest - starts[lane]
+        return inner
+
+    @staticmethod
+    def _lane_start(lane: np.ndarray, size: int, longer: int) -> np.ndarray:
+        """Where lane `lane` starts when lanes hold `size` samples and the first `longer` ones one more."""
+        return lane * size + np.minimum(lane, longer)
+
+
+@dataclass(frozen=True)
 class Order:
     """Which dataset index sits at each position of an epoch.
 
     shuffle="none" is the identity; "global" permutes all of range(N); "blocks" permutes the blocks (e.g. shards),
     then the positions inside each block, so a reader visits one block at a time and reads it sequentially-ish.
+    `lanes` (optional) then interleaves contiguous parts of that order so that each rank reads one part.
     """
 
     num_samples: int
     seed: int = 0
     shuffle: str = "global"
     block_sizes: tuple[int, ...] | None = None
+    lanes: Lanes | None = None
     _block_starts: np.ndarray = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -232,8 +278,9 @@ class Order:
         if self.block_sizes is not None:
             digest = hashlib.sha256(np.asarray(self.block_sizes, dtype="<i8").tobytes()).hexdigest()[:16]
             blocks = f"{len(self.block_sizes)}:{digest}"
+        lanes = None if self.lanes is None else [self.lanes.count, self.lanes.chunk]
         return {"num_samples": self.num_samples, "seed": self.seed, "shuffle": self.shuffle, "blocks": blocks,
-                "order_version": ORDER_VERSION}
+                "order_version": ORDER_VERSION, "lanes": lanes}
 
     def for_epoch(self, epoch: int) -> "EpochOrder":
         return EpochOrder(self, epoch)
@@ -257,6 +304,8 @@ class EpochOrder:
     def __call__(self, positions: np.ndarray) -> np.ndarray:
         """Dataset indices (int64) at the given positions of this epoch."""
         positions = np.asarray(positions, dtype=np.int64)
+        if self.order.lanes is not None:
+            positions = self.order.lanes.inner(positions, self.order.num_samples)
         shuffle = self.order.shuffle
         if shuffle == "none":
             return positions

@@ -28,8 +28,8 @@ from loader.progress import EMPTY, Remaining, complement, normalize, total, unio
 
 FORMAT = "loader.progress"
 VERSION = 1
-FINGERPRINT_FIELDS = ("num_samples", "seed", "shuffle", "blocks", "order_version")
-FINGERPRINT_DEFAULTS = {"order_version": 1}  # fields added after the first release: what a state without them had
+FINGERPRINT_FIELDS = ("num_samples", "seed", "shuffle", "blocks", "order_version", "lanes")
+FINGERPRINT_DEFAULTS = {"order_version": 1, "lanes": None}  # fields added after the first release: what a state without them had
 LARGEST = 2**62  # no count, epoch or size in a state comes near this; anything larger is corruption, refused
 # before numpy (int64) or a Python loop would meet it
 MAX_EPOCHS_AHEAD = 10_000  # how far a rank state may run ahead of its base: the merge walks each epoch between
@@ -135,6 +135,8 @@ def check_fingerprint(saved: dict, current: dict, where: str = "state") -> None:
                 "blocks": "construct the loader with the shuffle_blocks of the saved run",
                 "order_version": "positions map to other samples under this release's order; resume with the "
                 "loader release that saved the state",
+                "lanes": "construct the loader with the lanes= and lane_chunk= of the saved run ([lanes, chunk]; "
+                "None: no lanes)",
             }[name]
             raise StateError(
                 f"{where}.fingerprint.{name} is {saved_value} in the saved state but {current[name]!r} in this "

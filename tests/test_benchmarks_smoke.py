@@ -117,6 +117,8 @@ def test_remote_compares_the_same_loaders_and_counts_bytes(results):
         assert all(_positive(v["median"]) for v in case["values"].values())
     first, second = remote["downloaded_per_epoch"]
     assert first == 1.0 and 0 <= second <= 1.0 and _positive(remote["index_bytes"])  # each shard once an epoch
+    per_node = remote["downloaded_per_node_share"]  # bytes one node downloads / its share, 2 nodes
+    assert max(per_node["2"]) < 1.5 and per_node["None"] == [2.0, 2.0]  # lanes: about its share; else everything
 
 
 def test_restart_is_labelled_a_plan(results):

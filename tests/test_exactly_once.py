@@ -17,7 +17,7 @@ import torch
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
-from loader import ContinuedPassWarning, Order, ResumableDataLoader, merge_states
+from loader import ContinuedPassWarning, ResumableDataLoader, merge_states
 from loader.sources import Mixture
 from tests.conftest import IndexDataset
 
@@ -114,6 +114,7 @@ def simulate(data, dataset, batch_size, grad_accum, shuffle, drop_last, worlds, 
     # FailingCollate knows a bad batch by its items, which are its indices for IndexDataset (not for a mixture)
     failures = not num_workers and not isinstance(dataset, Mixture)
     bad = set(data.draw(st.lists(st.integers(0, n - 1), max_size=3), label="bad indices")) if failures else set()
+    lanes = data.draw(st.sampled_from([None, 1, 2, 3, 4]), label="lanes")
     committed, failed, state = defaultdict(Counter), defaultdict(Counter), None
 
     def make(world):
@@ -122,7 +123,7 @@ def simulate(data, dataset, batch_size, grad_accum, shuffle, drop_last, worlds, 
                 dataset, batch_size=batch_size, shuffle=shuffle, drop_last=drop_last, seed=seed, rank=r,
                 world_size=world, grad_accum=grad_accum, num_workers=num_workers,
                 multiprocessing_context="fork" if num_workers else None,
-                collate_fn=None if num_workers else FailingCollate(bad),
+                collate_fn=None if num_workers else FailingCollate(bad), lanes=lanes,
             )
             for r in range(world)
         ]
@@ -167,7 +168,7 @@ def simulate(data, dataset, batch_size, grad_accum, shuffle, drop_last, worlds, 
         assert not bad & set(committed[epoch]), f"epoch {epoch}: a bad sample was delivered"
         spans = np.asarray(dropped[epoch]).reshape(-1, 2)
         positions = np.concatenate([np.arange(a, b) for a, b in spans] + [np.zeros(0, np.int64)])
-        dropped_ids = set(Order(n, seed, "global" if shuffle else "none").for_epoch(epoch)(positions).tolist())
+        dropped_ids = set(ranks[0].dl.resumable_sampler.order.for_epoch(epoch)(positions).tolist())
         assert not dropped_ids & set(counts), f"epoch {epoch}: a sample recorded as dropped was delivered"
         assert dropped_ids | set(counts) == set(range(n)), f"epoch {epoch}: skipped samples"
         assert len(dropped_ids) == policy[epoch], f"epoch {epoch}: dropped {len(dropped_ids)}, not {policy[epoch]}"

@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from loader.order import (
-    Order, _halves, block_sizes_for_window, epoch_round_keys, permute, sample_seed, window_arrangements,
+    Lanes, Order, _halves, block_sizes_for_window, epoch_round_keys, permute, sample_seed, window_arrangements,
 )
 
 
@@ -163,3 +163,38 @@ def test_every_window_arrangement_is_a_permutation_keyed_by_seed_and_window(size
         assert len({tuple(r) for r in rows}) == 4  # each window its own order
         assert not np.array_equal(window_arrangements(8, windows, size), rows)
     assert np.array_equal(window_arrangements(7, windows[2:3], size)[0], rows[2])  # a pure function of (seed, k)
+
+
+@settings(max_examples=200, deadline=None)
+@given(n=st.integers(0, 300), count=st.integers(1, 9), chunk=st.integers(1, 9), seed=st.integers(0, 2**32))
+def test_lanes_keep_the_order_a_bijection(n, count, chunk, seed):
+    sizes = block_sizes_for_window(n, 17) if n else []
+    order = Order(n, seed, "blocks", tuple(sizes), Lanes(count, chunk)) if n else Order(n, seed, lanes=Lanes(count, chunk))
+    ids = order.for_epoch(3)(np.arange(n))
+    assert sorted(ids.tolist()) == list(range(n))
+    without = Order(n, seed, order.shuffle, order.block_sizes).for_epoch(3)(np.arange(n))
+    lane_of = np.repeat(np.arange(count), [n // count + (lane < n % count) for lane in range(count)])
+    lane_of_id = np.empty(n, dtype=np.int64)
+    lane_of_id[without] = lane_of  # the lane each id belongs to: its contiguous part of the order without lanes
+    rounds = (n // count) // chunk * count * chunk
+    chunks = np.arange(rounds) // chunk % count
+    assert (lane_of_id[ids[:rounds]] == chunks).all()  # chunk k of the full rounds comes from lane k mod count
+
+
+def test_lanes_give_each_rank_and_node_its_own_shards():
+    """24 shards of 50 samples, 4 ranks (2 nodes of 2), lanes=8: each rank reads a quarter of the shards, each
+    node half of them."""
+    from loader import ResumableDataLoader
+    from tests.conftest import IndexDataset
+
+    shards = [50] * 24
+    read = []
+    for rank in range(4):
+        dl = ResumableDataLoader(IndexDataset(1200), batch_size=5, shuffle=True, shuffle_blocks=shards, seed=1,
+                                 rank=rank, world_size=4, lanes=8)
+        read.append({int(i) // 50 for batch in dl for i in batch})
+    assert [len(r) for r in read] == [6] * 4 and len(set().union(*read)) == 24  # lanes of 3 whole shards
+    assert not (read[0] | read[1]) & (read[2] | read[3])  # the nodes share no shard
+    everywhere = [ResumableDataLoader(IndexDataset(1200), batch_size=5, shuffle=True, shuffle_blocks=shards, seed=1,
+                                      rank=0, world_size=4)]
+    assert len({int(i) // 50 for batch in everywhere[0] for i in batch}) == 24  # without lanes: every shard

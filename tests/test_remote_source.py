@@ -194,6 +194,24 @@ def test_the_cache_limit_holds_and_each_shard_is_downloaded_once_per_epoch(s3, s
     assert per_epoch[0] == total and per_epoch[1] <= total  # each shard once an epoch (some stay cached across)
 
 
+def test_with_lanes_each_node_downloads_its_share_of_the_shards(s3, shard_dir, tmp_path):
+    """Two nodes of one rank, each with its own cache no larger than a few shards: with lanes=2 each downloads
+    about half of the dataset per epoch (the shard a lane boundary cuts, both), without lanes each all of it."""
+    total, largest = dataset_bytes(shard_dir), max(os.path.getsize(p) for p in glob.glob(f"{shard_dir}/*.tar"))
+    limit = minimum(shard_dir, prefetch=2)
+    for lanes in (2, None):
+        nodes = [remote_source(s3, tmp_path / f"{lanes}-node{r}", cache_limit=limit) for r in range(2)]
+        ranks = [loaders(source, 2, lanes=lanes, num_workers=2, multiprocessing_context="fork")[r]
+                 for r, source in enumerate(nodes)]
+        keys = [k for dl in ranks for batch in dl for k in batch]
+        assert sorted(keys) == sorted(nodes[0].sample_key(i)[1] for i in range(SAMPLES))  # each exactly once
+        downloaded = [source.cache_stats()["downloaded_bytes"] for source in nodes]
+        if lanes:
+            assert all(total / 2 - largest <= d <= total / 2 + largest for d in downloaded), (downloaded, total)
+        else:
+            assert downloaded == [total, total]
+
+
 def test_a_cache_too_small_for_the_shards_in_flight_is_refused(s3, shard_dir, tmp_path):
     least = minimum(shard_dir, prefetch=3)
     with pytest.raises(ValueError, match=r"prefetch=3 more .* at least .*\(%d bytes\)" % least):
