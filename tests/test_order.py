@@ -198,3 +198,19 @@ def test_lanes_give_each_rank_and_node_its_own_shards():
     everywhere = [ResumableDataLoader(IndexDataset(1200), batch_size=5, shuffle=True, shuffle_blocks=shards, seed=1,
                                       rank=0, world_size=4)]
     assert len({int(i) // 50 for batch in everywhere[0] for i in batch}) == 24  # without lanes: every shard
+
+
+def test_a_state_saved_with_lanes_needs_the_same_lanes():
+    from loader import ResumableDataLoader, StateError
+    from tests.conftest import IndexDataset
+
+    kw = dict(batch_size=2, shuffle=True, shuffle_blocks=10, world_size=2, rank=0)
+    dl = ResumableDataLoader(IndexDataset(40), lanes=4, **kw)
+    next(iter(dl))
+    state = dl.state_dict()
+    for other in (dict(), dict(lanes=2), dict(lanes=4, lane_chunk=3)):
+        with pytest.raises(StateError, match=r"fingerprint.lanes is \[4, 2\].*lanes= and lane_chunk="):
+            ResumableDataLoader(IndexDataset(40), **other, **kw).load_state_dict(state)
+    ResumableDataLoader(IndexDataset(40), lanes=4, **kw).load_state_dict(state)
+    with pytest.raises(ValueError, match="lane_chunk needs lanes="):
+        ResumableDataLoader(IndexDataset(40), lane_chunk=2, **kw)
