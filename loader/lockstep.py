@@ -69,8 +69,10 @@ class LockstepWatch:
         """Make this rank's (generation, base digest, updates) visible to the others before returning: a
         compare-and-set is answered by the store, so a rank that reads after this rank's next collective sees it."""
         store = _store()
+        if store is None:
+            return
         value = ":".join(map(str, token))
-        if store is None or value == self._published:
+        if value == self._published:
             return
         store.compare_set(self._key(rank), self._published, value)  # ranks sharing a data rank (tensor parallel)
         self._published = value  # publish the same sequence: a value already set by one of them is left as it is
