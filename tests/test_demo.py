@@ -9,18 +9,31 @@ import pytest
 pytestmark = pytest.mark.slow
 
 
-def test_demo_loses_a_node_and_finishes_exactly_once():
-    done = subprocess.run([sys.executable, "-m", "loader", "demo"], capture_output=True, text=True, timeout=400)
+def run_demo(*flags: str) -> str:
+    """`python -m loader demo` with these flags, checked for what every demo prints; its output."""
+    done = subprocess.run([sys.executable, "-m", "loader", "demo", *flags], capture_output=True, text=True,
+                          timeout=400)
     out = done.stdout
     assert done.returncode == 0, out + done.stderr
     assert "launch 1, 4 workers, fresh start from step 0; optimizer steps completed: 1 2 3" in out
-    resumed = re.search(r"launch 2, 3 workers, resumed from the checkpoint of step (\d+); optimizer steps completed: \d",
-                        out)
+    resumed = re.search(r"launch 2, 3 workers, resumed from the checkpoint of step (\d+); optimizer steps completed: "
+                        r"\d", out)
     assert resumed and int(resumed.group(1)) % 3 == 0  # a published checkpoint step
     assert re.search(r"0\s+finished\s+480\s+480\s+0\s+0\s+0", out)  # the audit row of epoch 0
     assert "audit: every sample exactly once" in out
     assert "equal within rtol 1e-5" in out
     assert re.search(r"plan\s+[\d.]+ s = \d+ x", out) and re.search(r"measured\s+[\d.]+ s = replay", out)
+    return out
+
+
+def test_demo_loses_a_node_and_finishes_exactly_once():
+    run_demo()
+
+
+def test_the_lm_demo_loses_a_node_and_audits_each_source_exactly_once():
+    """The 70/30 token mixture of examples/train_lm.py: the audit's rows per source are whole and exact."""
+    out = run_demo("--lm")
+    assert re.search(r"web\s+336\s+336\s+0\s+0\s+0\s+0", out) and re.search(r"code\s+144\s+144\s+0\s+0\s+0\s+0", out)
 
 
 def test_a_failed_job_reports_the_workers_traceback_not_only_torchrun_s_summary():

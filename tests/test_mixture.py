@@ -5,10 +5,12 @@ import tracemalloc
 
 import numpy as np
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from loader.sources import Mixture, MixturePlan
+from loader import ResumableDataLoader, merge_states
+from loader.sources import Mixture, MixturePlan, TokenSource
 from loader.sources.mixture import BLOCK, MAX_WINDOW, window_counts
 
 
@@ -136,6 +138,59 @@ def test_samples_come_from_the_located_source_and_index():
     assert mix.sample_key(3) == (["small", "large"][source[3]], index[3])
     with pytest.raises(IndexError, match="mixture position 64 out of range for 64 positions"):
         mix[64]
+
+
+def token_mixture(tmp_path, num_samples):
+    """Two TokenSources (the second over two files, so samples cross a file boundary) and a source without
+    __getitems__, mixed."""
+    rng = np.random.default_rng(3)
+    for name, size in (("a-0", 400), ("b-0", 150), ("b-1", 97)):
+        rng.integers(0, 60000, size).astype(np.uint16).tofile(tmp_path / f"{name}.bin")
+    sources = [TokenSource(str(tmp_path / f"{prefix}-*.bin"), seq_len=8, dtype="uint16") for prefix in "ab"]
+    return Mixture(sources + [Tagged(7, "t")], [0.5, 0.3, 0.2], num_samples, seed=4, names=["a", "b", "t"])
+
+
+def as_lists(samples):
+    return [s.tolist() if torch.is_tensor(s) else s for s in samples]
+
+
+def test_a_batch_equals_its_positions_one_by_one(tmp_path):
+    """__getitems__ groups a batch by source, asks each once, and puts the samples back in position order: the
+    same samples as one __getitem__ per position, in or out of order, within a cached block or across blocks."""
+    mix = token_mixture(tmp_path, 3 * BLOCK)
+    rng = np.random.default_rng(0)
+    batches = [list(range(8)), list(range(BLOCK - 5, BLOCK + 27)), rng.permutation(3 * BLOCK)[:64].tolist(),
+               [5, 5, 3], [3 * BLOCK - 1, 0], [17]] + [rng.integers(0, 3 * BLOCK, 8).tolist() for _ in range(20)]
+    for batch in batches:
+        assert as_lists(mix.__getitems__(batch)) == as_lists([mix[p] for p in batch])
+    assert mix.__getitems__([]) == []
+    source, index = mix.plan.locate(np.arange(64))
+    for p, sample in enumerate(mix.__getitems__(list(range(64)))):
+        expected = mix.sources[source[p]][int(index[p])]
+        assert as_lists([sample]) == as_lists([expected])
+
+
+def test_a_loader_over_a_mixture_delivers_every_position_once_across_a_resume(tmp_path):
+    """Through torch's fetcher (which calls __getitems__): each batch holds its positions' samples, and two ranks
+    stopped unevenly then resumed on three deliver every position once."""
+    mix = token_mixture(tmp_path, 203)
+    seen = []
+
+    def deliver(loader, batches=None):
+        for _, batch in zip(range(batches or len(mix)), loader):
+            positions = loader.last_indices().tolist()
+            assert as_lists(batch) == as_lists([mix[p] for p in positions])
+            seen.extend(positions)
+
+    loaders = [ResumableDataLoader(mix, batch_size=5, rank=r, world_size=2, collate_fn=list) for r in range(2)]
+    for loader in loaders:
+        deliver(loader, 4 + loader.rank)  # uneven stops
+    state = merge_states([loader.state_dict() for loader in loaders], uneven=True)
+    for r in range(3):
+        loader = ResumableDataLoader(mix, batch_size=5, rank=r, world_size=3, collate_fn=list)
+        loader.load_state_dict(state)
+        deliver(loader)
+    assert sorted(seen) == list(range(len(mix)))
 
 
 def test_bad_arguments_are_clear_errors():

@@ -51,6 +51,49 @@ def test_every_sample_is_the_concatenated_stream_sliced_across_file_boundaries(t
         src[len(src)]
 
 
+def crossing(src):
+    """The samples whose seq_len + 1 tokens span more than one file."""
+    starts = np.arange(len(src)) * src.seq_len
+    bounds = np.cumsum([0] + [len(np.fromfile(f, np.uint16)) for f in src.files])
+    first, last = (np.searchsorted(bounds, x, side="right") for x in (starts, starts + src.seq_len))
+    return np.nonzero(first != last)[0].tolist()
+
+
+@pytest.mark.parametrize("documents", [None, "eos", "offsets"])
+def test_a_batch_equals_its_samples_one_by_one_for_random_batches(tmp_path, documents):
+    """__getitems__ (the loader's and Mixture's call) against __getitem__, for batches copied per sample, gathered
+    at once inside one file, crossing file boundaries, with repeats, and through a pickled copy (a worker's)."""
+    sizes = [90, 0, 5, 300, 41, 170]
+    _, stream = stream_files(tmp_path, sizes)
+    extra = {}
+    if documents == "eos":
+        extra = {"eos_id": int(stream[7])}  # a token id that occurs: some samples hold several documents
+    elif documents == "offsets":
+        for number, size in enumerate(sizes):
+            np.save(tmp_path / f"part-{number:03d}.npy", np.arange(0, size, 13))
+        extra = {"doc_offsets": str(tmp_path / "part-*.npy")}
+    src = TokenSource(str(tmp_path / "part-*.bin"), seq_len=16, dtype="uint16", **extra)
+    boundary = crossing(src)
+    assert boundary  # the layout puts samples across files
+    rng = np.random.default_rng(5)
+    inside = list(range(6, 6 + 2 * GATHER_ROWS))  # inside part-003.bin (tokens 95-394): gathered at once
+    assert not set(inside) & set(boundary)
+    batches = [boundary, list(range(len(src))), inside, inside[::-1]]
+    batches += [rng.integers(0, len(src), size).tolist() for size in (1, 2, GATHER_ROWS - 1, GATHER_ROWS, 33)]
+    batches += [rng.permutation(boundary + rng.integers(0, len(src), 10).tolist()).tolist() for _ in range(5)]
+    as_lists = lambda samples: [s.tolist() if torch.is_tensor(s) else {k: v.tolist() for k, v in s.items()}
+                                for s in samples]
+    worker = pickle.loads(pickle.dumps(src))
+    for batch in batches:
+        expected = as_lists([src[i] for i in batch])
+        assert as_lists(src.__getitems__(batch)) == expected == as_lists(worker.__getitems__(batch))
+        tokens = [e["tokens"] if documents else e for e in expected]
+        assert tokens == [reference(stream, 16, i).tolist() for i in batch]
+    assert src.__getitems__([]) == []
+    with pytest.raises(IndexError, match=f"sample index {len(src)} out of range"):
+        src.__getitems__([0, len(src)])
+
+
 def test_a_list_keeps_its_order_and_sample_keys_name_file_and_offset(tmp_path):
     a = write_bin(tmp_path / "b.bin", np.arange(10))
     b = write_bin(tmp_path / "a.bin", np.arange(100, 120))

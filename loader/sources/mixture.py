@@ -24,6 +24,7 @@ import os
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import accumulate
 from typing import Any
 
 import numpy as np
@@ -235,7 +236,7 @@ class Mixture(torch.utils.data.Dataset):
         self.plan = MixturePlan(names, tuple(len(s) for s in self.sources), window_counts(weights, window),
                                 num_samples, seed, bool(shuffle))
         self._block = -(-BLOCK // self.plan.window) * self.plan.window  # whole windows
-        self._cache: OrderedDict[int, tuple[np.ndarray, np.ndarray]] = OrderedDict()
+        self._cache: OrderedDict[int, np.ndarray] = OrderedDict()
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -257,11 +258,12 @@ class Mixture(torch.utils.data.Dataset):
     def __len__(self) -> int:
         return self.plan.num_samples
 
-    def _block_table(self, block: int) -> tuple[np.ndarray, np.ndarray]:
-        """(source, index) of a whole block of positions, kept for the next batches (two blocks per process)."""
+    def _block_table(self, block: int) -> np.ndarray:
+        """Rows (source, index) of a whole block of positions, kept for the next batches (two blocks per process):
+        one array, so that a batch is looked up by one fancy index."""
         if block not in self._cache:
             low = block * self._block
-            self._cache[block] = self.plan.locate(np.arange(low, min(low + self._block, len(self))))
+            self._cache[block] = np.stack(self.plan.locate(np.arange(low, min(low + self._block, len(self)))))
             while len(self._cache) > 2:
                 self._cache.popitem(last=False)
         return self._cache[block]
@@ -271,26 +273,29 @@ class Mixture(torch.utils.data.Dataset):
         blocks when positions come in order (shuffle=False at any world size), where a batch then costs a lookup."""
         if not len(positions):
             return np.zeros(0, np.int64), np.zeros(0, np.int64)
-        first, last = min(positions) // self._block, max(positions) // self._block
-        if last - first > 1 or min(positions) < 0 or max(positions) >= len(self):
+        low, high = min(positions), max(positions)
+        first, last = low // self._block, high // self._block
+        if last - first > 1 or low < 0 or high >= len(self):
             return self.plan.locate(positions)
         tables = [self._block_table(b) for b in range(first, last + 1)]
-        at = np.asarray(positions, dtype=np.int64) - first * self._block
-        if len(tables) == 1:
-            return tables[0][0][at], tables[0][1][at]
-        return np.concatenate([t[0] for t in tables])[at], np.concatenate([t[1] for t in tables])[at]
+        table = tables[0] if len(tables) == 1 else np.concatenate(tables, axis=1)
+        source, index = table[:, np.asarray(positions, dtype=np.int64) - first * self._block]
+        return source, index
 
     def __getitems__(self, positions: Sequence[int]) -> list:
-        """A batch: each source asked once, for its share, in one call when it takes batches."""
+        """A batch: each source asked once, for its share, in one call when it takes batches; the samples are put
+        back in position order."""
         source, index = self.locate(positions)
-        by_source = np.argsort(source, kind="stable")
-        bounds = np.concatenate(([0], np.cumsum(np.bincount(source, minlength=len(self.sources))))).tolist()
+        by_source = source.argsort(kind="stable")  # each source's rows, in position order
+        ends = accumulate(np.bincount(source, minlength=len(self.sources)).tolist())
         rows, indices = by_source.tolist(), index[by_source].tolist()
         out: list = [None] * len(rows)
-        for s, (low, high) in enumerate(zip(bounds[:-1], bounds[1:])):
+        low = 0
+        for s, high in enumerate(ends):
             if low < high:
                 for row, sample in zip(rows[low:high], _fetch(self.sources[s], indices[low:high])):
                     out[row] = sample
+            low = high
         return out
 
     def __getitem__(self, position: int):

@@ -274,7 +274,8 @@ class TokenSource(torch.utils.data.Dataset):
             raise ValueError("pass eos_id= or doc_offsets= for document boundaries, not both")
         if eos_id is not None and (not isinstance(eos_id, int) or eos_id < 0):
             raise ValueError(f"eos_id must be a non-negative int token id, got {eos_id!r}")
-        self.seq_len, self.eos_id = seq_len, eos_id
+        self.seq_len, self.eos_id, self._span = seq_len, eos_id, seq_len + 1
+        self._views: dict[int, np.ndarray] = {}  # per file, its whole samples as a strided view (per process)
         declared = None if dtype is None else _token_dtype(dtype, "dtype=")
         self._files = _token_files(_expand(files, "token files"), declared)
         counts = np.array([f.count for f in self._files], dtype=np.int64)
@@ -331,7 +332,7 @@ class TokenSource(torch.utils.data.Dataset):
         if self.eos_id is not None:
             np.cumsum(tokens[:, :-1] == self.eos_id, axis=1, out=doc_ids[:, 1:])
             return doc_ids
-        span = self.seq_len + 1
+        span = self._span
         for row, start in enumerate(starts.tolist()):
             file = int(np.searchsorted(self._starts, start, side="right")) - 1
             while self._starts[file] < start + span:
@@ -347,34 +348,49 @@ class TokenSource(torch.utils.data.Dataset):
         return doc_ids
 
     def _windows(self, file: int) -> np.ndarray:
-        """The file's whole samples as rows of a strided view (no copy): row r starts at the file's first sample
-        start plus r * seq_len, so a batch inside one file is gathered by one fancy index instead of a loop."""
-        tokens, span = self._files[file].array(), self.seq_len + 1
-        phase = int(-self._starts[file] % self.seq_len)
-        rows = max(0, (len(tokens) - phase - span) // self.seq_len + 1)
-        itemsize = tokens.dtype.itemsize
-        return np.ndarray((rows, span), tokens.dtype, tokens, phase * itemsize, (self.seq_len * itemsize, itemsize))
+        """The file's whole samples as rows of a strided view (no copy), built once per process: row r starts at the
+        file's first sample start plus r * seq_len, so a batch inside one file is gathered by one fancy index."""
+        view = self._views.get(file)
+        if view is None:
+            tokens, span = self._files[file].array(), self._span
+            phase = int(-self._starts[file] % self.seq_len)
+            rows = max(0, (len(tokens) - phase - span) // self.seq_len + 1)
+            itemsize = tokens.dtype.itemsize
+            view = np.ndarray((rows, span), tokens.dtype, tokens, phase * itemsize, (self.seq_len * itemsize, itemsize))
+            self._views[file] = view
+        return view
+
+    def _gather(self, out: np.ndarray, files: list[int], offsets: list[int]) -> set[int]:
+        """Fill row r of `out` with sample (files[r], offsets[r]); returns the files read. GATHER_ROWS samples or
+        more inside one file: one fancy index into its windows; else a copy per sample (fewer numpy calls)."""
+        file, span = files[0], self._span
+        if len(files) >= GATHER_ROWS and files.count(file) == len(files) and max(offsets) + span <= \
+                self._files[file].count:
+            out[:] = self._windows(file)[np.asarray(offsets) // self.seq_len]
+            return {file}
+        touched = set(files)
+        for row, (file, offset) in enumerate(zip(files, offsets)):
+            tokens = self._files[file].array()
+            if offset + span <= len(tokens):  # the usual sample: inside one file
+                out[row] = tokens[offset:offset + span]
+            else:
+                self._read(out[row], file, offset, touched)
+        return touched
+
+    def _rows(self, indices: Sequence[int]) -> np.ndarray:
+        """The int64 tokens of these samples, a row each; every file read is checked once, after the reads (a
+        change while reading is caught too)."""
+        files, offsets = self._locate(indices)
+        out = np.empty((len(offsets), self._span), dtype=np.int64)
+        if offsets:
+            for file in self._gather(out, files, offsets):
+                self._files[file].check_unchanged()
+        return out
 
     def __getitems__(self, indices: Sequence[int]) -> list:
-        """A batch in one call (torch's fetcher uses it): one file check per file the batch touches, not per sample,
-        and a batch of GATHER_ROWS samples or more inside one file gathered by one fancy index."""
-        files, offsets = self._locate(indices)
-        span = self.seq_len + 1
-        file = files[0] if files else 0
-        inside_one_file = files.count(file) == len(files) and max(offsets, default=0) + span <= self._files[file].count
-        if len(files) >= GATHER_ROWS and inside_one_file:
-            out, touched = self._windows(file)[np.asarray(offsets) // self.seq_len].astype(np.int64), {file}
-        else:
-            out, touched = np.empty((len(files), span), dtype=np.int64), set()
-            for row, (file, offset) in enumerate(zip(files, offsets)):
-                tokens = self._files[file].array()
-                if offset + span <= len(tokens):  # the usual sample: inside one file
-                    out[row] = tokens[offset:offset + span]
-                    touched.add(file)
-                else:
-                    self._read(out[row], file, offset, touched)
-        for file in touched:
-            self._files[file].check_unchanged()
+        """A batch in one call (torch's fetcher and Mixture use it): one check per file the batch touches, not per
+        sample, and one tensor whose rows are the samples."""
+        out = self._rows(indices)
         tokens = torch.from_numpy(out).unbind(0)
         if self.eos_id is None and self._documents is None:
             return list(tokens)
@@ -384,6 +400,9 @@ class TokenSource(torch.utils.data.Dataset):
 
     def __getitem__(self, index: int):
         return self.__getitems__([index])[0]
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_views": {}}  # views of this process's maps: a worker maps the files itself
 
     def fingerprint(self) -> str:
         """Digest of the files' names and token counts, dtype, seq_len and document boundaries: a checkpoint of
