@@ -14,7 +14,7 @@ import torch
 from accelerate import Accelerator
 
 from loader.ledger import Ledger
-from tests.framework_jobs import SAMPLES, TrainedLog, job_loader, job_parser, train_epochs
+from tests.framework_jobs import SAMPLES, TrainedLog, end_process_group, job_loader, job_parser, train_epochs
 
 COMPLETE = "complete"  # save_state() writes in place: a checkpoint counts once every rank has returned from it
 
@@ -24,9 +24,7 @@ def newest_complete(run_dir: Path) -> Path | None:
     return done[-1] if done else None
 
 
-def main() -> None:
-    args = job_parser(__doc__).parse_args()
-    torch.set_num_threads(1)
+def train(args) -> None:
     accelerator = Accelerator(cpu=True)
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 1)
@@ -58,8 +56,13 @@ def main() -> None:
             (target / COMPLETE).touch()
 
     train_epochs(dl, optimizer, args, log, step, backward, checkpoint)
-    model, optimizer = accelerator.free_memory(model, optimizer)  # DDP gone before its process group: else a
-    accelerator.end_training()  # gloo worker thread and the last reference (DDP's reducer) can deadlock on the GIL
+
+
+def main() -> None:
+    args = job_parser(__doc__).parse_args()
+    torch.set_num_threads(1)
+    train(args)  # the accelerator and the DDP model it prepared were its locals
+    end_process_group()  # what accelerator.end_training() does, once the DDP model is gone
 
 
 if __name__ == "__main__":

@@ -27,7 +27,7 @@ from torch.distributed.fsdp import fully_shard
 
 from loader.checkpoint import LoaderState
 from loader.ledger import Ledger
-from tests.framework_jobs import SAMPLES, TrainedLog, job_loader, job_parser, train_epochs
+from tests.framework_jobs import SAMPLES, TrainedLog, end_process_group, job_loader, job_parser, train_epochs
 
 
 class ModelAndOptimizer(Stateful):
@@ -129,5 +129,5 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     dist.init_process_group("gloo", timeout=timedelta(seconds=60))
     train(args)
-    dist.destroy_process_group()
+    end_process_group()
     return 0

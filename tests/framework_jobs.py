@@ -9,6 +9,7 @@ earlier launch past that step were replayed and do not count.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import signal
@@ -17,6 +18,8 @@ from pathlib import Path
 from typing import Callable
 
 import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import Dataset
 
 from loader import ResumableDataLoader, collectives
@@ -96,6 +99,25 @@ def train_epochs(dl: ResumableDataLoader, optimizer: torch.optim.Optimizer, args
             if step % args.every == 0:
                 checkpoint(step)
         record_epoch_end(dl)
+
+
+def end_process_group() -> None:
+    """How every framework job ends: the default process group destroyed while the interpreter is whole, after
+    the DDP-wrapped model is gone. Call it once nothing references that model any more (the trainer, accelerator,
+    optimizer and loader that hold it were locals of a function that has returned).
+
+    Both halves matter. A gloo group left to interpreter exit is torn down during finalization: a gloo worker
+    thread dropping a finished collective's work decrefs its tensors' Python objects, takes the GIL, finds the
+    interpreter finalizing and is ended by pthread_exit, whose forced unwind through a noexcept frame aborts the
+    process after training finished ("terminate called without an active exception", exit -6). Lightning leaves
+    a gloo group so (it destroys only NCCL groups at exit). And a DDP model that outlives its group deadlocks:
+    its reducer drops the group's last reference with the GIL held while a gloo thread waits for the GIL.
+    """
+    gc.collect()  # the reference cycles holding a model (a LightningModule and its Trainer) go now
+    alive = [o for o in gc.get_objects() if isinstance(o, DistributedDataParallel)]
+    assert not alive, f"{len(alive)} DDP model(s) still referenced: they must go before their process group"
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 class TrainedLog:

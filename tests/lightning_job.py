@@ -20,7 +20,7 @@ from lightning.pytorch.strategies import DDPStrategy
 from loader import ResumableDataLoader
 from loader.integrations.lightning import ResumableLoaderCallback
 from loader.ledger import Ledger
-from tests.framework_jobs import TrainedLog, job_loader, job_parser, record_epoch_end, strike
+from tests.framework_jobs import TrainedLog, end_process_group, job_loader, job_parser, record_epoch_end, strike
 
 
 class Regression(L.LightningModule):
@@ -68,11 +68,7 @@ class Fault(Callback):
         strike(self.args, trainer.global_step, trainer.global_rank)
 
 
-def main() -> None:
-    p = job_parser(__doc__)
-    p.add_argument("--devices", type=int, required=True)
-    args = p.parse_args()
-    torch.set_num_threads(1)
+def train(args) -> None:
     dl = job_loader(args.accumulate)
     trainer = L.Trainer(
         accelerator="cpu", strategy=DDPStrategy(timeout=timedelta(seconds=60)), devices=args.devices,
@@ -87,6 +83,15 @@ def main() -> None:
         logger=False, enable_progress_bar=False, enable_model_summary=False,
     )
     trainer.fit(Regression(args.run_dir, args.launch), train_dataloaders=dl, ckpt_path="last")
+
+
+def main() -> None:
+    p = job_parser(__doc__)
+    p.add_argument("--devices", type=int, required=True)
+    args = p.parse_args()
+    torch.set_num_threads(1)
+    train(args)  # the trainer, the model and the loader were its locals
+    end_process_group()
 
 
 if __name__ == "__main__":
