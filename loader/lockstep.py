@@ -17,6 +17,7 @@ marked, with a warning, and loading it alone is refused (`loader.state.progress_
 from __future__ import annotations
 
 import collections
+import os
 import warnings
 
 import torch.distributed as dist
@@ -35,6 +36,14 @@ class LockstepWarning(UserWarning):
 def out_of_step(own_updates: int, other_updates: int) -> bool:
     """Whether another rank's count of completed updates is impossible at a step of a lockstep run."""
     return not 0 <= other_updates - own_updates <= 1  # taken after this rank's optimizer step
+
+
+def _updates_in(value: bytes, token: tuple[int, str, int]) -> int | None:
+    """The updates a published value counts, if it counts them from the same progress as `token`."""
+    fields = value.decode().split(":")
+    if len(fields) != 3 or fields[:2] != [str(token[0]), token[1]]:
+        return None
+    return int(fields[2])
 
 
 def _store():
@@ -61,21 +70,28 @@ class LockstepWatch:
 
     def _key(self, rank: int) -> str:
         if self._keys is None:  # SPMD: every rank makes its loaders in the same order, so the n-th loader of an
-            _identities[self._identity] += 1  # identity is the same loader on every rank
-            self._keys = f"{_PREFIX}/{self._identity}/{_identities[self._identity]}"
+            _identities[self._identity] += 1  # identity is the same loader on every rank; torchrun's restart
+            attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "")  # count keeps a store shared across
+            self._keys = f"{_PREFIX}/{attempt}/{self._identity}/{_identities[self._identity]}"  # launches apart
         return f"{self._keys}/{rank}"
 
     def publish(self, rank: int, token: tuple[int, str, int]) -> None:
-        """Make this rank's (generation, base digest, updates) visible to the others before returning: a
-        compare-and-set is answered by the store, so a rank that reads after this rank's next collective sees it."""
+        """Make this rank's (generation, base digest, updates) visible to the others before returning: the store
+        answers a compare-and-set, so a rank that reads after this rank's next collective sees it. Ranks sharing a
+        data rank (tensor parallel) publish the same sequence: a value one of them set already (this count or the
+        next) is left as it is, anything else (an older count, a value of an earlier use of the store) replaced."""
         store = _store()
         if store is None:
             return
         value = ":".join(map(str, token))
         if value == self._published:
             return
-        store.compare_set(self._key(rank), self._published, value)  # ranks sharing a data rank (tensor parallel)
-        self._published = value  # publish the same sequence: a value already set by one of them is left as it is
+        key = self._key(rank)
+        current = _updates_in(store.compare_set(key, self._published, value), token)
+        if current not in (token[2], token[2] + 1):  # a peer is at most an update ahead: else the value is stale
+            store.set(key, value)
+            store.check([key])  # answered after the set is applied
+        self._published = value
 
     def check(self, rank: int, world_size: int, token: tuple[int, str, int]) -> dict | None:
         """The first rank found out of step with this one, as the mark a state carries, or None."""
@@ -88,11 +104,10 @@ class LockstepWatch:
         values = store.multi_get(keys) if store.check(keys) else [
             store.get(key) if store.check([key]) else b"" for key in keys
         ]
-        generation, digest, updates = token
         for other, value in zip(others, values):
-            fields = value.decode().split(":")
-            if len(fields) == 3 and fields[:2] == [str(generation), digest] and out_of_step(updates, int(fields[2])):
-                return {"rank": other, "updates": int(fields[2]), "own_updates": updates}
+            updates = _updates_in(value, token)
+            if updates is not None and out_of_step(token[2], updates):
+                return {"rank": other, "updates": updates, "own_updates": token[2]}
         return None
 
 

@@ -385,6 +385,25 @@ def test_rank_zeros_state_in_a_real_lockstep_group_is_not_marked_and_resumes_exa
     assert_exactly_once(60, trained)
 
 
+def _stale_store_job(rank, world_size):
+    """The store still holds a count of an earlier use of these keys (a store shared across launches): the first
+    publication replaces it, so lockstep ranks are not marked."""
+    dl = ResumableDataLoader(IndexDataset(60), **LOCKSTEP_KW)
+    generation, digest, _ = dl.resumable_sampler.lockstep_token
+    store = dist.distributed_c10d._get_default_store()
+    store.set(dl._lockstep._key(rank), f"{generation}:{digest}:99")
+    dist.barrier()
+    it = iter(dl)
+    for _ in range(3):
+        _take_updates(it, dl, 1)
+        dist.all_reduce(torch.zeros(1))
+    return dl.state_dict()
+
+
+def test_counts_left_in_the_store_by_an_earlier_launch_are_replaced():
+    assert ["lockstep" in state for state in run_group(_stale_store_job, 2)] == [False, False]
+
+
 def _uneven_job(rank, world_size):
     """Ranks that are not in lockstep: rank 1 leaves its loop two updates early (a rank-local stop)."""
     dl = ResumableDataLoader(IndexDataset(60), **LOCKSTEP_KW)
