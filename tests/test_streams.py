@@ -19,7 +19,7 @@ from torch.utils.data import get_worker_info
 from loader import ContinuedPassWarning, ResumableDataLoader, StateError
 from loader import rng
 from loader.rng import UNCHANGED, RngWatch, rng_state, set_rng_state
-from tests.streams import FORK, DatasetState, Failing, IteratorState, Plain, SelfIterating, ids
+from tests.streams import FORK, DatasetState, Failing, IteratorState, NowAndThen, Plain, SelfIterating, ids
 
 KINDS = [Plain, IteratorState, DatasetState, SelfIterating]
 SETUPS = {
@@ -387,6 +387,30 @@ def test_a_workers_random_state_is_sent_again_only_after_a_draw(monkeypatch, hea
         draw()  # each second gaussian is a cached one: its generator's words do not change
         assert watch.state() not in (UNCHANGED, first)
     assert watch.state() == UNCHANGED
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+@pytest.mark.parametrize("workers", [2, 3])
+def test_a_resume_after_any_batch_of_a_stream_that_draws_now_and_then_is_bit_identical(workers, persistent):
+    """A worker sends its random state only when it changed since its previous batch: a state served stale (after
+    a batch that drew nothing, or changed one generator only, or only used up a cached gaussian; in a persistent
+    worker's next pass; in a worker restarted by a resume) would change the draws after the resume. Checkpoints
+    after every batch of the first epoch and the first ones of the next."""
+
+    def loader():
+        return ResumableDataLoader(NowAndThen(8 * workers), batch_size=1, collate_fn=list, num_workers=workers,
+                                   persistent_workers=persistent, generator=torch.Generator().manual_seed(5), **FORK)
+
+    live, states, reference = loader(), [], []
+    for _ in range(2):
+        for batch in live:
+            reference.append(batch)
+            states.append(json.loads(json.dumps(live.state_dict())))
+    for stop in range(1, 8 * workers + workers + 3):
+        resumed = loader()
+        resumed.load_state_dict(states[stop - 1])
+        rest = list(resumed) + (list(resumed) if stop <= 8 * workers else [])
+        assert reference[:stop] + rest == reference, f"resumed after {stop} batches"
 
 
 def test_random_state_round_trips():
