@@ -374,19 +374,25 @@ def test_workers_without_records_and_a_stream_shorter_than_its_progress():
     assert list(shorter) == [] and shorter.exhausted
 
 
-@pytest.mark.parametrize("header", [16, 8])
-def test_a_workers_random_state_is_sent_again_only_after_a_draw(monkeypatch, header):
-    """Python's random words are read in place where they are where CPython keeps them (header 16 on 64 bits);
-    where not (a wrong header here), getstate() tells."""
-    monkeypatch.setattr(rng, "_HEADER", header)
+@pytest.mark.parametrize("in_place", [True, False])
+def test_a_workers_random_state_is_sent_again_only_after_a_draw(monkeypatch, in_place):
+    """numpy's and Python's generators are read in place where they are found (Python's after CPython's object
+    header, 16 bytes on 64 bits; numpy's cached gaussian by a probe); where not (a wrong header, a failed probe
+    here), their get_state() and getstate() tell. Either way, a changed state is the process's whole state."""
+    if not in_place:
+        monkeypatch.setattr(rng, "_HEADER", 8)
+        monkeypatch.setattr(rng, "_numpy_gaussian", lambda generator: None)
     watch = RngWatch()
+    assert (watch._python is rng._python_state, watch._numpy is rng._numpy_state) == (not in_place,) * 2
     first = watch.state()
-    assert first and watch.state() == UNCHANGED
+    assert first == rng_state() and watch.state() == UNCHANGED
     gauss = lambda: random.gauss(0, 1)  # noqa: E731
-    for draw in (lambda: torch.rand(1), np.random.rand, random.random, np.random.randn, np.random.randn, gauss, gauss):
+    cached = lambda: np.random.set_state(np.random.get_state()[:3] + (1, 0.5))  # noqa: E731 - the words stay
+    for draw in (lambda: torch.rand(1), np.random.rand, random.random, np.random.randn, np.random.randn, gauss, gauss,
+                 cached):
         draw()  # each second gaussian is a cached one: its generator's words do not change
-        assert watch.state() not in (UNCHANGED, first)
-    assert watch.state() == UNCHANGED
+        changed = watch.state()
+        assert changed not in (UNCHANGED, first) and changed == rng_state() and watch.state() == UNCHANGED
 
 
 @pytest.mark.parametrize("persistent", [False, True])
