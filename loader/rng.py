@@ -53,7 +53,7 @@ def _encode(torch_state: bytes, numpy: tuple, python: tuple) -> str:
     np_words, np_pos, np_has_gauss, np_gauss = numpy
     py_words, py_pos, py_gauss = python
     packed = b"".join((
-        struct.pack("=3q2d", np_pos, np_has_gauss, py_gauss is not None, np_gauss, py_gauss or 0.0),
+        struct.pack(f"={_INTS}q{_FLOATS}d", np_pos, np_has_gauss, py_gauss is not None, np_gauss, py_gauss or 0.0),
         np_words,
         py_words,
         struct.pack("=I", py_pos),
