@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import base64
 import ctypes
+import functools
 import random
+import struct
 import sys
 from typing import Callable
 
@@ -24,53 +26,114 @@ UNCHANGED = ""  # what RngWatch.state() gives while nothing was drawn: no valid 
 
 
 class RngWatch:
-    """A worker's random states after each batch, captured and encoded again only when something was drawn since
-    the last time (UNCHANGED otherwise): a stream that draws nothing then pays about 2 us per batch, not 20, and
-    sends a few bytes instead of 13 KB. The check reads the generators' words where they are (get_state() and
-    getstate() copy them into Python objects, 10x slower)."""
+    """A worker's random states after each batch, encoded again only when something was drawn since the last time
+    (UNCHANGED otherwise): a stream that draws nothing pays about 2 us per batch and sends a few bytes instead of
+    13 KB. The check reads the generators' words where they are, and a state that changed is encoded from what it
+    read: 9 us, where get_state() and getstate() (which copy the words into Python objects one by one) took 75."""
 
     def __init__(self):
-        self._numpy_address = np.random.mtrand._rand._bit_generator.ctypes.state_address
-        self._python_words = _python_words_reader()
+        self._numpy, self._python = _numpy_reader(), _python_reader()
         self._raw: tuple | None = None
-        self._np_gauss = False  # numpy's cached gaussian may be used up without its words changing
 
     def state(self) -> str:
-        raw = (torch.get_rng_state().numpy().tobytes(), ctypes.string_at(self._numpy_address, 4 * _NP_WORDS + 4),
-               self._python_words())
-        if raw == self._raw and not self._np_gauss:
+        raw = (torch.default_generator.get_state().numpy().tobytes(), self._numpy(), self._python())
+        if raw == self._raw:
             return UNCHANGED
-        self._raw, self._np_gauss = raw, bool(np.random.get_state(legacy=True)[3])
-        return rng_state()
-
-
-def _python_words_reader() -> Callable[[], object]:
-    """What tells whether Python's random state changed: on CPython its words and position sit in the generator
-    object after the object header; they are read there if they match getstate() (checked here, once), else
-    getstate() it is."""
-    generator, size = random._inst, 4 * _PY_WORDS
-    if sys.implementation.name != "cpython" or type(generator).__basicsize__ < _HEADER + size:
-        return random.getstate
-    at = id(generator) + _HEADER  # CPython: id is the address, and the object never moves
-    words = np.frombuffer(ctypes.string_at(at, size), dtype=np.uint32)
-    _, state, _ = random.getstate()
-    if words[1:].tolist() != list(state[:-1]) or int(words[0]) != state[-1]:
-        return random.getstate
-    return lambda: (ctypes.string_at(at, size), generator.gauss_next)
+        self._raw = raw
+        return _encode(*raw)
 
 
 def rng_state() -> str:
     """The process's torch, numpy and random states, packed (10 KB) and base64-encoded."""
-    _, np_words, np_pos, np_has_gauss, np_gauss = np.random.get_state(legacy=True)
-    _, py_words, py_gauss = random.getstate()
+    return _encode(torch.get_rng_state().numpy().tobytes(), _numpy_state(), _python_state())
+
+
+def _encode(torch_state: bytes, numpy: tuple, python: tuple) -> str:
+    """numpy's (words, position, has_gauss, gauss) and random's (words, position, gauss), packed with torch's."""
+    np_words, np_pos, np_has_gauss, np_gauss = numpy
+    py_words, py_pos, py_gauss = python
     packed = b"".join((
-        np.array([np_pos, np_has_gauss, py_gauss is not None], dtype=np.int64).tobytes(),
-        np.array([np_gauss, py_gauss or 0.0], dtype=np.float64).tobytes(),
-        np.asarray(np_words, dtype=np.uint32).tobytes(),
-        np.array(py_words, dtype=np.uint32).tobytes(),
-        torch.get_rng_state().numpy().tobytes(),
+        struct.pack(f"={_INTS}q{_FLOATS}d", np_pos, np_has_gauss, py_gauss is not None, np_gauss, py_gauss or 0.0),
+        np_words,
+        py_words,
+        struct.pack("=I", py_pos),
+        torch_state,
     ))
     return base64.b64encode(packed).decode("ascii")
+
+
+def _numpy_state() -> tuple:
+    """numpy's legacy generator as (words, position, has_gauss, gauss), through its public get_state()."""
+    _, words, pos, has_gauss, gauss = np.random.get_state(legacy=True)
+    return np.asarray(words, dtype=np.uint32).tobytes(), int(pos), int(has_gauss), float(gauss)
+
+
+def _python_state() -> tuple:
+    """random's generator as (words, position, gauss_next), through its public getstate()."""
+    _, state, gauss = random.getstate()
+    return np.array(state[:-1], dtype=np.uint32).tobytes(), state[-1], gauss
+
+
+def _numpy_reader() -> Callable[[], tuple]:
+    """What `_numpy_state` gives, read in place: the words and position where the bit generator says they are
+    (`ctypes.state_address`), the cached gaussian where a probe finds it in the RandomState object; get_state()
+    where the probe does not."""
+    generator = np.random.mtrand._rand
+    address = generator._bit_generator.ctypes.state_address
+    words = (ctypes.c_char * (4 * _NP_WORDS)).from_address(address)
+    pos = ctypes.c_int.from_address(address + 4 * _NP_WORDS)
+    gaussian = _numpy_gaussian(generator)
+    if gaussian is None:
+        return _numpy_state
+    has_gauss, gauss = gaussian
+
+    def read() -> tuple:
+        return words.raw, pos.value, has_gauss.value, gauss.value
+
+    return read if read() == _numpy_state() else _numpy_state
+
+
+@functools.cache
+def _numpy_gaussian(generator) -> tuple | None:
+    """Where RandomState keeps its cached gaussian (has_gauss, an int 8 bytes before gauss, a double): found by
+    setting two known cached values in turn and looking for them in the object (its state is put back exactly);
+    None where they are not found, once each, at one place. Once per process (and its forks): the object stays."""
+    saved, places = generator.get_state(legacy=True), set()
+    try:
+        for has_gauss, gauss in ((1, 0.7853981633974483), (0, -2.718281828459045)):
+            generator.set_state(saved[:3] + (has_gauss, gauss))
+            places.add(_only_place(ctypes.string_at(id(generator), type(generator).__basicsize__), has_gauss, gauss))
+    finally:
+        generator.set_state(saved)
+    if len(places) != 1 or None in places:
+        return None
+    at = id(generator) + places.pop()
+    return ctypes.c_int.from_address(at - 8), ctypes.c_double.from_address(at)
+
+
+def _only_place(memory: bytes, has_gauss: int, gauss: float) -> int | None:
+    """The one offset of `gauss` in `memory` with `has_gauss` 8 bytes before it, or None."""
+    pattern = struct.pack("=d", gauss)
+    at = memory.find(pattern)
+    if at < 8 or memory.count(pattern) != 1 or struct.unpack_from("=i", memory, at - 8)[0] != has_gauss:
+        return None
+    return at
+
+
+def _python_reader() -> Callable[[], tuple]:
+    """What `_python_state` gives, read in place on CPython: its position and words sit in the generator object
+    after the object header; read there if they match getstate() (checked here, once), else getstate() it is."""
+    generator, size = random._inst, 4 * _PY_WORDS
+    if sys.implementation.name != "cpython" or type(generator).__basicsize__ < _HEADER + size:
+        return _python_state
+    at = id(generator) + _HEADER  # CPython: id is the address, and the object never moves
+    pos = ctypes.c_int.from_address(at)
+    words = (ctypes.c_char * (size - 4)).from_address(at + 4)
+
+    def read() -> tuple:
+        return words.raw, pos.value, generator.gauss_next
+
+    return read if read() == _python_state() else _python_state
 
 
 def set_rng_state(text: str) -> None:

@@ -79,6 +79,28 @@ class IteratorState(Plain):
         return _Cursor(list(range(worker, self.n, workers)), self.random_draws)
 
 
+# What the k-th record of a worker draws (k modulo 8): nothing; one generator's words alone (torch, numpy, random); a
+# gaussian of numpy, then its cached one alone, which leaves numpy's words as they were; the same with random's.
+NOW_AND_THEN = (None, lambda: torch.rand(()).item(), lambda: float(np.random.rand()), random.random,
+                np.random.randn, np.random.randn, lambda: random.gauss(0, 1), lambda: random.gauss(0, 1))
+
+
+class NowAndThen(Plain):
+    """An iterator with state whose records draw random numbers now and then, one generator at a time
+    (`NOW_AND_THEN`): at batch_size=1, each batch changes one part of its worker's random state, or none."""
+
+    def __iter__(self):
+        worker, workers = share()
+        return _NowAndThenCursor(list(range(worker, self.n, workers)), random_draws=False)
+
+
+class _NowAndThenCursor(_Cursor):
+    def __next__(self):
+        draw = NOW_AND_THEN[self.i % len(NOW_AND_THEN)]
+        i = super().__next__()
+        return i, None if draw is None else float(draw())
+
+
 class DatasetState(Plain):
     """state_dict / load_state_dict on the dataset, a generator __iter__ that resumes from what was loaded, and an
     epoch counter it keeps itself (advanced when its pass ends)."""

@@ -19,7 +19,7 @@ from torch.utils.data import get_worker_info
 from loader import ContinuedPassWarning, ResumableDataLoader, StateError
 from loader import rng
 from loader.rng import UNCHANGED, RngWatch, rng_state, set_rng_state
-from tests.streams import FORK, DatasetState, Failing, IteratorState, Plain, SelfIterating, ids
+from tests.streams import FORK, DatasetState, Failing, IteratorState, NowAndThen, Plain, SelfIterating, ids
 
 KINDS = [Plain, IteratorState, DatasetState, SelfIterating]
 SETUPS = {
@@ -374,19 +374,49 @@ def test_workers_without_records_and_a_stream_shorter_than_its_progress():
     assert list(shorter) == [] and shorter.exhausted
 
 
-@pytest.mark.parametrize("header", [16, 8])
-def test_a_workers_random_state_is_sent_again_only_after_a_draw(monkeypatch, header):
-    """Python's random words are read in place where they are where CPython keeps them (header 16 on 64 bits);
-    where not (a wrong header here), getstate() tells."""
-    monkeypatch.setattr(rng, "_HEADER", header)
+@pytest.mark.parametrize("in_place", [True, False])
+def test_a_workers_random_state_is_sent_again_only_after_a_draw(monkeypatch, in_place):
+    """numpy's and Python's generators are read in place where they are found (Python's after CPython's object
+    header, 16 bytes on 64 bits; numpy's cached gaussian by a probe); where not (a wrong header, a failed probe
+    here), their get_state() and getstate() tell. Either way, a changed state is the process's whole state."""
+    if not in_place:
+        monkeypatch.setattr(rng, "_HEADER", 8)
+        monkeypatch.setattr(rng, "_numpy_gaussian", lambda generator: None)
     watch = RngWatch()
+    assert (watch._python is rng._python_state, watch._numpy is rng._numpy_state) == (not in_place,) * 2
     first = watch.state()
-    assert first and watch.state() == UNCHANGED
+    assert first == rng_state() and watch.state() == UNCHANGED
     gauss = lambda: random.gauss(0, 1)  # noqa: E731
-    for draw in (lambda: torch.rand(1), np.random.rand, random.random, np.random.randn, np.random.randn, gauss, gauss):
+    cached = lambda: np.random.set_state(np.random.get_state()[:3] + (1, 0.5))  # noqa: E731 - the words stay
+    for draw in (lambda: torch.rand(1), np.random.rand, random.random, np.random.randn, np.random.randn, gauss, gauss,
+                 cached):
         draw()  # each second gaussian is a cached one: its generator's words do not change
-        assert watch.state() not in (UNCHANGED, first)
-    assert watch.state() == UNCHANGED
+        changed = watch.state()
+        assert changed not in (UNCHANGED, first) and changed == rng_state() and watch.state() == UNCHANGED
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+@pytest.mark.parametrize("workers", [2, 3])
+def test_a_resume_after_any_batch_of_a_stream_that_draws_now_and_then_is_bit_identical(workers, persistent):
+    """A worker sends its random state only when it changed since its previous batch: a state served stale (after
+    a batch that drew nothing, or changed one generator only, or only used up a cached gaussian; in a persistent
+    worker's next pass; in a worker restarted by a resume) would change the draws after the resume. Checkpoints
+    after every batch of the first epoch and the first ones of the next."""
+
+    def loader():
+        return ResumableDataLoader(NowAndThen(8 * workers), batch_size=1, collate_fn=list, num_workers=workers,
+                                   persistent_workers=persistent, generator=torch.Generator().manual_seed(5), **FORK)
+
+    live, states, reference = loader(), [], []
+    for _ in range(2):
+        for batch in live:
+            reference.append(batch)
+            states.append(json.loads(json.dumps(live.state_dict())))
+    for stop in range(1, 8 * workers + workers + 3):
+        resumed = loader()
+        resumed.load_state_dict(states[stop - 1])
+        rest = list(resumed) + (list(resumed) if stop <= 8 * workers else [])
+        assert reference[:stop] + rest == reference, f"resumed after {stop} batches"
 
 
 def test_random_state_round_trips():
