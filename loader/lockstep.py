@@ -25,7 +25,7 @@ import torch.distributed as dist
 from loader.collectives import distributed
 
 _PREFIX = "loader/lockstep"
-_identities: collections.Counter = collections.Counter()  # loaders of one identity made so far in this process
+_identities: collections.Counter = collections.Counter()  # loaders of one identity that published so far here
 
 
 class LockstepWarning(UserWarning):
