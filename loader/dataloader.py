@@ -480,7 +480,7 @@ class ResumableDataLoader(DataLoader[T_co]):
     def _publish_update(self) -> None:
         """Tell the other ranks when this rank completed an optimizer update (see `loader.lockstep`)."""
         if self._world_size > 1 and self.resumable_sampler.update_complete:
-            self._lockstep.publish(self._rank, self.resumable_sampler.lockstep_token)
+            self._lockstep.completed_update(self._rank, self.resumable_sampler.progress_id)
 
     def _fail(self) -> None:
         if self._stream is not None:
@@ -574,7 +574,7 @@ class ResumableDataLoader(DataLoader[T_co]):
         state = (self._stream or self.resumable_sampler).state_dict()  # no rank resolution: before the first
         # iter() nothing was delivered, and a state without progress means the same under any layout
         if check_lockstep and self._stream is None and self._world_size > 1:
-            mark = self._lockstep.check(self._rank, self._world_size, self.resumable_sampler.lockstep_token)
+            mark = self._lockstep.check(self._rank, self._world_size, self.resumable_sampler.progress_id)
             if mark is not None:
                 warn_out_of_step(self._rank, mark)
                 state = {**state, "lockstep": mark}

@@ -67,6 +67,19 @@ class LockstepWatch:
         self._identity = identity
         self._keys: str | None = None  # the key prefix, fixed at the first publication (see `_key`)
         self._published: str = ""
+        self._progress: tuple[int, str] | None = None  # the progress_id updates are counted from
+        self._updates = 0
+
+    def _token(self, progress_id: tuple[int, str]) -> tuple[int, str, int]:
+        if progress_id != self._progress:  # the progress was set anew: nothing completed since
+            self._progress, self._updates = progress_id, 0
+        return (*progress_id, self._updates)
+
+    def completed_update(self, rank: int, progress_id: tuple[int, str]) -> None:
+        """This rank delivered the last micro-batch of an optimizer update."""
+        self._token(progress_id)
+        self._updates += 1
+        self.publish(rank, (*progress_id, self._updates))
 
     def _key(self, rank: int) -> str:
         if self._keys is None:  # SPMD: every rank makes its loaders in the same order, so the n-th loader of an
@@ -93,11 +106,12 @@ class LockstepWatch:
             store.check([key])  # answered after the set is applied
         self._published = value
 
-    def check(self, rank: int, world_size: int, token: tuple[int, str, int]) -> dict | None:
+    def check(self, rank: int, world_size: int, progress_id: tuple[int, str]) -> dict | None:
         """The first rank found out of step with this one, as the mark a state carries, or None."""
         store = _store()
         if store is None or world_size == 1:
             return None
+        token = self._token(progress_id)
         self.publish(rank, token)
         others = [r for r in (range(world_size) if rank == 0 else (0,)) if r != rank]
         keys = [self._key(r) for r in others]

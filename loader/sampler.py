@@ -61,7 +61,6 @@ class ResumableSampler:
         self._base = base or Progress(self.order.fingerprint(), epoch, {})
         self._bases_set += 1  # every rank of one job sets its progress the same number of times
         self._base_digest: str | None = None
-        self._updates = 0  # optimizer updates completed since the progress was set: equal on ranks in lockstep
         self._enter(epoch, ended)
 
     def _enter(self, epoch: int, ended: bool = False) -> None:
@@ -146,24 +145,21 @@ class ResumableSampler:
     def deliver(self) -> None:
         """The loader handed the next micro-batch to the training loop."""
         self._last_delivered = self._position
-        self._consume()
+        self._position += 1
+        self.delivered_any = True
 
     def fail(self) -> None:
         """Loading the next micro-batch raised: it is consumed (never served again), but not delivered."""
-        self._consume()
-
-    def _consume(self) -> None:
         self._position += 1
         self.delivered_any = True
-        self._updates += self.update_complete
 
     @property
-    def lockstep_token(self) -> tuple[int, str, int]:
-        """(times the progress was set, digest of that progress, updates completed since): what ranks in
-        lockstep have in common at each step (see `loader.lockstep`)."""
+    def progress_id(self) -> tuple[int, str]:
+        """(times the progress was set, digest of that progress): the same on ranks that loaded the same state,
+        from which they count their updates alike (see `loader.lockstep`)."""
         if self._base_digest is None:
             self._base_digest = base_digest(self._base.to_dict())
-        return self._bases_set, self._base_digest, self._updates
+        return self._bases_set, self._base_digest
 
     def relayout(self, layout: Layout, rank: int) -> None:
         """Deal the same progress under another layout: only before this sampler delivered anything under its own."""

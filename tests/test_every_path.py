@@ -389,7 +389,7 @@ def _stale_store_job(rank, world_size):
     """The store still holds a count of an earlier use of these keys (a store shared across launches): the first
     publication replaces it, so lockstep ranks are not marked."""
     dl = ResumableDataLoader(IndexDataset(60), **LOCKSTEP_KW)
-    generation, digest, _ = dl.resumable_sampler.lockstep_token
+    generation, digest = dl.resumable_sampler.progress_id
     store = dist.distributed_c10d._get_default_store()
     store.set(dl._lockstep._key(rank), f"{generation}:{digest}:99")
     dist.barrier()
