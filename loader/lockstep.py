@@ -40,8 +40,8 @@ def out_of_step(own_updates: int, other_updates: int) -> bool:
 
 def _updates_in(value: bytes, token: tuple[int, str, int]) -> int | None:
     """The updates a published value counts, if it counts them from the same progress as `token`."""
-    fields = value.decode().split(":")
-    if len(fields) != 3 or fields[:2] != [str(token[0]), token[1]]:
+    fields = value.decode(errors="replace").split(":")
+    if len(fields) != 3 or fields[:2] != [str(token[0]), token[1]] or not fields[2].isdigit():
         return None
     return int(fields[2])
 
@@ -69,6 +69,15 @@ class LockstepWatch:
         self._published: str = ""
         self._progress: tuple[int, str] | None = None  # the progress_id updates are counted from
         self._updates = 0
+        self._off = False  # the store failed once: a check never breaks training, it stops (with a warning)
+
+    def _store(self):
+        return None if self._off else _store()
+
+    def _give_up(self, error: RuntimeError) -> None:
+        self._off = True
+        warnings.warn(f"the lockstep check is off for this loader: the process group's store failed ({error!r}); "
+                      f"a state taken out of lockstep will not be marked", LockstepWarning, stacklevel=4)
 
     def _token(self, progress_id: tuple[int, str]) -> tuple[int, str, int]:
         if progress_id != self._progress:  # the progress was set anew: nothing completed since
@@ -93,31 +102,38 @@ class LockstepWatch:
         answers a compare-and-set, so a rank that reads after this rank's next collective sees it. Ranks sharing a
         data rank (tensor parallel) publish the same sequence: a value one of them set already (this count or the
         next) is left as it is, anything else (an older count, a value of an earlier use of the store) replaced."""
-        store = _store()
+        store = self._store()
         if store is None:
             return
         value = ":".join(map(str, token))
         if value == self._published:
             return
         key = self._key(rank)
-        current = _updates_in(store.compare_set(key, self._published, value), token)
-        if current not in (token[2], token[2] + 1):  # a peer is at most an update ahead: else the value is stale
-            store.set(key, value)
-            store.check([key])  # answered after the set is applied
+        try:
+            current = _updates_in(store.compare_set(key, self._published, value), token)
+            if current not in (token[2], token[2] + 1):  # a peer is at most an update ahead: else it is stale
+                store.set(key, value)
+                store.check([key])  # answered after the set is applied
+        except RuntimeError as error:  # torch.distributed's store errors are RuntimeErrors
+            self._give_up(error)
         self._published = value
 
     def check(self, rank: int, world_size: int, progress_id: tuple[int, str]) -> dict | None:
         """The first rank found out of step with this one, as the mark a state carries, or None."""
-        store = _store()
+        store = self._store()
         if store is None or world_size == 1:
             return None
         token = self._token(progress_id)
         self.publish(rank, token)
         others = [r for r in (range(world_size) if rank == 0 else (0,)) if r != rank]
         keys = [self._key(r) for r in others]
-        values = store.multi_get(keys) if store.check(keys) else [
-            store.get(key) if store.check([key]) else b"" for key in keys
-        ]
+        try:
+            values = store.multi_get(keys) if store.check(keys) else [
+                store.get(key) if store.check([key]) else b"" for key in keys
+            ]
+        except RuntimeError as error:
+            self._give_up(error)
+            return None
         for other, value in zip(others, values):
             updates = _updates_in(value, token)
             if updates is not None and out_of_step(token[2], updates):

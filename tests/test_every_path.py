@@ -5,8 +5,11 @@ Every test counts each index of the epoch: delivered (trained) exactly once, or 
 """
 
 import itertools
+import os
+import time
 import warnings
 from collections import Counter
+from datetime import timedelta
 
 import numpy as np
 import pytest
@@ -402,6 +405,41 @@ def _stale_store_job(rank, world_size):
 
 def test_counts_left_in_the_store_by_an_earlier_launch_are_replaced():
     assert ["lockstep" in state for state in run_group(_stale_store_job, 2)] == [False, False]
+
+
+def _store_gone_job(rank, world_size):
+    """Rank 0, which serves the store, is gone when rank 1 takes its state: the check is dropped with a warning,
+    the state is taken all the same."""
+    dl = ResumableDataLoader(IndexDataset(60), **LOCKSTEP_KW)
+    it = iter(dl)
+    _take_updates(it, dl, 2)
+    pids = [None, None]
+    dist.all_gather_object(pids, os.getpid())
+    if rank == 0:
+        return None
+    dist.distributed_c10d._get_default_store().set_timeout(timedelta(seconds=5))
+    deadline = time.monotonic() + 30
+    while _alive(pids[0]) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        state = dl.state_dict()
+        _take_updates(it, dl, 1)  # and training goes on, unchecked
+    return state, [str(w.message) for w in caught if w.category is LockstepWarning]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return not open(f"/proc/{pid}/stat").read().split(") ")[-1].startswith("Z")  # a zombie is gone too
+
+
+def test_a_store_that_fails_turns_the_check_off_and_never_the_state_dict():
+    _, (state, warned) = run_group(_store_gone_job, 2)
+    assert "lockstep" not in state and state["completed"] == 4
+    assert len(warned) == 1 and "lockstep check is off" in warned[0]
 
 
 def _uneven_job(rank, world_size):
