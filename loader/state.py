@@ -471,7 +471,8 @@ def _not_standing_for_all(alone: RankProgress) -> StateError:
         f"taken before the optimizer step), so it does not say what every rank trained (resuming from it would "
         f"repeat or skip samples). Resume from a "
         f"checkpoint holding every rank's progress: saved by loader.checkpoint.save_checkpoint or LoaderState "
-        f"(DCP), or the list of every rank's state_dict()"
+        f"(DCP), or the list of every rank's state_dict(). Only if you know every rank had trained exactly what "
+        f"this rank had when it was saved, delete its 'lockstep' entry to load it"
     )
 
 
