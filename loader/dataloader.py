@@ -473,13 +473,14 @@ class ResumableDataLoader(DataLoader[T_co]):
             self._stream.deliver()
             return
         self.resumable_sampler.deliver()
-        self._publish_update()
+        if self._world_size > 1:
+            self._publish_update()
         if self.ledger is not None:
             self.ledger.record(self.epoch, self.last_indices(), self.update_complete)
 
     def _publish_update(self) -> None:
         """Tell the other ranks when this rank completed an optimizer update (see `loader.lockstep`)."""
-        if self._world_size > 1 and self.resumable_sampler.update_complete:
+        if self.resumable_sampler.update_complete:
             self._lockstep.completed_update(self._rank, self.resumable_sampler.progress_id)
 
     def _fail(self) -> None:
@@ -489,7 +490,8 @@ class ResumableDataLoader(DataLoader[T_co]):
         if self.ledger is not None:
             self.ledger.record_failed(self.epoch, self.resumable_sampler.next_indices())
         self.resumable_sampler.fail()
-        self._publish_update()
+        if self._world_size > 1:
+            self._publish_update()
 
     def _end_pass(self) -> None:
         (self._stream or self.resumable_sampler).end_pass()
