@@ -29,7 +29,8 @@ from loader.progress import EMPTY, Remaining, complement, normalize, total, unio
 FORMAT = "loader.progress"
 VERSION = 1
 FINGERPRINT_FIELDS = ("num_samples", "seed", "shuffle", "blocks", "order_version", "lanes")
-FINGERPRINT_DEFAULTS = {"order_version": 1, "lanes": None}  # fields added after the first release: what a state without them had
+FINGERPRINT_DEFAULTS = {"order_version": 1, "lanes": None}  # fields added after the first release: what a state
+# without them had
 LARGEST = 2**62  # no count, epoch or size in a state comes near this; anything larger is corruption, refused
 # before numpy (int64) or a Python loop would meet it
 MAX_EPOCHS_AHEAD = 10_000  # how far a rank state may run ahead of its base: the merge walks each epoch between
@@ -469,15 +470,14 @@ def _not_standing_for_all(alone: RankProgress) -> StateError:
         f"this is rank {alone.rank}'s state alone, taken while rank {mark['rank']} had completed {mark['updates']} "
         f"optimizer updates and rank {alone.rank} {mark['own_updates']}: the ranks were not in lockstep (or it was "
         f"taken before the optimizer step), so it does not say what every rank trained (resuming from it would "
-        f"repeat or skip samples). Resume from a "
-        f"checkpoint holding every rank's progress: saved by loader.checkpoint.save_checkpoint or LoaderState "
-        f"(DCP), or the list of every rank's state_dict(). Only if you know every rank had trained exactly what "
-        f"this rank had when it was saved, delete its 'lockstep' entry to load it"
+        f"repeat or skip samples). Resume from a checkpoint holding every rank's progress: saved by "
+        f"loader.checkpoint.save_checkpoint or LoaderState (DCP), or the list of every rank's state_dict(). Only if "
+        f"you know every rank had trained exactly what this rank had when it was saved, delete its 'lockstep' entry"
     )
 
 
 def base_digest(base: dict) -> str:
-    """A short digest of a serialised base: equal on the ranks that set their progress to the same base."""
+    """The digest of a serialised base: equal on the ranks that set their progress to the same base."""
     return hashlib.sha256(json.dumps(base, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 

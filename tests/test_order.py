@@ -168,8 +168,8 @@ def test_every_window_arrangement_is_a_permutation_keyed_by_seed_and_window(size
 @settings(max_examples=200, deadline=None)
 @given(n=st.integers(0, 300), count=st.integers(1, 9), chunk=st.integers(1, 9), seed=st.integers(0, 2**32))
 def test_lanes_keep_the_order_a_bijection(n, count, chunk, seed):
-    sizes = block_sizes_for_window(n, 17) if n else []
-    order = Order(n, seed, "blocks", tuple(sizes), Lanes(count, chunk)) if n else Order(n, seed, lanes=Lanes(count, chunk))
+    lanes = Lanes(count, chunk)
+    order = Order(n, seed, "blocks", tuple(block_sizes_for_window(n, 17)), lanes) if n else Order(n, seed, lanes=lanes)
     ids = order.for_epoch(3)(np.arange(n))
     assert sorted(ids.tolist()) == list(range(n))
     without = Order(n, seed, order.shuffle, order.block_sizes).for_epoch(3)(np.arange(n))
