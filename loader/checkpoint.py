@@ -364,7 +364,8 @@ def _check_manifest(path: Path, loader) -> int:
     if None not in (saved_dataset, current_dataset) and saved_dataset != current_dataset:
         raise CheckpointError(
             f"checkpoint {path}: dataset fingerprint is {saved_dataset!r} in the checkpoint but {current_dataset!r} "
-            f"here: the source's shards (names or sample counts) changed; resume with the shards of the saved run"
+            f"here: the source's shards (names, sample counts or sample keys) changed; resume with the shards of the "
+            f"saved run"
         )
     return manifest.step
 

@@ -936,3 +936,11 @@ def test_fingerprint_identifies_layout(shards, tmp_path):
     assert WebDatasetSource(shards[:-1]).fingerprint() != fingerprint
     assert WebDatasetSource(make_dataset(tmp_path / "resized", [5, 0, 1, 3, 6])).fingerprint() != fingerprint
     assert WebDatasetSource(list(reversed(shards))).fingerprint() != fingerprint
+    rekeyed = tmp_path / "rekeyed"  # the same names and counts, one shard's samples under other keys
+    rekeyed.mkdir()
+    for n, size in enumerate(SHARD_SIZES):
+        samples = make_samples(n, size, n)
+        if n == len(SHARD_SIZES) - 1:
+            samples = [{**sample, "__key__": sample["__key__"] + "x"} for sample in samples]
+        write_shard(rekeyed / f"train-{n:06d}.tar", samples)
+    assert WebDatasetSource(sorted(str(p) for p in rekeyed.iterdir())).fingerprint() != fingerprint
