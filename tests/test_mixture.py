@@ -244,3 +244,26 @@ def test_the_plan_saves_loads_and_fingerprints(tmp_path):
     (tmp_path / "cut.json").write_text(json.dumps(data))
     with pytest.raises(ValueError, match="cut.json: no field 'counts'"):
         MixturePlan.load(tmp_path / "cut.json")
+
+
+class Seeded(Tagged):
+    """Also returns the seed its index carries (None for a plain int)."""
+
+    def __getitem__(self, index):
+        return (*super().__getitem__(index), getattr(index, "seed", None))
+
+
+def test_sample_seeds_reach_the_sources_as_their_positions_seeds():
+    from loader import sample_seed
+
+    mix = Mixture([Seeded(7, "a"), Seeded(5, "b")], [2, 1], 30, seed=3)
+    dl = ResumableDataLoader(mix, batch_size=4, shuffle=True, seed=11, sample_seeds=True, collate_fn=list)
+    for epoch in range(2):
+        dl.set_epoch(epoch)
+        got = [(sample, position) for batch in dl for sample, position in zip(batch, dl.last_indices())]
+        assert sorted(p for _, p in got) == list(range(30))  # every position once
+        for (tag, index, seed), position in got:
+            assert (tag, index) == mix[int(position)][:2]
+            assert seed == sample_seed(11, epoch, int(position))  # the position's seed, per epoch
+    plain = ResumableDataLoader(mix, batch_size=4, collate_fn=list)
+    assert all(seed is None for batch in plain for _, _, seed in batch)

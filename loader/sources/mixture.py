@@ -289,6 +289,8 @@ class Mixture(torch.utils.data.Dataset):
         by_source = source.argsort(kind="stable")  # each source's rows, in position order
         ends = accumulate(np.bincount(source, minlength=len(self.sources)).tolist())
         rows, indices = by_source.tolist(), index[by_source].tolist()
+        if len(positions) and hasattr(positions[0], "seed"):  # the loader's sample_seeds: a source index carries
+            indices = list(map(type(positions[0]), indices, (positions[r].seed for r in rows)))  # its position's
         out: list = [None] * len(rows)
         low = 0
         for s, high in enumerate(ends):
