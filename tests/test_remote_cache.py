@@ -3,12 +3,16 @@ processes, eviction by the plan, pins, crashed downloads."""
 
 from __future__ import annotations
 
+import fcntl
 import multiprocessing
 import os
+import signal
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
+from loader.sources import cache as cache_module
 from loader.sources.cache import CacheFullError, ShardCache, disk_bytes, parse_bytes
 
 CHUNK = 4096
@@ -178,3 +182,26 @@ def test_plans_of_dead_processes_are_dropped(tmp_path):
         cache.fetch(name, 10_000, writer(name, 10_000))
     assert cache.fetch("c", 10_000, writer("c", 10_000), rank=1) is not None  # a live plan would keep both
     assert os.listdir(os.path.join(directory, "plans")) == []
+
+
+def test_a_lock_is_released_even_where_a_forked_child_holds_a_copy_of_its_descriptor(tmp_path):
+    """A child forked by another thread just when the descriptor is not listed as held (a DataLoader worker
+    started while the prefetch thread closes the cache lock) keeps a copy; releasing must not wait for its exit."""
+    path = str(tmp_path / "lock")
+    fd = cache_module._open_held(path, os.O_RDWR | os.O_CREAT)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    cache_module._HELD.discard(fd)  # the window: listed no longer, not yet closed
+    child = os.fork()
+    if child == 0:  # a long-lived worker that never touches the lock
+        time.sleep(30)
+        os._exit(0)
+    try:
+        cache_module._close_held(fd)
+        other = os.open(path, os.O_RDWR)
+        try:
+            assert cache_module._try_lock(other, fcntl.LOCK_EX)  # free although the child lives
+        finally:
+            os.close(other)
+    finally:
+        os.kill(child, signal.SIGKILL)
+        os.waitpid(child, 0)

@@ -67,6 +67,10 @@ def _open_held(path: str, flags: int) -> int:
 
 
 def _close_held(fd: int) -> None:
+    """Release the descriptor's lock, then close it. Closing alone releases a flock only with the last descriptor of
+    its open file: a child forked by another thread in between (before `_HELD` names the descriptor, or after it no
+    longer does) would hold a copy, and the lock, for its whole life (a DataLoader worker, then waiting on it)."""
+    fcntl.flock(fd, fcntl.LOCK_UN)
     _HELD.discard(fd)
     os.close(fd)
 
