@@ -3,6 +3,7 @@ webdataset, exact resume at another world size, the cache limit, plan-driven pre
 
 from __future__ import annotations
 
+import gc
 import glob
 import itertools
 import json
@@ -310,6 +311,29 @@ def test_transient_errors_and_timeouts_are_retried(http, shard_dir, tmp_path, ca
     assert keys == [f"k{i:05d}" for i in range(SAMPLES)] and http.take_fault() is None  # every fault was met
     retried = [r.getMessage() for r in caplog.records if "retry" in r.getMessage()]
     assert retried and all(http.url in message for message in retried)
+
+
+def test_workers_forked_from_a_reading_process_leave_its_connections_alone(http, shard_dir, tmp_path, caplog):
+    """A forked worker drops the parent's fsspec instances; closing their sessions there took the parent's
+    sockets out of the parent's event loop, and its next request on them hung until the timeout (aiohttp's 300 s
+    by default; 5 s here, then a logged retry)."""
+    import aiohttp
+
+    urls = [f"{http.url}/{name}" for name in shard_names(shard_dir)]
+    options = {"client_kwargs": {"timeout": aiohttp.ClientTimeout(total=5)}}
+    source = WebDatasetSource(urls, keys=KEYS, storage_options=options, cache_dir=tmp_path / "c",
+                              cache_limit="1MB", progress=False)  # the parent reads: connections kept alive
+    (dl,) = loaders(source, 1, num_workers=2, multiprocessing_context="fork", worker_init_fn=_collect_garbage)
+    assert len([k for batch in dl for k in batch]) == SAMPLES
+    with caplog.at_level(logging.WARNING, logger="loader.sources.remote"):
+        again = WebDatasetSource(urls, keys=KEYS, storage_options=options, cache_dir=tmp_path / "c2",
+                                 cache_limit="1MB", progress=False)  # the parent's pooled connections again
+    assert again.shard_sizes == source.shard_sizes
+    assert not [r.getMessage() for r in caplog.records if "retry" in r.getMessage()]
+
+
+def _collect_garbage(worker_id: int) -> None:
+    gc.collect()  # what a worker's allocations soon do: frees what it inherited and no longer references
 
 
 def test_a_shard_that_stays_unavailable_fails_naming_its_url(http, shard_dir, tmp_path):

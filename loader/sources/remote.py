@@ -25,7 +25,9 @@ import io
 import logging
 import os
 import re
+import sys
 import time
+import weakref
 from collections.abc import Callable
 from datetime import datetime
 from email.utils import parsedate_to_datetime
@@ -59,6 +61,36 @@ _VERSION_FIELDS = ("ETag", "etag", "generation")  # S3, HTTP, Azure; GCS
 _MTIME_FIELDS = ("LastModified", "Last-Modified", "last_modified", "updated", "mtime")
 _RETRIED_STATUS = (408, 425, 429)
 T = TypeVar("T")
+
+
+_PARENTS_FILE_SYSTEMS: list = []  # fsspec's instances at a fork: in the child, never to be freed there
+
+
+def _hold_file_systems() -> None:
+    """Before a fork: the fsspec instances now cached, which fsspec drops from its cache in the child."""
+    fsspec = sys.modules.get("fsspec")
+    classes = [fsspec.AbstractFileSystem] if fsspec is not None else []
+    while classes:
+        cls = classes.pop()
+        classes.extend(cls.__subclasses__())
+        _PARENTS_FILE_SYSTEMS.extend(vars(cls).get("_cache", {}).values())
+
+
+def _leave_parents_sessions_alone() -> None:
+    """In a forked child (a DataLoader worker): the fsspec file systems inherited from the parent are not the
+    child's to close. Their sockets and their event loop's epoll instance are the parent's too, so closing their
+    sessions here (fsspec's finalizers and aiohttp's __del__ do, once fsspec drops the parent's instances from its
+    cache in the child) removes the parent's sockets from the parent's loop, and the parent's next request on such
+    a connection waits for its timeout (aiohttp's: 300 s). So the child keeps them referenced (a worker leaves by
+    os._exit, without closing them) and detaches their finalizers."""
+    for finalizer in list(getattr(weakref.finalize, "_registry", ())):
+        info = finalizer.peek()
+        if info and getattr(info[1], "__name__", "") == "close_session":
+            finalizer.detach()
+
+
+os.register_at_fork(before=_hold_file_systems, after_in_parent=_PARENTS_FILE_SYSTEMS.clear,
+                    after_in_child=_leave_parents_sessions_alone)
 
 
 class ShardUnavailableError(OSError):
