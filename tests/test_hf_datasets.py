@@ -7,7 +7,8 @@ import torch
 from loader import ResumableDataLoader, merge_states
 from loader.sources import Mixture, TokenSource
 
-datasets = pytest.importorskip("datasets", reason="optional: pip install 'loader[hf]' (Hugging Face datasets)")
+datasets = pytest.importorskip("datasets", reason="Hugging Face datasets is an optional test dependency "
+                                                  "(pip install -e '.[hf]')")
 
 SEQ = 8
 
