@@ -66,7 +66,7 @@ _CUDA_MODEL = Model(features=1024, hidden=4096, depth=8, batch_size=256, steps=0
 
 QUICK = Config(
     mode="quick", device="cpu", reps=9, warmup=1,
-    workers=(0, 2), busy_us=75.0, run_s=0.25, batch_size=64, features=64,
+    workers=(0, 1, 2), busy_us=75.0, run_s=0.25, batch_size=64, features=64,
     model=_CPU_MODEL,
     state_sizes=(10**6, 10**7, 10**8, 10**9), state_fractions=(0.0, 0.5), ahead=(0, 10, 100, 1000),
     stateful_state_sizes=(10**4, 10**6), min_call_s=0.02,
@@ -79,7 +79,7 @@ QUICK = Config(
 )
 
 FULL = replace(
-    QUICK, mode="full", reps=15, workers=(0, 2, 4), run_s=0.5,
+    QUICK, mode="full", reps=15, workers=(0, 1, 2, 4), run_s=0.5,
     model=replace(_CPU_MODEL, steps=1000),
     ahead=(0, 10, 100, 1000, 10000), stateful_state_sizes=(10**4, 10**6, 10**7), min_call_s=0.05,
     stateful_resume_sizes=(10**4, 10**5, 10**6, 10**7, 5 * 10**7), stateful_budget_s=10.0,
@@ -89,7 +89,7 @@ FULL = replace(
 )
 
 SMOKE = replace(
-    QUICK, mode="smoke", reps=1, warmup=0, run_s=0.01,
+    QUICK, mode="smoke", reps=1, warmup=0, run_s=0.01, workers=(0, 2),
     model=replace(_CPU_MODEL, steps=5),
     state_sizes=(10**6, 10**9), ahead=(0, 10), stateful_state_sizes=(10**4,), min_call_s=0.001,
     resume_positions=(0, 5 * 10**8), stateful_resume_sizes=(10**4, 10**5), stateful_budget_s=1.0,

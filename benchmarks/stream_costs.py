@@ -81,12 +81,12 @@ def _thread_ns(pids: list[int]) -> np.ndarray:
     return np.array([main, other])
 
 
-def per_batch(make: Callable[..., DataLoader], dataset, workers: int, checkpoint: bool) -> np.ndarray:
+def per_batch(make: Callable[..., DataLoader], dataset, checkpoint: bool, **kwargs) -> np.ndarray:
     """CPU us per batch (worker main threads, feeders, main process) of a pass after each worker's first batch."""
-    loader = make(dataset, batch_size=64, num_workers=workers)
+    loader = make(dataset, **kwargs)
     batches = iter(loader)
     pids = [w.pid for w in getattr(batches, "_inner", batches)._workers]
-    for _ in range(workers):
+    for _ in range(loader.num_workers):
         next(batches)
     start, count = np.append(_thread_ns(pids), time.process_time_ns()), 0
     while True:
@@ -116,7 +116,7 @@ def main() -> None:
         for name in order.permutation(list(CANDIDATES)).tolist():
             gc.disable()
             try:
-                value = per_batch(CANDIDATES[name], dataset, args.workers, args.state_dict)
+                value = per_batch(CANDIDATES[name], dataset, args.state_dict, batch_size=64, num_workers=args.workers)
             finally:
                 gc.enable()
             if round_:
