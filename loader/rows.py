@@ -10,6 +10,8 @@ no per-dataset collate_fn is needed and a user's own collate_fn sees the same li
 
 from __future__ import annotations
 
+from operator import is_
+
 import torch
 from torch.utils.data import default_collate
 
@@ -32,7 +34,7 @@ class Rows(list):
     def intact(self) -> bool:
         """Whether the list still holds exactly the views it was built with, in order (so `batch` is its stack)."""
         views = self._views
-        return len(self) == len(views) and all(a is b for a, b in zip(self, views))
+        return len(self) == len(views) and all(map(is_, self, views))
 
     def __reduce__(self):
         """Pickled (to another process) as its tensor once, not as a row view each (each of which would carry the
