@@ -1,8 +1,10 @@
 """ResumableDataLoader: torch's DataLoader, driven by a resumable rank sampler, counting what it delivers.
 
-Workers, pinning, prefetching and collation stay torch's own. The loader replaces only the order (a lazy batch
-sampler over the committed progress) and counts a batch when `next()` hands it to the caller, never when a worker
-fetched it. With in-order delivery, the k-th batch out is the k-th index list in, so the count is exact.
+Workers, pinning, prefetching and collation stay torch's own (default_collate, except that a batch a source already
+made as one tensor, a `loader.rows.Rows`, is that tensor rather than a stacked copy of it). The loader replaces only
+the order (a lazy batch sampler over the committed progress) and counts a batch when `next()` hands it to the caller,
+never when a worker fetched it. With in-order delivery, the k-th batch out is the k-th index list in, so the count is
+exact.
 """
 
 from __future__ import annotations
@@ -14,13 +16,14 @@ from typing import Any, Callable, Iterator, TypeVar
 import numpy as np
 import torch.distributed as dist
 from torch._utils import ExceptionWrapper
-from torch.utils.data import DataLoader, IterableDataset
+from torch.utils.data import DataLoader, IterableDataset, default_collate
 from torch.utils.data._utils.fetch import _MapDatasetFetcher
 
 from loader._checks import check_positive_int, check_rank, is_int
 from loader.order import Lanes, Order, block_sizes_for_window, sample_seed
 from loader.lockstep import LockstepWatch, warn_out_of_step
 from loader.partition import Layout
+from loader.rows import collate
 from loader.sampler import ResumableSampler
 from loader.shards import is_sharded
 from loader.stream import StreamProgress
@@ -341,6 +344,8 @@ class ResumableDataLoader(DataLoader[T_co]):
             self._stream.attach(batch_size, drop_last, self.collate_fn, worker_init_fn)
             return
         self._stream = None
+        if batch_size is not None and (collate_fn is None or collate_fn is default_collate):
+            common["collate_fn"] = collate  # default_collate's batches, without stacking a loader.rows.Rows again
         self._shuffle_blocks, self._lanes = shuffle_blocks, _lanes_for(lanes, lane_chunk, batch_size or 1)
         order = _order_for(len(dataset), bool(shuffle), seed, shuffle_blocks, self._lanes)
         self.resumable_sampler = ResumableSampler(order, layout, rank)

@@ -24,3 +24,28 @@ class IndexDataset(Dataset):
 @pytest.fixture(autouse=True)
 def _seeded():
     np.random.seed(0)
+
+
+def assert_batches_match_torch(dataset, workers: int, **kwargs) -> list[list[int]]:
+    """A pass of ResumableDataLoader (default collate) over `dataset`: each batch is torch.equal, as an int64
+    tensor, to torch's DataLoader's batch for the same index list and to the stack of its samples one by one.
+    Returns the index lists."""
+    import torch
+    from torch.utils.data import DataLoader
+
+    from loader import ResumableDataLoader
+
+    context = dict(num_workers=workers, multiprocessing_context="fork" if workers else None)
+    loader = ResumableDataLoader(dataset, **kwargs, **context)
+    batches, ids = [], []
+    for batch in loader:
+        batches.append(batch)
+        ids.append(loader.last_indices().tolist())
+    assert ids
+    theirs = list(DataLoader(dataset, batch_sampler=ids, **context))
+    assert len(theirs) == len(batches)
+    for ours, torchs, indices in zip(batches, theirs, ids):
+        expected = torch.stack([dataset[i] for i in indices])
+        assert ours.dtype == torchs.dtype == expected.dtype == torch.int64
+        assert torch.equal(ours, torchs) and torch.equal(ours, expected)
+    return ids

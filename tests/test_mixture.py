@@ -1,6 +1,8 @@
 """Mixture: exact proportions per window, each source's epochs as permutations, a pure function of the position."""
 
+import copy
 import json
+import pickle
 import tracemalloc
 
 import numpy as np
@@ -9,9 +11,12 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from loader import ResumableDataLoader, merge_states
-from loader.sources import Mixture, MixturePlan, TokenSource
+from loader import ResumableDataLoader, SampleIndex, merge_states
+from loader.rows import Rows, collate
+from loader.sources import Mixture, MixturePlan, TokenFileError, TokenSource
 from loader.sources.mixture import BLOCK, MAX_WINDOW, window_counts
+from loader.sources.tokens import GATHER_ROWS
+from tests.conftest import assert_batches_match_torch
 
 
 class Tagged:
@@ -267,3 +272,160 @@ def test_sample_seeds_reach_the_sources_as_their_positions_seeds():
             assert seed == sample_seed(11, epoch, int(position))  # the position's seed, per epoch
     plain = ResumableDataLoader(mix, batch_size=4, collate_fn=list)
     assert all(seed is None for batch in plain for _, _, seed in batch)
+
+
+def write_tokens(directory, sizes, seed=3):
+    rng = np.random.default_rng(seed)
+    for name, size in sizes.items():
+        rng.integers(0, 60000, size).astype(np.uint16).tofile(directory / f"{name}.bin")
+
+
+def fused_mixture(directory, num_samples, seq_len=8, **kw):
+    """Three TokenSources of plain samples and one seq_len (one over one file, two over several, so samples cross
+    file boundaries): the mixture fills one batch array."""
+    write_tokens(directory, {"a-0": 400, "b-0": 150, "b-1": 97, "c-0": 61, "c-1": 8, "c-2": 140})
+    sources = [TokenSource(str(directory / f"{prefix}-*.bin"), seq_len=seq_len, dtype="uint16") for prefix in "abc"]
+    mix = Mixture(sources, [0.5, 0.3, 0.2], num_samples, seed=4, names=["a", "b", "c"], **kw)
+    assert mix._span == seq_len + 1  # the fused path
+    return mix
+
+
+def general(mix):
+    """The same mixture on the per-source path (samples fetched per source, put back in position order)."""
+    twin = copy.copy(mix)
+    twin._span = None
+    return twin
+
+
+def by_position(mix, positions):
+    """The samples of these positions, one source sample at a time."""
+    source, index = mix.locate(positions)
+    return [mix.sources[s][i] for s, i in zip(source.tolist(), index.tolist())]
+
+
+@pytest.fixture(scope="module")
+def fused(tmp_path_factory):
+    return fused_mixture(tmp_path_factory.mktemp("fused"), 3 * BLOCK + 17)
+
+
+@settings(max_examples=120, deadline=None)
+@given(data=st.data())
+def test_the_fused_batch_equals_the_general_path_and_the_samples_one_by_one(fused, data):
+    """In order (a cached block, across blocks), scattered, repeated, with sample_seeds positions (SampleIndex,
+    whose seeds TokenSource ignores): one int64 array filled in place, the same rows as the per-source path."""
+    n = len(fused)
+    start = data.draw(st.integers(0, n - 1), label="start")
+    batch = data.draw(st.one_of(
+        st.integers(0, 70).map(lambda size: list(range(start, min(start + size, n)))),
+        st.lists(st.integers(0, n - 1), max_size=40),
+    ), label="positions")
+    if data.draw(st.booleans(), label="sample_seeds"):
+        batch = [SampleIndex(p, 1000 + p) for p in batch]
+    got = fused.__getitems__(batch)
+    assert type(got) is Rows and got.intact() and got.batch.shape == (len(batch), 9)
+    assert got.batch.dtype == torch.int64
+    expected = by_position(fused, batch)
+    assert as_lists(got) == as_lists(expected) == as_lists(general(fused).__getitems__(batch))
+    assert as_lists(got) == as_lists([fused[p] for p in batch])
+
+
+def test_the_fused_batch_covers_gathers_and_file_boundaries(fused):
+    """Batches where one source's share lies in one file and takes the gather, and ones whose samples cross the
+    files of a multi-file source: the same rows as the per-source path."""
+    source, index = fused.locate(list(range(len(fused))))
+    b = fused.sources[1]
+    crossing = [i for i in range(len(b)) if b.sample_key(i)[1] + b.seq_len + 1 > b._files[0].count
+                and b.sample_key(i)[0] == b.files[0]]
+    assert crossing
+    at_crossing = [p for p in range(len(fused)) if source[p] == 1 and index[p] in crossing][:6]
+    batches = [list(range(64)), list(range(BLOCK - 40, BLOCK + 40)), at_crossing, at_crossing + list(range(30))]
+    gathered = 0
+    for batch in batches:
+        shares = np.bincount(source[batch], minlength=3)
+        gathered += shares[0] >= GATHER_ROWS  # source a is one file: its share is gathered at once
+        assert as_lists(fused.__getitems__(batch)) == as_lists(by_position(fused, batch))
+        assert as_lists(fused.__getitems__(batch)) == as_lists(general(fused).__getitems__(batch))
+    assert gathered
+
+
+def test_only_plain_token_sources_of_one_seq_len_are_fused(tmp_path):
+    write_tokens(tmp_path, {"a": 300, "b": 200})
+    a, b = (str(tmp_path / f"{name}.bin") for name in "ab")
+
+    class Own(TokenSource):
+        def __getitems__(self, indices):
+            return [sample + 1 for sample in super().__getitems__(indices)]
+
+    def span(*sources):
+        return Mixture(list(sources), [1] * len(sources), 50)._span
+
+    assert span(TokenSource(a, 8, "uint16"), TokenSource(b, 8, "uint16")) == 9
+    assert span(TokenSource(a, 8, "uint16"), TokenSource(b, 9, "uint16")) is None
+    assert span(TokenSource(a, 8, "uint16"), TokenSource(b, 8, "uint16", eos_id=3)) is None
+    assert span(TokenSource(a, 8, "uint16"), Tagged(5, "t")) is None
+    own = Mixture([TokenSource(a, 8, "uint16"), Own(b, 8, "uint16")], [1, 1], 50)
+    assert own._span is None  # a subclass's own __getitems__ is what it serves
+    source, index = own.locate(list(range(50)))
+    assert as_lists(own.__getitems__(list(range(50)))) == as_lists(by_position(own, list(range(50))))
+    assert any(s == 1 for s in source.tolist())
+    documents = Mixture([TokenSource(a, 8, "uint16", eos_id=3), TokenSource(b, 8, "uint16", eos_id=3)], [1, 1], 50)
+    samples = documents.__getitems__(list(range(10)))
+    assert all(isinstance(s, dict) for s in samples)  # dict samples keep the per-source path
+
+
+def test_the_fused_choice_and_batches_survive_pickling(fused):
+    worker = pickle.loads(pickle.dumps(fused))
+    assert worker._span == fused._span == 9 and not worker._cache
+    batch = list(range(100, 140))
+    assert torch.equal(collate(worker.__getitems__(batch)), collate(fused.__getitems__(batch)))
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("sample_seeds", [False, True])
+def test_loader_batches_over_a_fused_mixture_equal_torchs_and_the_stacked_samples(tmp_path, workers, sample_seeds):
+    mix = fused_mixture(tmp_path, 203)
+    ids = assert_batches_match_torch(mix, workers, batch_size=5, sample_seeds=sample_seeds)
+    assert sorted(p for batch in ids for p in batch) == list(range(len(mix)))
+
+
+def test_a_loader_over_a_fused_mixture_delivers_every_position_once_across_a_resume(tmp_path):
+    """Default collate (one tensor per batch): two ranks stopped unevenly mid-epoch, resumed at world size 3 from
+    their state_dict()s; every position of the epoch delivered exactly once, each row the sample of its position."""
+    mix = fused_mixture(tmp_path, 203)
+    seen = []
+
+    def deliver(loader, batches=None):
+        for _, batch in zip(range(batches or len(mix)), loader):
+            positions = loader.last_indices().tolist()
+            assert batch.dtype == torch.int64 and torch.equal(batch, torch.stack([mix[p] for p in positions]))
+            assert torch.equal(batch, torch.stack(by_position(mix, positions)))
+            seen.extend(positions)
+
+    loaders = [ResumableDataLoader(mix, batch_size=5, rank=r, world_size=2) for r in range(2)]
+    for loader in loaders:
+        deliver(loader, 4 + loader.rank)  # uneven stops
+    assert 0 < len(seen) < len(mix)
+    state = merge_states([loader.state_dict() for loader in loaders], uneven=True)
+    for r in range(3):
+        loader = ResumableDataLoader(mix, batch_size=5, rank=r, world_size=3)
+        loader.load_state_dict(state)
+        deliver(loader)
+    assert sorted(seen) == list(range(len(mix)))
+
+
+def test_a_changed_token_file_is_refused_through_the_fused_path(tmp_path):
+    mix = fused_mixture(tmp_path, 60)
+    source, index = mix.locate(list(range(60)))
+    b = mix.sources[1]
+    in_b1 = [p for p in range(60) if source[p] == 1 and b.sample_key(int(index[p]))[0].endswith("b-1.bin")]
+    not_b = [p for p in range(60) if source[p] != 1]
+    assert in_b1 and not_b
+    before = mix.__getitems__(not_b)
+    mix.__getitems__(in_b1)  # b-1.bin is mapped in this process: only the check after each read can notice
+    with open(tmp_path / "b-1.bin", "ab") as f:  # b's second file grows after the source measured it
+        f.write(b"\x00\x00")
+    with pytest.raises(TokenFileError, match="b-1.bin changed after the TokenSource was built"):
+        mix.__getitems__(not_b[:3] + in_b1[:1])
+    assert as_lists(mix.__getitems__(not_b)) == as_lists(before)  # batches that do not read it still load
+    with pytest.raises(TokenFileError, match="b-1.bin changed"):
+        next(iter(ResumableDataLoader(mix, batch_size=60)))

@@ -10,8 +10,10 @@ import pytest
 import torch
 
 from loader import ResumableDataLoader
+from loader.rows import Rows, collate
 from loader.sources import TokenFileError, TokenSource
 from loader.sources.tokens import GATHER_ROWS
+from tests.conftest import assert_batches_match_torch
 
 
 def write_bin(path, tokens, dtype="uint16"):
@@ -262,6 +264,19 @@ def test_fingerprint_names_the_stream_and_pickles_without_the_maps(tmp_path):
     assert restored[5].tolist() == src[5].tolist() and restored.fingerprint() == src.fingerprint()
     assert TokenSource(path, seq_len=9, dtype="uint16").fingerprint() != src.fingerprint()
     assert TokenSource(path, seq_len=8, dtype="uint16", eos_id=0).fingerprint() != src.fingerprint()
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_loader_batches_equal_torchs_and_the_stacked_samples(tmp_path, workers):
+    """The loader collates the source's Rows as the tensor they are rows of, torch's default_collate stacks them:
+    the same int64 batches, across file boundaries, gathered inside one file or copied per sample."""
+    stream_files(tmp_path, [300, 211, 90])
+    src = TokenSource(str(tmp_path / "part-*.bin"), seq_len=16, dtype="uint16")
+    for batch_size in (3, GATHER_ROWS + 1):
+        ids = assert_batches_match_torch(src, workers, batch_size=batch_size, shuffle=batch_size == 3, seed=3)
+        assert sorted(i for batch in ids for i in batch) == list(range(len(src)))
+    rows = src.__getitems__([4, 1, 30])
+    assert type(rows) is Rows and collate(rows) is rows.batch and rows.batch.shape == (3, 17)
 
 
 @pytest.mark.parametrize("workers", [0, 2])

@@ -28,10 +28,13 @@ from itertools import accumulate
 from typing import Any
 
 import numpy as np
+import torch
 import torch.utils.data
 
 from loader._checks import check_positive_int, is_int
 from loader.order import ORDER_VERSION, epoch_round_keys, permute, window_arrangements
+from loader.rows import Rows
+from loader.sources.tokens import TokenSource
 
 __all__ = ["MAX_WINDOW", "Mixture", "MixturePlan", "window_counts"]
 
@@ -195,6 +198,17 @@ def _fetch(source, indices: list[int]) -> list:
     return getitems(indices) if getitems else [source[i] for i in indices]
 
 
+def _token_span(sources: Sequence[Any]) -> int | None:
+    """seq_len + 1 when every source is a TokenSource (its own __getitems__) of plain samples, all of one seq_len:
+    a batch of the mixture is then one int64 array that each source fills in place (`TokenSource._fill`). Else
+    None: the samples are whatever the sources return, fetched per source and put back in position order."""
+    tokens = [s for s in sources if isinstance(s, TokenSource) and type(s).__getitems__ is TokenSource.__getitems__
+              and s.plain]
+    if len(tokens) == len(sources) and len({s.seq_len for s in tokens}) == 1:
+        return tokens[0].seq_len + 1
+    return None
+
+
 def _source_fingerprint(source) -> str | None:
     """A source's own digest when it has one (`fingerprint()`; Hugging Face datasets keep `_fingerprint`)."""
     fingerprint = getattr(source, "fingerprint", None)
@@ -237,6 +251,7 @@ class Mixture(torch.utils.data.Dataset):
                                 num_samples, seed, bool(shuffle))
         self._block = -(-BLOCK // self.plan.window) * self.plan.window  # whole windows
         self._cache: OrderedDict[int, np.ndarray] = OrderedDict()
+        self._span = _token_span(self.sources)  # decided once; an int, so it travels to workers with the mixture
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -275,29 +290,46 @@ class Mixture(torch.utils.data.Dataset):
             return np.zeros(0, np.int64), np.zeros(0, np.int64)
         low, high = min(positions), max(positions)
         first, last = low // self._block, high // self._block
-        if last - first > 1 or low < 0 or high >= len(self):
+        if last - first > 1 or low < 0 or high >= self.plan.num_samples:
             return self.plan.locate(positions)
-        tables = [self._block_table(b) for b in range(first, last + 1)]
-        table = tables[0] if len(tables) == 1 else np.concatenate(tables, axis=1)
-        source, index = table[:, np.asarray(positions, dtype=np.int64) - first * self._block]
+        table, origin = self._block_table(first), first * self._block
+        if last != first:
+            table = np.concatenate((table, self._block_table(last)), axis=1)
+        # the table's column c is position origin + c; when origin is a multiple of the table's length (a whole
+        # block, not the last), that column is position % length: wrapped indexing then needs no subtraction
+        at = positions if origin % table.shape[1] == 0 else np.subtract(positions, origin)
+        source, index = table.take(at, axis=1, mode="wrap")
         return source, index
 
-    def __getitems__(self, positions: Sequence[int]) -> list:
-        """A batch: each source asked once, for its share, in one call when it takes batches; the samples are put
-        back in position order."""
-        source, index = self.locate(positions)
-        by_source = source.argsort(kind="stable")  # each source's rows, in position order
+    def _by_source(self, source: np.ndarray, index: np.ndarray):
+        """Each source's share of a batch: (source number, its rows in the batch, its indices), in position order."""
+        by_source = source.argsort(kind="stable")
         ends = accumulate(np.bincount(source, minlength=len(self.sources)).tolist())
         rows, indices = by_source.tolist(), index[by_source].tolist()
-        if len(positions) and hasattr(positions[0], "seed"):  # the loader's sample_seeds: a source index carries
-            indices = list(map(type(positions[0]), indices, (positions[r].seed for r in rows)))  # its position's
-        out: list = [None] * len(rows)
         low = 0
         for s, high in enumerate(ends):
             if low < high:
-                for row, sample in zip(rows[low:high], _fetch(self.sources[s], indices[low:high])):
-                    out[row] = sample
+                yield s, rows[low:high], indices[low:high]
             low = high
+
+    def __getitems__(self, positions: Sequence[int]) -> list:
+        """A batch: each source asked once, for its share. TokenSources of plain samples and one seq_len fill
+        their rows of one int64 array in place, returned as its `Rows` (which the loader's collate hands on as
+        that array: no per-source allocation, no reordering, no stacking); other sources are asked in one call
+        when they take batches, and their samples put back in position order."""
+        source, index = self.locate(positions)
+        if self._span is not None:
+            out = np.empty((len(source), self._span), dtype=np.int64)
+            for s, rows, indices in self._by_source(source, index):
+                self.sources[s]._fill(out, rows, indices)
+            return Rows(torch.from_numpy(out))
+        seeds = len(positions) and hasattr(positions[0], "seed")  # the loader's sample_seeds
+        out: list = [None] * len(source)
+        for s, rows, indices in self._by_source(source, index):
+            if seeds:  # a source index carries its position's seed
+                indices = list(map(type(positions[0]), indices, (positions[r].seed for r in rows)))
+            for row, sample in zip(rows, _fetch(self.sources[s], indices)):
+                out[row] = sample
         return out
 
     def __getitem__(self, position: int):

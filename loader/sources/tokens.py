@@ -24,6 +24,7 @@ import torch
 import torch.utils.data
 
 from loader._checks import check_positive_int
+from loader.rows import Rows
 
 __all__ = ["TokenFileError", "TokenSource"]
 
@@ -360,40 +361,45 @@ class TokenSource(torch.utils.data.Dataset):
             self._views[file] = view
         return view
 
-    def _gather(self, out: np.ndarray, files: list[int], offsets: list[int]) -> set[int]:
-        """Fill row r of `out` with sample (files[r], offsets[r]); returns the files read. GATHER_ROWS samples or
-        more inside one file: one fancy index into its windows; else a copy per sample (fewer numpy calls)."""
+    def _fill(self, out: np.ndarray, rows: Sequence[int], indices: Sequence[int]) -> None:
+        """Write sample indices[k] into row rows[k] of `out` (int64, seq_len + 1 wide; a range of rows is a slice),
+        then check every file read, once each, after the reads (a change while reading is caught too): the one read
+        path of this source and of a Mixture of TokenSources filling one batch. GATHER_ROWS samples or more inside
+        one file: one fancy index into its windows; else a copy per sample (fewer numpy calls)."""
+        files, offsets = self._locate(indices)
+        if not offsets:
+            return
         file, span = files[0], self._span
         if len(files) >= GATHER_ROWS and files.count(file) == len(files) and max(offsets) + span <= \
                 self._files[file].count:
-            out[:] = self._windows(file)[np.asarray(offsets) // self.seq_len]
-            return {file}
-        touched = set(files)
-        for row, (file, offset) in enumerate(zip(files, offsets)):
-            tokens = self._files[file].array()
-            if offset + span <= len(tokens):  # the usual sample: inside one file
-                out[row] = tokens[offset:offset + span]
-            else:
-                self._read(out[row], file, offset, touched)
-        return touched
+            target = slice(rows.start, rows.stop) if type(rows) is range and rows.step == 1 else rows
+            out[target] = self._windows(file)[np.asarray(offsets) // self.seq_len]
+            touched = {file}
+        else:
+            touched = set(files)
+            for row, file, offset in zip(rows, files, offsets):
+                tokens = self._files[file].array()
+                if offset + span <= len(tokens):  # the usual sample: inside one file
+                    out[row] = tokens[offset:offset + span]
+                else:
+                    self._read(out[row], file, offset, touched)
+        for file in touched:
+            self._files[file].check_unchanged()
 
-    def _rows(self, indices: Sequence[int]) -> np.ndarray:
-        """The int64 tokens of these samples, a row each; every file read is checked once, after the reads (a
-        change while reading is caught too)."""
-        files, offsets = self._locate(indices)
-        out = np.empty((len(offsets), self._span), dtype=np.int64)
-        if offsets:
-            for file in self._gather(out, files, offsets):
-                self._files[file].check_unchanged()
-        return out
+    @property
+    def plain(self) -> bool:
+        """Whether samples are bare token tensors (no eos_id or doc_offsets, whose samples are dicts)."""
+        return self.eos_id is None and self._documents is None
 
     def __getitems__(self, indices: Sequence[int]) -> list:
         """A batch in one call (torch's fetcher and Mixture use it): one check per file the batch touches, not per
-        sample, and one tensor whose rows are the samples."""
-        out = self._rows(indices)
+        sample, and one tensor whose rows are the samples: plain samples come as its `Rows`, which the loader's
+        collate hands on as that tensor instead of stacking a copy of it."""
+        out = np.empty((len(indices), self._span), dtype=np.int64)
+        self._fill(out, range(len(indices)), indices)
+        if self.plain:
+            return Rows(torch.from_numpy(out))
         tokens = torch.from_numpy(out).unbind(0)
-        if self.eos_id is None and self._documents is None:
-            return list(tokens)
         starts = np.asarray(indices, dtype=np.int64) * self.seq_len
         doc_ids = torch.from_numpy(self._doc_ids(out, starts)).unbind(0)
         return [{"tokens": t, "doc_ids": d} for t, d in zip(tokens, doc_ids)]
