@@ -295,10 +295,9 @@ class Mixture(torch.utils.data.Dataset):
         table, origin = self._block_table(first), first * self._block
         if last != first:
             table = np.concatenate((table, self._block_table(last)), axis=1)
-        # the table's column c is position origin + c; when origin is a multiple of the table's length (a whole
-        # block, not the last), that column is position % length: wrapped indexing then needs no subtraction
-        at = positions if origin % table.shape[1] == 0 else np.subtract(positions, origin)
-        source, index = table.take(at, axis=1, mode="wrap")
+        # column c is position origin + c (not take(mode="wrap"): numpy wraps an index by repeated subtraction,
+        # O(position / block) per position)
+        source, index = table.take(np.subtract(positions, origin), axis=1)
         return source, index
 
     def _by_source(self, source: np.ndarray, index: np.ndarray):
