@@ -117,7 +117,8 @@ def write(results: dict, out: Path, stem: str) -> dict:
     for key, section in results["sections"].items():
         if key not in _DRAW or "skipped" in section:
             continue
-        figure = pyplot.figure(figsize=(9, 3.5), layout="constrained")
+        bars = sum(r["unit"] == "ratio" for r in section.get("rows", [])) if _DRAW[key] is _bars else 0
+        figure = pyplot.figure(figsize=(9, max(3.5, 1.0 + 0.16 * bars)), layout="constrained")  # a line a bar
         figure.suptitle(section["title"], fontsize=10)
         _DRAW[key](figure, section)
         name = f"{stem}.png" if stem.endswith(f"-{key}") else f"{stem}-{key}.png"

@@ -4,7 +4,8 @@ Why map-style: sample i is the window of seq_len + 1 tokens starting at token i 
 concatenated stream, so any rank can load any sample and the loader's exactly-once progress applies unchanged.
 The files are what LM preprocessing writes: raw token arrays (`.bin`: nanoGPT, Megatron), `.npy` arrays, and
 LitData chunk directories (`index.json` with TokensLoader chunks). Construction reads headers and sizes only; each
-process maps the files on first use, and every read first checks that the file is still the one measured.
+process maps the files on first use (checking that each is still the one measured), and every batch checks each
+file it read again after the reads, so a file that changed is never served.
 """
 
 from __future__ import annotations
