@@ -291,3 +291,22 @@ def test_through_the_loader_batches_are_the_stacked_samples(tmp_path, workers):
         assert batch.tolist() == [reference(stream, 16, i).tolist() for i in ids]
         seen += ids
     assert sorted(seen) == list(range(len(src)))
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="counts this process's descriptors in /proc/self/fd")
+def test_maps_are_bounded_so_that_many_files_never_exhaust_the_descriptors(tmp_path, monkeypatch):
+    """A map holds a file descriptor: over more files than the bound, the least recently used map goes, so the
+    process's open files stay within the bound however many files are read, and every sample is still the right
+    one, gathered or copied, also from a file read again after its map went."""
+    from loader.sources import tokens
+
+    monkeypatch.setattr(tokens, "_MAPS", tokens._Maps(limit=4))
+    _, stream = stream_files(tmp_path, [40 + 3 * n for n in range(12)])
+    src = TokenSource(str(tmp_path / "part-*.bin"), seq_len=4, dtype="uint16")
+    descriptors = len(os.listdir("/proc/self/fd"))
+    order = np.random.default_rng(0).permutation(len(src)).tolist()
+    batches = [order[i:i + 5] for i in range(0, len(order), 5)] + [list(range(i, i + GATHER_ROWS)) for i in (0, 90)]
+    for batch in batches * 2:
+        assert [s.tolist() for s in src.__getitems__(batch)] == [reference(stream, 4, i).tolist() for i in batch]
+        assert len(tokens._MAPS) <= 4 and len(os.listdir("/proc/self/fd")) <= descriptors + 4
+    assert len(tokens._MAPS) == 4

@@ -15,10 +15,13 @@ import hashlib
 import json
 import mmap
 import os
+import resource
 import struct
+import threading
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -48,10 +51,45 @@ def _file_state(path: str) -> tuple[int, int, int]:
     return st.st_size, st.st_mtime_ns, st.st_ino
 
 
+def _map_limit() -> int:
+    """Files kept mapped per process: a quarter of the soft limit on open files (at least 16)."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    return 1 << 16 if soft == resource.RLIM_INFINITY else max(16, soft // 4)
+
+
+class _Maps:
+    """This process's mapped token (and offsets) files, at most `limit`; past it, the oldest map is let go.
+
+    Why a bound: a map holds a file descriptor (mmap keeps a duplicate of the one it mapped), so a source over more
+    files than the open-file limit (a LitData directory of thousands of chunks) would fail with EMFILE hours into
+    a run, once enough files had been read. A map let go is unmapped when its last array goes (numpy views keep
+    it), so a batch still copying from it is never cut off; reading the file again maps it again. Oldest first,
+    not least recently used: a hit then costs nothing here, and a file in use that is let go is mapped again once
+    per `limit` new maps."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._lock = threading.Lock()
+        self._mapped: deque[_Mapped] = deque()
+
+    def __len__(self) -> int:
+        return len(self._mapped)
+
+    def add(self, mapped: "_Mapped") -> None:
+        with self._lock:
+            self._mapped.append(mapped)
+            while len(self._mapped) > self.limit:
+                self._mapped.popleft().unmap()
+
+
+_MAPS = _Maps(_map_limit())  # forked workers inherit the maps (valid there); spawned ones start empty
+
+
 @dataclass
 class _Mapped:
     """`count` values of `dtype` at byte `offset` of a file (up to its end unless `ends_file` is False), mapped
-    on first use in each process; pickles without the map, so spawned workers map the file themselves."""
+    on first use in each process, one of the process's bounded set of maps (`_MAPS`); pickles without the map, so
+    spawned workers map the file themselves."""
 
     path: str
     offset: int
@@ -60,6 +98,7 @@ class _Mapped:
     ends_file: bool = True
     state: tuple[int, int, int] = field(init=False)
     _array: np.ndarray | None = field(default=None, init=False, repr=False)
+    _derived: np.ndarray | None = field(default=None, init=False, repr=False)  # a view kept as long as the map
 
     def __post_init__(self) -> None:
         self.state = _file_state(self.path)
@@ -84,18 +123,30 @@ class _Mapped:
             )
 
     def array(self) -> np.ndarray:
-        if self._array is None:
+        array = self._array
+        if array is None:
             self.check_unchanged()
             if self.count == 0:
-                self._array = np.empty(0, self.dtype)
-            else:
-                with open(self.path, "rb") as f:
-                    buffer = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-                self._array = np.frombuffer(buffer, self.dtype, self.count, self.offset)
-        return self._array
+                return np.empty(0, self.dtype)
+            with open(self.path, "rb") as f:
+                buffer = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+            array = self._array = np.frombuffer(buffer, self.dtype, self.count, self.offset)
+            _MAPS.add(self)
+        return array
+
+    def derived(self, make: Callable[[np.ndarray], np.ndarray]) -> np.ndarray:
+        """`make(array)`, a view of the map (a TokenSource's windows), made once per map and let go with it."""
+        array = self.array()
+        view = self._derived
+        if view is None or view.base is not array:
+            view = self._derived = make(array)
+        return view
+
+    def unmap(self) -> None:
+        self._array = self._derived = None
 
     def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "_array": None}
+        return {**self.__dict__, "_array": None, "_derived": None}
 
 
 def _token_dtype(value, where: str) -> np.dtype:
@@ -277,7 +328,6 @@ class TokenSource(torch.utils.data.Dataset):
         if eos_id is not None and (not isinstance(eos_id, int) or eos_id < 0):
             raise ValueError(f"eos_id must be a non-negative int token id, got {eos_id!r}")
         self.seq_len, self.eos_id, self._span = seq_len, eos_id, seq_len + 1
-        self._views: dict[int, np.ndarray] = {}  # per file, its whole samples as a strided view (per process)
         declared = None if dtype is None else _token_dtype(dtype, "dtype=")
         self._files = _token_files(_expand(files, "token files"), declared)
         counts = np.array([f.count for f in self._files], dtype=np.int64)
@@ -350,17 +400,16 @@ class TokenSource(torch.utils.data.Dataset):
         return doc_ids
 
     def _windows(self, file: int) -> np.ndarray:
-        """The file's whole samples as rows of a strided view (no copy), built once per process: row r starts at the
-        file's first sample start plus r * seq_len, so a batch inside one file is gathered by one fancy index."""
-        view = self._views.get(file)
-        if view is None:
-            tokens, span = self._files[file].array(), self._span
-            phase = int(-self._starts[file] % self.seq_len)
-            rows = max(0, (len(tokens) - phase - span) // self.seq_len + 1)
-            itemsize = tokens.dtype.itemsize
-            view = np.ndarray((rows, span), tokens.dtype, tokens, phase * itemsize, (self.seq_len * itemsize, itemsize))
-            self._views[file] = view
-        return view
+        """The file's whole samples as rows of a strided view of its map (no copy): row r starts at the file's first
+        sample start plus r * seq_len, so a batch inside one file is gathered by one fancy index. Kept with the map
+        (`_Mapped.derived`): kept here, it would keep the map, and its descriptor, past the bound."""
+        phase, seq_len, span = int(-self._starts[file] % self.seq_len), self.seq_len, self._span
+
+        def windows(tokens: np.ndarray) -> np.ndarray:
+            rows, itemsize = max(0, (len(tokens) - phase - span) // seq_len + 1), tokens.dtype.itemsize
+            return np.ndarray((rows, span), tokens.dtype, tokens, phase * itemsize, (seq_len * itemsize, itemsize))
+
+        return self._files[file].derived(windows)
 
     def _fill(self, out: np.ndarray, rows: Sequence[int], indices: Sequence[int]) -> None:
         """Write sample indices[k] into row rows[k] of `out` (int64, seq_len + 1 wide; a range of rows is a slice),
@@ -378,8 +427,9 @@ class TokenSource(torch.utils.data.Dataset):
             touched = {file}
         else:
             touched = set(files)
+            arrays = {f: self._files[f].array() for f in touched}  # a map lookup per file, not per sample
             for row, file, offset in zip(rows, files, offsets):
-                tokens = self._files[file].array()
+                tokens = arrays[file]
                 if offset + span <= len(tokens):  # the usual sample: inside one file
                     out[row] = tokens[offset:offset + span]
                 else:
@@ -407,9 +457,6 @@ class TokenSource(torch.utils.data.Dataset):
 
     def __getitem__(self, index: int):
         return self.__getitems__([index])[0]
-
-    def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "_views": {}}  # views of this process's maps: a worker maps the files itself
 
     def fingerprint(self) -> str:
         """Digest of the files' names and token counts, dtype, seq_len and document boundaries: a checkpoint of
