@@ -3,7 +3,9 @@
 import json
 import os
 import pickle
+import signal
 import struct
+import time
 
 import numpy as np
 import pytest
@@ -310,3 +312,27 @@ def test_maps_are_bounded_so_that_many_files_never_exhaust_the_descriptors(tmp_p
         assert [s.tolist() for s in src.__getitems__(batch)] == [reference(stream, 4, i).tolist() for i in batch]
         assert len(tokens._MAPS) <= 4 and len(os.listdir("/proc/self/fd")) <= descriptors + 4
     assert len(tokens._MAPS) == 4
+
+
+def test_a_child_forked_while_a_thread_holds_the_maps_lock_still_maps(tmp_path):
+    """A DataLoader worker forked while another thread of the parent was adding a map inherits the lock held; its
+    own first map must not wait for a thread that does not exist in it."""
+    from loader.sources import tokens
+
+    _, stream = stream_files(tmp_path, [200])
+    src = TokenSource(str(tmp_path / "part-*.bin"), seq_len=4, dtype="uint16")
+    with tokens._MAPS._lock:  # held, as by another thread, across the fork
+        pid = os.fork()
+        if pid == 0:  # the child: map and read, then report by exit status
+            ok = src[3].tolist() == reference(stream, 4, 3).tolist()
+            os._exit(0 if ok else 1)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            assert os.waitstatus_to_exitcode(status) == 0
+            return
+        time.sleep(0.05)
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+    pytest.fail("the forked child hung on the maps lock")

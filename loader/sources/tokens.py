@@ -81,8 +81,13 @@ class _Maps:
             while len(self._mapped) > self.limit:
                 self._mapped.popleft().unmap()
 
+    def forked(self) -> None:
+        """In a forked child: a new lock (another thread of the parent may have held this one at the fork)."""
+        self._lock = threading.Lock()
+
 
 _MAPS = _Maps(_map_limit())  # forked workers inherit the maps (valid there); spawned ones start empty
+os.register_at_fork(after_in_child=lambda: _MAPS.forked())  # the current _MAPS, looked up then
 
 
 @dataclass
