@@ -473,7 +473,7 @@ class ResumableDataLoader(DataLoader[T_co]):
         self._delivered_by_iterator = 0
 
     def _deliver(self) -> None:
-        self._delivered_by_iterator += 1
+        self.__dict__["_delivered_by_iterator"] += 1  # not through DataLoader.__setattr__: Python, 0.3 us a batch
         if self._stream is not None:
             self._stream.deliver()
             return
