@@ -295,7 +295,8 @@ def test_through_the_loader_batches_are_the_stacked_samples(tmp_path, workers):
     assert sorted(seen) == list(range(len(src)))
 
 
-@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="Linux only: counts this process's open descriptors in /proc/self/fd")
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"),
+                    reason="Linux only: counts this process's open descriptors in /proc/self/fd")
 def test_maps_are_bounded_so_that_many_files_never_exhaust_the_descriptors(tmp_path, monkeypatch):
     """A map holds a file descriptor: over more files than the bound, the least recently used map goes, so the
     process's open files stay within the bound however many files are read, and every sample is still the right
