@@ -40,7 +40,10 @@ def main(argv: list[str] | None = None) -> int:
                                                     "fewer workers")
     demo_command.add_argument("--lm", action="store_true", help="the job of examples/train_lm.py: a transformer on a "
                                                                 "70/30 mixture of token files, audited per source")
-    check = commands.add_parser("audit", help="per epoch: samples seen once, skipped, duplicated, dropped by policy")
+    demo_command.add_argument("--dir", help="where the runs go, kept for auditing (default: a new temporary "
+                                            "directory, printed)")
+    check = commands.add_parser("audit", help="per epoch: samples seen once, skipped, duplicated, dropped by policy",
+                                epilog=audit.EXIT_STATUSES, formatter_class=argparse.RawDescriptionHelpFormatter)
     check.add_argument("run_dir", help="the run directory whose ledger/ to read")
     check.add_argument("--limit", type=int, default=20, help="offending indices to print per epoch")
     check.add_argument("--shards", help="the run's WebDataset shards: name samples by shard and key")
@@ -72,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
             grouping, describe = _by_source(args.mixture)
             return audit.main(args.run_dir, args.limit, describe, grouping)
         return audit.main(args.run_dir, args.limit, _describe_by_key(args.shards) if args.shards else str)
-    return demo.main(args.lm)
+    return demo.main(args.lm, args.dir)
 
 
 if __name__ == "__main__":

@@ -122,6 +122,11 @@ def _listed(indices: np.ndarray, limit: int, describe: Callable[[int], str]) -> 
 
 
 EXACTLY_ONCE, FAILED, NO_LEDGER, UNFINISHED = 0, 1, 2, 3  # the exit statuses of `python -m loader audit`
+EXIT_STATUSES = f"""exit statuses:
+  {EXACTLY_ONCE}: every epoch finished, every sample exactly once (failed-to-load samples listed, not trained)
+  {FAILED}: a sample was skipped or duplicated
+  {NO_LEDGER}: no ledger to audit (no such directory, or a run without a Ledger attached)
+  {UNFINISHED}: an epoch unfinished, nothing duplicated so far (the job stopped mid-epoch, or is still running)"""
 
 
 def main(run_dir: str, limit: int = 20, describe: Callable[[int], str] = str, grouping: Grouping | None = None) -> int:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import queue
 import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -48,11 +49,21 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _environment() -> dict:
-    """The workers import this very `loader` (first on their path), installed or not, whatever else is installed."""
+def _job_environment() -> dict:
+    """What the demo adds to the environment: the workers import this very `loader` (first on their path),
+    installed or not, whatever else is installed; the rendezvous store setting that makes restarts clean here."""
     path = os.pathsep.join(p for p in (str(PROJECT), os.environ.get("PYTHONPATH", "")) if p)
-    return {**os.environ, "PYTHONPATH": path, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1",
-            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    return {"PYTHONPATH": path, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+
+
+def _environment() -> dict:
+    return {**os.environ, **_job_environment()}
+
+
+def command_line(args: list[str]) -> str:
+    """A torchrun command as a user would type it, with the environment the demo gives it."""
+    settings = " ".join(f"{k}={shlex.quote(v)}" for k, v in _job_environment().items())
+    return f"{settings} {shlex.join([sys.executable, '-m', 'torch.distributed.run', *args])}"
 
 
 def _descendants(pid: int) -> list[int]:
@@ -77,6 +88,7 @@ class Agent:
 
     def __init__(self, name: str, args: list[str], lines: queue.Queue):
         self.name = name
+        print(f"  {name}: {command_line(args)}", flush=True)
         self.process = subprocess.Popen(
             [sys.executable, "-m", "torch.distributed.run", *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
             text=True, env=_environment(), start_new_session=True,
@@ -123,6 +135,8 @@ def run_two_nodes(
     every line."""
     port = _free_port()
     store = torch.distributed.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
+    print(f"  the rendezvous store (a standalone torch.distributed.TCPStore, as a cluster runs one): 127.0.0.1:{port}",
+          flush=True)
     lines: queue.Queue = queue.Queue()
     endpoint, job_id = f"127.0.0.1:{port}", f"demo-{uuid.uuid4().hex[:8]}"
     agents = [Agent("node A", _torchrun_args(3, endpoint, job_id, run_dir, [*extra], example), lines),
@@ -189,6 +203,7 @@ class ProgressLine:
 def reference_run(run_dir: Path, timeout: float, example: Path = EXAMPLE) -> None:
     """The demo's job (`example`) without a fault, on 3 workers: the final model to compare with."""
     args = ["--standalone", "--nproc-per-node=3", str(example), "--run-dir", str(run_dir), *JOB]
+    print(f"  {command_line(args)}", flush=True)
     done = subprocess.run([sys.executable, "-m", "torch.distributed.run", *args], capture_output=True, text=True,
                           env=_environment(), timeout=timeout)
     if done.returncode != 0:
@@ -250,25 +265,37 @@ def _audit(run: Path, lm: bool) -> int:
     return cli(["audit", str(run), "--mixture", str(run / "mixture.json")])
 
 
-def main(lm: bool = False) -> int:
+def _audit_command(run: Path, lm: bool) -> str:
+    mixture = ["--mixture", str(run / "mixture.json")] if lm else []
+    return shlex.join([sys.executable, "-m", "loader", "audit", str(run), *mixture])
+
+
+def main(lm: bool = False, directory: str | None = None) -> int:
+    """The demo in `directory` (a new one under the system's temporary directory if None), which it keeps: the
+    runs' checkpoints, ledgers and final models stay there to be audited again."""
     example = LM_EXAMPLE if lm else EXAMPLE
     if not example.exists():
         raise SystemExit(f"demo: {example} is missing; run the demo from a checkout of the repository")
+    top = Path(directory) if directory is not None else Path(tempfile.mkdtemp(prefix="loader-demo-"))
+    run, reference = top / "run", top / "reference"
+    if run.exists() or reference.exists():
+        raise SystemExit(f"demo: {top} holds an earlier demo's run/ or reference/: name a new directory")
     data = "a 70/30 mixture of two token corpora, 480 sequences" if lm else "480 samples"
     print(f"demo: one elastic job ({example.name}), 2 nodes (3 + 1 workers), {data}, global batch 24; node B dies "
-          f"during step {FAIL_AT_STEP + 1}")
-    with tempfile.TemporaryDirectory(prefix="loader-demo-") as tmp:
-        run, reference = Path(tmp) / "run", Path(tmp) / "reference"
-        started = time.monotonic()
-        restart = run_elastic_restart(run, example=example)
-        print(f"  elastic job finished in {time.monotonic() - started:.0f} s; auditing the ledger:\n")
-        status = _audit(run, lm)
-        print("\nuninterrupted reference run (3 workers) ...", flush=True)
-        reference_run(reference, timeout=120, example=example)
-        ours, theirs = torch.load(run / "final-model.pt"), torch.load(reference / "final-model.pt")
-        drift = max((ours[k] - theirs[k]).abs().max().item() for k in theirs)
-        same = all(torch.allclose(ours[k], theirs[k], rtol=1e-5, atol=1e-6) for k in theirs)
-        print(f"max parameter difference to the uninterrupted run: {drift:.2e} ({'equal' if same else 'DIFFERENT'} "
-              f"within rtol 1e-5)")
-        print_restart(restart)
+          f"during step {FAIL_AT_STEP + 1}\nrun directory: {top}\ncommands:")
+    started = time.monotonic()
+    restart = run_elastic_restart(run, example=example)
+    print(f"  elastic job finished in {time.monotonic() - started:.0f} s; auditing the ledger:\n"
+          f"  {_audit_command(run, lm)}\n")
+    status = _audit(run, lm)
+    print("\nuninterrupted reference run (3 workers) ...", flush=True)
+    reference_run(reference, timeout=120, example=example)
+    ours, theirs = torch.load(run / "final-model.pt"), torch.load(reference / "final-model.pt")
+    drift = max((ours[k] - theirs[k]).abs().max().item() for k in theirs)
+    same = all(torch.allclose(ours[k], theirs[k], rtol=1e-5, atol=1e-6) for k in theirs)
+    print(f"max parameter difference to the uninterrupted run: {drift:.2e} ({'equal' if same else 'DIFFERENT'} "
+          f"within rtol 1e-5)")
+    print_restart(restart)
+    print(f"\nthe run's checkpoints, ledger and final models stay in {top}; audit it again with\n"
+          f"  {_audit_command(run, lm)}")
     return 0 if status == 0 and same else 1

@@ -129,6 +129,8 @@ def read_ledger(run_dir) -> tuple[list[Record], dict[int, np.ndarray], int]:
 
     A record of generation g counts when its step is at most the step every later generation resumed from, and
     at most the last step its rank completed in generation g."""
+    if not Path(run_dir).is_dir():
+        raise FileNotFoundError(f"{run_dir}: no such directory (the run directory whose ledger/ to read)")
     generations = _generations(run_dir)
     if not generations:
         raise FileNotFoundError(f"{_ledger_dir(run_dir)} holds no ledger: run the job with a Ledger attached")

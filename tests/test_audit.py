@@ -1,10 +1,11 @@
 """The ledger and the audit: replayed steps do not count, and skips and duplicates are reported with indices."""
 
 import numpy as np
+import pytest
 
 from loader import ResumableDataLoader, merge_states
 from loader.__main__ import main as cli
-from loader.audit import NO_LEDGER, UNFINISHED, audit
+from loader.audit import EXACTLY_ONCE, FAILED, NO_LEDGER, UNFINISHED, audit
 from loader.ledger import Ledger, read_ledger
 from tests.conftest import IndexDataset
 
@@ -69,6 +70,21 @@ def test_a_run_without_a_ledger_is_one_clear_line(tmp_path, capsys):
     assert cli(["audit", str(tmp_path)]) == NO_LEDGER == 2
     out, err = capsys.readouterr()
     assert out == "" and err == f"audit: {tmp_path / 'ledger'} holds no ledger: run the job with a Ledger attached\n"
+
+
+def test_a_mistyped_run_directory_is_named_as_missing(tmp_path, capsys):
+    missing = tmp_path / "no-such-run"
+    assert cli(["audit", str(missing)]) == NO_LEDGER
+    assert capsys.readouterr().err == f"audit: {missing}: no such directory (the run directory whose ledger/ to read)\n"
+
+
+def test_audit_help_lists_its_exit_statuses(capsys):
+    with pytest.raises(SystemExit):
+        cli(["audit", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    for status, meaning in ((EXACTLY_ONCE, "every sample exactly once"), (FAILED, "skipped or duplicated"),
+                            (NO_LEDGER, "no ledger"), (UNFINISHED, "unfinished")):
+        assert f"{status}: " in out and meaning in out
 
 
 def test_a_crashed_job_never_restarted_is_reported_unfinished_not_exactly_once(tmp_path, capsys):

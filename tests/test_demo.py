@@ -9,12 +9,18 @@ import pytest
 pytestmark = pytest.mark.slow
 
 
-def run_demo(*flags: str) -> str:
+def run_demo(directory, *flags: str) -> str:
     """`python -m loader demo` with these flags, checked for what every demo prints; its output."""
-    done = subprocess.run([sys.executable, "-m", "loader", "demo", *flags], capture_output=True, text=True,
-                          timeout=400)
+    done = subprocess.run([sys.executable, "-m", "loader", "demo", "--dir", str(directory), *flags],
+                          capture_output=True, text=True, timeout=400)
     out = done.stdout
     assert done.returncode == 0, out + done.stderr
+    assert f"run directory: {directory}\n" in out
+    assert re.search(r"node A: .*TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 .* -m torch.distributed.run .*--nproc-per-node=3", out)
+    assert re.search(r"node B: .* -m torch.distributed.run .*--nproc-per-node=1 .*--fail-at-step", out)
+    audit_again = re.findall(r"^  (.* -m loader audit .*)$", out, re.MULTILINE)[-1]  # the command it prints, run
+    again = subprocess.run(audit_again, shell=True, capture_output=True, text=True, timeout=120)
+    assert again.returncode == 0 and "audit: every sample exactly once" in again.stdout, again.stdout + again.stderr
     assert "launch 1, 4 workers, fresh start from step 0; optimizer steps completed: 1 2 3" in out
     resumed = re.search(r"launch 2, 3 workers, resumed from the checkpoint of step (\d+); optimizer steps completed: "
                         r"\d", out)
@@ -26,13 +32,13 @@ def run_demo(*flags: str) -> str:
     return out
 
 
-def test_demo_loses_a_node_and_finishes_exactly_once():
-    run_demo()
+def test_demo_loses_a_node_and_finishes_exactly_once(tmp_path):
+    run_demo(tmp_path)
 
 
-def test_the_lm_demo_loses_a_node_and_audits_each_source_exactly_once():
+def test_the_lm_demo_loses_a_node_and_audits_each_source_exactly_once(tmp_path):
     """The 70/30 token mixture of examples/train_lm.py: the audit's rows per source are whole and exact."""
-    out = run_demo("--lm")
+    out = run_demo(tmp_path, "--lm")
     assert re.search(r"web\s+336\s+336\s+0\s+0\s+0\s+0", out) and re.search(r"code\s+144\s+144\s+0\s+0\s+0\s+0", out)
 
 
