@@ -4,8 +4,9 @@ Why map-style: sample i is the window of seq_len + 1 tokens starting at token i 
 concatenated stream, so any rank can load any sample and the loader's exactly-once progress applies unchanged.
 The files are what LM preprocessing writes: raw token arrays (`.bin`: nanoGPT, Megatron), `.npy` arrays, and
 LitData chunk directories (`index.json` with TokensLoader chunks). Construction reads headers and sizes only; each
-process maps the files on first use (checking that each is still the one measured), and every batch checks each
-file it read again after the reads, so a file that changed is never served.
+process maps the files on first use (checking that each is still the one measured); every read from a map first
+checks that the file still has the size measured (a mapped page past a file's end is a SIGBUS, which kills the
+process), and every batch checks each file it read again after the reads, so a file that changed is never served.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import torch.utils.data
 
 from loader._checks import check_positive_int
 from loader.rows import Rows
+from loader.sources.tar_index import file_state
 
 __all__ = ["TokenFileError", "TokenSource"]
 
@@ -46,9 +48,11 @@ class TokenFileError(ValueError):
     """A token or offsets file that cannot be read as declared, or that changed after the source measured it."""
 
 
-def _file_state(path: str) -> tuple[int, int, int]:
+def _file_state(path: str) -> tuple[int, int, int, int]:
+    """Size, mtime, inode and ctime: a rewrite in place with its mtime restored still moves the ctime (so do a chmod
+    and a new hard link, refused too: nothing tells them apart without reading the whole file)."""
     st = os.stat(path)
-    return st.st_size, st.st_mtime_ns, st.st_ino
+    return (*file_state(st), st.st_ino, st.st_ctime_ns)
 
 
 def _map_limit() -> int:
@@ -101,8 +105,9 @@ class _Mapped:
     count: int
     dtype: np.dtype
     ends_file: bool = True
-    state: tuple[int, int, int] = field(init=False)
-    _array: np.ndarray | None = field(default=None, init=False, repr=False)
+    state: tuple[int, int, int, int] = field(init=False)
+    _map: tuple[mmap.mmap, np.ndarray] | None = field(default=None, init=False, repr=False)  # one attribute: an
+    # unmap() by another thread never leaves a map without its array
     _derived: np.ndarray | None = field(default=None, init=False, repr=False)  # a view kept as long as the map
 
     def __post_init__(self) -> None:
@@ -114,30 +119,45 @@ class _Mapped:
                 f"{self.offset} end at byte {end}; the file is truncated, has trailing bytes, or is not of this dtype"
             )
 
+    def _changed(self, change: str) -> TokenFileError:
+        return TokenFileError(
+            f"{self.path} changed after the TokenSource was built ({change}): its samples would no longer be the "
+            "ones progress was recorded for. Build the TokenSource again and compare its fingerprint() with the "
+            "checkpoint's before resuming"
+        )
+
     def check_unchanged(self) -> None:
-        """Refuse to serve tokens once the file differs from what the source measured (size, mtime, inode)."""
+        """Refuse to serve tokens once the file differs from what the source measured (size, mtime, inode, ctime)."""
         try:
             now = _file_state(self.path)
         except FileNotFoundError:
             raise TokenFileError(f"{self.path} disappeared after the TokenSource was built; restore it") from None
         if now != self.state:
-            raise TokenFileError(
-                f"{self.path} changed after the TokenSource was built (size, mtime_ns, inode {self.state} -> {now}): "
-                "its samples would no longer be the ones progress was recorded for. Build the TokenSource again "
-                "and compare its fingerprint() with the checkpoint's before resuming"
-            )
+            raise self._changed(f"size, mtime_ns, inode, ctime_ns {self.state} -> {now}; the ctime alone moves "
+                                "on a write with the mtime restored, a chmod or a new hard link")
+
+    def _check_size(self, size: int) -> None:
+        if size != self.state[0]:
+            raise self._changed(f"{self.state[0]} -> {size} bytes under this process's map of it")
 
     def array(self) -> np.ndarray:
-        array = self._array
-        if array is None:
-            self.check_unchanged()
-            if self.count == 0:
-                return np.empty(0, self.dtype)
-            with open(self.path, "rb") as f:
-                buffer = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-            array = self._array = np.frombuffer(buffer, self.dtype, self.count, self.offset)
-            _MAPS.add(self)
-        return array
+        """The values, mapped on first use; each call first checks that the file still has the size measured, by
+        an fstat of the map (~0.3 us), as reading a mapped page past a file's end (a file truncated while mapped)
+        is a SIGBUS, which kills the process: Python cannot catch it. Only a truncation racing the copy that
+        follows the check can still fault; the check after the copy (`check_unchanged`) catches other changes."""
+        mapped = self._map
+        if mapped is not None:
+            self._check_size(mapped[0].size())
+            return mapped[1]
+        self.check_unchanged()
+        if self.count == 0:
+            return np.empty(0, self.dtype)
+        with open(self.path, "rb") as f:
+            buffer = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        self._check_size(len(buffer))  # changed since check_unchanged(): np.frombuffer would fail unclearly
+        mapped = self._map = buffer, np.frombuffer(buffer, self.dtype, self.count, self.offset)
+        _MAPS.add(self)
+        return mapped[1]
 
     def derived(self, make: Callable[[np.ndarray], np.ndarray]) -> np.ndarray:
         """`make(array)`, a view of the map (a TokenSource's windows), made once per map and let go with it."""
@@ -148,10 +168,10 @@ class _Mapped:
         return view
 
     def unmap(self) -> None:
-        self._array = self._derived = None
+        self._map = self._derived = None
 
     def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "_array": None, "_derived": None}
+        return {**self.__dict__, "_map": None, "_derived": None}
 
 
 def _token_dtype(value, where: str) -> np.dtype:
@@ -316,6 +336,7 @@ class TokenSource(torch.utils.data.Dataset):
 
     `doc_ids[t]` numbers the document of token t within the sample (0 for the first one): attend from q to k only
     where k <= q and doc_ids[k] == doc_ids[q]. Identity: `sample_key(i)` = (file, token offset in that file).
+
     """
 
     def __init__(
@@ -395,8 +416,8 @@ class TokenSource(torch.utils.data.Dataset):
             while self._starts[file] < start + span:
                 first, low = int(self._starts[file]), max(start, int(self._starts[file]))
                 documents = self._documents[file]
-                documents.check_unchanged()
                 bounds = documents.within(low - first + 1, start + span - first) + first - start
+                documents.check_unchanged()  # after the read, as for tokens: a change during it is caught too
                 doc_ids[row, bounds] += 1
                 if first > start:  # a file boundary inside the sample starts a document
                     doc_ids[row, first - start] += 1
