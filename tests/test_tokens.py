@@ -190,6 +190,44 @@ def rewrite_in_place(path, tokens):
     pytest.fail(f"the ctime of {path} did not move in 2 s of rewrites")
 
 
+def test_a_wrong_dtype_is_refused_where_the_ids_contradict_it(tmp_path):
+    """A raw file says nothing of its dtype: nanoGPT's uint16 file read as uint32 is a whole number of tokens all the
+    same. With vocab_size= every token served must be an id below it (read as uint32, the file's tokens pair into
+    ids of 65536 and more); an eos_id or vocab_size that the dtype cannot hold is refused when the source is built."""
+    from loader.sources import Mixture
+
+    tokens = np.random.default_rng(2).integers(0, 50257, 4000)  # GPT-2 ids
+    path = write_bin(tmp_path / "gpt2.bin", tokens)
+    right = TokenSource(path, seq_len=64, dtype="uint16", vocab_size=50257)
+    everything = list(range(len(right)))
+    expected = [reference(tokens, 64, i).tolist() for i in everything]
+    assert [s.tolist() for s in right.__getitems__(everything)] == expected
+    wrong = TokenSource(path, seq_len=64, dtype="uint32", vocab_size=50257)  # 2000 tokens: nothing to see when built
+    unchecked = TokenSource(path, seq_len=64, dtype="uint32")
+    assert max(unchecked[0].tolist()) >= 65536  # what a run without vocab_size= trains on
+    mixture = Mixture([right, wrong], weights=[0.5, 0.5], num_samples=40, seed=0)
+    for read in (lambda: wrong[len(wrong) - 1], lambda: wrong.__getitems__(list(range(GATHER_ROWS + 1))),
+                 lambda: mixture.__getitems__(list(range(10)))):  # copied per sample, gathered, a mixture's rows
+        with pytest.raises(TokenFileError, match=r"gpt2.bin: token \d+ is \d+, not an id below vocab_size=50257"):
+            read()
+    with pytest.raises(TokenFileError, match=r"gpt2.bin holds uint16 tokens \(ids up to 65535\), which "
+                                             r"eos_id=128001 does not fit"):
+        TokenSource(path, seq_len=64, dtype="uint16", eos_id=128001)  # Llama 3's end of text
+    with pytest.raises(TokenFileError, match="which vocab_size=128256 does not fit"):
+        TokenSource(path, seq_len=64, dtype="uint16", vocab_size=128256)
+    with pytest.raises(ValueError, match="eos_id=50257 is not an id below vocab_size=50257"):
+        TokenSource(path, seq_len=64, dtype="uint16", eos_id=50257, vocab_size=50257)
+    with pytest.raises(ValueError, match="vocab_size"):
+        TokenSource(path, seq_len=64, dtype="uint16", vocab_size=0)
+    negative = np.arange(100, dtype=np.int32)
+    negative[70] = -1
+    np.save(tmp_path / "signed.npy", negative)
+    signed = TokenSource(tmp_path / "signed.npy", seq_len=8, vocab_size=100)
+    assert signed[7].tolist() == list(range(56, 65))
+    with pytest.raises(TokenFileError, match=r"signed.npy: token 70 is -1, not an id below vocab_size=100"):
+        signed[8]
+
+
 @pytest.mark.parametrize("change", ["rewrite", "rewrite_keeping_mtime", "append", "replace", "delete"])
 def test_a_file_that_changed_after_the_source_was_built_is_refused(tmp_path, change):
     path = write_bin(tmp_path / "t.bin", np.arange(40))

@@ -243,6 +243,25 @@ def _litdata_tokens(directory: str, dtype: np.dtype | None) -> list[_Mapped]:
             for c in index["chunks"]]
 
 
+def _check_named_ids(files: list[_Mapped], eos_id: int | None, vocab_size: int | None) -> None:
+    """The ids the caller named must be ones the files' tokens can hold: a raw file's dtype is only what dtype=
+    says, and a uint32 file read as uint16 holds a whole number of tokens all the same."""
+    named = [] if eos_id is None else [("eos_id", eos_id, eos_id)]
+    if vocab_size is not None:
+        if eos_id is not None and eos_id >= vocab_size:
+            raise ValueError(f"eos_id={eos_id} is not an id below vocab_size={vocab_size}")
+        named.append(("vocab_size", vocab_size, vocab_size - 1))
+    narrowest = min(files, key=lambda f: np.iinfo(f.dtype).max)
+    limit = np.iinfo(narrowest.dtype).max
+    for name, value, largest in named:
+        if largest > limit:
+            raise TokenFileError(
+                f"{narrowest.path} holds {narrowest.dtype.name} tokens (ids up to {limit}), which {name}={value} "
+                f"does not fit: the files hold wider tokens (pass the dtype= they were written with, e.g. "
+                f"'uint32'), or {name} is wrong"
+            )
+
+
 def _expand(files: Files, what: str) -> list[str]:
     """Paths in order: a glob sorted, a list as given, a LitData directory as itself."""
     if isinstance(files, (str, os.PathLike)):
@@ -330,6 +349,7 @@ class TokenSource(torch.utils.data.Dataset):
         seq_len: tokens per sample, plus the one target token that overlaps the next sample.
         dtype: "uint16" or "uint32" (or "int32") for raw files; checked against the header of the others.
         eos_id: documents end with this token: samples become dicts {"tokens", "doc_ids"}.
+        vocab_size: token ids are below it: every token served is checked (a batch holding another is refused).
         doc_offsets: one offsets file per token file, same order (a glob, sorted, or a list): a `.npy` of the
             token offsets where documents start in that file, or Megatron's `.idx`. Samples become dicts as with
             `eos_id`; a file boundary is a document boundary too.
@@ -337,6 +357,11 @@ class TokenSource(torch.utils.data.Dataset):
     `doc_ids[t]` numbers the document of token t within the sample (0 for the first one): attend from q to k only
     where k <= q and doc_ids[k] == doc_ids[q]. Identity: `sample_key(i)` = (file, token offset in that file).
 
+    A raw file has no header, so a wrong `dtype` is refused only where something contradicts it: a size that is not
+    a whole number of tokens, a Megatron `.idx` of another dtype, `.npy` document offsets past the file's tokens,
+    an `eos_id` or `vocab_size` the dtype cannot hold, and with `vocab_size` a token served that is no id below it
+    (a uint16 file read as uint32 pairs its tokens into ids of 65536 and more). Nothing contradicts a uint32 file of
+    ids below 65536 read as uint16 without a Megatron `.idx`: every other token is 0, a valid id.
     """
 
     def __init__(
@@ -347,13 +372,16 @@ class TokenSource(torch.utils.data.Dataset):
         *,
         eos_id: int | None = None,
         doc_offsets: Files | None = None,
+        vocab_size: int | None = None,
     ) -> None:
         check_positive_int("seq_len", seq_len)
+        if vocab_size is not None:
+            check_positive_int("vocab_size", vocab_size)
         if eos_id is not None and doc_offsets is not None:
             raise ValueError("pass eos_id= or doc_offsets= for document boundaries, not both")
         if eos_id is not None and (not isinstance(eos_id, int) or eos_id < 0):
             raise ValueError(f"eos_id must be a non-negative int token id, got {eos_id!r}")
-        self.seq_len, self.eos_id, self._span = seq_len, eos_id, seq_len + 1
+        self.seq_len, self.eos_id, self.vocab_size, self._span = seq_len, eos_id, vocab_size, seq_len + 1
         declared = None if dtype is None else _token_dtype(dtype, "dtype=")
         self._files = _token_files(_expand(files, "token files"), declared)
         counts = np.array([f.count for f in self._files], dtype=np.int64)
@@ -363,6 +391,7 @@ class TokenSource(torch.utils.data.Dataset):
         if not self._len:
             raise ValueError(f"{len(self._files)} token file(s) hold {self.tokens} tokens: too few for one sample of "
                              f"seq_len + 1 = {seq_len + 1}")
+        _check_named_ids(self._files, eos_id, vocab_size)
         self._documents = None
         if doc_offsets is not None:
             paths = _expand(doc_offsets, "offsets files")
@@ -446,9 +475,9 @@ class TokenSource(torch.utils.data.Dataset):
         if not offsets:
             return
         file, span = files[0], self._span
+        target = slice(rows.start, rows.stop) if type(rows) is range and rows.step == 1 else rows
         if len(files) >= GATHER_ROWS and files.count(file) == len(files) and max(offsets) + span <= \
                 self._files[file].count:
-            target = slice(rows.start, rows.stop) if type(rows) is range and rows.step == 1 else rows
             out[target] = self._windows(file)[np.asarray(offsets) // self.seq_len]
             touched = {file}
         else:
@@ -462,6 +491,24 @@ class TokenSource(torch.utils.data.Dataset):
                     self._read(out[row], file, offset, touched)
         for file in touched:
             self._files[file].check_unchanged()
+        if self.vocab_size is not None:
+            self._check_ids(out[target], indices)
+
+    def _check_ids(self, tokens: np.ndarray, indices: Sequence[int]) -> None:
+        """Refuse a batch holding a token that is no id below vocab_size, naming its file and offset. One max() of
+        the unsigned view checks both ends (a negative int32 id wraps to a huge one): ~4 us for 8 x 2049 tokens."""
+        ids = tokens.view(np.uint64)
+        if ids.max() < self.vocab_size:
+            return
+        row, column = np.argwhere(ids >= self.vocab_size)[0].tolist()
+        token = int(indices[row]) * self.seq_len + column
+        file = int(np.searchsorted(self._starts, token, side="right")) - 1
+        path, dtype = self._files[file].path, self._files[file].dtype.name
+        raise TokenFileError(
+            f"{path}: token {token - int(self._starts[file])} is {int(tokens[row, column])}, not an id below "
+            f"vocab_size={self.vocab_size}: the file does not hold {dtype} tokens of this vocabulary (a raw file "
+            "is read as the dtype= given: pass the one it was written with), or vocab_size is wrong"
+        )
 
     @property
     def plain(self) -> bool:
