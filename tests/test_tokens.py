@@ -6,6 +6,7 @@ import pickle
 import signal
 import struct
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -16,6 +17,7 @@ from loader.rows import Rows, collate
 from loader.sources import TokenFileError, TokenSource
 from loader.sources.tokens import GATHER_ROWS
 from tests.conftest import assert_batches_match_torch
+from tests.launch import launch
 
 
 def write_bin(path, tokens, dtype="uint16"):
@@ -171,7 +173,62 @@ def test_bad_files_and_arguments_are_clear_errors(tmp_path):
         TokenSource(good, seq_len=4, dtype="float32")
 
 
-@pytest.mark.parametrize("change", ["rewrite", "append", "replace", "delete"])
+def rewrite_in_place(path, tokens):
+    """Write `tokens` over the file (same inode) and restore its atime and mtime, as `cp -p` or a careless tool
+    does: only the ctime tells. Written again until the ctime moved, as a filesystem's clock may be coarser than
+    the time since the file was written."""
+    before = os.stat(path)
+    for _ in range(200):
+        write_bin(path, tokens)
+        os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))
+        after = os.stat(path)
+        if after.st_ctime_ns != before.st_ctime_ns:
+            assert (after.st_size, after.st_mtime_ns, after.st_ino) == (before.st_size, before.st_mtime_ns,
+                                                                         before.st_ino)
+            return
+        time.sleep(0.01)
+    pytest.fail(f"the ctime of {path} did not move in 2 s of rewrites")
+
+
+def test_a_wrong_dtype_is_refused_where_the_ids_contradict_it(tmp_path):
+    """A raw file says nothing of its dtype: nanoGPT's uint16 file read as uint32 is a whole number of tokens all the
+    same. With vocab_size= every token served must be an id below it (read as uint32, the file's tokens pair into
+    ids of 65536 and more); an eos_id or vocab_size that the dtype cannot hold is refused when the source is built."""
+    from loader.sources import Mixture
+
+    tokens = np.random.default_rng(2).integers(0, 50257, 4000)  # GPT-2 ids
+    path = write_bin(tmp_path / "gpt2.bin", tokens)
+    right = TokenSource(path, seq_len=64, dtype="uint16", vocab_size=50257)
+    everything = list(range(len(right)))
+    expected = [reference(tokens, 64, i).tolist() for i in everything]
+    assert [s.tolist() for s in right.__getitems__(everything)] == expected
+    wrong = TokenSource(path, seq_len=64, dtype="uint32", vocab_size=50257)  # 2000 tokens: nothing to see when built
+    unchecked = TokenSource(path, seq_len=64, dtype="uint32")
+    assert max(unchecked[0].tolist()) >= 65536  # what a run without vocab_size= trains on
+    mixture = Mixture([right, wrong], weights=[0.5, 0.5], num_samples=40, seed=0)
+    for read in (lambda: wrong[len(wrong) - 1], lambda: wrong.__getitems__(list(range(GATHER_ROWS + 1))),
+                 lambda: mixture.__getitems__(list(range(10)))):  # copied per sample, gathered, a mixture's rows
+        with pytest.raises(TokenFileError, match=r"gpt2.bin: token \d+ is \d+, not an id below vocab_size=50257"):
+            read()
+    with pytest.raises(TokenFileError, match=r"gpt2.bin holds uint16 tokens \(ids up to 65535\), which "
+                                             r"eos_id=128001 does not fit"):
+        TokenSource(path, seq_len=64, dtype="uint16", eos_id=128001)  # Llama 3's end of text
+    with pytest.raises(TokenFileError, match="which vocab_size=128256 does not fit"):
+        TokenSource(path, seq_len=64, dtype="uint16", vocab_size=128256)
+    with pytest.raises(ValueError, match="eos_id=50257 is not an id below vocab_size=50257"):
+        TokenSource(path, seq_len=64, dtype="uint16", eos_id=50257, vocab_size=50257)
+    with pytest.raises(ValueError, match="vocab_size"):
+        TokenSource(path, seq_len=64, dtype="uint16", vocab_size=0)
+    negative = np.arange(100, dtype=np.int32)
+    negative[70] = -1
+    np.save(tmp_path / "signed.npy", negative)
+    signed = TokenSource(tmp_path / "signed.npy", seq_len=8, vocab_size=100)
+    assert signed[7].tolist() == list(range(56, 65))
+    with pytest.raises(TokenFileError, match=r"signed.npy: token 70 is -1, not an id below vocab_size=100"):
+        signed[8]
+
+
+@pytest.mark.parametrize("change", ["rewrite", "rewrite_keeping_mtime", "append", "replace", "delete"])
 def test_a_file_that_changed_after_the_source_was_built_is_refused(tmp_path, change):
     path = write_bin(tmp_path / "t.bin", np.arange(40))
     src = TokenSource(path, seq_len=4, dtype="uint16")
@@ -179,6 +236,8 @@ def test_a_file_that_changed_after_the_source_was_built_is_refused(tmp_path, cha
     if change == "rewrite":  # same size, new content
         write_bin(path, np.arange(40)[::-1])
         os.utime(path, ns=(1, 1))
+    elif change == "rewrite_keeping_mtime":  # same size, mtime and inode: only the ctime moved
+        rewrite_in_place(path, np.arange(40)[::-1])
     elif change == "append":
         with open(path, "ab") as f:
             f.write(b"\x00\x00")
@@ -189,6 +248,64 @@ def test_a_file_that_changed_after_the_source_was_built_is_refused(tmp_path, cha
         os.remove(path)
     with pytest.raises(TokenFileError, match="t.bin (changed after|disappeared after) the TokenSource was built"):
         src[1]
+
+
+TRUNCATED_SIZES = (3200, 5000, 300)  # part-001.bin: 10000 bytes, three pages of which truncation keeps the first
+
+
+def read_while_truncating(directory: str, workers: int, truncated: str) -> None:
+    """In a process of its own (a SIGBUS is then its exit status, not pytest's death): a loader pass over the three
+    token files of TRUNCATED_SIZES with document offsets, every file mapped before the pass (forked workers inherit
+    the maps), and `truncated` cut to its first page after the first batch, under the maps. Writes each batch's
+    indices and its tokens or error to result.json."""
+    token_files = os.path.join(directory, "part-*.bin")
+    src = TokenSource(token_files, seq_len=16, dtype="uint16", doc_offsets=os.path.join(directory, "part-*.npy"))
+    starts = np.cumsum((0,) + TRUNCATED_SIZES[:-1]) // 16
+    src.__getitems__(starts.tolist())  # maps every token and offsets file in this process
+    dl = ResumableDataLoader(src, batch_size=GATHER_ROWS + 1, shuffle=False, num_workers=workers,
+                             multiprocessing_context="fork" if workers else None)  # in order: part-000.bin first
+    batches, iterator = [], iter(dl)
+    while True:
+        indices = dl.resumable_sampler.next_indices()
+        try:
+            batch = next(iterator)
+        except StopIteration:
+            break
+        except TokenFileError as err:  # the batch failed to load: consumed, and the pass goes on
+            batches.append({"indices": indices.tolist(), "error": str(err)})
+        else:
+            batches.append({"indices": dl.last_indices().tolist(), "tokens": batch["tokens"].tolist()})
+        if len(batches) == 1:
+            os.truncate(os.path.join(directory, truncated), 4096)
+    Path(directory, "result.json").write_text(json.dumps(batches))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("truncated, workers", [("part-001.bin", 0), ("part-001.bin", 2), ("part-001.npy", 0)])
+def test_a_file_truncated_while_mapped_fails_its_batches_never_the_process(tmp_path, truncated, workers):
+    """Reading a mapped page past a file's end is a SIGBUS, which kills the process (the trainer at num_workers=0,
+    a worker otherwise). Every batch that reads the truncated file after the cut fails with TokenFileError naming
+    it; every other batch is delivered with its tokens; each sample of the epoch is delivered or failed once."""
+    _, stream = stream_files(tmp_path, TRUNCATED_SIZES)
+    for number, size in enumerate(TRUNCATED_SIZES):  # part-001.npy: 1000 int64 offsets, two pages
+        np.save(tmp_path / f"part-{number:03d}.npy", np.arange(0, size, 5, dtype=np.int64))
+    code = f"from tests.test_tokens import read_while_truncating; read_while_truncating({str(tmp_path)!r}, " \
+           f"{workers}, {truncated!r})"
+    log = tmp_path / "run.log"
+    rc = launch(["-c", code], log, timeout=300)
+    assert rc == 0, f"exit status {rc} (-7: SIGBUS):\n{log.read_text()[-3000:]}"
+    batches = json.loads((tmp_path / "result.json").read_text())
+    samples = (len(stream) - 1) // 16
+    assert sorted(i for b in batches for i in b["indices"]) == list(range(samples))
+    part_001 = range(TRUNCATED_SIZES[0], TRUNCATED_SIZES[0] + TRUNCATED_SIZES[1])
+    reading_it = [b for b in batches if any(16 * i + 16 >= part_001.start and 16 * i < part_001.stop
+                                            for i in b["indices"])]  # read after the cut: 2 workers prefetch 4
+    assert reading_it and [b for b in batches if "error" in b] == reading_it
+    for batch in batches:
+        if "error" in batch:
+            assert truncated in batch["error"] and "changed after the TokenSource was built" in batch["error"]
+        else:
+            assert batch["tokens"] == [reference(stream, 16, i).tolist() for i in batch["indices"]]
 
 
 def test_eos_boundaries_number_the_documents_inside_each_sample(tmp_path):

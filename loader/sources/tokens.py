@@ -4,8 +4,9 @@ Why map-style: sample i is the window of seq_len + 1 tokens starting at token i 
 concatenated stream, so any rank can load any sample and the loader's exactly-once progress applies unchanged.
 The files are what LM preprocessing writes: raw token arrays (`.bin`: nanoGPT, Megatron), `.npy` arrays, and
 LitData chunk directories (`index.json` with TokensLoader chunks). Construction reads headers and sizes only; each
-process maps the files on first use (checking that each is still the one measured), and every batch checks each
-file it read again after the reads, so a file that changed is never served.
+process maps the files on first use (checking that each is still the one measured); every read from a map first
+checks that the file still has the size measured (a mapped page past a file's end is a SIGBUS, which kills the
+process), and every batch checks each file it read again after the reads, so a file that changed is never served.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import torch.utils.data
 
 from loader._checks import check_positive_int
 from loader.rows import Rows
+from loader.sources.tar_index import file_state
 
 __all__ = ["TokenFileError", "TokenSource"]
 
@@ -46,9 +48,11 @@ class TokenFileError(ValueError):
     """A token or offsets file that cannot be read as declared, or that changed after the source measured it."""
 
 
-def _file_state(path: str) -> tuple[int, int, int]:
+def _file_state(path: str) -> tuple[int, int, int, int]:
+    """Size, mtime, inode and ctime: a rewrite in place with its mtime restored still moves the ctime (so do a chmod
+    and a new hard link, refused too: nothing tells them apart without reading the whole file)."""
     st = os.stat(path)
-    return st.st_size, st.st_mtime_ns, st.st_ino
+    return (*file_state(st), st.st_ino, st.st_ctime_ns)
 
 
 def _map_limit() -> int:
@@ -101,8 +105,9 @@ class _Mapped:
     count: int
     dtype: np.dtype
     ends_file: bool = True
-    state: tuple[int, int, int] = field(init=False)
-    _array: np.ndarray | None = field(default=None, init=False, repr=False)
+    state: tuple[int, int, int, int] = field(init=False)
+    _map: tuple[mmap.mmap, np.ndarray] | None = field(default=None, init=False, repr=False)  # one attribute: an
+    # unmap() by another thread never leaves a map without its array
     _derived: np.ndarray | None = field(default=None, init=False, repr=False)  # a view kept as long as the map
 
     def __post_init__(self) -> None:
@@ -114,30 +119,45 @@ class _Mapped:
                 f"{self.offset} end at byte {end}; the file is truncated, has trailing bytes, or is not of this dtype"
             )
 
+    def _changed(self, change: str) -> TokenFileError:
+        return TokenFileError(
+            f"{self.path} changed after the TokenSource was built ({change}): its samples would no longer be the "
+            "ones progress was recorded for. Build the TokenSource again and compare its fingerprint() with the "
+            "checkpoint's before resuming"
+        )
+
     def check_unchanged(self) -> None:
-        """Refuse to serve tokens once the file differs from what the source measured (size, mtime, inode)."""
+        """Refuse to serve tokens once the file differs from what the source measured (size, mtime, inode, ctime)."""
         try:
             now = _file_state(self.path)
         except FileNotFoundError:
             raise TokenFileError(f"{self.path} disappeared after the TokenSource was built; restore it") from None
         if now != self.state:
-            raise TokenFileError(
-                f"{self.path} changed after the TokenSource was built (size, mtime_ns, inode {self.state} -> {now}): "
-                "its samples would no longer be the ones progress was recorded for. Build the TokenSource again "
-                "and compare its fingerprint() with the checkpoint's before resuming"
-            )
+            raise self._changed(f"size, mtime_ns, inode, ctime_ns {self.state} -> {now}; the ctime alone moves "
+                                "on a write with the mtime restored, a chmod or a new hard link")
+
+    def _check_size(self, size: int) -> None:
+        if size != self.state[0]:
+            raise self._changed(f"{self.state[0]} -> {size} bytes under this process's map of it")
 
     def array(self) -> np.ndarray:
-        array = self._array
-        if array is None:
-            self.check_unchanged()
-            if self.count == 0:
-                return np.empty(0, self.dtype)
-            with open(self.path, "rb") as f:
-                buffer = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-            array = self._array = np.frombuffer(buffer, self.dtype, self.count, self.offset)
-            _MAPS.add(self)
-        return array
+        """The values, mapped on first use; each call first checks that the file still has the size measured, by
+        an fstat of the map (~0.3 us), as reading a mapped page past a file's end (a file truncated while mapped)
+        is a SIGBUS, which kills the process: Python cannot catch it. Only a truncation racing the copy that
+        follows the check can still fault; the check after the copy (`check_unchanged`) catches other changes."""
+        mapped = self._map
+        if mapped is not None:
+            self._check_size(mapped[0].size())
+            return mapped[1]
+        self.check_unchanged()
+        if self.count == 0:
+            return np.empty(0, self.dtype)
+        with open(self.path, "rb") as f:
+            buffer = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        self._check_size(len(buffer))  # changed since check_unchanged(): np.frombuffer would fail unclearly
+        mapped = self._map = buffer, np.frombuffer(buffer, self.dtype, self.count, self.offset)
+        _MAPS.add(self)
+        return mapped[1]
 
     def derived(self, make: Callable[[np.ndarray], np.ndarray]) -> np.ndarray:
         """`make(array)`, a view of the map (a TokenSource's windows), made once per map and let go with it."""
@@ -148,10 +168,10 @@ class _Mapped:
         return view
 
     def unmap(self) -> None:
-        self._array = self._derived = None
+        self._map = self._derived = None
 
     def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "_array": None, "_derived": None}
+        return {**self.__dict__, "_map": None, "_derived": None}
 
 
 def _token_dtype(value, where: str) -> np.dtype:
@@ -221,6 +241,25 @@ def _litdata_tokens(directory: str, dtype: np.dtype | None) -> list[_Mapped]:
     _check_declared(index_path, found, dtype)
     return [_Mapped(os.path.join(directory, c["filename"]), (2 + c["chunk_size"]) * 4, c["dim"], found)
             for c in index["chunks"]]
+
+
+def _check_named_ids(files: list[_Mapped], eos_id: int | None, vocab_size: int | None) -> None:
+    """The ids the caller named must be ones the files' tokens can hold: a raw file's dtype is only what dtype=
+    says, and a uint32 file read as uint16 holds a whole number of tokens all the same."""
+    named = [] if eos_id is None else [("eos_id", eos_id, eos_id)]
+    if vocab_size is not None:
+        if eos_id is not None and eos_id >= vocab_size:
+            raise ValueError(f"eos_id={eos_id} is not an id below vocab_size={vocab_size}")
+        named.append(("vocab_size", vocab_size, vocab_size - 1))
+    narrowest = min(files, key=lambda f: np.iinfo(f.dtype).max)
+    limit = np.iinfo(narrowest.dtype).max
+    for name, value, largest in named:
+        if largest > limit:
+            raise TokenFileError(
+                f"{narrowest.path} holds {narrowest.dtype.name} tokens (ids up to {limit}), which {name}={value} "
+                f"does not fit: the files hold wider tokens (pass the dtype= they were written with, e.g. "
+                f"'uint32'), or {name} is wrong"
+            )
 
 
 def _expand(files: Files, what: str) -> list[str]:
@@ -310,12 +349,19 @@ class TokenSource(torch.utils.data.Dataset):
         seq_len: tokens per sample, plus the one target token that overlaps the next sample.
         dtype: "uint16" or "uint32" (or "int32") for raw files; checked against the header of the others.
         eos_id: documents end with this token: samples become dicts {"tokens", "doc_ids"}.
+        vocab_size: token ids are below it: every token served is checked (a batch holding another is refused).
         doc_offsets: one offsets file per token file, same order (a glob, sorted, or a list): a `.npy` of the
             token offsets where documents start in that file, or Megatron's `.idx`. Samples become dicts as with
             `eos_id`; a file boundary is a document boundary too.
 
     `doc_ids[t]` numbers the document of token t within the sample (0 for the first one): attend from q to k only
     where k <= q and doc_ids[k] == doc_ids[q]. Identity: `sample_key(i)` = (file, token offset in that file).
+
+    A raw file has no header, so a wrong `dtype` is refused only where something contradicts it: a size that is not
+    a whole number of tokens, a Megatron `.idx` of another dtype, `.npy` document offsets past the file's tokens,
+    an `eos_id` or `vocab_size` the dtype cannot hold, and with `vocab_size` a token served that is no id below it
+    (a uint16 file read as uint32 pairs its tokens into ids of 65536 and more). Nothing contradicts a uint32 file of
+    ids below 65536 read as uint16 without a Megatron `.idx`: every other token is 0, a valid id.
     """
 
     def __init__(
@@ -326,13 +372,16 @@ class TokenSource(torch.utils.data.Dataset):
         *,
         eos_id: int | None = None,
         doc_offsets: Files | None = None,
+        vocab_size: int | None = None,
     ) -> None:
         check_positive_int("seq_len", seq_len)
+        if vocab_size is not None:
+            check_positive_int("vocab_size", vocab_size)
         if eos_id is not None and doc_offsets is not None:
             raise ValueError("pass eos_id= or doc_offsets= for document boundaries, not both")
         if eos_id is not None and (not isinstance(eos_id, int) or eos_id < 0):
             raise ValueError(f"eos_id must be a non-negative int token id, got {eos_id!r}")
-        self.seq_len, self.eos_id, self._span = seq_len, eos_id, seq_len + 1
+        self.seq_len, self.eos_id, self.vocab_size, self._span = seq_len, eos_id, vocab_size, seq_len + 1
         declared = None if dtype is None else _token_dtype(dtype, "dtype=")
         self._files = _token_files(_expand(files, "token files"), declared)
         counts = np.array([f.count for f in self._files], dtype=np.int64)
@@ -342,6 +391,7 @@ class TokenSource(torch.utils.data.Dataset):
         if not self._len:
             raise ValueError(f"{len(self._files)} token file(s) hold {self.tokens} tokens: too few for one sample of "
                              f"seq_len + 1 = {seq_len + 1}")
+        _check_named_ids(self._files, eos_id, vocab_size)
         self._documents = None
         if doc_offsets is not None:
             paths = _expand(doc_offsets, "offsets files")
@@ -395,8 +445,8 @@ class TokenSource(torch.utils.data.Dataset):
             while self._starts[file] < start + span:
                 first, low = int(self._starts[file]), max(start, int(self._starts[file]))
                 documents = self._documents[file]
-                documents.check_unchanged()
                 bounds = documents.within(low - first + 1, start + span - first) + first - start
+                documents.check_unchanged()  # after the read, as for tokens: a change during it is caught too
                 doc_ids[row, bounds] += 1
                 if first > start:  # a file boundary inside the sample starts a document
                     doc_ids[row, first - start] += 1
@@ -425,9 +475,9 @@ class TokenSource(torch.utils.data.Dataset):
         if not offsets:
             return
         file, span = files[0], self._span
+        target = slice(rows.start, rows.stop) if type(rows) is range and rows.step == 1 else rows
         if len(files) >= GATHER_ROWS and files.count(file) == len(files) and max(offsets) + span <= \
                 self._files[file].count:
-            target = slice(rows.start, rows.stop) if type(rows) is range and rows.step == 1 else rows
             out[target] = self._windows(file)[np.asarray(offsets) // self.seq_len]
             touched = {file}
         else:
@@ -441,6 +491,24 @@ class TokenSource(torch.utils.data.Dataset):
                     self._read(out[row], file, offset, touched)
         for file in touched:
             self._files[file].check_unchanged()
+        if self.vocab_size is not None:
+            self._check_ids(out[target], indices)
+
+    def _check_ids(self, tokens: np.ndarray, indices: Sequence[int]) -> None:
+        """Refuse a batch holding a token that is no id below vocab_size, naming its file and offset. One max() of
+        the unsigned view checks both ends (a negative int32 id wraps to a huge one): ~4 us for 8 x 2049 tokens."""
+        ids = tokens.view(np.uint64)
+        if ids.max() < self.vocab_size:
+            return
+        row, column = np.argwhere(ids >= self.vocab_size)[0].tolist()
+        token = int(indices[row]) * self.seq_len + column
+        file = int(np.searchsorted(self._starts, token, side="right")) - 1
+        path, dtype = self._files[file].path, self._files[file].dtype.name
+        raise TokenFileError(
+            f"{path}: token {token - int(self._starts[file])} is {int(tokens[row, column])}, not an id below "
+            f"vocab_size={self.vocab_size}: the file does not hold {dtype} tokens of this vocabulary (a raw file "
+            "is read as the dtype= given: pass the one it was written with), or vocab_size is wrong"
+        )
 
     @property
     def plain(self) -> bool:
