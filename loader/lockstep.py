@@ -12,13 +12,20 @@ count or one update ahead (it cannot finish the next update before this rank joi
 rank's batches of this update fed this step) and never further. A state taken otherwise, whether the ranks drifted
 apart or the state was taken before the step (which would count an update the model has not learnt from), is
 marked, with a warning, and loading it alone is refused (`loader.state.progress_of`).
+
+Each round trip runs on a daemon thread that the rank waits for a bounded time (`round_trip_bound`), since torch's
+store client never returns from a host that stopped answering, whatever its timeout: the check must never hold a
+rank where the job itself would not wait. A store that fails or stalls turns the check off, with a warning.
 """
 
 from __future__ import annotations
 
 import collections
 import os
+import queue
+import threading
 import warnings
+from typing import Any, Callable
 
 import torch.distributed as dist
 
@@ -26,6 +33,7 @@ from loader.collectives import distributed
 
 _PREFIX = "loader/lockstep"
 _identities: collections.Counter = collections.Counter()  # loaders of one identity that published so far here
+MOST_WAIT = 5.0  # seconds a round trip may take, at most: a store this slow is as good as stopped for the check
 
 
 class LockstepWarning(UserWarning):
@@ -56,6 +64,75 @@ def _store():
         return None
 
 
+def round_trip_bound() -> float:
+    """Seconds to wait for a store round trip: MOST_WAIT, or a quarter of the default process group's timeout
+    (every backend's) when that is shorter, so that a rank facing a stopped store reaches its next collective, and
+    fails there as plain torch would, well before that collective's own timeout."""
+    try:
+        group = dist.distributed_c10d._get_default_group()
+        timeouts = [group._get_backend(device).options._timeout.total_seconds() for device in group._device_types]
+    except (AttributeError, RuntimeError, ValueError):  # torch's internals moved: the fixed bound alone
+        timeouts = []
+    return min([MOST_WAIT, *(timeout / 4 for timeout in timeouts)])
+
+
+class _Stalled(TimeoutError):
+    """A store round trip that did not return in time."""
+
+
+class _StoreThread:
+    """The daemon thread that makes this process's store round trips, one at a time, in order. One abandoned in a
+    round trip that never returned is replaced by a new one (as is one a fork left behind)."""
+
+    def __init__(self):
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._abandoned = False
+        self._thread = threading.Thread(target=self._serve, name="loader-lockstep-store", daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        while not self._abandoned:
+            self._jobs.get()()
+
+    def usable(self) -> bool:
+        return not self._abandoned and self._thread.is_alive()
+
+    def call(self, fn: Callable[[], Any], bound: float) -> Any:
+        """fn()'s result or error; _Stalled after `bound` seconds, fn left to finish (or not) on its own."""
+        done, outcome = threading.Lock(), []  # released when done: a lock is the cheapest handoff (an Event's
+        done.acquire()  # wait costs twice as much)
+
+        def job() -> None:
+            try:
+                outcome.append((True, fn()))
+            except BaseException as error:  # handed to the caller, whatever it is
+                outcome.append((False, error))
+            done.release()
+
+        self._jobs.put(job)
+        if not done.acquire(timeout=bound):
+            self._abandoned = True
+            raise _Stalled(f"the process group's store did not answer within {bound:g} s")
+        ok, value = outcome[0]
+        if not ok:
+            raise value
+        return value
+
+
+_store_thread: _StoreThread | None = None
+_store_thread_lock = threading.Lock()
+
+
+def _round_trip(fn: Callable[[], Any]) -> Any:
+    """fn() (store calls) on the store thread, waited for at most `round_trip_bound()` seconds."""
+    global _store_thread
+    with _store_thread_lock:
+        if _store_thread is None or not _store_thread.usable():
+            _store_thread = _StoreThread()
+        thread = _store_thread
+    return thread.call(fn, round_trip_bound())
+
+
 class LockstepWatch:
     """One loader's publication of its completed updates, and its comparison with the other ranks'.
 
@@ -69,15 +146,22 @@ class LockstepWatch:
         self._published: str = ""
         self._progress: tuple[int, str] | None = None  # the progress_id updates are counted from
         self._updates = 0
-        self._off = False  # the store failed once: a check never breaks training, it stops (with a warning)
+        self._off = False  # the store failed or stalled once (see `_ask`): never touched again
 
     def _store(self):
         return None if self._off else _store()
 
-    def _give_up(self, error: RuntimeError) -> None:
-        self._off = True
-        warnings.warn(f"the lockstep check is off for this loader: the process group's store failed ({error!r}); "
-                      f"a state taken out of lockstep will not be marked", LockstepWarning, stacklevel=4)
+    def _ask(self, calls: Callable[[], Any]) -> Any:
+        """calls() (store calls) on the store thread; None, with the check off for good, when the store fails or
+        stalls: a check never breaks or holds training, it stops with a warning."""
+        try:
+            return _round_trip(calls)
+        except (RuntimeError, _Stalled) as error:  # torch.distributed's store errors are RuntimeErrors
+            self._off = True
+            cause = str(error) if isinstance(error, _Stalled) else f"the process group's store failed ({error!r})"
+            warnings.warn(f"the lockstep check is off for this loader: {cause}; a state taken out of lockstep will "
+                          f"not be marked", LockstepWarning, stacklevel=5)
+            return None
 
     def _token(self, progress_id: tuple[int, str]) -> tuple[int, str, int]:
         if progress_id != self._progress:  # the progress was set anew: nothing completed since
@@ -108,14 +192,15 @@ class LockstepWatch:
         value = ":".join(map(str, token))
         if value == self._published:
             return
-        key = self._key(rank)
-        try:
-            current = _updates_in(store.compare_set(key, self._published, value), token)
+        key, published = self._key(rank), self._published
+
+        def write() -> None:
+            current = _updates_in(store.compare_set(key, published, value), token)
             if current not in (token[2], token[2] + 1):  # a peer is at most an update ahead: else it is stale
                 store.set(key, value)
                 store.check([key])  # answered after the set is applied
-        except RuntimeError as error:  # torch.distributed's store errors are RuntimeErrors
-            self._give_up(error)
+
+        self._ask(write)
         self._published = value
 
     def check(self, rank: int, world_size: int, progress_id: tuple[int, str]) -> dict | None:
@@ -127,12 +212,14 @@ class LockstepWatch:
         self.publish(rank, token)
         others = [r for r in (range(world_size) if rank == 0 else (0,)) if r != rank]
         keys = [self._key(r) for r in others]
-        try:
-            values = store.multi_get(keys) if store.check(keys) else [
+
+        def read() -> list[bytes]:
+            return store.multi_get(keys) if store.check(keys) else [
                 store.get(key) if store.check([key]) else b"" for key in keys
             ]
-        except RuntimeError as error:
-            self._give_up(error)
+
+        values = None if self._off else self._ask(read)  # off: the publication just failed
+        if values is None:
             return None
         for other, value in zip(others, values):
             updates = _updates_in(value, token)

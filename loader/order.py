@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from loader._checks import check_positive_int
+from loader._checks import check_num_samples, check_positive_int
 
 ROUNDS = 6
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
@@ -257,8 +257,7 @@ class Order:
     _block_starts: np.ndarray = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        if not isinstance(self.num_samples, int) or self.num_samples < 0:
-            raise ValueError(f"num_samples must be a non-negative int, got {self.num_samples!r}")
+        check_num_samples("num_samples (the dataset's length)", self.num_samples)
         if self.shuffle not in SHUFFLE_MODES:
             raise ValueError(f"shuffle must be one of {SHUFFLE_MODES}, got {self.shuffle!r}")
         if (self.shuffle == "blocks") != (self.block_sizes is not None):

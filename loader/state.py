@@ -22,7 +22,7 @@ from typing import Callable
 
 import numpy as np
 
-from loader._checks import is_int
+from loader._checks import MAX_SAMPLES, is_int
 from loader.partition import EpochPlan, Layout
 from loader.progress import EMPTY, Remaining, complement, normalize, total, union
 
@@ -31,8 +31,8 @@ VERSION = 1
 FINGERPRINT_FIELDS = ("num_samples", "seed", "shuffle", "blocks", "order_version", "lanes")
 FINGERPRINT_DEFAULTS = {"order_version": 1, "lanes": None}  # fields added after the first release: what a state
 # without them had
-LARGEST = 2**62  # no count, epoch or size in a state comes near this; anything larger is corruption, refused
-# before numpy (int64) or a Python loop would meet it
+LARGEST = MAX_SAMPLES + 1  # no count, epoch or size in a state reaches this (a position, at most num_samples, comes
+# nearest); anything larger is corruption, refused before numpy (int64) or a Python loop would meet it
 MAX_EPOCHS_AHEAD = 10_000  # how far a rank state may run ahead of its base: the merge walks each epoch between
 MAX_DRIFT = 2**16  # micro-batches a merge may enumerate beyond the prefix every rank completed: each can leave a
 # hole, so ranks this far apart would make a merged state of a megabyte or more; one step of a training run never does

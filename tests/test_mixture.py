@@ -12,6 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from loader import ResumableDataLoader, SampleIndex, merge_states
+from loader._checks import MAX_SAMPLES
 from loader.rows import Rows, collate
 from loader.sources import Mixture, MixturePlan, TokenFileError, TokenSource
 from loader.sources.mixture import BLOCK, MAX_WINDOW, window_counts
@@ -211,6 +212,25 @@ def test_bad_arguments_are_clear_errors():
         mixture([1, 2], [1, 1], 0)
     with pytest.raises(ValueError, match="window"):
         mixture([1, 2], [1, 1], 10, window=0)
+
+
+def test_the_largest_mixture_trains_and_resumes_and_one_more_position_is_refused_at_construction():
+    """The loader's limit, checked when the mixture is made: len() of a larger one would raise OverflowError (from
+    2**63) or its every resume would be refused (from 2**62)."""
+    mix = mixture([10, 7], [0.5, 0.5], MAX_SAMPLES, seed=2)
+    assert len(mix) == MAX_SAMPLES
+    live = ResumableDataLoader(mix, batch_size=4, shuffle=True, seed=1, collate_fn=list)
+    it = iter(live)
+    batch = next(it)
+    assert batch == [mix[p] for p in live.last_indices().tolist()]
+    restored = ResumableDataLoader(mix, batch_size=4, shuffle=True, seed=1, collate_fn=list)
+    restored.load_state_dict(live.state_dict())
+    assert next(iter(restored)) == next(it)  # resumed after the first batch, exactly
+    for n in (MAX_SAMPLES + 1, 2**63, 2**64):
+        with pytest.raises(ValueError, match=rf"num_samples must be an int in \[1, {MAX_SAMPLES}\]"):
+            mixture([10, 7], [0.5, 0.5], n)
+        with pytest.raises(ValueError, match=str(MAX_SAMPLES)):
+            MixturePlan.from_dict({**mix.plan.to_dict(), "num_samples": n})
 
 
 def test_a_source_without_a_slot_is_refused():

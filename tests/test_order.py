@@ -7,9 +7,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from loader import ResumableDataLoader
+from loader._checks import MAX_SAMPLES
 from loader.order import (
     Lanes, Order, _halves, block_sizes_for_window, epoch_round_keys, permute, sample_seed, window_arrangements,
 )
+from tests.conftest import IndexDataset
 
 
 def full_order(n, **kw):
@@ -115,6 +118,24 @@ def test_block_order_bijection_property(sizes, seed, epoch):
     n = sum(sizes)
     ids = Order(n, seed=seed, shuffle="blocks", block_sizes=tuple(sizes)).for_epoch(epoch)(np.arange(n))
     assert_permutation(ids, n)
+
+
+def test_the_largest_dataset_trains_and_resumes_and_one_more_sample_is_refused_at_construction():
+    """One limit for the order and the state: a dataset the loader accepts has a state it loads back (in O(1):
+    nothing proportional to N is allocated), and a larger one is refused before training, not at every resume."""
+    assert MAX_SAMPLES == 2**62 - 1
+    live = ResumableDataLoader(IndexDataset(MAX_SAMPLES), batch_size=4, shuffle=True, seed=3)
+    it = iter(live)
+    first = next(it).tolist()
+    assert len(set(first)) == 4 and all(0 <= i < MAX_SAMPLES for i in first)
+    restored = ResumableDataLoader(IndexDataset(MAX_SAMPLES), batch_size=4, shuffle=True, seed=3)
+    restored.load_state_dict(live.state_dict())
+    assert next(iter(restored)).tolist() == next(it).tolist()  # resumed after the first batch, exactly
+    for n in (MAX_SAMPLES + 1, 2**63 - 1):
+        with pytest.raises(ValueError, match=rf"num_samples \(the dataset's length\) must be .*{MAX_SAMPLES}"):
+            ResumableDataLoader(IndexDataset(n), batch_size=4, shuffle=True)
+        with pytest.raises(ValueError, match=str(MAX_SAMPLES)):
+            Order(n)
 
 
 def test_window_blocks():

@@ -31,7 +31,7 @@ import numpy as np
 import torch
 import torch.utils.data
 
-from loader._checks import check_positive_int, is_int
+from loader._checks import check_num_samples, check_positive_int, is_int
 from loader.order import ORDER_VERSION, epoch_round_keys, permute, window_arrangements
 from loader.rows import Rows
 from loader.sources.tokens import TokenSource
@@ -96,7 +96,7 @@ class MixturePlan:
                 if not is_int(value) or value <= 0:
                     what = "is empty" if field == "lengths" else "has no slot in a window: raise its weight or window="
                     raise ValueError(f"source {name!r} {what} ({field} {value!r})")
-        check_positive_int("num_samples", self.num_samples)
+        check_num_samples("num_samples", self.num_samples, least=1)
         if not is_int(self.seed):
             raise ValueError(f"seed must be an int, got {self.seed!r}")
 
