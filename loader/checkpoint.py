@@ -8,22 +8,32 @@ verifies completely or is skipped by `latest`.
 
 DCP keeps one value per key and fails a load that asks for a key never saved, so nothing here is saved under a
 per-rank key: the merged progress and the gathered RNG states of all ranks are replicated, identical values.
+
+Trust: the loader never unpickles what a checkpoint holds. Progress and RNG states are JSON, scheduler and scaler
+states and every value DCP stores besides tensors are read with torch.load(weights_only=True) (tensors and plain
+data only; anything else is refused, never run), and a checkpoint holding a symbolic link is refused. DCP's own
+``.metadata`` file is a pickle that torch.distributed.checkpoint unpickles: load checkpoints only from writers you
+trust as far as that file goes.
 """
 
 from __future__ import annotations
 
+import base64
 import io
 import json
 import pickle
 import random
+import re
 import warnings
 from dataclasses import dataclass
+from errno import errorcode
 from pathlib import Path
-from typing import Any, Callable, NoReturn
+from typing import IO, Any, Callable, NoReturn
 
 import numpy as np
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.checkpoint.stateful import Stateful
@@ -31,18 +41,55 @@ from torch.utils._pytree import tree_map_only
 
 from loader.collectives import all_gather, broadcast, distributed, rank, world_size
 from loader.publish import CheckpointError, check_arguments, latest, publish, verify
+from loader.rng import rng_state, set_rng_state
 from loader.sampler import ResumableSampler
 from loader.state import FORMAT, VERSION, StateError, attach_base, check_fingerprint, detach_base, merge_states
 
-CHECKPOINT_FORMAT = 1
+CHECKPOINT_FORMAT = 2  # 2: RNG states as JSON, nothing unpickled; 1 (refused) pickled them
 
 
-def _dcp(call, state: dict, path, group) -> None:
+def _dcp(call, state: dict, path, group, **options) -> None:
     """dcp.save or dcp.load; in one process it runs without a process group on purpose, so DCP's warning that it
     does is silenced."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
-        call(state, checkpoint_id=str(path), process_group=group, no_dist=not distributed())
+        call(state, checkpoint_id=str(path), process_group=group, no_dist=not distributed(), **options)
+
+
+def _save(state: dict, path, group) -> None:
+    _dcp(dcp.save, state, path, group, storage_writer=_Writer(path))
+
+
+def _load(state: dict, path, group) -> None:
+    _dcp(dcp.load, state, path, group, planner=_PlainLoadPlanner())
+
+
+class _Writer(FileSystemWriter):
+    """DCP's file writer, except that a failed write raises an OSError with the OS's errno and message, and a path.
+    Why: torch.save reports a full disk as a RuntimeError ("unexpected pos") with the OSError only in its
+    __context__, which DCP drops when it sends a rank's error to the others."""
+
+    def write_data(self, plan, planner):
+        try:
+            return super().write_data(plan, planner)
+        except Exception as err:
+            cause = _os_cause(err)
+            if cause is None or (cause is err and cause.filename):
+                raise
+            raise OSError(cause.errno, cause.strerror, cause.filename or str(self.path)) from err
+
+
+class _PlainLoadPlanner(DefaultLoadPlanner):
+    """DCP's load planner, except that a value other than a tensor is read with torch.load(weights_only=True): DCP's
+    own reads it with weights_only=False, which runs whatever code a crafted checkpoint holds."""
+
+    def load_bytes(self, read_item, value: io.BytesIO) -> None:
+        fqn = read_item.dest_index.fqn
+        *parents, last = self.mappings[fqn]  # where the flattened key sits in the caller's nested state
+        target = self.original_state_dict
+        for key in parents:
+            target = target[key]
+        target[last] = _load_plain(value, f"entry {fqn!r}")
 
 
 def global_progress(loader, group=None) -> dict:
@@ -71,18 +118,31 @@ class LoaderState(Stateful):
 
 
 def _rng_state() -> dict:
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
+    """This process's generators as plain data: torch's CPU, numpy's and random's as `loader.rng` packs them, and
+    each CUDA device's in base64."""
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []
+    return {"cpu": rng_state(), "cuda": [base64.b64encode(s.numpy().tobytes()).decode("ascii") for s in cuda]}
 
 
 def _set_rng_state(state: dict) -> None:
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+    set_rng_state(state["cpu"])
+    if state["cuda"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(
+            [torch.frombuffer(bytearray(base64.b64decode(s)), dtype=torch.uint8) for s in state["cuda"]]
+        )
+
+
+def _check_rng(states: Any, mine: int) -> None:
+    """The saved RNG state of this rank, set and then undone: the setters are its only full check, and a state that
+    fails must fail before anything is applied."""
+    if not isinstance(states, list):
+        raise CheckpointError(f"the RNG states must be a list, one per rank, got {type(states).__name__}")
+    if mine < len(states):
+        current = _rng_state()
+        try:
+            _set_rng_state(states[mine])
+        finally:
+            _set_rng_state(current)
 
 
 def _seed_new_rank(rank: int, saved_world: int, step: int) -> None:
@@ -99,8 +159,62 @@ def _to_bytes(obj) -> bytes:
     return buffer.getvalue()
 
 
-def _from_bytes(blob: bytes):
-    return torch.load(io.BytesIO(blob), weights_only=False)
+def _load_plain(stream: IO[bytes], what: str) -> Any:
+    """torch.load(weights_only=True): tensors and plain data; any other object is refused, its code never run."""
+    try:
+        return torch.load(stream, weights_only=True)
+    except pickle.UnpicklingError as err:
+        found = re.search(r"WeightsUnpickler error:\s*(.+?)(?: was not an allowed global by default|\.?\n|$)", str(err))
+        raise CheckpointError(
+            f"{what} holds objects other than tensors and plain data ({found.group(1) if found else err}): the loader "
+            f"never unpickles them, as that could run any code. This checkpoint was not written by save_checkpoint, "
+            f"or was altered: do not load it"
+        ) from None
+
+
+_PLAIN = "tensors, numbers, strings, bytes, None, and lists, tuples and dicts of them"
+
+
+def _check_plain(states: dict[str, Any]) -> None:
+    """Refuse at save time what resume would refuse: besides tensors, the states (name -> a state_dict()) must be
+    data that `_load_plain` reads back. Checked in one round trip of the states without their tensors; a TypeError
+    names the first entry that is not plain data."""
+    skeleton = tree_map_only(torch.Tensor, lambda _: None, states)
+    if _plain_or_none(skeleton) is not None:
+        return
+    path, value = _refused(skeleton, ())
+    where = f"{path[0]}.state_dict(){''.join(f'[{key!r}]' for key in path[1:])}" if path else "the saved states"
+    raise TypeError(
+        f"save_checkpoint: {where} is a {type(value).__name__}, which a checkpoint cannot hold: resume reads "
+        f"checkpoints with torch.load(weights_only=True), which takes only {_PLAIN}; make the state_dict() return "
+        f"those"
+    )
+
+
+def _plain_or_none(value: Any) -> bytes | None:
+    """`value` saved by torch.save, if torch.load(weights_only=True) reads it back; else None."""
+    try:
+        blob = _to_bytes(value)
+        _load_plain(io.BytesIO(blob), "")
+    except Exception:  # the load refused it, or torch.save did (a lambda, a lock)
+        return None
+    return blob
+
+
+def _refused(value: Any, path: tuple) -> tuple[tuple, Any]:
+    """The innermost part of `value`, itself refused, that `_plain_or_none` refuses: its path and value."""
+    if isinstance(value, (dict, list, tuple)):
+        for key, item in value.items() if isinstance(value, dict) else enumerate(value):
+            if _plain_or_none(item) is None:
+                return _refused(item, (*path, key))
+    return path, value
+
+
+def _json(text: Any, what: str) -> Any:
+    try:
+        return json.loads(text)
+    except (TypeError, ValueError) as err:
+        raise CheckpointError(f"{what}: not JSON ({err}); the checkpoint was not written by this release") from None
 
 
 def _fingerprint_of(loader) -> dict | None:
@@ -123,16 +237,22 @@ class SaveError(OSError):
     error; the checkpoints already published are untouched, so the previous one is still the newest.
 
     An `OSError` because the usual causes are the filesystem's (disk full, EIO, quota, permissions, a file-size
-    limit): `errno` is the first failing rank's OS error number (None when no rank failed with an `OSError`),
-    `failures` maps each failing rank to its error, as text."""
+    limit): `errno`, `strerror` and `filename` are those of the first failing rank's OS error, found also where
+    another exception wraps it (all None when no rank failed with one), `failures` maps each failing rank to its
+    error, as text, which names the errno (ENOSPC), its message and the path."""
 
-    def __init__(self, step: int, where: str, failures: dict[int, str], errno: int | None):
+    def __init__(self, step: int, where: str, failures: dict[int, str], os_error: OSError | None):
         causes = "; ".join(f"rank {r}: {what}" for r, what in sorted(failures.items()))
         super().__init__(
             f"the checkpoint of step {step} was not published ({where}): {causes}. The newest published checkpoint "
             f"is unchanged; fix the cause (disk space, quota, permissions, a file-size limit) and save again"
         )
-        self.errno, self.step, self.failures = errno, step, failures
+        if os_error is not None:
+            self.errno, self.strerror, self.filename = os_error.errno, os_error.strerror, os_error.filename
+        self.step, self.failures = step, failures
+
+    def __str__(self) -> str:
+        return self.args[0]  # not OSError's, which would show only errno, strerror and filename
 
 
 @dataclass(frozen=True)
@@ -141,7 +261,32 @@ class _Failed:
 
     where: str
     failures: dict[int, str]
-    errno: int | None
+    os_error: OSError | None
+
+
+def _os_cause(err: BaseException) -> OSError | None:
+    """The first OSError with an errno in `err`'s chain (itself, then its __cause__ or __context__): a failed write
+    often surfaces wrapped in another exception."""
+    seen = set()
+    while err is not None and id(err) not in seen:
+        if isinstance(err, OSError) and err.errno is not None:
+            return err
+        seen.add(id(err))
+        err = err.__cause__ or err.__context__
+    return None
+
+
+def _describe(err: BaseException) -> str:
+    """An error as a failure's text: our CheckpointErrors say everything already, an OS error is named by its errno,
+    message and path, anything else by its type."""
+    if isinstance(err, CheckpointError):
+        return str(err)
+    cause = _os_cause(err)
+    if cause is None:
+        return f"{type(err).__name__}: {err}"
+    text = f"{errorcode.get(cause.errno, cause.errno)} ({cause.strerror})"
+    text += "" if cause.filename is None else f" at {cause.filename}"
+    return text if cause is err else f"{text}, raised as {type(err).__name__}: {err}"
 
 
 def _errors_of(err: BaseException, me: int) -> dict[int, BaseException]:
@@ -150,21 +295,19 @@ def _errors_of(err: BaseException, me: int) -> dict[int, BaseException]:
 
 
 def _failures_of(err: BaseException, me: int) -> dict[int, str]:
-    """`_errors_of` as text: our own CheckpointErrors say everything already, others are named by type."""
-    return {
-        r: str(e) if isinstance(e, CheckpointError) else f"{type(e).__name__}: {e}"
-        for r, e in _errors_of(err, me).items()
-    }
+    return {r: _describe(e) for r, e in _errors_of(err, me).items()}
 
 
 def _failed(err: BaseException, me: int, where: str) -> _Failed:
     errors = _errors_of(err, me)
-    first_os = next((e.errno for _, e in sorted(errors.items()) if isinstance(e, OSError)), None)
-    return _Failed(where, _failures_of(err, me), first_os)
+    first = next((c for _, e in sorted(errors.items()) if (c := _os_cause(e)) is not None), None)
+    # A plain OSError of it: broadcast to the other ranks, it must unpickle as it was.
+    os_error = None if first is None else OSError(first.errno, first.strerror, first.filename)
+    return _Failed(where, _failures_of(err, me), os_error)
 
 
 def _raise(step: int, failed: _Failed, cause: BaseException | None) -> NoReturn:
-    raise SaveError(step, failed.where, failed.failures, failed.errno) from cause
+    raise SaveError(step, failed.where, failed.failures, failed.os_error) from cause
 
 
 def save_checkpoint(
@@ -178,25 +321,32 @@ def save_checkpoint(
     scaler=None,
     manifest_extra: dict | None = None,
     keep_last: int | None = 3,
+    keep_quarantined: int | None = 3,
     ledger=None,
     group=None,
 ) -> Path:
     """Publish the checkpoint of completed optimizer step `step`; every rank calls it, after the step.
 
     Returns the published directory on every rank. A failure on any rank raises a `SaveError` (an `OSError`) on
-    every rank, naming the failing ranks and causes, and leaves every published checkpoint untouched."""
-    check_arguments(step, keep_last, {} if manifest_extra is None else manifest_extra)  # on every rank alike
-    progress = global_progress(loader, group)
+    every rank, naming the failing ranks and causes, and leaves every published checkpoint untouched. The states
+    of model, optimizer, scheduler and scaler must be plain data (tensors, numbers, strings, lists and dicts of
+    them), as resume never unpickles anything else: otherwise a TypeError names the entry, before anything is
+    written. `keep_last` and `keep_quarantined`: see `loader.publish.publish`."""
+    # On every rank alike, before the first collective:
+    check_arguments(step, keep_last, {} if manifest_extra is None else manifest_extra, keep_quarantined)
     model_sd, optim_sd = get_state_dict(model, optimizer)
+    extras = {
+        "scheduler": None if scheduler is None else scheduler.state_dict(),
+        "scaler": None if scaler is None else scaler.state_dict(),
+    }
+    _check_plain({"model": model_sd, "optimizer": optim_sd, **extras})
+    progress = global_progress(loader, group)
     state = {
         "model": model_sd,
         "optim": optim_sd,
         "loader": {"progress": json.dumps(progress)},
-        "rng": {"all": pickle.dumps(all_gather(_rng_state(), group))},
-        "extras": {"blob": _to_bytes({
-            "scheduler": None if scheduler is None else scheduler.state_dict(),
-            "scaler": None if scaler is None else scaler.state_dict(),
-        })},
+        "rng": {"all": json.dumps(all_gather(_rng_state(), group))},
+        "extras": {"blob": _to_bytes(extras)},
     }
     extra = {
         "checkpoint_format": CHECKPOINT_FORMAT,
@@ -216,7 +366,8 @@ def save_checkpoint(
         if ledger is not None:
             ledger.record_finished(progress, loader)
 
-    return _publish_as_rank0(run_dir, step, state, extra, keep_last, group, prepare)
+    keep = {"keep_last": keep_last, "keep_quarantined": keep_quarantined}
+    return _publish_as_rank0(run_dir, step, state, extra, keep, group, prepare)
 
 
 # Two broadcasts from rank 0 keep all ranks in step, whatever fails where: (1) the directory to write into, or a
@@ -225,7 +376,7 @@ def save_checkpoint(
 
 
 def _publish_as_rank0(
-    run_dir, step: int, state: dict, extra: dict, keep_last, group, prepare: Callable[[], None]
+    run_dir, step: int, state: dict, extra: dict, keep: dict, group, prepare: Callable[[], None]
 ) -> Path:
     written = None
 
@@ -233,11 +384,11 @@ def _publish_as_rank0(
         nonlocal written
         broadcast(str(tmp), group)
         written = tmp
-        _dcp(dcp.save, state, tmp, group)
+        _save(state, tmp, group)
 
     try:
         prepare()
-        published = publish(run_dir, step, write, manifest_extra=extra, keep_last=keep_last)
+        published = publish(run_dir, step, write, manifest_extra=extra, **keep)
     except BaseException as err:
         where = f"in {run_dir}" if written is None else f"writing {written}, now removed"
         failed = _failed(err, 0, where)
@@ -255,7 +406,7 @@ def _write_as_other_rank(step: int, state: dict, group) -> Path:
     target, failure = broadcast(None, group), None
     if isinstance(target, str):
         try:
-            _dcp(dcp.save, state, target, group)
+            _save(state, target, group)
         except _FAILURES as err:  # reported after rank 0's verdict, so no rank waits forever
             failure = err
     outcome = broadcast(None, group)
@@ -298,7 +449,7 @@ def load_checkpoint(
         if target is not None:
             target.load_state_dict(parts["extras"][name])
     rng, mine = parts["rng"], rank(group)
-    if mine < len(rng):
+    if mine < len(rng):  # checked in _read_small_parts
         _set_rng_state(rng[mine])
     else:
         _seed_new_rank(mine, len(rng), step)
@@ -349,6 +500,13 @@ def _check_manifest(path: Path, loader) -> int:
     """The manifest against this run: format, order fingerprint, dataset. Returns the step."""
     manifest = verify(path, check_checksums=False)
     extra = dict(manifest.extra)
+    if extra.get("checkpoint_format") == 1:
+        raise CheckpointError(
+            f"checkpoint {path} is of checkpoint_format 1, which stores the RNG states as Python pickles: loading "
+            f"them could run any code, and this loader (format {CHECKPOINT_FORMAT}) never unpickles a checkpoint. "
+            f"Resume from a checkpoint this release wrote, or load it with the release that wrote it if you trust "
+            f"its source"
+        )
     if extra.get("checkpoint_format") != CHECKPOINT_FORMAT:
         raise CheckpointError(
             f"checkpoint {path}: checkpoint_format is {extra.get('checkpoint_format')!r}, this loader reads "
@@ -372,18 +530,20 @@ def _check_manifest(path: Path, loader) -> int:
 
 def _read_small_parts(path: Path, loader, scheduler, scaler, group) -> dict:
     """Loader progress, RNG states, scheduler and scaler: read (a collective), then validated."""
-    state = {"loader": {"progress": ""}, "rng": {"all": b""}, "extras": {"blob": b""}}
-    _dcp(dcp.load, state, path, group)
-    extras = _from_bytes(state["extras"]["blob"])
+    state = {"loader": {"progress": ""}, "rng": {"all": ""}, "extras": {"blob": b""}}
+    _load(state, path, group)
+    extras = _load_plain(io.BytesIO(state["extras"]["blob"]), "the scheduler and scaler states")
     for name, target in (("scheduler", scheduler), ("scaler", scaler)):
         if target is not None and not extras[name]:
             raise CheckpointError(f"checkpoint {path} has no {name} state, but a {name} was passed to load it into")
-    progress = json.loads(state["loader"]["progress"])
+    progress = _json(state["loader"]["progress"], "the loader progress")
     try:
         _check_progress(loader, progress)
     except StateError as err:
         raise CheckpointError(f"checkpoint {path}: the loader progress does not fit this run: {err}") from None
-    return {"progress": progress, "extras": extras, "rng": pickle.loads(state["rng"]["all"])}
+    rng = _json(state["rng"]["all"], "the RNG states")
+    _check_rng(rng, rank(group))
+    return {"progress": progress, "extras": extras, "rng": rng}
 
 
 def _check_progress(loader, progress: dict) -> None:
@@ -401,7 +561,7 @@ def _read_weights(path: Path, model, optimizer, group) -> dict:
     shape or keys fails here, while the model and optimizer are untouched."""
     model_sd, optim_sd = get_state_dict(model, optimizer)
     weights = tree_map_only(torch.Tensor, torch.empty_like, {"model": model_sd, "optim": optim_sd})
-    _dcp(dcp.load, weights, path, group)
+    _load(weights, path, group)
     return weights
 
 

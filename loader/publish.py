@@ -9,7 +9,11 @@ whose size or checksum no longer matches) is skipped by :func:`latest` with a :c
 
 A step published again (the run resumed from an older checkpoint, because :func:`latest` skipped this one as corrupt
 or on purpose) moves the earlier ``step-NNNNNNNNN`` aside as ``step-NNNNNNNNN.quarantine-<UTC time>``, with a
-warning: kept for inspection, never loaded, so the name always holds the newest publication of its step.
+warning: kept for inspection, never loaded, so the name always holds the newest publication of its step. The newest
+``keep_quarantined`` (3 by default) of those are kept, the older ones deleted once the new one is in place.
+
+A checkpoint's files must be its own: :func:`verify` refuses a directory holding a symbolic link (or a FIFO, socket or
+device), which would make it read a file outside the checkpoint.
 
 Assumption: one publisher per run directory. In a torchrun job only rank 0 calls :func:`publish` (after the other
 ranks have written their shards into the directory it hands out, if they write any). Pruning and stale-tmp cleanup
@@ -31,13 +35,14 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Iterator, Mapping
 
 FORMAT_VERSION = 2  # 2: the manifest carries its own sha256; 1 (read, never written) did not
 MANIFEST_NAME = "manifest.json"
 _SELF_DIGEST = "manifest_sha256"
 _CHUNK = 1 << 20
 _NAME = re.compile(r"step-(\d{9,})(?:\.tmp-(.+))?")
+_QUARANTINED = re.compile(r"step-\d{9,}\.quarantine-(.+)")
 _HEX64 = re.compile(r"[0-9a-f]{64}")
 _IN_FLIGHT: set[Path] = set()  # tmp directories this process is writing right now (async saves in threads)
 
@@ -77,6 +82,7 @@ def publish(
     *,
     manifest_extra: dict[str, Any],
     keep_last: int | None = 3,
+    keep_quarantined: int | None = 3,
 ) -> Path:
     """Write a checkpoint with ``write_files(tmp_dir)`` and publish it atomically as ``run_dir/step-NNNNNNNNN``.
 
@@ -84,9 +90,10 @@ def publish(
     earlier publication of ``step`` is moved aside, see the module's docstring). After
     success, published checkpoints beyond the newest ``keep_last`` (``None``: keep all) are pruned, never the one just
     written, and temporary directories of lower steps left by crashed writers are removed (not those of a writer that
-    is still alive on this host, e.g. an async save in another thread).
+    is still alive on this host, e.g. an async save in another thread). Of the directories moved aside, the newest
+    ``keep_quarantined`` (``None``: all) are kept, so that republishing does not fill the disk.
     """
-    check_arguments(step, keep_last, manifest_extra)
+    check_arguments(step, keep_last, manifest_extra, keep_quarantined)
     run_dir = Path(run_dir)
     _make_run_dir(run_dir)
     final = run_dir / f"step-{step:09d}"
@@ -120,11 +127,13 @@ def publish(
         raise
     finally:
         _IN_FLIGHT.discard(tmp)
-    _after_publication(run_dir, final, step, keep_last)
+    _after_publication(run_dir, final, step, keep_last, keep_quarantined)
     return final
 
 
-def _after_publication(run_dir: Path, final: Path, step: int, keep_last: int | None) -> None:
+def _after_publication(
+    run_dir: Path, final: Path, step: int, keep_last: int | None, keep_quarantined: int | None
+) -> None:
     """Make the rename durable and tidy up. The step is published once renamed, so a failure here warns: raising
     would tell the caller that the save failed while its checkpoint is complete and loadable."""
     try:
@@ -140,17 +149,22 @@ def _after_publication(run_dir: Path, final: Path, step: int, keep_last: int | N
         _remove_stale_tmp(run_dir, step)
         if keep_last is not None:
             _prune(run_dir, keep=keep_last, just_written=final)
+        if keep_quarantined is not None:
+            _prune_quarantined(run_dir, keep=keep_quarantined)
     except OSError as e:
         warnings.warn(f"published {final}, but could not tidy {run_dir}: {e}", CheckpointWarning, stacklevel=3)
 
 
-def check_arguments(step: int, keep_last: int | None, manifest_extra: dict[str, Any]) -> None:
+def check_arguments(
+    step: int, keep_last: int | None, manifest_extra: dict[str, Any], keep_quarantined: int | None = 3
+) -> None:
     """Refuse bad arguments of :func:`publish` before anything is written (a ValueError or TypeError). A job's ranks
     call it each before their first collective, so all of them refuse alike and none waits for another."""
     if not isinstance(step, int) or isinstance(step, bool) or step < 0:
         raise ValueError(f"step must be a non-negative int, got {step!r}")
-    if keep_last is not None and (not isinstance(keep_last, int) or isinstance(keep_last, bool) or keep_last < 1):
-        raise ValueError(f"keep_last must be a positive int or None (keep all), got {keep_last!r}")
+    for name, keep in (("keep_last", keep_last), ("keep_quarantined", keep_quarantined)):
+        if keep is not None and (not isinstance(keep, int) or isinstance(keep, bool) or keep < 1):
+            raise ValueError(f"{name} must be a positive int or None (keep all), got {keep!r}")
     if not isinstance(manifest_extra, dict):
         raise TypeError(f"manifest_extra must be a dict, got {type(manifest_extra).__name__}")
     try:
@@ -162,8 +176,10 @@ def check_arguments(step: int, keep_last: int | None, manifest_extra: dict[str, 
 def verify(path: str | os.PathLike, *, check_checksums: bool = True) -> Manifest:
     """Check that ``path`` is a complete checkpoint: the manifest parses, and every file it lists exists with the
     recorded size (always) and sha256 (when ``check_checksums``; reads every byte). Files the manifest does not list
-    are ignored. Raises :class:`CheckpointError` naming the directory and the problem."""
+    are ignored, but no entry of the directory may be a symbolic link or other special file (see the module's
+    docstring). Raises :class:`CheckpointError` naming the directory and the problem."""
     path = Path(path)
+    _check_entries(path)
     try:
         data = (path / MANIFEST_NAME).read_bytes()
         raw = json.loads(data)
@@ -186,6 +202,26 @@ def verify(path: str | os.PathLike, *, check_checksums: bool = True) -> Manifest
         except OSError as e:
             raise _broken(path, f"cannot read file {rel!r}: {e}") from None
     return manifest
+
+
+def _check_entries(path: Path) -> None:
+    """Refuse a checkpoint holding anything but regular files and directories. Why: a symbolic link would make the
+    checkpoint's bytes those of a file outside it (checksums included, as the link is followed), and reading a FIFO
+    waits forever. A missing directory is left to the manifest's check, which says so."""
+    try:
+        for entry in _walk(path):
+            if not (entry.is_dir(follow_symlinks=False) or entry.is_file(follow_symlinks=False)):
+                what = (
+                    f"a symbolic link (to {os.readlink(entry.path)!r}), which this loader never follows"
+                    if entry.is_symlink()
+                    else "not a regular file or directory (a FIFO, socket or device)"
+                )
+                rel = Path(entry.path).relative_to(path).as_posix()
+                raise _broken(path, f"{rel!r} is {what}: a checkpoint's files must be its own")
+    except (FileNotFoundError, NotADirectoryError):
+        return
+    except OSError as e:
+        raise _broken(path, f"cannot list the directory: {e}") from None
 
 
 def list_checkpoints(run_dir: str | os.PathLike) -> list[Path]:
@@ -326,28 +362,33 @@ def _parse_manifest(path: Path, raw: dict[str, Any]) -> Manifest:
 def _seal(root: Path) -> dict[str, dict[str, Any]]:
     """fsync every file and directory under ``root`` (children first) and return the manifest's ``files`` table."""
     files = {}
-
-    def visit(directory: Path) -> None:
-        with os.scandir(directory) as it:
-            entries = sorted(it, key=lambda e: e.name)
-        for entry in entries:
-            rel = Path(entry.path).relative_to(root).as_posix()
-            if entry.is_dir(follow_symlinks=False):
-                visit(Path(entry.path))
-            elif entry.is_file(follow_symlinks=False):
-                if rel == MANIFEST_NAME:
-                    raise ValueError(f"write_files must not create {MANIFEST_NAME}: publish() writes it")
-                files[rel] = {"size": entry.stat(follow_symlinks=False).st_size, "sha256": _sha256(Path(entry.path))}
-                _fsync(Path(entry.path))
-            else:
-                raise ValueError(
-                    f"write_files created {rel!r}, which is not a regular file or directory (a symlink?); "
-                    f"a checkpoint must be self-contained, so copy the data in instead"
-                )
-        _fsync(directory)
-
-    visit(root)
+    for entry in _walk(root):
+        rel = Path(entry.path).relative_to(root).as_posix()
+        if entry.is_dir(follow_symlinks=False):
+            _fsync(Path(entry.path))
+        elif entry.is_file(follow_symlinks=False):
+            if rel == MANIFEST_NAME:
+                raise ValueError(f"write_files must not create {MANIFEST_NAME}: publish() writes it")
+            files[rel] = {"size": entry.stat(follow_symlinks=False).st_size, "sha256": _sha256(Path(entry.path))}
+            _fsync(Path(entry.path))
+        else:
+            raise ValueError(
+                f"write_files created {rel!r}, which is not a regular file or directory (a symlink?); "
+                f"a checkpoint must be self-contained, so copy the data in instead"
+            )
+    _fsync(root)
     return files
+
+
+def _walk(directory: Path) -> Iterator[os.DirEntry]:
+    """Every entry under ``directory``, by name, each directory after its contents (fsynced after them); symbolic
+    links are listed, never followed."""
+    with os.scandir(directory) as it:
+        entries = sorted(it, key=lambda e: e.name)
+    for entry in entries:
+        if entry.is_dir(follow_symlinks=False):
+            yield from _walk(Path(entry.path))
+        yield entry
 
 
 def _sha256(file: Path) -> str:
@@ -427,6 +468,19 @@ def _remove_stale_tmp(run_dir: Path, step: int) -> None:
     for tmp_step, path, tmp in _scan(run_dir):
         if tmp and tmp_step < step and not _writer_alive(path):
             shutil.rmtree(path, ignore_errors=True)
+
+
+def _prune_quarantined(run_dir: Path, *, keep: int) -> None:
+    """Delete all but the newest ``keep`` directories moved aside (by the UTC time in their names, whatever the step);
+    called after a publication, so the one just moved aside is among the kept."""
+    with os.scandir(run_dir) as it:
+        aside = sorted(
+            (match.group(1), entry.name)
+            for entry in it
+            if (match := _QUARANTINED.fullmatch(entry.name)) and entry.is_dir(follow_symlinks=False)
+        )
+    for _, name in aside[: max(len(aside) - keep, 0)]:
+        shutil.rmtree(run_dir / name)
 
 
 def _prune(run_dir: Path, *, keep: int, just_written: Path) -> None:

@@ -1,14 +1,22 @@
 """Coherent checkpoints in one process: round trip, validation against the run, failures that change nothing."""
 
+import fractions
+import io
+import os
+import pickle
 import random
+import re
+from collections import Counter
 
 import numpy as np
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from loader import ResumableDataLoader
 from loader.checkpoint import load_checkpoint, resume, save_checkpoint
-from loader.publish import CheckpointError, CheckpointWarning, latest
+from loader.publish import CheckpointError, CheckpointWarning, latest, list_checkpoints, publish, verify
 from tests.conftest import IndexDataset
 from tests.test_dataloader import Stream
 
@@ -206,3 +214,149 @@ def test_grad_scaler_state_round_trips(tmp_path):
     restored = torch.amp.GradScaler("cpu")
     load_checkpoint(path, **make(), scaler=restored)
     assert restored.state_dict() == scaler.state_dict() and restored.get_scale() == 512.0
+
+
+class RunsCode:
+    """Unpickled, it creates the file `marker`: any code could run the same way."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return open, (self.marker, "w")
+
+
+def _torch_saved(value) -> bytes:
+    buffer = io.BytesIO()
+    torch.save(value, buffer)
+    return buffer.getvalue()
+
+
+def _crafted(tmp_path, objects, part: str, key: str, value, checkpoint_format: int | None = None):
+    """Step 2 as save_checkpoint writes it but for `value` at state[part][key], published with a manifest that
+    verifies: what a checkpoint crafted by an untrusted source looks like."""
+    genuine = save_checkpoint(tmp_path / "genuine", 2, **objects)
+    dcp_to_torch_save(genuine, tmp_path / "genuine.pt")
+    state = torch.load(tmp_path / "genuine.pt", weights_only=True)
+    state[part][key] = value
+    extra = dict(verify(genuine).extra)
+    extra["checkpoint_format"] = checkpoint_format or extra["checkpoint_format"]
+    return publish(tmp_path / "run", 2, lambda d: dcp.save(state, checkpoint_id=d, no_dist=True), manifest_extra=extra)
+
+
+def _consume(loader, batches: int | None = None) -> list[int]:
+    """The indices of the next `batches` batches (all that are left of the epoch: None)."""
+    it = iter(loader)
+    return [i for _, batch in zip(range(batches) if batches else iter(int, 1), it) for i in batch.tolist()]
+
+
+CRAFTED = {  # what a crafted checkpoint holds where, and what the refusal says
+    "torch-saved object as the scheduler state": (
+        "extras", "blob", lambda marker: _torch_saved(RunsCode(marker)), None,
+        r"the scheduler and scaler states holds objects other than tensors and plain data \(Unsupported global: "
+        r"GLOBAL io.open\): the loader never unpickles them",
+    ),
+    "object as a DCP value": (
+        "loader", "progress", RunsCode, None,
+        r"entry 'loader.progress' holds objects other than tensors and plain data \(Unsupported global",
+    ),
+    "pickle as the RNG states": (
+        "rng", "all", lambda marker: pickle.dumps([RunsCode(marker)]), None, r"the RNG states: not JSON",
+    ),
+    "pickled RNG states of format 1": (
+        "rng", "all", lambda marker: pickle.dumps([RunsCode(marker)]), 1,
+        r"is of checkpoint_format 1, which stores the RNG states as Python pickles: loading them could run any code",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", CRAFTED)
+def test_a_checkpoint_that_would_run_code_is_refused_without_running_it(tmp_path, case):
+    part, key, payload, checkpoint_format, refusal = CRAFTED[case]
+    marker = tmp_path / "code-ran"
+    objects = make()
+    delivered = _consume(objects["loader"], 2)
+    save_checkpoint(tmp_path / "run", 1, **objects)
+    _consume(objects["loader"], 1)  # consumed after step 1: step 1 replays it
+    crafted = _crafted(tmp_path, objects, part, key, payload(marker), checkpoint_format)
+
+    target = make()
+    before = everything(target)
+    with pytest.raises(CheckpointError, match=f"checkpoint {crafted} (was not loaded: rank 0: )?{refusal}"):
+        resume(tmp_path / "run", **target)
+    assert not marker.exists() and everything(target) == before
+    # What was committed before is intact: step 1 loads, and the epoch goes on from it, every index exactly once.
+    assert load_checkpoint(tmp_path / "run" / "step-000000001", **target) == 1
+    assert Counter(delivered + _consume(target["loader"])) == Counter(range(60))
+
+
+def test_a_crafted_checkpoint_of_plain_data_loads(tmp_path):
+    """The control of the test above: crafted the same way, the genuine values load."""
+    objects = make()
+    delivered = _consume(objects["loader"], 2)
+    _crafted(tmp_path, objects, "model", "weight", objects["model"].weight.detach().clone())
+    target = make()
+    assert resume(tmp_path / "run", **target) == 2
+    assert torch.equal(target["model"].weight, objects["model"].weight)
+    assert Counter(delivered + _consume(target["loader"])) == Counter(range(60))
+
+
+def test_a_checkpoint_file_linked_from_outside_is_skipped_for_the_previous_one(tmp_path):
+    objects = make()
+    delivered = _consume(objects["loader"], 2)
+    save_checkpoint(tmp_path, 1, **objects)
+    _consume(objects["loader"], 1)
+    data = save_checkpoint(tmp_path, 2, **objects) / "__0_0.distcp"
+    outside = tmp_path.parent / f"{tmp_path.name}-outside.distcp"  # the same bytes: sizes and checksums match
+    os.rename(data, outside)
+    data.symlink_to(outside)
+    target = make()
+    with pytest.warns(CheckpointWarning, match=r"step-000000002: '__0_0.distcp' is a symbolic link \(to "):
+        assert resume(tmp_path, **target) == 1
+    assert Counter(delivered + _consume(target["loader"])) == Counter(range(60))
+
+
+class Warmup:
+    """A learning-rate factor as a callable object: LambdaLR saves its attributes, here a Fraction."""
+
+    def __init__(self):
+        self.ratio = fractions.Fraction(1, 3)
+
+    def __call__(self, step: int) -> float:
+        return min(1.0, float(self.ratio) * (step + 1))
+
+
+class WithExtraState(torch.nn.Linear):
+    """A module whose extra state (saved by DCP besides the tensors) is a Fraction."""
+
+    def get_extra_state(self):
+        return {"ratio": fractions.Fraction(1, 3)}
+
+    def set_extra_state(self, state) -> None:
+        pass
+
+
+def with_lambda_scheduler(objects):
+    objects["scheduler"] = torch.optim.lr_scheduler.LambdaLR(objects["optimizer"], Warmup())
+    return "scheduler.state_dict()['lr_lambdas'][0]['ratio']"
+
+
+def with_extra_state(objects):
+    torch.manual_seed(0)
+    objects["model"] = WithExtraState(3, 2)
+    objects["optimizer"] = torch.optim.Adam(objects["model"].parameters(), lr=0.1)
+    objects["scheduler"] = torch.optim.lr_scheduler.StepLR(objects["optimizer"], step_size=2)
+    return "model.state_dict()['_extra_state']['ratio']"
+
+
+@pytest.mark.parametrize("change", [with_lambda_scheduler, with_extra_state])
+def test_a_state_that_is_not_plain_data_fails_the_save_naming_it(tmp_path, change):
+    """Found at save time, before anything is written: never a checkpoint that resume refuses."""
+    objects = make()
+    where = change(objects)
+    with pytest.raises(TypeError, match=re.escape(
+        f"save_checkpoint: {where} is a Fraction, which a checkpoint cannot hold: resume reads checkpoints with "
+        f"torch.load(weights_only=True), which takes only tensors, numbers"
+    )):
+        save_checkpoint(tmp_path, 1, **objects)
+    assert list_checkpoints(tmp_path) == [] and list(tmp_path.iterdir()) == []

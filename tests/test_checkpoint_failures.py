@@ -54,7 +54,8 @@ def _outcome(save) -> dict:
     try:
         return {"published": save().name}
     except OSError as e:
-        return {"type": type(e).__name__, "errno": e.errno, "message": str(e), "failures": getattr(e, "failures", None)}
+        return {"type": type(e).__name__, "errno": e.errno, "strerror": e.strerror, "filename": e.filename,
+                "message": str(e), "failures": getattr(e, "failures", None)}
 
 
 def _save_with_a_full_rank(rank: int, world_size: int, run_dir: str, failing: int) -> dict:
@@ -75,10 +76,11 @@ def test_a_rank_that_cannot_write_fails_the_save_on_every_rank(tmp_path, world_s
         failed = result["failed"]
         assert failed["type"] == "SaveError", (rank, failed)
         assert failed["errno"] == errno.EFBIG and list(failed["failures"]) == [failing]
+        assert failed["strerror"] == "File too large"
+        assert failed["filename"].startswith(f"{tmp_path}/step-000000002.tmp-")
         message = failed["message"]
         assert "the checkpoint of step 2 was not published (writing " in message
-        assert f"{tmp_path}/step-000000002.tmp-" in message
-        assert f"rank {failing}: OSError: [Errno 27] File too large" in message
+        assert f"rank {failing}: EFBIG (File too large) at {tmp_path}/step-000000002.tmp-" in message
         assert result["retried"] == {"published": "step-000000002"}
     assert results[0]["newest_after_failure"] == "step-000000001"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step-000000001", "step-000000002"]
@@ -99,7 +101,7 @@ def test_a_ledger_that_cannot_be_written_fails_the_save_on_every_rank(tmp_path):
     results = run_group(_save_with_a_broken_ledger, 2, str(tmp_path), timeout=60)
     for failed in results:
         assert failed["type"] == "SaveError" and failed["errno"] == errno.EEXIST, failed
-        cause = f"was not published (in {tmp_path}): rank 0: FileExistsError: [Errno 17] File exists"
+        cause = f"was not published (in {tmp_path}): rank 0: EEXIST (File exists) at {tmp_path}/ledger/dropped"
         assert cause in failed["message"]
     assert latest(tmp_path) is None and not list(tmp_path.glob("step-*"))
 
@@ -135,15 +137,38 @@ def small_filesystem(tmp_path):
         subprocess.run(["umount", "-l", str(mount)], check=True, timeout=30)
 
 
+def _assert_no_space(failed: dict, run_dir: Path) -> None:
+    assert failed["type"] == "SaveError" and failed["errno"] == errno.ENOSPC, failed
+    assert failed["strerror"] == "No space left on device" and failed["filename"].startswith(str(run_dir))
+    for text in failed["failures"].values():  # every failing rank's cause, named as the OS named it
+        assert text.startswith(f"ENOSPC (No space left on device) at {run_dir}") and text in failed["message"], failed
+
+
 def test_a_full_disk_fails_the_save_on_every_rank_and_the_next_save_publishes(small_filesystem):
     run_dir = small_filesystem / "run"
     results = run_group(_save_on_a_full_disk, 2, str(run_dir), str(small_filesystem / "filler"), timeout=60)
     for result in results:
-        failed = result["failed"]
-        assert failed["type"] == "SaveError" and failed["errno"] == errno.ENOSPC, failed
-        assert "[Errno 28] No space left on device" in failed["message"] and str(run_dir) in failed["message"]
+        _assert_no_space(result["failed"], run_dir)
         assert result["retried"] == {"published": "step-000000002"}
     assert results[0]["newest_after_failure"] == "step-000000001"
+
+
+def _save_a_model_too_big(rank: int, world_size: int, run_dir: str) -> dict:
+    warnings.simplefilter("ignore")
+    torch.manual_seed(0)
+    model = torch.nn.Linear(512, 512)  # 1 MiB of weights, for a 512 KiB filesystem
+    loader = ResumableDataLoader(IndexDataset(8), batch_size=2, rank=rank, world_size=world_size)
+    return _outcome(lambda: save_checkpoint(run_dir, 1, model=model, optimizer=torch.optim.SGD(model.parameters()),
+                                            loader=loader))
+
+
+def test_a_disk_that_fills_during_a_tensor_write_names_enospc(small_filesystem):
+    """torch.save reports a write that fails mid-tensor as a RuntimeError ("unexpected pos"), with the ENOSPC only in
+    its __context__, which DCP drops when it tells the other ranks: the SaveError still names it, on every rank."""
+    run_dir = small_filesystem / "run"
+    for failed in run_group(_save_a_model_too_big, 2, str(run_dir), timeout=60):
+        _assert_no_space(failed, run_dir)
+    assert latest(run_dir) is None and not list(run_dir.iterdir())
 
 
 def _misfit(rank: int, world_size: int, kind: str) -> dict:

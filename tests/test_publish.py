@@ -152,11 +152,26 @@ def _damage(kind: str, ckpt: Path) -> str:
         raw["extra"]["epoch"] = 3
         manifest.write_text(json.dumps(raw, indent=1, sort_keys=True))
         return f"{MANIFEST_NAME} fails its own checksum"
+    if kind.startswith("symlink:"):  # the same bytes, outside the checkpoint: sizes and checksums would match
+        rel = kind.partition(":")[2]
+        outside = ckpt.parent / "elsewhere" / rel
+        outside.parent.mkdir(parents=True, exist_ok=True)
+        if (ckpt / rel).exists():
+            os.rename(ckpt / rel, outside)
+        else:
+            outside.write_bytes(b"not listed in the manifest")
+        (ckpt / rel).symlink_to(outside)
+        return f"{rel!r} is a symbolic link (to {str(outside)!r}), which this loader never follows"
+    if kind == "fifo":  # not listed in the manifest, but read by whoever opens it: it would wait forever
+        os.mkfifo(ckpt / ".metadata")
+        return "'.metadata' is not a regular file or directory (a FIFO, socket or device)"
     raise AssertionError(kind)
 
 
 @pytest.mark.parametrize(
-    "kind", ["flip", "truncate", "delete", "no_manifest", "garbage_manifest", "future_version", "bad_entry", "edit"]
+    "kind",
+    ["flip", "truncate", "delete", "no_manifest", "garbage_manifest", "future_version", "bad_entry", "edit", "fifo",
+     f"symlink:{MANIFEST_NAME}", "symlink:model.pt", "symlink:shards", "symlink:unlisted.txt"],
 )
 def test_damaged_checkpoint_is_skipped_with_reason(tmp_path, kind):
     publish_steps(tmp_path, 1, 2)
@@ -274,12 +289,30 @@ def test_a_step_published_again_sets_the_earlier_one_aside_and_the_newest_public
         assert latest(tmp_path) == tmp_path / "step-000000001"
 
 
+def _republish(run_dir: Path, step: int, **kwargs) -> Path | None:
+    """Publish `step` (again); returns the directory it moved aside, if any, as its warning names it."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", CheckpointWarning)
+        publish(run_dir, step, write(FILES), manifest_extra=EXTRA, keep_last=None, **kwargs)
+    moved = [str(w.message).split(" was moved aside to ")[1].split(", which")[0] for w in caught]
+    return Path(moved[0]) if moved else None
+
+
 def test_every_republication_is_kept_aside(tmp_path):
     for _ in range(3):
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", CheckpointWarning)
-            publish_steps(tmp_path, 4)
+        _republish(tmp_path, 4)
     assert len(_aside(tmp_path, 4)) == 2 and latest(tmp_path) == tmp_path / "step-000000004"
+
+
+@pytest.mark.parametrize("keep, kept", [({}, 3), ({"keep_quarantined": 1}, 1), ({"keep_quarantined": None}, 6)])
+def test_only_the_newest_directories_set_aside_are_kept(tmp_path, keep, kept):
+    """6 rounds of a run that steps back and saves again (steps 4 and 5 in turn): the newest few are kept, of any
+    step, and the published steps are untouched."""
+    moved = [_republish(tmp_path, 4 + i % 2, **keep) for i in range(8)]
+    assert moved[:2] == [None, None] and None not in moved[2:]
+    assert sorted(tmp_path.glob("step-*.quarantine-*")) == sorted(moved[len(moved) - kept :])
+    assert list_checkpoints(tmp_path) == [tmp_path / "step-000000004", tmp_path / "step-000000005"]
+    assert latest(tmp_path) == tmp_path / "step-000000005"
 
 
 def test_a_step_published_meanwhile_by_another_writer_is_set_aside_too(tmp_path):
@@ -439,6 +472,7 @@ def test_a_failed_sync_after_the_rename_warns_and_reports_the_step_published():
         ({"step": True}, ValueError, "step must be a non-negative int, got True"),
         ({"step": 1.0}, ValueError, "step must be a non-negative int, got 1.0"),
         ({"keep_last": 0}, ValueError, "keep_last must be a positive int or None"),
+        ({"keep_quarantined": 0}, ValueError, "keep_quarantined must be a positive int or None"),
         ({"manifest_extra": {"lr": object()}}, TypeError, "manifest_extra must be JSON-serialisable"),
         ({"manifest_extra": [1]}, TypeError, "manifest_extra must be a dict, got list"),
     ],
