@@ -142,7 +142,6 @@ class StreamSource(IterableDataset):
 
 
 _ATOMS = (int, float, str, bool, type(None))
-_NEVER = object()
 
 
 def _frozen(state):
@@ -203,8 +202,10 @@ class _Batches:
     def __init__(self, source: StreamSource, pass_id: int, records: Iterator, iterator, count: int,
                  reader: _ShardReader | None = None):
         self.source, self.pass_id, self.iterator, self.reader = source, pass_id, iterator, reader
-        # drawn through its __next__: islice would call iter() on it, which resets a dataset that is its own iterator
-        self.records = iter(records.__next__, _NEVER)
+        # drawn through its __next__: islice would call iter() on it, which resets a dataset that is its own iterator.
+        # Not iter(__next__, sentinel), which compares every record with the sentinel by `==` (element-wise on NumPy
+        # arrays, so ambiguous); starmap compares nothing, and goes on after a record that raised
+        self.records = itertools.starmap(records.__next__, itertools.repeat(()))
         self.count, self.finished, self.exhausted, self.clean = count, False, False, True
         self._pending: tuple | None = None
         # what a snapshot holds, decided once: a dataset that is its own iterator keeps its state once

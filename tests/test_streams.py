@@ -19,7 +19,7 @@ from torch.utils.data import get_worker_info
 from loader import ContinuedPassWarning, ResumableDataLoader, StateError
 from loader import rng
 from loader.rng import UNCHANGED, RngWatch, rng_state, set_rng_state
-from tests.streams import FORK, DatasetState, Failing, IteratorState, NowAndThen, Plain, SelfIterating, ids
+from tests.streams import FORK, DatasetState, Failing, IteratorState, NowAndThen, Plain, SelfIterating, ids, share
 
 KINDS = [Plain, IteratorState, DatasetState, SelfIterating]
 SETUPS = {
@@ -479,3 +479,32 @@ def test_a_stream_goes_through_save_checkpoint_and_resume(tmp_path):
     restored = objects()
     assert resume(tmp_path, **restored) == 3
     assert seen + list(restored["loader"]) == reference
+
+
+# -- records of any type ------------------------------------------------------------------------------------------------
+
+
+class Arrays(Plain):
+    """Bare NumPy arrays, which `==` compares element-wise: the loader must never compare a record by value."""
+
+    def __iter__(self):
+        worker, workers = share()
+        for i in range(worker, self.n, workers):
+            yield np.full(3, i)
+
+
+@pytest.mark.parametrize("setup", ["main process", "2 workers"])
+def test_a_stream_of_bare_numpy_arrays_gives_torchs_batches_and_resumes_exactly(setup):
+    kw = dict(batch_size=2, **SETUPS[setup])
+    reference = list(ResumableDataLoader(Arrays(11), **kw))
+    torchs = list(torch.utils.data.DataLoader(Arrays(11), **kw))
+    assert len(reference) == len(torchs) == 6
+    assert all(torch.equal(ours, theirs) for ours, theirs in zip(reference, torchs))
+    first = ResumableDataLoader(Arrays(11), **kw)
+    seen = list(itertools.islice(first, 3))
+    resumed = ResumableDataLoader(Arrays(11), **kw)
+    resumed.load_state_dict(json.loads(json.dumps(first.state_dict())))
+    delivered = seen + list(resumed)
+    assert len(delivered) == len(reference)
+    assert all(torch.equal(ours, theirs) for ours, theirs in zip(delivered, reference))
+    assert sorted(int(row[0]) for batch in delivered for row in batch) == list(range(11))
