@@ -15,6 +15,7 @@ from typing import Any, Callable, Iterator, TypeVar
 
 import numpy as np
 import torch.distributed as dist
+import torch.utils.data
 from torch._utils import ExceptionWrapper
 from torch.utils.data import DataLoader, IterableDataset, default_collate
 from torch.utils.data._utils.fetch import _MapDatasetFetcher
@@ -250,6 +251,21 @@ def _identity(order: Order, layout: Layout) -> str:
 
 
 T_co = TypeVar("T_co", covariant=True)
+_DATAPIPES = getattr(torch.utils.data, "IterDataPipe", ())  # () where a torch no longer ships DataPipes
+
+
+def _refuse_datapipes(dataset) -> None:
+    """torch shards a DataPipe graph per worker (`sharding_filter()`) and seeds its shuffles alike in every worker
+    only when it iterates the DataPipe itself. The loader's workers iterate its own source, so that would never run,
+    and a graph's position is no state the loader could save: refused rather than served twice over."""
+    if isinstance(dataset, _DATAPIPES):
+        raise ValueError(
+            f"{type(dataset).__name__} is an IterDataPipe, which this loader does not support: torch applies a "
+            f"DataPipe's sharding_filter() and shuffle seed only when it iterates the DataPipe itself, so with "
+            f"num_workers > 0 it would yield every sample once per worker, and its position cannot be saved to "
+            f"resume exactly. Use a map-style dataset (a MapDataPipe works), an IterableDataset that splits its "
+            f"records by get_worker_info(), or a loader.ShardedStream, which the loader deals by rank and worker"
+        )
 
 
 class ResumableDataLoader(DataLoader[T_co]):
@@ -333,6 +349,7 @@ class ResumableDataLoader(DataLoader[T_co]):
         self._iterations = 0  # iterators superseded so far: only the newest iterator delivers
         self._delivered_by_iterator = 0  # batches the newest iterator delivered
         if isinstance(dataset, IterableDataset):
+            _refuse_datapipes(dataset)
             if sample_seeds or shuffle_blocks is not None or lanes is not None:
                 raise ValueError("sample_seeds, shuffle_blocks and lanes need a map-style dataset (random access)")
             sharded = is_sharded(dataset)  # the loader deals its shards, in an order it may shuffle

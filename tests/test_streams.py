@@ -508,3 +508,20 @@ def test_a_stream_of_bare_numpy_arrays_gives_torchs_batches_and_resumes_exactly(
     assert len(delivered) == len(reference)
     assert all(torch.equal(ours, theirs) for ours, theirs in zip(delivered, reference))
     assert sorted(int(row[0]) for batch in delivered for row in batch) == list(range(11))
+
+
+# -- DataPipes --------------------------------------------------------------------------------------------------------
+
+
+def test_an_iterdatapipe_is_refused_at_construction_and_a_mapdatapipe_is_served_exactly_once():
+    """torch shards a DataPipe graph per worker (`sharding_filter()`) and seeds its shuffles from a shared seed only
+    when it iterates the DataPipe itself; the loader's workers iterate its own source, so 2 workers would each yield
+    every sample. A MapDataPipe is a map-style dataset: the loader deals its indices."""
+    from torch.utils.data.datapipes.iter import IterableWrapper
+    from torch.utils.data.datapipes.map import SequenceWrapper
+
+    pipe = IterableWrapper(range(20)).shuffle().sharding_filter()
+    with pytest.raises(ValueError, match="IterDataPipe.*would yield every sample once per worker.*map-style"):
+        ResumableDataLoader(pipe, batch_size=2, num_workers=2, **FORK)
+    dl = ResumableDataLoader(SequenceWrapper(range(20)), batch_size=2, shuffle=True, num_workers=2, **FORK)
+    assert sorted(i for batch in dl for i in batch.tolist()) == list(range(20))
