@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import warnings
+import weakref
 from typing import Any, Callable, Iterator, TypeVar
 
 import numpy as np
@@ -83,15 +84,20 @@ class _RankIndices:
     (`loader.sampler.set_epoch(e)`, `len(loader.sampler)` in samples). With batch_size=None torch iterates it too,
     taking one index per delivered item."""
 
-    def __init__(self, batches, sampler: ResumableSampler, set_epoch: Callable[[int], None]):
-        self._batches, self._sampler, self.set_epoch = batches, sampler, set_epoch
+    def __init__(self, batches, loader: "ResumableDataLoader"):
+        # weak: the loader holds this as its sampler, and a cycle would leave the loader, and its persistent workers,
+        # alive until the garbage collector happened to run
+        self._batches, self._loader = batches, weakref.proxy(loader)
+
+    def set_epoch(self, epoch: int) -> None:
+        self._loader.set_epoch(epoch)
 
     def __iter__(self) -> Iterator[int]:
         for batch in self._batches:
             yield from batch
 
     def __len__(self) -> int:
-        return self._sampler.samples_in_epoch()
+        return self._loader.resumable_sampler.samples_in_epoch()
 
 
 class ContinuedPassWarning(UserWarning):
@@ -373,13 +379,13 @@ class ResumableDataLoader(DataLoader[T_co]):
             in_flight = num_workers * (2 if prefetch_factor is None else prefetch_factor) if num_workers else 1
             dispatched = _Planned(indices, planned, in_flight)
         if batch_size is None:
-            sampler = _RankIndices(dispatched, self.resumable_sampler, self.set_epoch)  # torch iterates it
+            sampler = _RankIndices(dispatched, self)  # torch iterates it
             super().__init__(dataset, batch_size=None, sampler=sampler, **common)
         else:
             super().__init__(dataset, batch_sampler=dispatched, **common)
             object.__setattr__(self, "batch_size", batch_size)  # what the user asked for, as DataLoader reports it
             object.__setattr__(self, "drop_last", bool(drop_last))
-            sampler = _RankIndices(indices, self.resumable_sampler, self.set_epoch)  # users iterate it, unplanned
+            sampler = _RankIndices(indices, self)  # users iterate it, unplanned
             object.__setattr__(self, "sampler", sampler)  # torch's placeholder would have no set_epoch
 
     # -- iteration -------------------------------------------------------------------------------------------------
