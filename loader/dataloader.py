@@ -97,7 +97,7 @@ class _RankIndices:
             yield from batch
 
     def __len__(self) -> int:
-        return self._loader.resumable_sampler.samples_in_epoch()
+        return self._loader._next_pass().samples_in_epoch()
 
 
 class ContinuedPassWarning(UserWarning):
@@ -443,13 +443,12 @@ class ResumableDataLoader(DataLoader[T_co]):
         if self._stream is not None:
             return self._stream_iter()
         self.resumable_sampler.begin_pass()
-        self._follow_length()
+        self._follow_length(self.resumable_sampler)
         return _Delivery(super().__iter__(), self, self._iterations)
 
-    def _follow_length(self) -> None:
+    def _follow_length(self, sampler: ResumableSampler) -> None:
         """The dataset's length, read when an epoch starts as torch's samplers read it: a dataset that grew (or
         shrank) between passes is dealt whole from this epoch on. One len() per epoch start, none per batch."""
-        sampler = self.resumable_sampler
         if not sampler.at_epoch_start:
             return
         old, new = sampler.order.num_samples, len(self.dataset)
@@ -463,6 +462,17 @@ class ResumableDataLoader(DataLoader[T_co]):
             )
         sampler.follow_length(_order_for(new, sampler.order.shuffle != "none", self.seed, self._shuffle_blocks,
                                          self._lanes))
+
+    def _next_pass(self) -> ResumableSampler:
+        """The sampler as the next pass will find it, which `len()` describes: when that pass starts an epoch and
+        the dataset changed length since the epoch was last read, a copy dealing the new length (one len(dataset) per
+        call, as torch's len(); none while a pass is under way)."""
+        sampler = self.resumable_sampler
+        if not (sampler.ended or sampler.at_epoch_start) or len(self.dataset) == sampler.order.num_samples:
+            return sampler
+        ahead = sampler.next_pass()
+        self._follow_length(ahead)
+        return ahead
 
     def _stream_iter(self) -> _StreamDelivery:
         if self.ledger is not None:
@@ -540,14 +550,14 @@ class ResumableDataLoader(DataLoader[T_co]):
         self._resolve_rank_and_world()
         if self._stream is not None:
             return super().__len__()
-        return len(self.resumable_sampler)
+        return len(self._next_pass())
 
     @property
     def batches_left(self) -> int:
         """Micro-batches the next pass yields on this rank (`len()` counts the whole epoch, as DataLoader's)."""
         if self._stream is not None:
             raise TypeError("an IterableDataset does not know how many batches it has left")
-        return self.resumable_sampler.batches_left
+        return self._next_pass().batches_left
 
     @property
     def epoch(self) -> int:
