@@ -85,19 +85,22 @@ class _RankIndices:
     taking one index per delivered item."""
 
     def __init__(self, batches, loader: "ResumableDataLoader"):
-        # weak: the loader holds this as its sampler, and a cycle would leave the loader, and its persistent workers,
-        # alive until the garbage collector happened to run
-        self._batches, self._loader = batches, weakref.proxy(loader)
+        # the loader weakly: it holds this as its sampler, and a cycle would leave the loader, and its persistent
+        # workers, alive until the garbage collector happened to run. A sampler kept after its loader went answers
+        # from the progress alone
+        self._batches, self._sampler, self._loader = batches, loader.resumable_sampler, weakref.ref(loader)
 
     def set_epoch(self, epoch: int) -> None:
-        self._loader.set_epoch(epoch)
+        loader = self._loader()
+        (self._sampler if loader is None else loader).set_epoch(epoch)
 
     def __iter__(self) -> Iterator[int]:
         for batch in self._batches:
             yield from batch
 
     def __len__(self) -> int:
-        return self._loader._next_pass().samples_in_epoch()
+        loader = self._loader()
+        return (self._sampler if loader is None else loader._next_pass()).samples_in_epoch()
 
 
 class ContinuedPassWarning(UserWarning):
