@@ -25,6 +25,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 
 from loader.rng import RngWatch, seed_like_torch, set_rng_state
 from loader.shards import ShardDeal
+from loader.state import StateError
 
 
 def is_stateful(obj) -> bool:
@@ -102,6 +103,12 @@ class StreamSource(IterableDataset):
                 self.dataset.load_state_dict(copy.deepcopy(latest["dataset"]))
             iterator = iter(self.dataset)
             if latest["iterator"] is not None:
+                if not is_stateful(iterator):  # not told apart on load unless __iter__ is a generator function
+                    raise StateError(
+                        f"the state holds an iterator state for worker {self._worker}, but the iterator "
+                        f"{type(self.dataset).__name__}.__iter__ returns ({type(iterator).__name__}) has no "
+                        f"load_state_dict: load a state saved by this stream"
+                    )
                 iterator.load_state_dict(copy.deepcopy(latest["iterator"]))
             _set_rng(latest)
             batches = _Batches(self, pass_id, iterator, iterator, latest["batches"])
