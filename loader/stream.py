@@ -159,6 +159,7 @@ class StreamProgress:
         seed, shuffle = (self.shards.seed, self.shards.shuffle) if self.shards is not None else (0, False)
         fresh = StreamProgress(self.dataset, self.world_size, self.rank, self.grad_accum, self.num_workers,
                                self.persistent, seed, shuffle)
+        fresh.attach(None, False, None, None)  # a source of its own, which a sharded stream's state is dealt to
         fresh.load_state_dict(state)
 
     def load_state_dict(self, state) -> None:

@@ -525,3 +525,27 @@ def test_an_iterdatapipe_is_refused_at_construction_and_a_mapdatapipe_is_served_
         ResumableDataLoader(pipe, batch_size=2, num_workers=2, **FORK)
     dl = ResumableDataLoader(SequenceWrapper(range(20)), batch_size=2, shuffle=True, num_workers=2, **FORK)
     assert sorted(i for batch in dl for i in batch.tolist()) == list(range(20))
+
+
+def test_a_sharded_stream_goes_through_save_checkpoint_and_resume(tmp_path):
+    """The checkpoint validates the progress on a fresh keeper first, which has no source to deal shards to."""
+    from loader.checkpoint import resume, save_checkpoint
+    from loader.sources.sharded import FileShards
+
+    paths = []
+    for s in range(4):
+        (tmp_path / f"{s}.txt").write_text("".join(f"{s}:{r}\n" for r in range(5)))
+        paths.append(str(tmp_path / f"{s}.txt"))
+
+    def objects():
+        model = torch.nn.Linear(1, 1)
+        loader = ResumableDataLoader(FileShards(paths, open), batch_size=3, collate_fn=list, shuffle=True, seed=2)
+        return dict(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), loader=loader)
+
+    saved = objects()
+    seen = list(itertools.islice(saved["loader"], 3))
+    save_checkpoint(tmp_path / "checkpoints", 3, **saved)
+    restored = objects()
+    assert resume(tmp_path / "checkpoints", **restored) == 3
+    records = [r for batch in seen + list(restored["loader"]) for r in batch]
+    assert sorted(records) == sorted(f"{s}:{r}\n" for s in range(4) for r in range(5))
