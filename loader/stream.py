@@ -165,7 +165,7 @@ class StreamProgress:
     def load_state_dict(self, state) -> None:
         ranks = rank_streams(state)
         for r in ranks:
-            check_identity(r.stream, self.identity, f"the state of rank {r.rank}")
+            check_identity(r.stream, self.identity, r.rank)
         check_payloads(ranks, self.dataset, is_stateful(self.dataset))
         saved = ranks[0]
         if (saved.shards is None) != (self.shards is None):

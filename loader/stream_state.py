@@ -85,7 +85,10 @@ def stream_identity(dataset) -> dict:
     """What a stream state is compared with on load: the stream's class, its len() when it has one, and its
     `fingerprint()` when it offers one (a str naming its content: files, a version). Not its repr, which by default
     names the object's address, another in every process."""
-    length = len(dataset) if callable(getattr(dataset, "__len__", None)) else None
+    try:
+        length = len(dataset)
+    except TypeError:  # no len(), or one that says so
+        length = None
     fingerprint = dataset.fingerprint() if callable(getattr(dataset, "fingerprint", None)) else None
     if fingerprint is not None and not isinstance(fingerprint, str):
         raise TypeError(f"{type(dataset).__name__}.fingerprint() must return a str, got {_short(fingerprint)}")
@@ -93,7 +96,7 @@ def stream_identity(dataset) -> dict:
             "fingerprint": fingerprint}
 
 
-def check_identity(saved: dict | None, current: dict, where: str) -> None:
+def check_identity(saved: dict | None, current: dict, rank: int) -> None:
     """A state of another stream names other records: refused, naming what differs. A state saved before the
     identity was recorded (None) is not compared."""
     if saved is None:
@@ -102,8 +105,8 @@ def check_identity(saved: dict | None, current: dict, where: str) -> None:
                        ("length", "the stream's len() changed: its progress would name other records"),
                        ("fingerprint", "the stream's fingerprint() changed: it reads other records")):
         if saved[name] != current[name]:
-            raise StateError(f"{where}.stream.{name} is {_short(saved[name])} in the saved state but "
-                             f"{_short(current[name])} in this loader: {hint}")
+            raise StateError(f"the state of rank {rank}: stream.{name} is {_short(saved[name])} in the saved state "
+                             f"but {_short(current[name])} in this loader: {hint}")
 
 
 def _identity(value, where: str) -> dict | None:

@@ -270,9 +270,14 @@ class Versioned(Plain):
         return f"records v{self.version}"
 
 
+class Numbered(Plain):
+    def fingerprint(self):
+        return 7
+
+
 def test_a_state_of_another_stream_of_the_same_layout_is_refused_naming_what_differs():
     refused_unchanged(plain(IteratorState), saved(Plain),
-                      "the state of rank 0.stream.class is 'tests.streams.Plain' in the saved state but "
+                      "the state of rank 0: stream.class is 'tests.streams.Plain' in the saved state but "
                       "'tests.streams.IteratorState' in this loader: construct the loader with the stream class")
     state = saved(Sized)
     grown = ResumableDataLoader(Sized(N + 1), batch_size=BATCH, collate_fn=list)
@@ -284,6 +289,8 @@ def test_a_state_of_another_stream_of_the_same_layout_is_refused_naming_what_dif
                                                    "'records vb'")
     finally:
         Versioned.version = "a"
+    with pytest.raises(TypeError, match=r"Numbered.fingerprint\(\) must return a str, got 7"):
+        saved(Numbered)
     older = {key: value for key, value in saved(Plain).items() if key != "stream"}  # saved before it was recorded
     dl = plain(Plain)
     dl.load_state_dict(older)
