@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import copy
 import warnings
+import weakref
 from typing import Any, Callable, Iterator, TypeVar
 
 import numpy as np
 import torch.distributed as dist
+import torch.utils.data
 from torch._utils import ExceptionWrapper
 from torch.utils.data import DataLoader, IterableDataset, default_collate
 from torch.utils.data._utils.fetch import _MapDatasetFetcher
@@ -82,15 +84,23 @@ class _RankIndices:
     (`loader.sampler.set_epoch(e)`, `len(loader.sampler)` in samples). With batch_size=None torch iterates it too,
     taking one index per delivered item."""
 
-    def __init__(self, batches, sampler: ResumableSampler, set_epoch: Callable[[int], None]):
-        self._batches, self._sampler, self.set_epoch = batches, sampler, set_epoch
+    def __init__(self, batches, loader: "ResumableDataLoader"):
+        # the loader weakly: it holds this as its sampler, and a cycle would leave the loader, and its persistent
+        # workers, alive until the garbage collector happened to run. A sampler kept after its loader went answers
+        # from the progress alone
+        self._batches, self._sampler, self._loader = batches, loader.resumable_sampler, weakref.ref(loader)
+
+    def set_epoch(self, epoch: int) -> None:
+        loader = self._loader()
+        (self._sampler if loader is None else loader).set_epoch(epoch)
 
     def __iter__(self) -> Iterator[int]:
         for batch in self._batches:
             yield from batch
 
     def __len__(self) -> int:
-        return self._sampler.samples_in_epoch()
+        loader = self._loader()
+        return (self._sampler if loader is None else loader._next_pass()).samples_in_epoch()
 
 
 class ContinuedPassWarning(UserWarning):
@@ -250,6 +260,21 @@ def _identity(order: Order, layout: Layout) -> str:
 
 
 T_co = TypeVar("T_co", covariant=True)
+_DATAPIPES = getattr(torch.utils.data, "IterDataPipe", ())  # () where a torch no longer ships DataPipes
+
+
+def _refuse_datapipes(dataset) -> None:
+    """torch shards a DataPipe graph per worker (`sharding_filter()`) and seeds its shuffles alike in every worker
+    only when it iterates the DataPipe itself. The loader's workers iterate its own source, so that would never run,
+    and a graph's position is no state the loader could save: refused rather than served twice over."""
+    if isinstance(dataset, _DATAPIPES):
+        raise ValueError(
+            f"{type(dataset).__name__} is an IterDataPipe, which this loader does not support: torch applies a "
+            f"DataPipe's sharding_filter() and shuffle seed only when it iterates the DataPipe itself, so with "
+            f"num_workers > 0 it would yield every sample once per worker, and its position cannot be saved to "
+            f"resume exactly. Use a map-style dataset (a MapDataPipe works), an IterableDataset that splits its "
+            f"records by get_worker_info(), or a loader.ShardedStream, which the loader deals by rank and worker"
+        )
 
 
 class ResumableDataLoader(DataLoader[T_co]):
@@ -333,6 +358,7 @@ class ResumableDataLoader(DataLoader[T_co]):
         self._iterations = 0  # iterators superseded so far: only the newest iterator delivers
         self._delivered_by_iterator = 0  # batches the newest iterator delivered
         if isinstance(dataset, IterableDataset):
+            _refuse_datapipes(dataset)
             if sample_seeds or shuffle_blocks is not None or lanes is not None:
                 raise ValueError("sample_seeds, shuffle_blocks and lanes need a map-style dataset (random access)")
             sharded = is_sharded(dataset)  # the loader deals its shards, in an order it may shuffle
@@ -356,13 +382,13 @@ class ResumableDataLoader(DataLoader[T_co]):
             in_flight = num_workers * (2 if prefetch_factor is None else prefetch_factor) if num_workers else 1
             dispatched = _Planned(indices, planned, in_flight)
         if batch_size is None:
-            sampler = _RankIndices(dispatched, self.resumable_sampler, self.set_epoch)  # torch iterates it
+            sampler = _RankIndices(dispatched, self)  # torch iterates it
             super().__init__(dataset, batch_size=None, sampler=sampler, **common)
         else:
             super().__init__(dataset, batch_sampler=dispatched, **common)
             object.__setattr__(self, "batch_size", batch_size)  # what the user asked for, as DataLoader reports it
             object.__setattr__(self, "drop_last", bool(drop_last))
-            sampler = _RankIndices(indices, self.resumable_sampler, self.set_epoch)  # users iterate it, unplanned
+            sampler = _RankIndices(indices, self)  # users iterate it, unplanned
             object.__setattr__(self, "sampler", sampler)  # torch's placeholder would have no set_epoch
 
     # -- iteration -------------------------------------------------------------------------------------------------
@@ -420,13 +446,12 @@ class ResumableDataLoader(DataLoader[T_co]):
         if self._stream is not None:
             return self._stream_iter()
         self.resumable_sampler.begin_pass()
-        self._follow_length()
+        self._follow_length(self.resumable_sampler)
         return _Delivery(super().__iter__(), self, self._iterations)
 
-    def _follow_length(self) -> None:
+    def _follow_length(self, sampler: ResumableSampler) -> None:
         """The dataset's length, read when an epoch starts as torch's samplers read it: a dataset that grew (or
         shrank) between passes is dealt whole from this epoch on. One len() per epoch start, none per batch."""
-        sampler = self.resumable_sampler
         if not sampler.at_epoch_start:
             return
         old, new = sampler.order.num_samples, len(self.dataset)
@@ -440,6 +465,17 @@ class ResumableDataLoader(DataLoader[T_co]):
             )
         sampler.follow_length(_order_for(new, sampler.order.shuffle != "none", self.seed, self._shuffle_blocks,
                                          self._lanes))
+
+    def _next_pass(self) -> ResumableSampler:
+        """The sampler as the next pass will find it, which `len()` describes: when that pass starts an epoch and
+        the dataset changed length since the epoch was last read, a copy dealing the new length (one len(dataset) per
+        call, as torch's len(); none while a pass is under way)."""
+        sampler = self.resumable_sampler
+        if not (sampler.ended or sampler.at_epoch_start) or len(self.dataset) == sampler.order.num_samples:
+            return sampler
+        ahead = sampler.next_pass()
+        self._follow_length(ahead)
+        return ahead
 
     def _stream_iter(self) -> _StreamDelivery:
         if self.ledger is not None:
@@ -517,14 +553,14 @@ class ResumableDataLoader(DataLoader[T_co]):
         self._resolve_rank_and_world()
         if self._stream is not None:
             return super().__len__()
-        return len(self.resumable_sampler)
+        return len(self._next_pass())
 
     @property
     def batches_left(self) -> int:
         """Micro-batches the next pass yields on this rank (`len()` counts the whole epoch, as DataLoader's)."""
         if self._stream is not None:
             raise TypeError("an IterableDataset does not know how many batches it has left")
-        return self.resumable_sampler.batches_left
+        return self._next_pass().batches_left
 
     @property
     def epoch(self) -> int:

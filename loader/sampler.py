@@ -8,6 +8,7 @@ delivered batch, whatever was prefetched before.
 
 from __future__ import annotations
 
+import copy
 from collections import deque
 from dataclasses import dataclass
 from typing import Iterator
@@ -125,6 +126,14 @@ class ResumableSampler:
     def at_epoch_start(self) -> bool:
         """Nothing of the current epoch is handed out on this rank (an epoch restored as finished excepted)."""
         return self._position == 0 and self._epoch >= self._base.epoch
+
+    def next_pass(self) -> "ResumableSampler":
+        """A copy of this sampler as a pass started now would find it (after `begin_pass`), to tell what that pass
+        yields without starting it."""
+        ahead = copy.copy(self)
+        ahead._recent_chunks = deque(maxlen=2)  # its own: follow_length clears it
+        ahead.begin_pass()
+        return ahead
 
     def follow_length(self, order: Order) -> None:
         """The dataset changed length before this epoch started: deal `order`, built for the new length, from this

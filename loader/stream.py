@@ -12,12 +12,15 @@ A plain stream resumes at the same world size and number of workers; a sharded s
 
 from __future__ import annotations
 
+from functools import cached_property
+
 from loader._checks import is_int
 from loader.rng import UNCHANGED
 from loader.shards import ShardProgress, is_sharded, shard_digest
 from loader.state import StateError
 from loader.stream_source import Plan, StreamSource, is_stateful
-from loader.stream_state import RankStream, Shards, rank_streams, regathered, stream_state
+from loader.stream_state import (RankStream, Shards, check_identity, check_payloads, rank_streams, regathered,
+                                 stream_identity, stream_state)
 
 _ENDED_ELSEWHERE = {"batches": 0, "ended": True, "dataset": None, "iterator": None, "shard": [0, 0], "rng": None}
 
@@ -56,6 +59,11 @@ class StreamProgress:
 
     def _commit(self) -> None:
         self._committed = (self.delivered, tuple(self.latest), self.next_worker)
+
+    @cached_property
+    def identity(self) -> dict:
+        """The stream's identity, read once, when a state is first saved or loaded (see `stream_identity`)."""
+        return stream_identity(self.dataset)
 
     @property
     def finished(self) -> bool:
@@ -142,7 +150,8 @@ class StreamProgress:
     def state_dict(self) -> dict:
         delivered, latest, next_worker = self._committed
         return stream_state(self.world_size, self.rank, self.epoch, delivered, self.exhausted, self.ended,
-                            self.num_workers, self.base_seed, next_worker, self.origins, latest, self.shards)
+                            self.num_workers, self.base_seed, next_worker, self.origins, latest, self.shards,
+                            self.identity)
 
     def check(self, state) -> None:
         """Validate `state` in full, as load_state_dict does, changing nothing: on a fresh keeper of this
@@ -150,10 +159,14 @@ class StreamProgress:
         seed, shuffle = (self.shards.seed, self.shards.shuffle) if self.shards is not None else (0, False)
         fresh = StreamProgress(self.dataset, self.world_size, self.rank, self.grad_accum, self.num_workers,
                                self.persistent, seed, shuffle)
+        fresh.attach(None, False, None, None)  # a source of its own, which a sharded stream's state is dealt to
         fresh.load_state_dict(state)
 
     def load_state_dict(self, state) -> None:
         ranks = rank_streams(state)
+        for r in ranks:
+            check_identity(r.stream, self.identity, r.rank)
+        check_payloads(ranks, self.dataset, is_stateful(self.dataset))
         saved = ranks[0]
         if (saved.shards is None) != (self.shards is None):
             raise StateError(
@@ -166,15 +179,7 @@ class StreamProgress:
             if (saved.world_size, saved.num_workers) != (self.world_size, self.num_workers):
                 return self._redeal(ranks)
         self._check_layout(saved)
-        mine = ranks[self.rank]
-        if any(s is not None and s["dataset"] is not None for s in mine.workers + mine.origins) and not is_stateful(
-            self.dataset
-        ):
-            raise StateError(
-                f"the state of rank {self.rank} holds a dataset state, but {type(self.dataset).__name__} has no "
-                f"load_state_dict: construct the loader with the dataset class that saved it"
-            )
-        self._restore(mine)
+        self._restore(ranks[self.rank])
 
     def _check_layout(self, saved: RankStream) -> None:
         if saved.world_size != self.world_size:

@@ -25,6 +25,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 
 from loader.rng import RngWatch, seed_like_torch, set_rng_state
 from loader.shards import ShardDeal
+from loader.state import StateError
 
 
 def is_stateful(obj) -> bool:
@@ -102,6 +103,12 @@ class StreamSource(IterableDataset):
                 self.dataset.load_state_dict(copy.deepcopy(latest["dataset"]))
             iterator = iter(self.dataset)
             if latest["iterator"] is not None:
+                if not is_stateful(iterator):  # not told apart on load unless __iter__ is a generator function
+                    raise StateError(
+                        f"the state holds an iterator state for worker {self._worker}, but the iterator "
+                        f"{type(self.dataset).__name__}.__iter__ returns ({type(iterator).__name__}) has no "
+                        f"load_state_dict: load a state saved by this stream"
+                    )
                 iterator.load_state_dict(copy.deepcopy(latest["iterator"]))
             _set_rng(latest)
             batches = _Batches(self, pass_id, iterator, iterator, latest["batches"])
@@ -142,7 +149,6 @@ class StreamSource(IterableDataset):
 
 
 _ATOMS = (int, float, str, bool, type(None))
-_NEVER = object()
 
 
 def _frozen(state):
@@ -203,8 +209,10 @@ class _Batches:
     def __init__(self, source: StreamSource, pass_id: int, records: Iterator, iterator, count: int,
                  reader: _ShardReader | None = None):
         self.source, self.pass_id, self.iterator, self.reader = source, pass_id, iterator, reader
-        # drawn through its __next__: islice would call iter() on it, which resets a dataset that is its own iterator
-        self.records = iter(records.__next__, _NEVER)
+        # drawn through its __next__: islice would call iter() on it, which resets a dataset that is its own iterator.
+        # Not iter(__next__, sentinel), which compares every record with the sentinel by `==` (element-wise on NumPy
+        # arrays, so ambiguous); starmap compares nothing, and goes on after a record that raised
+        self.records = itertools.starmap(records.__next__, itertools.repeat(()))
         self.count, self.finished, self.exhausted, self.clean = count, False, False, True
         self._pending: tuple | None = None
         # what a snapshot holds, decided once: a dataset that is its own iterator keeps its state once

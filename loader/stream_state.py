@@ -6,13 +6,15 @@ was exhausted and whether its end was handed out) and, per worker (one, the main
 the pass began (the end of the previous pass, where the dataset objects live on: persistent workers or the main
 process; None: a fresh copy seeded from `base_seed`). `next_worker` is the worker torch's round robin serves next.
 A sharded stream adds its shard list's identity, the order's seed and the global shard progress the rank started
-from (`base`). Everything is validated before anything changes; a bad state is a short StateError.
+from (`base`). `stream` names the stream the state belongs to (see `stream_identity`). Everything is validated
+before anything changes; a bad state is a short StateError.
 """
 
 from __future__ import annotations
 
 import base64
 import binascii
+import inspect
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -37,6 +39,9 @@ from loader.state import (
 from loader.progress import normalize
 
 SNAPSHOT_KEYS = ("batches", "ended", "dataset", "iterator", "shard", "rng")
+STATE_KEYS = ("format", "version", "kind", "world_size", "rank", "epoch", "batches", "exhausted", "ended",
+              "num_workers", "base_seed", "next_worker", "origins", "workers", "shards", "stream")
+IDENTITY_KEYS = ("class", "length", "fingerprint")
 _RNG_FIXED = 8 * 3 + 8 * 2 + 4 * 624 + 4 * 625  # see loader.rng
 
 
@@ -74,6 +79,70 @@ def _snapshot(value, where: str, sharded: bool) -> dict | None:
     elif shard is not None:
         raise StateError(f"{where}.shard is set, but the stream is not sharded: the state is corrupted")
     return value
+
+
+def stream_identity(dataset) -> dict:
+    """What a stream state is compared with on load: the stream's class, its len() when it has one, and its
+    `fingerprint()` when it offers one (a str naming its content: files, a version). Not its repr, which by default
+    names the object's address, another in every process."""
+    try:
+        length = len(dataset)
+    except TypeError:  # no len(), or one that says so
+        length = None
+    fingerprint = dataset.fingerprint() if callable(getattr(dataset, "fingerprint", None)) else None
+    if fingerprint is not None and not isinstance(fingerprint, str):
+        raise TypeError(f"{type(dataset).__name__}.fingerprint() must return a str, got {_short(fingerprint)}")
+    return {"class": f"{type(dataset).__module__}.{type(dataset).__qualname__}", "length": length,
+            "fingerprint": fingerprint}
+
+
+def check_identity(saved: dict | None, current: dict, rank: int) -> None:
+    """A state of another stream names other records: refused, naming what differs. A state saved before the
+    identity was recorded (None) is not compared."""
+    if saved is None:
+        return
+    for name, hint in (("class", "construct the loader with the stream class that saved it"),
+                       ("length", "the stream's len() changed: its progress would name other records"),
+                       ("fingerprint", "the stream's fingerprint() changed: it reads other records")):
+        if saved[name] != current[name]:
+            raise StateError(f"the state of rank {rank}: stream.{name} is {_short(saved[name])} in the saved state "
+                             f"but {_short(current[name])} in this loader: {hint}")
+
+
+def _identity(value, where: str) -> dict | None:
+    if value is None:
+        return None
+    if not isinstance(value, dict) or set(value) != set(IDENTITY_KEYS):
+        raise StateError(f"{where} must be None or a dict with fields {IDENTITY_KEYS}, got {_short(value)}")
+    _get(value, "class", str, where)
+    if value["length"] is not None:
+        _get(value, "length", int, where)
+    _get(value, "fingerprint", (str, type(None)), where)
+    return value
+
+
+def check_payloads(ranks: list["RankStream"], dataset, stateful: bool) -> None:
+    """A snapshot may hold a dataset state only for a dataset with load_state_dict (`stateful`), and an iterator state
+    only where __iter__ is no generator function (a generator keeps no state): anything else would fail in a
+    worker, after the state was accepted."""
+    generator = inspect.isgeneratorfunction(type(dataset).__iter__)
+    for r in ranks:
+        for name, snapshots in (("origins", r.origins), ("workers", r.workers)):
+            for i, snapshot in enumerate(snapshots):
+                if snapshot is None:
+                    continue
+                if snapshot["dataset"] is not None and not stateful:
+                    raise StateError(
+                        f"the state of rank {r.rank}: {name}[{i}] holds a dataset state, but "
+                        f"{type(dataset).__name__} has no load_state_dict: construct the loader with the dataset "
+                        f"class that saved it"
+                    )
+                if snapshot["iterator"] is not None and generator:
+                    raise StateError(
+                        f"the state of rank {r.rank}: {name}[{i}] holds an iterator state, but "
+                        f"{type(dataset).__name__}.__iter__ is a generator, which keeps none: construct the loader "
+                        f"with the dataset class that saved it"
+                    )
 
 
 def _progress_to_dict(progress: ShardProgress) -> dict:
@@ -160,20 +229,24 @@ class RankStream:
     origins: tuple
     workers: tuple
     shards: Shards | None
+    stream: dict | None
 
     def to_dict(self) -> dict:
         return stream_state(self.world_size, self.rank, self.epoch, self.batches, self.exhausted, self.ended,
                             self.num_workers, self.base_seed, self.next_worker, self.origins, self.workers,
-                            self.shards)
+                            self.shards, self.stream)
 
     @classmethod
     def from_dict(cls, state, where: str = "state") -> "RankStream":
         _check_header(state, ("stream",), where)
-        if isinstance(state, dict) and "num_workers" not in state:
+        if "num_workers" not in state:
             raise StateError(
                 f"{where} was saved by an earlier release, which did not record num_workers: resuming it could "
                 f"skip or repeat records. Start the stream's epoch again (construct the loader without loading it)"
             )
+        if unknown := set(state) - set(STATE_KEYS):
+            raise StateError(f"{where} has unknown fields {_short(sorted(map(str, unknown)))}: the state is "
+                             f"corrupted or not a stream state of this release")
         world_size, rank = _get(state, "world_size", int, where), _get(state, "rank", int, where)
         if world_size == 0 or rank >= world_size:
             raise StateError(f"{where}.rank is {rank}, outside world_size {world_size}: the state is corrupted")
@@ -204,8 +277,9 @@ class RankStream:
             raise StateError(f"{where}.epoch is {epoch}, not within its shard progress from epoch "
                              f"{shards.base.epoch}: the state is corrupted")
         base_seed = _seed(_get(state, "base_seed", (int, type(None)), where), f"{where}.base_seed")
+        stream = _identity(_get(state, "stream", (dict, type(None)), where, default=None), f"{where}.stream")
         rank_stream = cls(world_size, rank, epoch, batches, exhausted, ended, num_workers, base_seed, next_worker,
-                          lists["origins"], lists["workers"], shards)
+                          lists["origins"], lists["workers"], shards, stream)
         if shards is not None:
             rank_stream.check_positions(where)
         return rank_stream
@@ -233,7 +307,7 @@ class RankStream:
 
 def stream_state(world_size: int, rank: int, epoch: int, batches: int, exhausted: bool, ended: bool,
                  num_workers: int, base_seed: int | None, next_worker: int, origins, workers,
-                 shards: Shards | None) -> dict:
+                 shards: Shards | None, stream: dict | None) -> dict:
     """A rank's stream state in its serialised form, built directly: the loader makes one per state_dict() call,
     i.e. per step. The snapshots are shared, never copied: nothing changes them once made."""
     return {
@@ -252,6 +326,7 @@ def stream_state(world_size: int, rank: int, epoch: int, batches: int, exhausted
         "origins": list(origins),
         "workers": list(workers),
         "shards": None if shards is None else shards.serialised,
+        "stream": stream,
     }
 
 
@@ -279,7 +354,16 @@ def rank_streams(state) -> list[RankStream]:
     if isinstance(state, (list, tuple)):
         return _parse_all(state)
     kind = _check_header(state, ("stream", "streams"), "state")
-    return _parse_all([state] if kind == "stream" else _get(state, "ranks", list, "state"))
+    if kind == "stream":
+        return _parse_all([state])
+    if set(state) != {"format", "version", "kind", "world_size", "ranks"}:
+        raise StateError(f"state must have exactly the fields format, version, kind, world_size and ranks, got "
+                         f"{_short(sorted(map(str, state)))}: the state is corrupted")
+    ranks = _parse_all(_get(state, "ranks", list, "state"))
+    if _get(state, "world_size", int, "state") != len(ranks):
+        raise StateError(f"state.world_size is {state['world_size']}, but it holds the states of {len(ranks)} ranks: "
+                         f"the state is corrupted")
+    return ranks
 
 
 def regathered(ranks: list[RankStream]) -> tuple[ShardProgress, int, bool]:

@@ -19,7 +19,7 @@ from torch.utils.data import get_worker_info
 from loader import ContinuedPassWarning, ResumableDataLoader, StateError
 from loader import rng
 from loader.rng import UNCHANGED, RngWatch, rng_state, set_rng_state
-from tests.streams import FORK, DatasetState, Failing, IteratorState, NowAndThen, Plain, SelfIterating, ids
+from tests.streams import FORK, DatasetState, Failing, IteratorState, NowAndThen, Plain, SelfIterating, ids, share
 
 KINDS = [Plain, IteratorState, DatasetState, SelfIterating]
 SETUPS = {
@@ -479,3 +479,73 @@ def test_a_stream_goes_through_save_checkpoint_and_resume(tmp_path):
     restored = objects()
     assert resume(tmp_path, **restored) == 3
     assert seen + list(restored["loader"]) == reference
+
+
+# -- records of any type ------------------------------------------------------------------------------------------------
+
+
+class Arrays(Plain):
+    """Bare NumPy arrays, which `==` compares element-wise: the loader must never compare a record by value."""
+
+    def __iter__(self):
+        worker, workers = share()
+        for i in range(worker, self.n, workers):
+            yield np.full(3, i)
+
+
+@pytest.mark.parametrize("setup", ["main process", "2 workers"])
+def test_a_stream_of_bare_numpy_arrays_gives_torchs_batches_and_resumes_exactly(setup):
+    kw = dict(batch_size=2, **SETUPS[setup])
+    reference = list(ResumableDataLoader(Arrays(11), **kw))
+    torchs = list(torch.utils.data.DataLoader(Arrays(11), **kw))
+    assert len(reference) == len(torchs) == 6
+    assert all(torch.equal(ours, theirs) for ours, theirs in zip(reference, torchs))
+    first = ResumableDataLoader(Arrays(11), **kw)
+    seen = list(itertools.islice(first, 3))
+    resumed = ResumableDataLoader(Arrays(11), **kw)
+    resumed.load_state_dict(json.loads(json.dumps(first.state_dict())))
+    delivered = seen + list(resumed)
+    assert len(delivered) == len(reference)
+    assert all(torch.equal(ours, theirs) for ours, theirs in zip(delivered, reference))
+    assert sorted(int(row[0]) for batch in delivered for row in batch) == list(range(11))
+
+
+# -- DataPipes --------------------------------------------------------------------------------------------------------
+
+
+def test_an_iterdatapipe_is_refused_at_construction_and_a_mapdatapipe_is_served_exactly_once():
+    """torch shards a DataPipe graph per worker (`sharding_filter()`) and seeds its shuffles from a shared seed only
+    when it iterates the DataPipe itself; the loader's workers iterate its own source, so 2 workers would each yield
+    every sample. A MapDataPipe is a map-style dataset: the loader deals its indices."""
+    from torch.utils.data.datapipes.iter import IterableWrapper
+    from torch.utils.data.datapipes.map import SequenceWrapper
+
+    pipe = IterableWrapper(range(20)).shuffle().sharding_filter()
+    with pytest.raises(ValueError, match="IterDataPipe.*would yield every sample once per worker.*map-style"):
+        ResumableDataLoader(pipe, batch_size=2, num_workers=2, **FORK)
+    dl = ResumableDataLoader(SequenceWrapper(range(20)), batch_size=2, shuffle=True, num_workers=2, **FORK)
+    assert sorted(i for batch in dl for i in batch.tolist()) == list(range(20))
+
+
+def test_a_sharded_stream_goes_through_save_checkpoint_and_resume(tmp_path):
+    """The checkpoint validates the progress on a fresh keeper first, which has no source to deal shards to."""
+    from loader.checkpoint import resume, save_checkpoint
+    from loader.sources.sharded import FileShards
+
+    paths = []
+    for s in range(4):
+        (tmp_path / f"{s}.txt").write_text("".join(f"{s}:{r}\n" for r in range(5)))
+        paths.append(str(tmp_path / f"{s}.txt"))
+
+    def objects():
+        model = torch.nn.Linear(1, 1)
+        loader = ResumableDataLoader(FileShards(paths, open), batch_size=3, collate_fn=list, shuffle=True, seed=2)
+        return dict(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), loader=loader)
+
+    saved = objects()
+    seen = list(itertools.islice(saved["loader"], 3))
+    save_checkpoint(tmp_path / "checkpoints", 3, **saved)
+    restored = objects()
+    assert resume(tmp_path / "checkpoints", **restored) == 3
+    records = [r for batch in seen + list(restored["loader"]) for r in batch]
+    assert sorted(records) == sorted(f"{s}:{r}\n" for s in range(4) for r in range(5))
