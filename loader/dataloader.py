@@ -340,7 +340,10 @@ class ResumableDataLoader(DataLoader[T_co]):
         self._rank_and_world_given = (rank, world_size)  # None: torch.distributed's, read when iteration starts
         self._resolved_distributed = _distributed()  # whether the group existed when rank and world were read
         rank, world_size = _default_rank_and_world(rank, world_size)
-        layout = Layout(world_size, grad_accum, batch_size or 1, bool(drop_last))
+        # batch_size=None hands out single samples, so a rank cannot take one more in a micro-batch: every rank
+        # yields the same number of samples, and the epoch's last R mod (world_size * grad_accum) are dropped by
+        # policy (recorded), as drop_last drops them of batches (else DDP would wait on a rank's extra backward)
+        layout = Layout(world_size, grad_accum, batch_size or 1, bool(drop_last) or batch_size is None)
         common = dict(
             num_workers=num_workers,
             collate_fn=collate_fn,

@@ -417,3 +417,22 @@ def test_iterable_dataset_refuses_another_world_size():
         ResumableDataLoader(Stream(10), batch_size=2, rank=0, world_size=3).load_state_dict(state)
     with pytest.raises(TypeError, match="no sample indices"):
         dl.last_indices()
+
+
+@pytest.mark.parametrize("world_size,grad_accum", [(2, 1), (3, 1), (3, 2), (4, 3)])
+def test_unbatched_ranks_yield_the_same_number_of_samples_and_record_the_rest_as_dropped(world_size, grad_accum):
+    """batch_size=None hands out single samples, so the tail cannot give a rank one more in a micro-batch (torch
+    would hand it out as one more item, counted as a micro-batch it is not, and DDP would wait on that rank's extra
+    backward): every rank yields len() samples, the same on every rank, and the rest is recorded as dropped."""
+    for n in range(1, 3 * world_size * grad_accum + 2):
+        loaders = [ResumableDataLoader(IndexDataset(n), batch_size=None, shuffle=True, seed=n, rank=r,
+                                       world_size=world_size, grad_accum=grad_accum) for r in range(world_size)]
+        yielded = [[int(x) for x in dl] for dl in loaders]
+        assert {len(y) for y in yielded} == {len(loaders[0])} == {(n - n % (world_size * grad_accum)) // world_size}
+        merged = merge_states([dl.state_dict() for dl in loaders])
+        (finished,) = merged["finished"]
+        positions = np.concatenate([np.arange(a, b) for a, b in np.reshape(finished["dropped"], (-1, 2))] +
+                                   [np.zeros(0, np.int64)])
+        dropped = loaders[0].resumable_sampler.order.for_epoch(0)(positions).tolist()
+        delivered = sorted(sum(yielded, []))
+        assert len(set(delivered)) == len(delivered) and sorted(delivered + dropped) == list(range(n))

@@ -89,7 +89,7 @@ class SimulatedRank:
                 self.pending.append((self.dl.epoch, self.dl.collate_fn.last, failed))
             else:
                 ids = self.dl.last_indices().tolist()
-                assert batch.tolist() == self.content(ids)
+                assert np.atleast_1d(np.asarray(batch)).tolist() == self.content(ids)  # batch_size=None: a sample
                 self.in_pass += 1
                 self.pending.append((self.dl.epoch, ids, committed))
             # the test's own rule for a whole update: K micro-batches (failed ones included), or the end of the share
@@ -111,8 +111,10 @@ class SimulatedRank:
 
 def simulate(data, dataset, batch_size, grad_accum, shuffle, drop_last, worlds, num_workers):
     n, seed = len(dataset), data.draw(st.integers(0, 2**32), label="seed")
+    unbatched = batch_size is None  # single samples: torch refuses drop_last, and the tail rule is drop_last's
+    drop_last = drop_last and not unbatched
     # FailingCollate knows a bad batch by its items, which are its indices for IndexDataset (not for a mixture)
-    failures = not num_workers and not isinstance(dataset, Mixture)
+    failures = not num_workers and not isinstance(dataset, Mixture) and not unbatched
     bad = set(data.draw(st.lists(st.integers(0, n - 1), max_size=3), label="bad indices")) if failures else set()
     lanes = data.draw(st.sampled_from([None, 1, 2, 3, 4]), label="lanes")
     committed, failed, state = defaultdict(Counter), defaultdict(Counter), None
@@ -123,7 +125,7 @@ def simulate(data, dataset, batch_size, grad_accum, shuffle, drop_last, worlds, 
                 dataset, batch_size=batch_size, shuffle=shuffle, drop_last=drop_last, seed=seed, rank=r,
                 world_size=world, grad_accum=grad_accum, num_workers=num_workers,
                 multiprocessing_context="fork" if num_workers else None,
-                collate_fn=None if num_workers else FailingCollate(bad), lanes=lanes,
+                collate_fn=FailingCollate(bad) if failures else None, lanes=lanes,
             )
             for r in range(world)
         ]
@@ -136,7 +138,7 @@ def simulate(data, dataset, batch_size, grad_accum, shuffle, drop_last, worlds, 
 
     def merge(ranks, world):
         """Also records, per epoch, the dropped positions and what the tail rule drops of the samples the finishing
-        layout started from: R mod G with drop_last, else nothing unless R < W."""
+        layout started from: R mod G with drop_last (and unbatched, where G = W * K), else nothing unless R < W."""
         merged = merge_states([rank.dl.state_dict() for rank in ranks], uneven=True)
         for record in merged["finished"]:
             if record["epoch"] not in dropped:
@@ -144,8 +146,8 @@ def simulate(data, dataset, batch_size, grad_accum, shuffle, drop_last, worlds, 
                 base = dict(state["committed"]) if state else {}
                 spans = np.asarray(base.get(record["epoch"], []), dtype=np.int64).reshape(-1, 2)
                 left = n - int((spans[:, 1] - spans[:, 0]).sum())
-                global_batch = world * grad_accum * batch_size
-                policy[record["epoch"]] = left % global_batch if drop_last else left * (left < world)
+                global_batch = world * grad_accum * (batch_size or 1)
+                policy[record["epoch"]] = left % global_batch if drop_last or unbatched else left * (left < world)
         return merged
 
     for world in worlds[:-1]:
@@ -176,7 +178,7 @@ def simulate(data, dataset, batch_size, grad_accum, shuffle, drop_last, worlds, 
 
 RUNS = dict(  # a dataset size, the loader's arguments and at least three restarts at shrinking and growing sizes
     n=st.integers(1, 160),
-    batch_size=st.integers(1, 7),
+    batch_size=st.one_of(st.integers(1, 7), st.none()),  # None: torch's unbatched mode, a sample per item
     grad_accum=st.integers(1, 3),
     shuffle=st.booleans(),
     drop_last=st.booleans(),
