@@ -10,7 +10,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset
 
 import loader.sampler as sampler_module
-from loader import ResumableDataLoader, SampleIndex, StateError, merge_states, sample_seed
+from loader import ContinuedPassWarning, ResumableDataLoader, SampleIndex, StateError, merge_states, sample_seed
 from tests.conftest import IndexDataset
 
 
@@ -120,7 +120,8 @@ def test_a_new_iterator_supersedes_the_old_one_instead_of_double_counting(worker
     dl = ResumableDataLoader(IndexDataset(30), **kw)
     old = iter(dl)
     seen = [next(old).tolist()]
-    new = iter(dl)
+    with pytest.warns(ContinuedPassWarning, match="the 1 batch"):
+        new = iter(dl)
     seen.append(next(new).tolist())
     with pytest.raises(RuntimeError, match="superseded"):
         next(old)
@@ -197,7 +198,8 @@ def test_a_new_iter_after_a_partial_pass_continues_the_epoch():
     whole = as_lists(batches(ResumableDataLoader(IndexDataset(30), batch_size=3, shuffle=True, seed=1)))
     first = as_lists(batches(dl, count=4))
     assert len(dl) == 10 and dl.batches_left == 6  # len: the whole epoch, as DataLoader's
-    rest = as_lists(batches(dl))
+    with pytest.warns(ContinuedPassWarning, match="the 4 batch"):
+        rest = as_lists(batches(dl))
     assert first + rest == whole and dl.epoch == 0
 
 
