@@ -87,11 +87,16 @@ def new_bucket(s3, name: str, directory: str) -> str:
     return f"s3://{name}/train-{{000000..{count - 1:06d}}}.tar"
 
 
-def minimum(directory, prefetch: int) -> int:
-    """The smallest cache_limit accepted: prefetch + 2 of the largest shards, in whole blocks with a block for each
-    one's checksum, and two blocks."""
+def shards_of_cache(directory, shards: float) -> int:
+    """A cache_limit of ``shards`` of the largest shards (each in whole blocks, and a block for its checksum) and
+    two blocks for the cache's own files (the counters, a plan)."""
     largest = max(os.path.getsize(p) for p in glob.glob(os.path.join(directory, "*.tar")))
-    return (prefetch + 2) * (-(-largest // BLOCK) + 1) * BLOCK + 2 * BLOCK
+    return int(shards * (-(-largest // BLOCK) + 1) * BLOCK) + 2 * BLOCK
+
+
+def minimum(directory, prefetch: int) -> int:
+    """The smallest cache_limit a source accepts: prefetch + 2 of the largest shards."""
+    return shards_of_cache(directory, prefetch + 2)
 
 
 def shard_names(directory) -> list[str]:
@@ -214,13 +219,6 @@ def test_with_lanes_each_node_downloads_its_share_of_the_shards(s3, shard_dir, t
             assert all(total / 2 - largest <= d <= total / 2 + largest for d in downloaded), (downloaded, total)
         else:
             assert downloaded == [total, total]
-
-
-def shards_of_cache(directory, shards: float, blocks: int = 2) -> int:
-    """A cache_limit of ``shards`` of the largest shards (each in whole blocks, with its checksum's) and ``blocks``
-    blocks for the cache's own files."""
-    largest = max(os.path.getsize(p) for p in glob.glob(os.path.join(directory, "*.tar")))
-    return int(shards * (-(-largest // BLOCK) + 1) * BLOCK) + blocks * BLOCK
 
 
 def test_a_cache_of_two_and_a_half_shards_never_stalls_a_reader_on_its_own_pins(s3, shard_dir, tmp_path):
