@@ -435,6 +435,8 @@ class ResumableDataLoader(DataLoader[T_co]):
 
     def __iter__(self) -> Iterator[Any]:
         self._resolve_rank_and_world()
+        if callable(before_iter := getattr(self.dataset, "before_iter", None)):
+            before_iter(self.num_workers)  # a dataset refuses what its readers cannot do, before anything starts
         progress = self._stream or self.resumable_sampler
         if self._delivered_by_iterator and not progress.ended:
             warnings.warn(

@@ -1,6 +1,7 @@
-"""Real servers on loopback for the remote-shard tests: moto's S3 server as a process of its own, and an HTTP file
-server that honours Range requests (Python's http.server does not), with faults on demand. Both stop by themselves
-at the end of their `with` block; every wait is bounded."""
+"""Real servers on loopback for the remote-shard tests: moto's S3 server as a process of its own, an HTTP file
+server that honours Range requests (Python's http.server does not), with faults on demand, and a TCP proxy that
+cuts connections in the middle of a transfer. All stop by themselves at the end of their `with` block; every wait is
+bounded."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import email.utils
 import hashlib
 import os
 import re
+import socket
 import subprocess
 import sys
 import threading
@@ -171,3 +173,133 @@ def upload(fs, local_dir: str, bucket: str) -> None:
     for name in sorted(os.listdir(local_dir)):
         fs.put_file(os.path.join(local_dir, name), f"{bucket}/{name}")
 
+
+
+class CuttingProxy:
+    """A TCP proxy on loopback in front of ``port``, forwarding both ways. ``cut(after, down_s)``: once ``after``
+    more bytes went from the server to the clients, every connection is closed (the client sees the response end
+    early: a payload shorter than its Content-Length) and the port refuses connections for ``down_s`` seconds (the
+    listening socket is closed), as when a server goes down in the middle of a transfer. ``hold()``: from then on
+    no answer reaches a client (a server that never answers); ``withheld`` counts the bytes kept back."""
+
+    def __init__(self, port: int) -> None:
+        self.target = ("127.0.0.1", port)
+        self._listener: socket.socket | None = None
+        self._lock = threading.Lock()
+        self._connections: set[socket.socket] = set()
+        self._budget: int | None = None  # bytes to forward to clients before the cut; None: not armed
+        self._down_s, self._stopped, self._holding, self.cuts, self.withheld = 0.0, False, False, 0, 0
+        self._open(0)
+        self.port = self._listener.getsockname()[1]
+        self._thread = threading.Thread(target=self._accept, daemon=True)
+        self._thread.start()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def _open(self, port: int) -> None:
+        listener = socket.socket()
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # the port again, after the outage
+        listener.bind(("127.0.0.1", port))
+        listener.listen(64)
+        listener.settimeout(0.05)
+        self._listener = listener
+
+    def cut(self, after: int, down_s: float) -> None:
+        with self._lock:
+            self._budget, self._down_s = after, down_s
+
+    def hold(self) -> None:
+        with self._lock:
+            self._holding = True
+
+    def _accept(self) -> None:
+        while not self._stopped:
+            listener = self._listener
+            if listener is None:  # down
+                time.sleep(0.01)
+                continue
+            try:
+                client, _ = listener.accept()
+            except OSError:  # a timeout, or the listener closed by a cut
+                continue
+            client.settimeout(None)
+            try:
+                server = socket.create_connection(self.target, timeout=START_TIMEOUT_S)
+            except OSError:
+                client.close()
+                continue
+            server.settimeout(None)
+            with self._lock:
+                self._connections |= {client, server}
+            threading.Thread(target=self._pump, args=(client, server, False), daemon=True).start()
+            threading.Thread(target=self._pump, args=(server, client, True), daemon=True).start()
+
+    def _pump(self, src: socket.socket, dst: socket.socket, to_client: bool) -> None:
+        try:
+            while data := src.recv(1 << 16):
+                cut = False
+                if to_client:
+                    with self._lock:
+                        if self._holding:
+                            self.withheld += len(data)
+                            continue
+                        if self._budget is not None:
+                            data, cut = data[: self._budget], len(data) >= self._budget
+                            self._budget -= len(data)
+                dst.sendall(data)
+                if cut:
+                    self._go_down()
+                    return
+        except OSError:  # the other direction closed the pair
+            pass
+        finally:
+            self._close(src, dst)
+
+    def _close(self, *sockets: socket.socket) -> None:
+        with self._lock:
+            for sock in sockets:
+                self._connections.discard(sock)
+        for sock in sockets:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            sock.close()
+
+    def _go_down(self) -> None:
+        with self._lock:
+            self._budget, self.cuts = None, self.cuts + 1
+            listener, self._listener = self._listener, None
+            connections, self._connections = list(self._connections), set()
+        listener.close()
+        self._close(*connections)
+        timer = threading.Timer(self._down_s, self._reopen)
+        timer.daemon = True
+        timer.start()
+
+    def _reopen(self) -> None:
+        with self._lock:
+            if not self._stopped:
+                self._open(self.port)
+
+    def stop(self) -> None:
+        with self._lock:
+            self._stopped = True
+        self._thread.join(timeout=10)
+        with self._lock:
+            listener, self._listener = self._listener, None
+            connections = list(self._connections)
+        if listener is not None:
+            listener.close()
+        self._close(*connections)
+
+
+@contextmanager
+def cutting_proxy(port: int) -> Iterator[CuttingProxy]:
+    proxy = CuttingProxy(port)
+    try:
+        yield proxy
+    finally:
+        proxy.stop()

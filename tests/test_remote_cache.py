@@ -6,6 +6,7 @@ from __future__ import annotations
 import fcntl
 import multiprocessing
 import os
+import pickle
 import signal
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -137,7 +138,7 @@ def test_a_failed_fill_leaves_nothing(tmp_path):
 
 
 def test_eviction_follows_the_plan_and_spares_pins(tmp_path):
-    cache = ShardCache(tmp_path / "c", 58_000)  # 4 copies of 3 blocks, the plan and the counters (a block each)
+    cache = ShardCache(tmp_path / "c", 74_000)  # 4 copies of 3 blocks and a checksum, the plan and the counters
     for name in ("done", "soon", "later"):
         cache.fetch(name, 10_000, writer(name, 10_000))
     cache.publish_plan(["soon", "new", "later"])
@@ -162,9 +163,9 @@ def test_eviction_follows_the_plan_and_spares_pins(tmp_path):
 
 
 def test_a_cache_full_of_pinned_files_names_the_minimum(tmp_path):
-    cache = ShardCache(tmp_path / "c", 30_000, wait_s=0.2)
+    cache = ShardCache(tmp_path / "c", 40_000, wait_s=0.2)
     pins = [cache.fetch(n, 10_000, writer(n, 10_000), pin=True).fd for n in ("a", "b")]
-    with pytest.raises(CacheFullError, match=r"at least 40.96 KB"):  # 3 copies of 3 blocks and the counters
+    with pytest.raises(CacheFullError, match=r"at least 53.25 KB"):  # 3 copies of 3+1 blocks and the counters
         cache.fetch("c", 10_000, writer("c", 10_000))
     for fd in pins:
         os.close(fd)
@@ -205,3 +206,48 @@ def test_a_lock_is_released_even_where_a_forked_child_holds_a_copy_of_its_descri
     finally:
         os.kill(child, signal.SIGKILL)
         os.waitpid(child, 0)
+
+
+def test_a_reader_releases_its_own_pins_before_waiting_for_room(tmp_path):
+    """Two copies pinned by the reader itself and room for one more only without them: it drops its pins and goes
+    on at once, where it waited for room its own pins held (``wait_s``, 300 s by default), then failed."""
+    cache = ShardCache(tmp_path / "c", 45_000, wait_s=2)  # 2.5 copies of 3 blocks and a checksum, the counters
+    held = [cache.fetch(n, 10_000, writer(n, 10_000), pin=True).fd for n in ("a", "b")]
+    released = []
+
+    def release() -> None:
+        while held:
+            os.close(held.pop())
+        released.append(True)
+
+    got = cache.fetch("c", 10_000, writer("c", 10_000), pin=True, release=release)
+    assert released == [True] and got.fetched
+    with open(got.path, "rb") as f:
+        assert f.read() == content("c", 10_000)
+    os.close(got.fd)
+    assert du(cache.directory) <= cache.limit
+
+
+def test_a_wait_for_room_that_nothing_can_end_fails_at_once_naming_the_minimum(tmp_path):
+    """Nothing pinned, nothing downloading: no wait can make room for a copy larger than the limit allows next to
+    the cache's own files, so the reader is told at once (not after ``wait_s``) what limit would hold it."""
+    cache = ShardCache(tmp_path / "c", 20_000, wait_s=5)
+    with pytest.raises(CacheFullError, match=r"next to the cache's own files .* at least 28.67 KB"):
+        cache.fetch("big", 17_000, writer("big", 17_000))  # 5 blocks, a checksum and the counters: 7 blocks
+
+
+def test_a_copy_whose_bytes_changed_on_disk_fails_its_check_in_another_process(tmp_path):
+    cache = ShardCache(tmp_path / "c", 100_000)
+    got = cache.fetch("a", 30_000, writer("a", 30_000), pin=True)
+    assert cache.verify("a", got.fd)
+    with open(got.path, "r+b") as f:  # one byte of the payload, in place: same size
+        f.seek(20_000)
+        f.write(bytes([content("a", 30_000)[20_000] ^ 0x10]))
+    other = pickle.loads(pickle.dumps(cache))  # as a DataLoader worker gets it
+    assert not other.verify("a", got.fd)
+    os.close(got.fd)
+    other.discard("a")
+    again = other.fetch("a", 30_000, writer("a", 30_000), pin=True)
+    assert again.fetched and other.verify("a", again.fd)
+    os.close(again.fd)
+    assert cache.stats() == {"downloads": 2, "downloaded_bytes": 60_000, "damaged_copies": 1}

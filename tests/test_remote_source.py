@@ -12,6 +12,7 @@ import os
 import pickle
 import threading
 from types import SimpleNamespace
+from urllib.parse import urlparse
 
 import numpy as np
 import pytest
@@ -24,9 +25,9 @@ import webdataset as wds  # noqa: E402
 
 from loader import ResumableDataLoader  # noqa: E402
 from loader.__main__ import main as cli  # noqa: E402
-from loader.sources import ShardUnavailableError, StaleIndexError, WebDatasetSource  # noqa: E402
+from loader.sources import DiskFullError, ShardUnavailableError, StaleIndexError, WebDatasetSource  # noqa: E402
 from loader.sources import remote as remote_module  # noqa: E402
-from tests.servers import http_server, moto_server, s3_options, upload  # noqa: E402
+from tests.servers import cutting_proxy, http_server, moto_server, s3_options, upload  # noqa: E402
 from tests.test_remote_cache import du  # noqa: E402
 from tests.test_webdataset_loader import loaders, resume_at_another_world_size  # noqa: E402
 from tests.test_webdataset_source import assert_same, reference  # noqa: E402
@@ -75,8 +76,9 @@ def quick_retries(monkeypatch):
 
 
 def remote_source(s3, tmp_path, pattern=None, **kw) -> WebDatasetSource:
-    kw = {"keys": KEYS, "cache_dir": tmp_path / "cache", "cache_limit": "10MB", "progress": False, **kw}
-    return WebDatasetSource(pattern or s3.pattern, storage_options=s3.options, **kw)
+    kw = {"keys": KEYS, "cache_dir": tmp_path / "cache", "cache_limit": "10MB", "progress": False,
+          "storage_options": s3.options, **kw}
+    return WebDatasetSource(pattern or s3.pattern, **kw)
 
 
 def new_bucket(s3, name: str, directory: str) -> str:
@@ -85,10 +87,16 @@ def new_bucket(s3, name: str, directory: str) -> str:
     return f"s3://{name}/train-{{000000..{count - 1:06d}}}.tar"
 
 
-def minimum(directory, prefetch: int) -> int:
-    """The smallest cache_limit accepted: prefetch + 2 of the largest shards, in whole blocks, and two blocks."""
+def shards_of_cache(directory, shards: float) -> int:
+    """A cache_limit of ``shards`` of the largest shards (each in whole blocks, and a block for its checksum) and
+    two blocks for the cache's own files (the counters, a plan)."""
     largest = max(os.path.getsize(p) for p in glob.glob(os.path.join(directory, "*.tar")))
-    return (prefetch + 2) * -(-largest // BLOCK) * BLOCK + 2 * BLOCK
+    return int(shards * (-(-largest // BLOCK) + 1) * BLOCK) + 2 * BLOCK
+
+
+def minimum(directory, prefetch: int) -> int:
+    """The smallest cache_limit a source accepts: prefetch + 2 of the largest shards."""
+    return shards_of_cache(directory, prefetch + 2)
 
 
 def shard_names(directory) -> list[str]:
@@ -213,6 +221,39 @@ def test_with_lanes_each_node_downloads_its_share_of_the_shards(s3, shard_dir, t
             assert downloaded == [total, total]
 
 
+def test_a_cache_of_two_and_a_half_shards_never_stalls_a_reader_on_its_own_pins(s3, shard_dir, tmp_path):
+    """One process keeps 2 copies open: needing a third, it waited for room its own pins held (300 s, then
+    CacheFullError). It releases them first now."""
+    source = remote_source(s3, tmp_path, cache_limit=shards_of_cache(shard_dir, 2.5), prefetch=0)
+    source._remote.cache.wait_s = 3.0  # a stall fails in 3 s, not 300
+    (dl,) = loaders(source, 1)
+    keys = [k for batch in dl for k in batch]
+    assert sorted(keys) == sorted(source.sample_key(i)[1] for i in range(SAMPLES))  # each exactly once
+    assert source.cache_stats()["downloads"] >= SHARDS
+
+
+@pytest.mark.parametrize("workers, local_ranks", [(2, 1), (0, 2)])
+def test_a_cache_that_could_stall_the_node_s_readers_is_refused_at_iter(s3, shard_dir, tmp_path, monkeypatch,
+                                                                         workers, local_ranks):
+    """Two readers on the node: one may keep 2 copies open while idle (its next batch waits on the other's), the
+    other needs room for one: 2.5 shards stalled both for 300 s. Refused at iter() now, naming the 3 shards that
+    never stall; those work."""
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(local_ranks))
+    kw = {"num_workers": workers, "multiprocessing_context": "fork"} if workers else {}
+    source = remote_source(s3, tmp_path, cache_limit=shards_of_cache(shard_dir, 2.5), prefetch=0)
+    source._remote.cache.wait_s = 3.0
+    (dl,) = loaders(source, 1, **kw)
+    least = shards_of_cache(shard_dir, 3)
+    refused = r"of the 2 processes reading remote shards .* at least .*\(%d bytes\)" % least
+    with pytest.raises(ValueError, match=refused):
+        iter(dl)
+    source = remote_source(s3, tmp_path / "enough", cache_limit=least, prefetch=0)
+    source._remote.cache.wait_s = 3.0
+    (dl,) = loaders(source, 1, **kw)
+    keys = [k for batch in dl for k in batch]
+    assert sorted(keys) == sorted(source.sample_key(i)[1] for i in range(SAMPLES))  # each exactly once
+
+
 def test_a_cache_too_small_for_the_shards_in_flight_is_refused(s3, shard_dir, tmp_path):
     least = minimum(shard_dir, prefetch=3)
     with pytest.raises(ValueError, match=r"prefetch=3 more .* at least .*\(%d bytes\)" % least):
@@ -293,7 +334,123 @@ def test_a_copy_damaged_while_open_is_fetched_again(s3, tmp_path, caplog):
     assert source.cache_stats()["downloads"] == 2  # shard 1, then its copy again
 
 
+def test_a_copy_whose_bytes_rot_on_disk_is_fetched_again(s3, tmp_path, caplog):
+    """Same size, mtime and tar headers, one byte of a member's data changed: a process opening the copy afresh
+    checks its checksum, discards it and downloads it again, never serving the rotten bytes."""
+    source = remote_source(s3, tmp_path, keys=("cls", "txt"), decode=())
+    expected = [source[i] for i in range(SAMPLES)]
+    downloads = source.cache_stats()["downloads"]
+    rotten = _copy_of(tmp_path, "train-000002.tar")
+    st = os.stat(rotten)
+    with open(rotten, "r+b") as f:
+        data = f.read()
+        f.seek(data.index(b"sample 17"))
+        f.write(b"Sample 17")
+    os.utime(rotten, ns=(st.st_atime_ns, st.st_mtime_ns))
+    worker = pickle.loads(pickle.dumps(source))  # another process: opens every copy afresh
+    with caplog.at_level(logging.WARNING, logger="loader.sources.remote"):
+        assert [worker[i] for i in range(SAMPLES)] == expected
+    assert "damaged, rotten or truncated" in caplog.text
+    stats = source.cache_stats()
+    assert stats["downloads"] == downloads + 1 and stats["damaged_copies"] == 1
+
+
 # --- faults ---------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def large_dir(tmp_path_factory) -> str:
+    """2 shards of 2 samples with 300 KB members: a transfer long enough to cut in the middle."""
+    directory = str(tmp_path_factory.mktemp("large"))
+    write_shards(directory, 4, 2, 300_000, seed=1)
+    return directory
+
+
+@pytest.fixture(params=["s3", "http"])
+def behind_proxy(request, s3, large_dir):
+    """The large shards behind a proxy that cuts connections: on moto's S3 server (botocore: the next request
+    fails with EndpointConnectionError) or on the HTTP server (aiohttp: ClientPayloadError)."""
+    if request.param == "s3":
+        upload(s3.fs, large_dir, "large-cut")
+        port = urlparse(s3.options["endpoint_url"]).port
+        with cutting_proxy(port) as proxy:
+            options = s3_options(proxy.url, retries={"total_max_attempts": 1})  # botocore's own retries: none
+            yield proxy, "s3://large-cut/train-{000000..000001}.tar", options
+    else:
+        with http_server(large_dir) as server, cutting_proxy(server.server_address[1]) as proxy:
+            yield proxy, [f"{proxy.url}/{name}" for name in shard_names(large_dir)], {}
+
+
+def test_a_connection_lost_in_the_middle_of_a_download_is_retried(behind_proxy, large_dir, tmp_path, caplog,
+                                                                    monkeypatch):
+    """The server goes down 200 KB into a 600 KB shard and stays down for 1 s: the download starts again once it is
+    back (retries of 0.25, 0.5, 1 s...), and the copy served is the whole shard."""
+    monkeypatch.setattr(remote_module, "RETRY_DELAY_S", 0.25)
+    proxy, urls, options = behind_proxy
+    source = WebDatasetSource(urls, keys=None, decode=(), storage_options=options, cache_dir=tmp_path / "c",
+                              cache_limit="10MB", progress=False)
+    expected = [WebDatasetSource(large_dir, keys=None, decode=(), progress=False)[i] for i in range(4)]
+    proxy.cut(200_000, 1.0)
+    with caplog.at_level(logging.WARNING, logger="loader.sources.remote"):
+        got = [source[i] for i in range(4)]
+    assert proxy.cuts == 1
+    for sample, want in zip(got, expected):
+        assert sample.pop("__url__") in (urls if isinstance(urls, list) else [f"s3://large-cut/{n}" for n in
+                                                                                 shard_names(large_dir)])
+        del want["__url__"], want["__local_path__"]
+        assert_same(sample, want)
+    retried = [r.getMessage() for r in caplog.records if "downloading" in r.getMessage() and "retry" in r.getMessage()]
+    assert retried
+    assert source.cache_stats()["downloads"] == 2  # each shard once: the cut transfer left no copy
+    assert os.listdir(tmp_path / "c" / "partial") == []
+
+
+def test_a_full_cache_disk_is_reported_as_such_and_not_retried(s3, tmp_path, caplog, monkeypatch):
+    """The download written to /dev/full (every write: ENOSPC): no retry as a network fault, but an error naming
+    the cache's directory, the bytes needed and free, and what to do; the partial download is gone."""
+    if not os.path.exists("/dev/full"):
+        pytest.skip("needs /dev/full")
+    source = remote_source(s3, tmp_path)
+    full = tmp_path / "full"
+    full.symlink_to("/dev/full")
+    download = remote_module.RemoteShards._download
+
+    def onto_a_full_disk(self, shard, index, dest, deadline):
+        return download(self, shard, index, str(full), deadline)
+
+    monkeypatch.setattr(remote_module.RemoteShards, "_download", onto_a_full_disk)
+    with caplog.at_level(logging.WARNING, logger="loader.sources.remote"):
+        with pytest.raises(DiskFullError, match=r"disk under the cache .*cache is full .* needs .* free.*cache_dir"):
+            source[0]
+    assert not [r for r in caplog.records if "retry" in r.getMessage()]
+    assert os.listdir(tmp_path / "cache" / "partial") == []
+
+
+def test_a_server_that_never_answers_is_given_up_at_the_deadline(s3, shard_dir, tmp_path, monkeypatch):
+    """No answer reaches the client: botocore's read_timeout (60 s) times its attempts times s3fs's retries made it
+    about 75 min; every attempt is cut at the deadline (2 s here, 300 s by default), and the error says so."""
+    monkeypatch.setattr(remote_module, "RETRY_DEADLINE_S", 2.0)
+    port = urlparse(s3.options["endpoint_url"]).port
+    with cutting_proxy(port) as proxy:
+        source = remote_source(s3, tmp_path, storage_options=s3_options(proxy.url))
+        proxy.hold()
+        outcome = []
+        reader = threading.Thread(target=lambda: outcome.append(_raised(lambda: source[0])), daemon=True)
+        reader.start()
+        reader.join(timeout=60)  # bounded even where the deadline does not hold
+        assert outcome, "the read was still waiting for the server after 60 s"
+        assert proxy.withheld > 0  # the server answered; the client never heard
+    (error,) = outcome
+    assert isinstance(error, ShardUnavailableError), error
+    assert "s3://train/train-000000.tar still failed after" in str(error) and "within 2 s" in str(error)
+
+
+def _raised(call) -> BaseException | None:
+    try:
+        call()
+    except BaseException as exn:  # noqa: BLE001 - handed to the test's thread
+        return exn
+    return None
 
 
 def test_transient_errors_and_timeouts_are_retried(http, shard_dir, tmp_path, caplog):

@@ -1,7 +1,7 @@
 """Data sources the loader can shuffle, partition and resume at any world size: tar shards as a map-style dataset,
 and sharded streams (files, webdataset pipelines, Hugging Face streaming datasets)."""
 
-from loader.sources.cache import CacheFullError
+from loader.sources.cache import CacheFullError, DiskFullError
 from loader.sources.mixture import Mixture, MixturePlan
 from loader.sources.sharded import FileShards, HuggingFaceShards, WebDatasetShards
 from loader.sources.tokens import TokenFileError, TokenSource
@@ -15,7 +15,7 @@ from loader.sources.webdataset import (
 )
 
 __all__ = [
-    "CacheFullError", "FileShards", "HuggingFaceShards", "MissingKeyError", "Mixture", "MixturePlan",
+    "CacheFullError", "DiskFullError", "FileShards", "HuggingFaceShards", "MissingKeyError", "Mixture", "MixturePlan",
     "ShardFormatError", "ShardUnavailableError", "StaleIndexError", "TokenFileError", "TokenSource",
     "WebDatasetShards", "WebDatasetSource", "prepare_indexes",
 ]

@@ -8,10 +8,18 @@ lock says its writer is alive (another process wanting the same file waits for i
 twice), and a partial file nobody holds is a crashed download, removed. Complete files appear by rename only.
 
 Readers pin a copy with a shared ``flock`` taken under the cache lock; eviction skips pinned copies, so the space
-of a file still being read is never "freed" while its blocks stay on disk. What to evict comes from the plans:
+of a file still being read is never "freed" while its blocks stay on disk. A reader short of room drops its own
+pins (``release``) once nothing has moved for ``RELEASE_AFTER_S``, and a wait nothing can end (what stays is neither
+pinned nor downloading) fails at once. What to evict comes from the plans:
 each process that knows its upcoming files publishes them in order (``plans/``, held by a shared ``flock`` while
 its writer lives). Files no live plan names go first (copies before indexes, oldest first), then those needed
 latest. A prefetch never evicts a file needed sooner than the one it fetches.
+
+Every copy has a checksum (CRC-32 of its bytes, taken from the finished download before its rename) in
+``sums/<name>``, counted and evicted with it. A process opening a copy it did not download checks it once
+(``verify``: one read of the copy, about 0.5 s of CPU per GB), so a copy whose bytes rot on disk is discarded and
+downloaded again, never served; checking on every sample would cost that per sample. A copy without a checksum
+(made by an older version) is downloaded again.
 
 Why not a library's cache: fsspec's ``filecache``/``simplecache``/``blockcache`` have no size limit (only an
 expiry time), no lock between processes (two workers download one file twice, both writing the final name) and
@@ -30,17 +38,22 @@ import os
 import re
 import time
 import uuid
+import zlib
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import NamedTuple
 
-__all__ = ["CacheFullError", "ShardCache", "parse_bytes"]
+__all__ = ["CacheFullError", "DiskFullError", "ShardCache", "disk_full", "parse_bytes"]
 
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
           "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
 _SIZE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*")
 _POLL_S = (0.005, 0.2)  # first and longest pause between looks while waiting for another process
-COPY, INDEX, PARTIAL, OTHER = "copy", "index", "partial", "other"
+RELEASE_AFTER_S = 0.5  # a reader short of room drops its own pins after this long without progress: sooner, the
+# copies it still reads would be evicted (and downloaded again) for room a prefetch about to start would have made
+COPY, INDEX, PARTIAL, SUM, OTHER = "copy", "index", "partial", "sum", "other"
+_KINDS = {"shards": COPY, "index": INDEX, "partial": PARTIAL, "sums": SUM}
+_CHUNK = 1 << 20  # bytes read at a time to checksum a copy
 
 
 _HELD: set[int] = set()  # descriptors whose flocks this process holds for a moment (the cache lock, a download, its
@@ -77,6 +90,36 @@ def _close_held(fd: int) -> None:
 
 class CacheFullError(RuntimeError):
     """The cache cannot make room: what it must hold at once (files being read, the one needed) exceeds its limit."""
+
+
+class DiskFullError(OSError):
+    """The disk under the cache ran out of space (or quota) below ``cache_limit``: not a network fault, not retried."""
+
+
+def disk_full(exn: BaseException | None) -> int | None:
+    """ENOSPC or EDQUOT where a local write failed for want of space or quota, anywhere in the exception chain."""
+    seen = set()
+    while exn is not None and id(exn) not in seen:
+        seen.add(id(exn))
+        if isinstance(exn, OSError) and exn.errno in (errno.ENOSPC, errno.EDQUOT):
+            return exn.errno
+        exn = exn.__cause__ or exn.__context__
+    return None
+
+
+def _identity(st: os.stat_result) -> tuple:
+    """A file as this process saw it: another file, or this one rewritten, has another."""
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns
+
+
+def checksum(fd: int) -> str:
+    """CRC-32 of the file open at ``fd``, with its size: catches bytes that rot on disk, at about 2 GB/s."""
+    crc, offset, buf = 0, 0, bytearray(_CHUNK)
+    view = memoryview(buf)
+    while n := os.preadv(fd, [buf], offset):
+        crc = zlib.crc32(view[:n], crc)
+        offset += n
+    return f"crc32 {crc:08x} {offset}"
 
 
 def parse_bytes(limit: int | str) -> int:
@@ -119,8 +162,17 @@ class _File(NamedTuple):
     path: str
     name: str
     kind: str
-    nbytes: int
+    nbytes: int  # the space it takes (a download in progress: reserved for it whole; a copy: with its checksum)
     ctime_ns: int
+    size: int  # bytes written
+    sum_path: str | None = None  # a copy's checksum, evicted with it
+
+
+class _Room(NamedTuple):
+    fits: bool
+    kept: int  # bytes that could not be evicted
+    busy: int  # of which copies pinned and downloads in progress: what may still go away
+    written: int  # bytes the downloads in progress wrote so far: a wait for room lasts while they grow
 
 
 class Fetched(NamedTuple):
@@ -142,11 +194,13 @@ class ShardCache:
         self.directory = os.path.abspath(os.fspath(directory))
         self.limit = parse_bytes(limit)
         self.wait_s = wait_s
-        for sub in ("shards", "index", "partial", "plans"):
+        for sub in ("shards", "index", "partial", "plans", "sums"):
             os.makedirs(os.path.join(self.directory, sub), exist_ok=True)
         self._block = max(4096, os.statvfs(self.directory).f_frsize)  # the allocation unit a file takes
         self._plan_fd: int | None = None
         self._plan_pid = -1
+        self._verified: dict[str, tuple] = {}  # copies this process downloaded or checked: name -> their stat
+        self._verified_pid = os.getpid()
         with self._locked():
             self.count()  # the counters' file exists before any download needs its room
 
@@ -154,11 +208,15 @@ class ShardCache:
         return {"directory": self.directory, "limit": self.limit, "wait_s": self.wait_s, "_block": self._block}
 
     def __setstate__(self, state: dict) -> None:
-        self.__dict__.update(state, _plan_fd=None, _plan_pid=-1)
+        self.__dict__.update(state, _plan_fd=None, _plan_pid=-1, _verified={}, _verified_pid=os.getpid())
 
     def footprint(self, nbytes: int) -> int:
-        """Space a file of ``nbytes`` takes: whole allocation blocks (a partial download is reserved at this)."""
+        """Space a file of ``nbytes`` takes: whole allocation blocks."""
         return -(-nbytes // self._block) * self._block
+
+    def copy_footprint(self, nbytes: int) -> int:
+        """Space a copy of ``nbytes`` takes with its checksum (a download is reserved at this from its start)."""
+        return self.footprint(nbytes) + self._block
 
     # -- paths and the lock ----------------------------------------------------------------------------------------
 
@@ -170,6 +228,9 @@ class ShardCache:
 
     def _partial_path(self, name: str, nbytes: int) -> str:
         return os.path.join(self.directory, "partial", f"{name}.{nbytes}.part")
+
+    def _sum_path(self, name: str) -> str:
+        return os.path.join(self.directory, "sums", name)
 
     @contextmanager
     def _locked(self) -> Iterator[None]:
@@ -183,11 +244,12 @@ class ShardCache:
     # -- what is there ---------------------------------------------------------------------------------------------
 
     def _scan(self) -> list[_File]:
-        """Every file under the directory with the space it takes (a download in progress: its full size). Under
-        the lock; crashed downloads and plans of dead processes are removed on the way."""
-        files = []
+        """Every file under the directory with the space it takes (a download in progress: its full size and its
+        checksum's; a copy: with its checksum). Under the lock; crashed downloads and checksums without a copy (a
+        crash between the two) are removed on the way."""
+        files, sums = [], {}
         for root, _, names in os.walk(self.directory):
-            kind = {"shards": COPY, "index": INDEX, "partial": PARTIAL}.get(os.path.basename(root), OTHER)
+            kind = _KINDS.get(os.path.basename(root), OTHER)
             for name in names:
                 path = os.path.join(root, name)
                 try:
@@ -195,13 +257,22 @@ class ShardCache:
                 except FileNotFoundError:
                     continue
                 nbytes = disk_bytes(st)
-                if kind == PARTIAL:
+                if kind == PARTIAL:  # only downloads: an index's partial file lives only under the lock
                     if not self._held(path):
                         os.unlink(path)  # its writer died: nobody will finish it
                         continue
                     name, _, reserved = name[: -len(".part")].rpartition(".")
-                    nbytes = max(nbytes, self.footprint(int(reserved)))
-                files.append(_File(path, name, kind, nbytes, st.st_ctime_ns))
+                    nbytes = max(nbytes, self.copy_footprint(int(reserved)))
+                if kind == SUM:
+                    sums[name] = (path, nbytes)
+                else:
+                    files.append(_File(path, name, kind, nbytes, st.st_ctime_ns, st.st_size))
+        for i, f in enumerate(files):
+            if f.kind == COPY and f.name in sums:
+                path, nbytes = sums.pop(f.name)
+                files[i] = f._replace(nbytes=f.nbytes + nbytes, sum_path=path)
+        for path, _ in sums.values():
+            os.unlink(path)
         return files
 
     @staticmethod
@@ -253,14 +324,17 @@ class ShardCache:
 
     # -- room ------------------------------------------------------------------------------------------------------
 
-    def _make_room(self, nbytes: int, rank: int | None) -> tuple[bool, int]:
+    def _make_room(self, nbytes: int, rank: int | None) -> _Room:
         """Evict until ``nbytes`` more fit; ``rank`` None: needed now (anything unpinned may go), else its place in
-        a plan (only files needed later, or not at all, may go). Returns whether it fits, and the bytes that could
-        not be evicted (pinned, or needed sooner). Under the lock; evicts nothing unless enough can go."""
+        a plan (only files needed later, or not at all, may go). Returns whether it fits, the bytes that could not
+        be evicted (pinned, downloading, or needed sooner), and of those what may still go away. Under the lock;
+        evicts nothing unless enough can go."""
         files = self._scan()
         used = sum(f.nbytes for f in files)
+        downloading = [f for f in files if f.kind == PARTIAL]
+        busy, written = sum(f.nbytes for f in downloading), sum(f.size for f in downloading)
         if used + nbytes <= self.limit:
-            return True, used
+            return _Room(True, used, busy, written)
         ranks = self._plan_ranks()
         unplanned = math.inf  # later than any place in any plan
 
@@ -281,6 +355,7 @@ class ShardCache:
                     fd = _open_held(f.path, os.O_RDONLY)
                     if not _try_lock(fd, fcntl.LOCK_EX):
                         _close_held(fd)
+                        busy += f.nbytes
                         continue
                 chosen.append((f, fd))
                 freed += f.nbytes
@@ -288,7 +363,9 @@ class ShardCache:
             if fits:
                 for f, _ in chosen:
                     os.unlink(f.path)
-            return fits, used - freed
+                    if f.sum_path is not None:
+                        os.unlink(f.sum_path)
+            return _Room(fits, used - freed, busy, written)
         finally:
             for _, fd in chosen:
                 if fd is not None:
@@ -296,11 +373,11 @@ class ShardCache:
 
     def _room_for(self, nbytes: int, what: str) -> None:
         """Make room for a small file the cache writes itself (index, plan, counters), or refuse. Under the lock."""
-        fits, kept = self._make_room(nbytes, None)
-        if not fits:
+        room = self._make_room(nbytes, None)
+        if not room.fits:
             raise CacheFullError(
-                f"cache_limit {human(self.limit)} cannot hold {what} ({human(nbytes)}) next to {human(kept)} in use "
-                f"in {self.directory}; raise cache_limit"
+                f"cache_limit {human(self.limit)} cannot hold {what} ({human(nbytes)}) next to {human(room.kept)} in "
+                f"use in {self.directory}; raise cache_limit"
             )
 
     # -- files -----------------------------------------------------------------------------------------------------
@@ -312,47 +389,61 @@ class ShardCache:
         return fd
 
     def fetch(
-        self, name: str, nbytes: int, fill: Callable[[str], None], *, rank: int | None = None, pin: bool = False
+        self, name: str, nbytes: int, fill: Callable[[str], None], *, rank: int | None = None, pin: bool = False,
+        release: Callable[[], None] | None = None,
     ) -> Fetched | None:
         """The complete copy ``name`` (``nbytes``), made by ``fill(partial_path)`` unless it is there already.
 
-        ``rank`` None: needed now; waits (bounded) for room or for another process downloading the same file.
-        Otherwise a prefetch at that place of the plan: returns None at once when it would have to wait.
+        ``rank`` None: needed now; waits (bounded) for room or for another process downloading the same file. Short
+        of room for ``RELEASE_AFTER_S`` without progress, it calls ``release`` (it drops the caller's own pins: a
+        reader waiting for room its own pins hold would wait for ever). Otherwise a prefetch at that place of the
+        plan: returns None at once when it would have to wait.
         ``pin``: also return a descriptor that keeps the copy from eviction until it is closed.
         """
-        path, partial = self.copy_path(name), self._partial_path(name, nbytes)
-        deadline, pause, seen = time.monotonic() + self.wait_s, _POLL_S[0], None
+        path, partial, need = self.copy_path(name), self._partial_path(name, nbytes), self.copy_footprint(nbytes)
+        deadline, pause, seen, still_since = time.monotonic() + self.wait_s, _POLL_S[0], None, time.monotonic()
         while True:
             with self._locked():
                 if os.path.exists(path):
                     return Fetched(path, self._pin(path) if pin else None, False)
                 if self._held(partial):
-                    waiting = os.stat(partial).st_size  # another process is downloading it: wait while it grows
-                    if waiting != seen:
-                        deadline, seen = time.monotonic() + self.wait_s, waiting
+                    progress = os.stat(partial).st_size  # another process is downloading it: wait while it grows
+                    stalled = TimeoutError(f"waited {self.wait_s:.0f} s for another process's download of {name} "
+                                           "to progress")
                 else:
-                    fits, kept = self._make_room(self.footprint(nbytes), rank)
-                    if fits:
+                    room = self._make_room(need, rank)
+                    if room.fits:
                         lock = _open_held(partial, os.O_RDWR | os.O_CREAT | os.O_TRUNC)
                         fcntl.flock(lock, fcntl.LOCK_EX)
                         break
-                    if rank is None and time.monotonic() > deadline:
-                        raise CacheFullError(
-                            f"cache_limit {human(self.limit)} cannot hold {name} ({human(nbytes)}) next to what "
-                            f"this node is reading ({human(kept)} pinned) in {self.directory}: raise cache_limit to "
-                            f"at least {human(kept + self.footprint(nbytes))}, or lower prefetch / num_workers"
-                        )
-            if rank is not None:
-                return None
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"waited {self.wait_s:.0f} s for another process's download of {name} to progress")
+                    if rank is not None:
+                        return None
+                    stalled = self._no_room(name, nbytes, room)
+                    progress = (room.busy, room.written)  # pins released, downloads growing or done
+                    if release is not None and progress == seen and time.monotonic() - still_since > RELEASE_AFTER_S:
+                        release()
+                        release = None
+                        continue  # its own pins may have been in the way
+            if progress != seen:
+                deadline, seen, still_since = time.monotonic() + self.wait_s, progress, time.monotonic()
+            elif time.monotonic() > deadline:
+                raise stalled
             time.sleep(pause)
             pause = min(2 * pause, _POLL_S[1])
         try:
-            fill(partial)
+            try:
+                fill(partial)
+                recorded = self._checksum(partial)
+            except Exception as exn:
+                if (code := disk_full(exn)) is not None:
+                    raise self._disk_full_error(code, name, nbytes, partial) from exn
+                raise
             with self._locked():
+                with open(self._sum_path(name), "w", encoding="ascii") as f:  # in the room reserved with the download
+                    f.write(recorded)
                 os.replace(partial, path)
                 self.count(downloads=1, downloaded_bytes=nbytes)
+                self._verified_copies()[name] = _identity(os.stat(path))
                 if not pin:
                     return Fetched(path, None, True)
                 fcntl.flock(lock, fcntl.LOCK_SH)  # the writer's lock becomes the reader's pin
@@ -365,13 +456,72 @@ class ShardCache:
                     os.unlink(partial)  # fill failed: drop what it wrote (only its writer holds this name)
                 _close_held(lock)
 
+    def _no_room(self, name: str, nbytes: int, room: _Room) -> CacheFullError:
+        """Raise at once when nothing can end a reader's wait for room (what stays is neither pinned nor being
+        downloaded); else the error for a wait of ``wait_s`` without progress. Both name the limit that holds it."""
+        need, fixed = self.copy_footprint(nbytes), room.kept - room.busy
+        if fixed + need > self.limit:
+            raise CacheFullError(
+                f"cache_limit {human(self.limit)} cannot hold {name} ({human(nbytes)}) next to the cache's own "
+                f"files ({human(fixed)}) in {self.directory}: raise cache_limit to at least {human(fixed + need)}"
+            )
+        return CacheFullError(
+            f"cache_limit {human(self.limit)} cannot hold {name} ({human(nbytes)}) next to what this node is "
+            f"reading ({human(room.kept)} pinned or downloading) in {self.directory}, and no room was made for "
+            f"{self.wait_s:.0f} s: raise cache_limit to at least {human(room.kept + need)}, or lower prefetch / "
+            "num_workers"
+        )
+
+    def _checksum(self, path: str) -> str:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            return checksum(fd)
+        finally:
+            os.close(fd)
+
+    def _disk_full_error(self, code: int, name: str, nbytes: int, partial: str) -> DiskFullError:
+        os.unlink(partial)  # what it wrote is not wanted: the space free is then what the next try would have
+        st = os.statvfs(self.directory)
+        return DiskFullError(
+            code,
+            f"the disk under the cache {self.directory} is full ({os.strerror(code)}) while downloading {name}: it "
+            f"needs {human(nbytes)}, the disk has {human(st.f_bavail * st.f_frsize)} free. cache_limit "
+            f"({human(self.limit)}) bounds only the cache's own files: free space on that disk, set cache_limit "
+            "below what it has free, or point cache_dir at a disk with room",
+        )
+
+    def _verified_copies(self) -> dict[str, tuple]:
+        """This process's copies downloaded or checked (a forked child checks again: ``verify`` is per process)."""
+        if self._verified_pid != os.getpid():
+            self._verified, self._verified_pid = {}, os.getpid()
+        return self._verified
+
+    def verify(self, name: str, fd: int) -> bool:
+        """Whether the copy open at ``fd`` still has the checksum taken when it was downloaded. Read once per
+        process and copy: a copy this process downloaded, or checked before unchanged, is not read again."""
+        st = os.fstat(fd)
+        if self._verified_copies().get(name) == _identity(st):
+            return True
+        try:
+            with open(self._sum_path(name), encoding="ascii") as f:
+                recorded = f.read()
+        except FileNotFoundError:
+            return False  # its checksum is lost: it cannot be told from a damaged copy
+        if checksum(fd) != recorded:
+            return False
+        self._verified_copies()[name] = _identity(st)
+        return True
+
     def discard(self, name: str) -> None:
-        """Remove the copy ``name`` (corrupt or truncated): the next fetch downloads it again."""
+        """Remove the copy ``name`` (corrupt or truncated): the next fetch downloads it again. Counted as
+        ``damaged_copies``."""
         with self._locked():
-            try:
-                os.unlink(self.copy_path(name))
-            except FileNotFoundError:
-                pass
+            for path in (self.copy_path(name), self._sum_path(name)):
+                try:
+                    os.unlink(path)
+                except FileNotFoundError:
+                    pass
+            self.count(damaged_copies=1)
 
     def load_index(self, name: str) -> bytes | None:
         try:
@@ -415,7 +565,8 @@ class ShardCache:
             return {}
 
     def stats(self) -> dict[str, int]:
-        """The node's counters: ``downloads``, ``downloaded_bytes`` (whole copies), ``indexes_built`` and
-        ``index_bytes`` (ranged reads to index), across every process using the directory."""
+        """The node's counters: ``downloads``, ``downloaded_bytes`` (whole copies), ``damaged_copies`` (found
+        damaged, rotten or truncated, and discarded), ``indexes_built`` and ``index_bytes`` (ranged reads to index),
+        across every process using the directory."""
         with self._locked():
             return self._read_stats()

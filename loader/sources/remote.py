@@ -13,8 +13,13 @@ The index comes from ranged reads of the tar headers through fsspec's ``readahea
 through), or from ``<url>.idx.npz`` next to the shard when ``python -m loader index`` wrote one for this version.
 
 fsspec (and s3fs for S3) are optional dependencies: ``pip install -e ".[remote]"``. Transient errors (timeouts,
-connection errors, HTTP 408/429/5xx) are retried with exponential backoff, ``retries`` times, each logged; what
-stays unavailable raises ``ShardUnavailableError`` naming the URL.
+connection errors, HTTP 408/429/5xx, a transfer cut short: found anywhere in the exception chain, by class name
+where the class is an optional client's) are retried with exponential backoff, ``retries`` times, each logged, all
+within ``RETRY_DEADLINE_S`` of the first attempt: an asynchronous file system's call in progress is cancelled at
+it, so a server that never answers is reported then, whatever the client's own timeouts and retries multiply to.
+A download cut short starts again into the same partial file, never served. What stays unavailable raises
+``ShardUnavailableError`` naming the URL, the attempts and the time spent; a full local disk is not retried
+(``DiskFullError``, from the cache).
 """
 
 from __future__ import annotations
@@ -33,7 +38,7 @@ from datetime import datetime
 from email.utils import parsedate_to_datetime
 from typing import Any, NamedTuple, TypeVar
 
-from loader.sources.cache import ShardCache
+from loader.sources.cache import ShardCache, disk_full
 from loader.sources.tar_index import (
     BLOCK,
     ShardFormatError,
@@ -56,10 +61,22 @@ log = logging.getLogger(__name__)
 INDEX_READ_BYTES = 256 * 1024
 RETRY_DELAY_S = 0.5  # the first pause; it doubles up to RETRY_MAX_DELAY_S
 RETRY_MAX_DELAY_S = 8.0
+RETRY_DEADLINE_S = 300.0  # one operation on a shard (a look-up, its index, a download): all its attempts together
 _URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
 _VERSION_FIELDS = ("ETag", "etag", "generation")  # S3, HTTP, Azure; GCS
 _MTIME_FIELDS = ("LastModified", "Last-Modified", "last_modified", "updated", "mtime")
 _RETRIED_STATUS = (408, 425, 429)
+_TRANSIENT_ERRORS = frozenset({  # by class name (or a base's): the clients are optional, so never imported here
+    # aiohttp: a response cut short (ClientPayloadError around ContentLengthError or TransferEncodingError), a
+    # connection closed, refused or timed out
+    "ClientPayloadError", "ContentLengthError", "TransferEncodingError", "ClientConnectionError",
+    "ServerTimeoutError",
+    # botocore: no connection, a connection closed, a read or connect timed out, a body cut short
+    "EndpointConnectionError", "ConnectionClosedError", "ReadTimeoutError", "ConnectTimeoutError",
+    "ResponseStreamingError", "IncompleteReadError", "ProxyConnectionError",
+    # http.client and urllib3 (file systems built on requests)
+    "IncompleteRead", "ProtocolError",
+})
 T = TypeVar("T")
 
 
@@ -175,19 +192,67 @@ def describe(url: str, info: dict) -> RemoteShard:
 
 def _transient(exn: BaseException | None) -> bool:
     """Worth retrying: timeouts, connection errors, HTTP 408/425/429/5xx (also under a FileNotFoundError, which
-    fsspec's HTTP info raises for any failed request)."""
-    while exn is not None:
+    fsspec's HTTP info raises for any failed request), a transfer cut short. The first that decides, in the whole
+    chain: a connection lost in the middle of a download surfaces as the error of the request that resumes it
+    (botocore's EndpointConnectionError, no OSError) with the payload error as its context. Not a full disk."""
+    if disk_full(exn):
+        return False
+    seen = set()
+    while exn is not None and id(exn) not in seen:
+        seen.add(id(exn))
         if isinstance(exn, (ShardUnavailableError, StaleIndexError, ShardFormatError)):
             return False
         status = getattr(exn, "status", None)
         if isinstance(status, int):
             return status in _RETRIED_STATUS or status >= 500
-        if isinstance(exn, (TimeoutError, ConnectionError)):
+        if isinstance(exn, (TimeoutError, ConnectionError)) or any(
+            cls.__name__ in _TRANSIENT_ERRORS for cls in type(exn).__mro__
+        ):
             return True
         if isinstance(exn, OSError) and not isinstance(exn, (FileNotFoundError, PermissionError, IsADirectoryError)):
             return True
         exn = exn.__cause__ or exn.__context__
     return False
+
+
+def _within(fs: Any, method: str, deadline: float, *args: Any, **kwargs: Any) -> Any:
+    """``fs.<method>(*args, **kwargs)``, cancelled at ``deadline`` where ``fs`` is asynchronous (fsspec runs its
+    coroutine under ``asyncio.wait_for``): no client's timeouts times its retries (botocore's read_timeout, its
+    attempts, then s3fs's) hold one attempt past the deadline. A synchronous file system is cut between attempts."""
+    from fsspec.asyn import AsyncFileSystem, sync
+
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise TimeoutError("the retry deadline passed")
+    if isinstance(fs, AsyncFileSystem) and not fs.asynchronous:
+        return sync(fs.loop, getattr(fs, "_" + method), *args, timeout=left, **kwargs)
+    return getattr(fs, method)(*args, **kwargs)
+
+
+class _Ranges:
+    """A remote file as ``scan_tar`` reads it (seek, read), by ranges through fsspec's readahead cache
+    (``INDEX_READ_BYTES`` past each read), each range a request bounded by the deadline."""
+
+    def __init__(self, fs: Any, path: str, shard: RemoteShard, deadline: float) -> None:
+        from fsspec.caching import ReadAheadCache
+
+        self.fs, self.path, self.url, self.deadline, self.pos = fs, path, shard.url, deadline, 0
+        self.cache = ReadAheadCache(INDEX_READ_BYTES, self._fetch, shard.size)
+
+    def _fetch(self, start: int, end: int) -> bytes:
+        data = _within(self.fs, "cat_file", self.deadline, self.path, start=start, end=end)
+        if len(data) != end - start:
+            raise ShardUnavailableError(f"{self.url}: a read of bytes {start}-{end} got {len(data)} bytes; the "
+                                        "server must honour Range requests")
+        return data
+
+    def seek(self, offset: int) -> None:
+        self.pos = offset
+
+    def read(self, nbytes: int) -> bytes:
+        data = self.cache._fetch(self.pos, self.pos + nbytes)
+        self.pos += len(data)
+        return data
 
 
 def _matching(data: bytes | None, shard: RemoteShard) -> ShardIndex | None:
@@ -225,22 +290,29 @@ class RemoteShards:
 
         return fsspec.core.url_to_fs(url, **self.storage_options)
 
-    def _retry(self, call: Callable[[], T], url: str, what: str) -> T:
-        """``call()``, retried with exponential backoff while it fails transiently, at most ``retries`` times."""
+    def _retry(self, call: Callable[[float], T], url: str, what: str) -> T:
+        """``call(deadline)``, retried with exponential backoff while it fails transiently: at most ``retries``
+        times, and all attempts within ``RETRY_DEADLINE_S`` (``call`` bounds its requests by ``deadline``). A full
+        local disk is raised as it is: the cache reports it."""
         start, delay, attempts = time.monotonic(), RETRY_DELAY_S, 0
+        deadline = start + RETRY_DEADLINE_S
         while True:
             try:
-                return call()
+                return call(deadline)
             except (StaleIndexError, ShardFormatError, ShardUnavailableError):
                 raise
             except Exception as exn:
                 attempts += 1
+                if disk_full(exn):
+                    raise
                 if not _transient(exn):
                     raise ShardUnavailableError(f"{what} {url} failed: {exn!r}") from exn
-                if attempts > self.retries:
+                if attempts > self.retries or deadline - time.monotonic() <= delay:
                     raise ShardUnavailableError(
-                        f"{what} {url} still failed after {attempts} attempts over {time.monotonic() - start:.1f} s "
-                        f"(last error: {exn!r}); the shard stays unavailable"
+                        f"{what} {url} still failed after {attempts} attempt{'s' * (attempts > 1)} over "
+                        f"{time.monotonic() - start:.1f} s "
+                        f"(at most {self.retries + 1} attempts within {RETRY_DEADLINE_S:.0f} s; last error: "
+                        f"{exn!r}); the shard stays unavailable"
                     ) from exn
                 log.warning("%s %s failed (%r); retry %d/%d in %.1f s", what, url, exn, attempts, self.retries, delay)
                 time.sleep(delay)
@@ -248,42 +320,42 @@ class RemoteShards:
 
     # -- versions --------------------------------------------------------------------------------------------------
 
-    def _now(self, url: str) -> RemoteShard:
+    def _now(self, url: str, deadline: float) -> RemoteShard:
         fs, path = self._fs(url)
         fs.invalidate_cache(path)  # a listing cached earlier would report the old version
-        return describe(url, fs.info(path))
+        return describe(url, _within(fs, "info", deadline, path))
 
     def stat(self, url: str) -> RemoteShard:
         """The shard as the server describes it now (a HEAD request)."""
-        return self._retry(lambda: self._now(url), url, "looking up")
+        return self._retry(lambda deadline: self._now(url, deadline), url, "looking up")
 
-    def _check(self, expected: RemoteShard) -> None:
-        now = self._now(expected.url)
+    def _check(self, expected: RemoteShard, deadline: float) -> None:
+        now = self._now(expected.url, deadline)
         if now != expected:
             raise _stale(expected, now)
 
     def check_current(self, expected: RemoteShard) -> None:
         """Refuse a shard whose server version is no longer ``expected``."""
-        self._retry(lambda: self._check(expected), expected.url, "looking up")
+        self._retry(lambda deadline: self._check(expected, deadline), expected.url, "looking up")
 
     # -- indexes ---------------------------------------------------------------------------------------------------
 
-    def _build(self, shard: RemoteShard) -> tuple[ShardIndex, int]:
+    def _build(self, shard: RemoteShard, deadline: float) -> tuple[ShardIndex, int]:
         fs, path = self._fs(shard.url)
-        self._check(shard)
-        with fs.open(path, "rb", block_size=INDEX_READ_BYTES, cache_type="readahead") as f:
-            head = f.read(BLOCK)
-            f.seek(0)
-            samples = list(group_samples(scan_tar(f, shard.url, shard.size), shard.url))
-            fetched = f.cache.total_requested_bytes
-        self._check(shard)  # the ranged reads all saw this version
-        return assemble_index(samples, shard.size, shard.mtime_ns, shard.identity, head), fetched
+        self._check(shard, deadline)
+        f = _Ranges(fs, path, shard, deadline)
+        head = f.read(BLOCK)
+        f.seek(0)
+        samples = list(group_samples(scan_tar(f, shard.url, shard.size), shard.url))
+        self._check(shard, deadline)  # the ranged reads all saw this version
+        index = assemble_index(samples, shard.size, shard.mtime_ns, shard.identity, head)
+        return index, f.cache.total_requested_bytes
 
-    def _stored_index(self, url: str) -> bytes | None:
+    def _stored_index(self, url: str, deadline: float) -> bytes | None:
         """``<url>.idx.npz`` next to the shard, if ``python -m loader index`` wrote one."""
         fs, path = self._fs(url)
         try:
-            return fs.cat_file(path + ".idx.npz")
+            return _within(fs, "cat_file", deadline, path + ".idx.npz")
         except FileNotFoundError as exn:
             if _transient(exn.__cause__ or exn.__context__):
                 raise
@@ -296,11 +368,12 @@ class RemoteShards:
         if not rebuild:
             if (index := _matching(self.cache.load_index(name), shard)) is not None:
                 return index, False
-            data = self._retry(lambda: self._stored_index(shard.url), shard.url, "reading the index of")
+            data = self._retry(lambda deadline: self._stored_index(shard.url, deadline), shard.url,
+                               "reading the index of")
             if (index := _matching(data, shard)) is not None:
                 self.cache.store_index(name, data)
                 return index, False
-        index, fetched = self._retry(lambda: self._build(shard), shard.url, "indexing")
+        index, fetched = self._retry(lambda deadline: self._build(shard, deadline), shard.url, "indexing")
         self.cache.store_index(name, index_bytes(index))
         self.cache.add_counts(indexes_built=1, index_bytes=fetched)
         return index, True
@@ -309,28 +382,30 @@ class RemoteShards:
         """Write ``<url>.idx.npz`` next to the shard for later jobs; returns its samples and whether it was built."""
         shard = self.stat(url)
         if not rebuild:
-            data = self._retry(lambda: self._stored_index(url), url, "reading the index of")
+            data = self._retry(lambda deadline: self._stored_index(url, deadline), url, "reading the index of")
             if (index := _matching(data, shard)) is not None:
                 return len(index), False
-        index, _ = self._retry(lambda: self._build(shard), url, "indexing")
+        index, _ = self._retry(lambda deadline: self._build(shard, deadline), url, "indexing")
         fs, path = self._fs(url)
-        self._retry(lambda: fs.pipe_file(path + ".idx.npz", index_bytes(index)), url, "writing the index of")
+        data = index_bytes(index)
+        self._retry(lambda deadline: _within(fs, "pipe_file", deadline, path + ".idx.npz", data), url,
+                    "writing the index of")
         return len(index), True
 
     # -- copies ----------------------------------------------------------------------------------------------------
 
-    def _download(self, shard: RemoteShard, index: ShardIndex, dest: str) -> None:
+    def _download(self, shard: RemoteShard, index: ShardIndex, dest: str, deadline: float) -> None:
         fs, path = self._fs(shard.url)
-        self._check(shard)
-        fs.get_file(path, dest)
-        self._check(shard)  # the transfer read this version
+        self._check(shard, deadline)
+        _within(fs, "get_file", deadline, path, dest)  # from the start again after a cut: it truncates ``dest``
+        self._check(shard, deadline)  # the transfer read this version
         os.utime(dest, ns=(shard.mtime_ns, shard.mtime_ns))  # a copy keeps the shard's size and mtime (rsync -t)
         if os.path.getsize(dest) != shard.size or not same_layout(build_index(dest), index):
             raise _CopyMismatch(f"the copy of {shard.url} does not have the indexed tar headers")
 
     def download(self, shard: RemoteShard, index: ShardIndex, dest: str) -> None:
         """Write the shard's bytes to ``dest``, checked: this version throughout, every tar header as indexed."""
-        self._retry(lambda: self._download(shard, index, dest), shard.url, "downloading")
+        self._retry(lambda deadline: self._download(shard, index, dest, deadline), shard.url, "downloading")
 
     def prefetch(self, shard: RemoteShard, index: ShardIndex, rank: int) -> bool:
         """Have a copy in the cache ahead of its readers (``rank``: its place in the plan); False when the cache has
@@ -338,25 +413,31 @@ class RemoteShards:
         fill = lambda dest: self.download(shard, index, dest)  # noqa: E731
         return self.cache.fetch(shard.copy_name(), shard.size, fill, rank=rank) is not None
 
-    def open_copy(self, shard: RemoteShard, index: ShardIndex) -> tuple[int, str]:
-        """A descriptor (pinned against eviction) and path of a verified copy of this version.
+    def open_copy(
+        self, shard: RemoteShard, index: ShardIndex, release: Callable[[], None] | None = None
+    ) -> tuple[int, str]:
+        """A descriptor (pinned against eviction) and path of a verified copy of this version; ``release`` drops
+        the caller's open copies when the cache has no room for this one without their space.
 
-        A copy made earlier is used only while the server still has this version (one HEAD request) and while its
-        size, mtime, first block and a spread of member headers read back as indexed; otherwise it is fetched again.
+        A copy made earlier is used only while the server still has this version (one HEAD request), while its
+        size, mtime, first block and a spread of member headers read back as indexed, and while its bytes have
+        the checksum taken at its download (read once per process: ``ShardCache.verify``); otherwise it is
+        discarded (``damaged_copies`` in the cache's stats) and fetched again.
         """
         name, fill = shard.copy_name(), lambda dest: self.download(shard, index, dest)
         for _ in range(2):
-            path, fd, fetched = self.cache.fetch(name, shard.size, fill, pin=True)
+            path, fd, fetched = self.cache.fetch(name, shard.size, fill, pin=True, release=release)
             try:
                 if not fetched:
                     self.check_current(shard)
-                if describes_file(index, fd):
+                if describes_file(index, fd) and self.cache.verify(name, fd):
                     return fd, path
             except BaseException:
                 os.close(fd)
                 raise
             os.close(fd)
-            log.warning("the cached copy %s of %s is damaged or truncated: fetching it again", path, shard.url)
+            log.warning("the cached copy %s of %s is damaged, rotten or truncated: fetching it again", path,
+                        shard.url)
             self.cache.discard(name)
         raise ShardFormatError(f"{shard.url}: its copy in {self.cache.directory} failed its checks twice in a row")
 

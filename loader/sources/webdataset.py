@@ -214,6 +214,19 @@ class _OpenShards:
         with self._lock:
             self._files.pop(path, None)
 
+    def clear(self) -> None:
+        """Drop them all (each closes with its last reader): a reader that needs room releases its pins first."""
+        with self._lock:
+            self._files.clear()
+
+
+def _local_ranks() -> int:
+    """Ranks on this node, as torchrun says (``LOCAL_WORLD_SIZE``); 1 when it does not."""
+    try:
+        return max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    except ValueError:
+        return 1
+
 
 def _report_progress(done: int, total: int, built: int, final: bool) -> None:
     end = "\n" if final else ""
@@ -315,7 +328,9 @@ class WebDatasetSource(torch.utils.data.Dataset):
             ``$XDG_CACHE_HOME/loader/remote``), shared by every worker and rank that sees it.
         cache_limit: remote shards only, required: bytes that everything under ``cache_dir`` may take (an
             int, or ``"50GB"`` = 50·10^9, ``"50GiB"`` = 50·2^30). It must hold ``prefetch + 2`` of the largest
-            shards (the one read, the next, those prefetched); a smaller one is refused here.
+            shards (the one read, the next, those prefetched); a smaller one is refused here. At ``iter()`` of a
+            loader, also ``2 × (readers - 1) + 1`` of them, readers = ``max(1, num_workers)`` × ranks on the node
+            (``LOCAL_WORLD_SIZE``): each other reader may keep 2 copies open while one needs room for one more.
         storage_options: remote shards: fsspec's options for their file system (``endpoint_url``, ``key``,
             ``secret``, ``client_kwargs``, timeouts...), as ``fsspec.open`` takes them.
         prefetch: remote shards: shards the loader's plan downloads ahead of those being read.
@@ -387,17 +402,26 @@ class WebDatasetSource(torch.utils.data.Dataset):
 
         return index_of
 
-    def _check_cache_limit(self, prefetch: int) -> None:
-        """Refuse a cache that cannot hold the shards in use at once: read, next, and ``prefetch`` ahead."""
+    def _check_cache_limit(self, prefetch: int, workers: int | None = None) -> None:
+        """Refuse a cache that cannot hold the shards in use at once: read, next, and ``prefetch`` ahead; with
+        ``workers`` (at a loader's ``iter()``), also those that keep every reader of the node from waiting for ever:
+        each other reader's open copies (it may idle, its next batch waiting on ours) and one more."""
         if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
             raise ValueError(f"prefetch must be an int >= 0, got {prefetch!r}")
         cache, largest = self._remote.cache, max(shard.size for shard in self._versions.values())
-        minimum = (prefetch + 2) * cache.footprint(largest) + 2 * cache.footprint(1)  # and the counters, a plan
+        shards, held = prefetch + 2, f"the shard being read, the next one and prefetch={prefetch} more"
+        if workers is not None:
+            ranks = _local_ranks()
+            readers = max(1, workers) * ranks
+            if (readers - 1) * REMOTE_OPEN_FILES + 1 > shards:
+                shards = (readers - 1) * REMOTE_OPEN_FILES + 1
+                held = (f"the {REMOTE_OPEN_FILES} shards open in each but one of the {readers} processes reading "
+                        f"remote shards on this node ({max(1, workers)} per rank, {ranks} ranks) and one more")
+        minimum = shards * cache.copy_footprint(largest) + 2 * cache.footprint(1)  # and the counters, a plan
         if cache.limit < minimum:
             raise ValueError(
-                f"cache_limit {human(cache.limit)} is too small: the cache holds the shard being read, "
-                f"the next one and prefetch={prefetch} more at once, each up to {human(largest)}: at least "
-                f"{human(minimum)}; raise cache_limit or lower prefetch"
+                f"cache_limit {human(cache.limit)} is too small: the cache holds {held} at once, each up to "
+                f"{human(largest)}: at least {human(minimum)}; raise cache_limit or lower prefetch / num_workers"
             )
 
     def __len__(self) -> int:
@@ -449,7 +473,9 @@ class WebDatasetSource(torch.utils.data.Dataset):
         version = self._versions.get(shard)
         if version is None:
             return self._files.get(shard, index).read_sample(members, key)
-        opener = lambda: _ShardFile(*self._remote.open_copy(version, index), index)  # noqa: E731
+        opener = lambda: _ShardFile(  # noqa: E731
+            *self._remote.open_copy(version, index, release=self._copies.clear), index
+        )
         copy = self._copies.get(shard, index, opener)  # a shard changed on the server is refused here
         try:
             return copy.read_sample(members, key)
@@ -474,6 +500,15 @@ class WebDatasetSource(torch.utils.data.Dataset):
 
     # -- the loader's plan (remote shards) ----------------------------------------------------------------------------
 
+    def before_iter(self, num_workers: int) -> None:
+        """The loader's hook at ``iter()``, before any batch or worker starts: with remote shards, refuse a cache
+        too small for the node's readers; with workers, this process reads no more, so its copies close."""
+        if self._remote is None:
+            return
+        self._check_cache_limit(self._prefetch, num_workers)
+        if num_workers:
+            self._copies.clear()  # else they stay pinned meanwhile
+
     def planned(self, batches: Iterable[T], in_flight: int) -> Iterable[T]:
         """The loader's hook: ``batches`` are this rank's upcoming index lists, in dispatch order, ``in_flight`` of
         them loading at once. Returns them unchanged; with remote shards, reading ahead in them to download the
@@ -497,8 +532,9 @@ class WebDatasetSource(torch.utils.data.Dataset):
         self._remote.cache.publish_plan([v.copy_name() for v in versions if v is not None])
 
     def cache_stats(self) -> dict[str, int]:
-        """The node cache's counters (remote shards): ``downloads``, ``downloaded_bytes``, ``indexes_built``,
-        ``index_bytes`` (read by ranged requests to index), across every process using ``cache_dir``."""
+        """The node cache's counters (remote shards): ``downloads``, ``downloaded_bytes``, ``damaged_copies``,
+        ``indexes_built``, ``index_bytes`` (read by ranged requests to index), across every process using
+        ``cache_dir``."""
         return {} if self._remote is None else self._remote.cache.stats()
 
     def __getstate__(self) -> dict[str, Any]:
