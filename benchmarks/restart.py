@@ -1,4 +1,4 @@
-"""9. Restart budget: `loader.replay.replay_plan` fed with what this run measured, and a real elastic restart.
+"""9. Restart budget: `loader.checkpoint.replay.replay_plan` fed with what this run measured, and a real elastic restart.
 
 The plan: t_step is our step time from benchmark 2; t_load is our resume (load_state_dict -> first batch) at the
 largest position of benchmark 4, the loader's share of loading a checkpoint (the model's share is not in it);
@@ -20,8 +20,8 @@ from benchmarks.config import Config
 from benchmarks.loaders import OURS_CHECKPOINTING
 from benchmarks.progress import say
 from benchmarks.rows import row, single
-from loader.demo import run_elastic_restart
-from loader.replay import replay_plan
+from loader.cli.demo import run_elastic_restart
+from loader.checkpoint.replay import replay_plan
 
 
 def _plan(cfg: Config, training: dict, resume: dict) -> dict:

@@ -24,8 +24,8 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader
 
-import loader.rng as rng
-import loader.stream_source as stream_source
+import loader.streams.rng as rng
+import loader.streams.source as stream_source
 from benchmarks.datasets import FeatureStream, _Rows
 from benchmarks.loaders import ours
 

@@ -30,7 +30,7 @@ from benchmarks.progress import say
 from benchmarks.rows import count, row, single
 from benchmarks.states import global_state_at
 from benchmarks.timing import compare, measure, per_call
-from loader.order import Order
+from loader.core.order import Order
 from loader.sources import Mixture, TokenSource
 from loader.sources.mixture import BLOCK
 

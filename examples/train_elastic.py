@@ -5,7 +5,7 @@
 
 Every launch resumes from the newest checkpoint that verifies (model, optimizer, scheduler, RNG and the loader's
 merged progress of one completed step), at whatever world size torchrun gives it. The global batch stays
-`--global-batch`: the gradient-accumulation steps follow the world size (`loader.batch_policy.BatchPolicy`).
+`--global-batch`: the gradient-accumulation steps follow the world size (`loader.core.batch_policy.BatchPolicy`).
 Fault injection (once per run directory and step): `sigkill`, `node`, `hang` and `exception` strike mid-step (the
 failing rank has already fetched a micro-batch of the next step); `node` also kills the rank's torchrun agent, so the
 job comes back with fewer workers; `hang` SIGSTOPs the agent and the rank, a node that stops answering (SIGCONT
@@ -38,9 +38,9 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import Dataset
 
 from loader import ResumableDataLoader
-from loader.batch_policy import BatchPolicy
-from loader.checkpoint import resume, save_checkpoint
-from loader.ledger import Ledger
+from loader.core.batch_policy import BatchPolicy
+from loader.checkpoint.save import resume, save_checkpoint
+from loader.checkpoint.ledger import Ledger
 
 FEATURES = 8
 IN_SAVE = ("checkpoint", "checkpoint-hang")  # fault modes that strike in the checkpoint's save

@@ -2,14 +2,24 @@
 
 Input progress is committed with the model's state, kept as exact intervals of each epoch's keyed order, and
 repartitioned deterministically at any world size, so a restart neither skips nor repeats a sample.
+
+The packages, each importing only those above it in this list:
+- `loader.core`: the position-space arithmetic (order, partition, progress, state) and the resumable sampler;
+- `loader.streams`: IterableDataset progress (shard deals, worker snapshots, random states);
+- `loader.checkpoint`: merging rank states, the lockstep check, atomic publication, save/resume, ledger and audit;
+- `loader.dataloader`: `ResumableDataLoader`, the drop-in DataLoader over all of the above;
+- `loader.sources`: datasets (WebDataset shards local or remote, token files, mixtures), leaves over `core`;
+- `loader.integrations`: framework glue (Lightning, DCP), and `loader.cli`: the command line (demo, audit, index).
 """
 
+from loader.checkpoint.merge import merge_states
+from loader.core.order import Order, sample_seed
+from loader.core.partition import EpochPlan, Layout
+from loader.core.rows import Rows
+from loader.core.sampler import ResumableSampler
+from loader.core.state import StateError
 from loader.dataloader import ContinuedPassWarning, ResumableDataLoader, SampleIndex
-from loader.order import Order, sample_seed
-from loader.partition import EpochPlan, Layout
-from loader.sampler import ResumableSampler
-from loader.shards import ShardedStream
-from loader.state import StateError, merge_states
+from loader.streams.shards import ShardedStream
 
 __all__ = [
     "ContinuedPassWarning",
@@ -18,6 +28,7 @@ __all__ = [
     "Order",
     "ResumableDataLoader",
     "ResumableSampler",
+    "Rows",
     "SampleIndex",
     "ShardedStream",
     "StateError",

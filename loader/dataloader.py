@@ -1,7 +1,7 @@
 """ResumableDataLoader: torch's DataLoader, driven by a resumable rank sampler, counting what it delivers.
 
 Workers, pinning, prefetching and collation stay torch's own (default_collate, except that a batch a source already
-made as one tensor, a `loader.rows.Rows`, is that tensor rather than a stacked copy of it). The loader replaces only
+made as one tensor, a `loader.core.rows.Rows`, is that tensor rather than a stacked copy of it). The loader replaces only
 the order (a lazy batch sampler over the committed progress) and counts a batch when `next()` hands it to the caller,
 never when a worker fetched it. With in-order delivery, the k-th batch out is the k-th index list in, so the count is
 exact.
@@ -21,14 +21,14 @@ from torch._utils import ExceptionWrapper
 from torch.utils.data import DataLoader, IterableDataset, default_collate
 from torch.utils.data._utils.fetch import _MapDatasetFetcher
 
-from loader._checks import check_positive_int, check_rank, is_int
-from loader.order import Lanes, Order, block_sizes_for_window, sample_seed
-from loader.lockstep import LockstepWatch, warn_out_of_step
-from loader.partition import Layout
-from loader.rows import collate
-from loader.sampler import ResumableSampler
-from loader.shards import is_sharded
-from loader.stream import StreamProgress
+from loader.core.checks import check_positive_int, check_rank, is_int
+from loader.core.order import Lanes, Order, block_sizes_for_window, sample_seed
+from loader.checkpoint.lockstep import LockstepWatch, warn_out_of_step
+from loader.core.partition import Layout
+from loader.core.rows import collate
+from loader.core.sampler import ResumableSampler
+from loader.streams.shards import is_sharded
+from loader.streams.progress import StreamProgress
 
 
 class SampleIndex(int):
@@ -172,7 +172,7 @@ def _distributed() -> bool:
 
 
 class _StreamDelivery(_Delivery):
-    """A stream's delivery: torch yields (worker, snapshot, error, end, batch) per batch (see loader.stream_source);
+    """A stream's delivery: torch yields (worker, snapshot, error, end, batch) per batch (see loader.streams.source);
     each snapshot moves its worker's state on. A batch whose making raised is consumed (the stream moved past it)
     and its error raised; `end` marks a worker's end, without a batch. An error torch raises itself (a worker that
     died, a timeout) counts nothing."""
@@ -285,7 +285,7 @@ class ResumableDataLoader(DataLoader[T_co]):
     whole optimizer updates count as progress), `shuffle_blocks` (shuffle blocks of indices, e.g. shards, then
     inside each block: an int window or a list of block sizes), `sample_seeds` (the dataset receives
     `SampleIndex` ints carrying a per-sample seed) and `lanes` (each rank reads its own part of the shards: set it
-    to a multiple of every world size the job runs at, see `loader.order.Lanes`; `lane_chunk` defaults to
+    to a multiple of every world size the job runs at, see `loader.core.order.Lanes`; `lane_chunk` defaults to
     batch_size).
 
     A new `iter()` continues the current epoch right after the last delivered batch (with a
@@ -374,7 +374,7 @@ class ResumableDataLoader(DataLoader[T_co]):
             return
         self._stream = None
         if batch_size is not None and (collate_fn is None or collate_fn is default_collate):
-            common["collate_fn"] = collate  # default_collate's batches, without stacking a loader.rows.Rows again
+            common["collate_fn"] = collate  # default_collate's batches, without stacking a loader.core.rows.Rows again
         self._shuffle_blocks, self._lanes = shuffle_blocks, _lanes_for(lanes, lane_chunk, batch_size or 1)
         order = _order_for(len(dataset), bool(shuffle), seed, shuffle_blocks, self._lanes)
         self.resumable_sampler = ResumableSampler(order, layout, rank)
@@ -525,7 +525,7 @@ class ResumableDataLoader(DataLoader[T_co]):
             self.ledger.record(self.epoch, self.last_indices(), self.update_complete)
 
     def _publish_update(self) -> None:
-        """Tell the other ranks when this rank completed an optimizer update (see `loader.lockstep`)."""
+        """Tell the other ranks when this rank completed an optimizer update (see `loader.checkpoint.lockstep`)."""
         if self.resumable_sampler.update_complete:
             self._lockstep.completed_update(self._rank, self.resumable_sampler.progress_id)
 
@@ -617,7 +617,7 @@ class ResumableDataLoader(DataLoader[T_co]):
         state (copy.deepcopy) before editing it.
 
         Under torch.distributed it also checks that the ranks are in lockstep, so that this state may stand for
-        every rank (see `loader.lockstep`); a state taken otherwise is marked and warned about.
+        every rank (see `loader.checkpoint.lockstep`); a state taken otherwise is marked and warned about.
         `check_lockstep=False` is for callers that gather every rank's state anyway."""
         state = (self._stream or self.resumable_sampler).state_dict()  # no rank resolution: before the first
         # iter() nothing was delivered, and a state without progress means the same under any layout

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 from accelerate import Accelerator
 
-from loader.ledger import Ledger
+from loader.checkpoint.ledger import Ledger
 from tests.framework_jobs import SAMPLES, TrainedLog, end_process_group, job_loader, job_parser, train_epochs
 
 COMPLETE = "complete"  # save_state() writes in place: a checkpoint counts once every rank has returned from it

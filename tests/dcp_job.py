@@ -25,8 +25,8 @@ from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
-from loader.checkpoint import LoaderState
-from loader.ledger import Ledger
+from loader.integrations.dcp import LoaderState
+from loader.checkpoint.ledger import Ledger
 from tests.framework_jobs import SAMPLES, TrainedLog, end_process_group, job_loader, job_parser, train_epochs
 
 

@@ -22,9 +22,10 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import Dataset
 
-from loader import ResumableDataLoader, collectives
-from loader.audit import audit
-from loader.checkpoint import global_progress
+from loader import ResumableDataLoader
+from loader.core import collectives
+from loader.checkpoint.audit import audit
+from loader.checkpoint.save import global_progress
 
 SAMPLES = 203  # the framework jobs' dataset: no multiple of their global batches, so every epoch ends short
 

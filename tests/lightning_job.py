@@ -19,7 +19,7 @@ from lightning.pytorch.strategies import DDPStrategy
 
 from loader import ResumableDataLoader
 from loader.integrations.lightning import ResumableLoaderCallback
-from loader.ledger import Ledger
+from loader.checkpoint.ledger import Ledger
 from tests.framework_jobs import TrainedLog, end_process_group, job_loader, job_parser, record_epoch_end, strike
 
 

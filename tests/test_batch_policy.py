@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.nn.parallel import DistributedDataParallel
 
-from loader.batch_policy import BatchPolicy, GlobalBatchChangeWarning, global_mean_loss
+from loader.core.batch_policy import BatchPolicy, GlobalBatchChangeWarning, global_mean_loss
 from tests.distributed import run_group
 
 # --- BatchPolicy -------------------------------------------------------------------------------------------------

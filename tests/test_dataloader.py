@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset
 
-import loader.sampler as sampler_module
+import loader.core.sampler as sampler_module
 from loader import ContinuedPassWarning, ResumableDataLoader, SampleIndex, StateError, merge_states, sample_seed
 from tests.conftest import IndexDataset
 

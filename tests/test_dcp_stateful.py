@@ -7,7 +7,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from loader import ResumableDataLoader
-from loader.checkpoint import LoaderState
+from loader.integrations.dcp import LoaderState
 from tests.conftest import IndexDataset
 from tests.distributed import run_group
 
@@ -45,7 +45,7 @@ def _fsdp_job(rank, world_size, path, save):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from loader.checkpoint import load_checkpoint, save_checkpoint
+    from loader.checkpoint.save import load_checkpoint, save_checkpoint
 
     warnings.simplefilter("ignore")
     torch.manual_seed(0)

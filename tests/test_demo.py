@@ -43,7 +43,7 @@ def test_the_lm_demo_loses_a_node_and_audits_each_source_exactly_once(tmp_path):
 
 
 def test_a_failed_job_reports_the_workers_traceback_not_only_torchrun_s_summary():
-    from loader.demo import _failure_excerpt
+    from loader.cli.demo import _failure_excerpt
 
     worker = ["Traceback (most recent call last):", '  File "train_elastic.py", line 33', "ImportError: boom"]
     agent = [f"torchrun report line {i}" for i in range(40)]
@@ -54,7 +54,7 @@ def test_a_failed_job_reports_the_workers_traceback_not_only_torchrun_s_summary(
 
 
 def test_every_number_of_the_progress_line_says_what_it_is(capsys):
-    from loader.demo import ProgressLine
+    from loader.cli.demo import ProgressLine
 
     progress = ProgressLine()
     for line in ["[rank 0] world size 4, grad_accum 3, resumed at step 0, epoch 0 (checkpoint load 0.001 s)",

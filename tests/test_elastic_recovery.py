@@ -13,8 +13,8 @@ from datetime import timedelta
 import pytest
 import torch
 
-from loader.audit import audit
-from loader.publish import latest
+from loader.checkpoint.audit import audit
+from loader.checkpoint.publish import latest
 from tests.elastic import EXAMPLE, load_example, logs, run_generation
 
 pytestmark = pytest.mark.slow

@@ -21,10 +21,10 @@ import torch
 import torch.distributed as dist
 
 from loader import ContinuedPassWarning, ResumableDataLoader, StateError, merge_states
-from loader.audit import audit
-from loader.checkpoint import global_progress
-from loader.ledger import Ledger
-from loader.lockstep import LockstepWarning
+from loader.checkpoint.audit import audit
+from loader.checkpoint.save import global_progress
+from loader.checkpoint.ledger import Ledger
+from loader.checkpoint.lockstep import LockstepWarning
 from tests.conftest import IndexDataset
 from tests.distributed import run_group
 from tests.streams import Plain
@@ -151,7 +151,7 @@ def test_an_interrupt_inside_next_is_not_counted_and_a_new_iter_serves_the_batch
 
 
 def test_the_ledger_and_the_audit_list_failed_samples_in_their_own_column(tmp_path, capsys):
-    from loader.audit import main as audit_main
+    from loader.checkpoint.audit import main as audit_main
 
     n, bad = 30, {4, 17}
     dl = ResumableDataLoader(FailingDataset(n, bad), batch_size=5, shuffle=True, seed=2, drop_last=False)

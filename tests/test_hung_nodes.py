@@ -15,8 +15,8 @@ import time
 import pytest
 import torch
 
-from loader.audit import audit
-from loader.demo import RESUMED_LINE, measure_restart, print_restart, reference_run, run_two_nodes
+from loader.checkpoint.audit import audit
+from loader.cli.demo import RESUMED_LINE, measure_restart, print_restart, reference_run, run_two_nodes
 
 pytestmark = pytest.mark.slow
 

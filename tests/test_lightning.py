@@ -1,6 +1,6 @@
 """Lightning DDP on CPU, real processes, real SIGKILLs: `fit(ckpt_path="last")` resumes exactly at the same and at
 another device count, with and without gradient accumulation, across epochs. Every trained sample is counted by
-the training step itself (tests/framework_jobs.py) and by the loader's ledger (`loader.audit`)."""
+the training step itself (tests/framework_jobs.py) and by the loader's ledger (`loader.checkpoint.audit`)."""
 
 import pytest
 import torch

@@ -1,6 +1,6 @@
 """A store host that stops answering (SIGSTOP) never holds a rank in the loader.
 
-The lockstep check (`loader.lockstep`) makes a store round trip on every optimizer update, and torch's store
+The lockstep check (`loader.checkpoint.lockstep`) makes a store round trip on every optimizer update, and torch's store
 client never returns from a server that stopped answering, whatever its timeout. The loader must add no wait the
 job did not have: it gives up on the store well inside the process group's timeout, with a LockstepWarning, and
 the job goes on as plain torch would (to the end of its loop, or to its collective's own timeout).
@@ -21,7 +21,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from loader import ResumableDataLoader
-from loader.lockstep import LockstepWarning
+from loader.checkpoint.lockstep import LockstepWarning
 from tests.conftest import IndexDataset
 from tests.distributed import free_port
 

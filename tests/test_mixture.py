@@ -12,8 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from loader import ResumableDataLoader, SampleIndex, merge_states
-from loader._checks import MAX_SAMPLES
-from loader.rows import Rows, collate
+from loader.core.checks import MAX_SAMPLES
+from loader.core.rows import Rows, collate
 from loader.sources import Mixture, MixturePlan, TokenFileError, TokenSource
 from loader.sources.mixture import BLOCK, MAX_WINDOW, window_counts
 from loader.sources.tokens import GATHER_ROWS

@@ -8,8 +8,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from loader import ResumableDataLoader
-from loader._checks import MAX_SAMPLES
-from loader.order import (
+from loader.core.checks import MAX_SAMPLES
+from loader.core.order import (
     Lanes, Order, _halves, block_sizes_for_window, epoch_round_keys, permute, sample_seed, window_arrangements,
 )
 from tests.conftest import IndexDataset

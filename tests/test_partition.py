@@ -5,9 +5,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from loader.partition import EpochPlan, Layout
-from loader.progress import Remaining, complement, normalize, union
-from loader.state import StateError, intervals_from_json, intervals_to_json
+from loader.core.partition import EpochPlan, Layout
+from loader.core.progress import Remaining, complement, normalize, union
+from loader.core.state import StateError, intervals_from_json, intervals_to_json
 
 layouts = st.builds(
     Layout,

@@ -6,8 +6,8 @@ import pickle
 import pytest
 
 from loader import ResumableDataLoader, merge_states
-from loader.checkpoint import global_progress
-from loader.state import StateError, attach_base, detach_base
+from loader.checkpoint.save import global_progress
+from loader.core.state import StateError, attach_base, detach_base
 from tests.conftest import IndexDataset
 from tests.distributed import run_group
 

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from loader.publish import (
+from loader.checkpoint.publish import (
     FORMAT_VERSION,
     MANIFEST_NAME,
     CheckpointError,

@@ -24,7 +24,7 @@ import fsspec  # noqa: E402
 import webdataset as wds  # noqa: E402
 
 from loader import ResumableDataLoader  # noqa: E402
-from loader.__main__ import main as cli  # noqa: E402
+from loader.cli.main import main as cli  # noqa: E402
 from loader.sources import DiskFullError, ShardUnavailableError, StaleIndexError, WebDatasetSource  # noqa: E402
 from loader.sources import remote as remote_module  # noqa: E402
 from tests.servers import cutting_proxy, http_server, moto_server, s3_options, upload  # noqa: E402

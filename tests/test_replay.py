@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from loader.replay import RestartCost, optimal_checkpoint_interval, replay_plan, restart_cost
+from loader.checkpoint.replay import RestartCost, optimal_checkpoint_interval, replay_plan, restart_cost
 
 
 @pytest.mark.parametrize(

@@ -8,7 +8,7 @@ import torch
 from torch.utils.data import default_collate, default_convert
 
 from loader import ResumableDataLoader
-from loader.rows import Rows, collate
+from loader.core.rows import Rows, collate
 
 
 def batches():

@@ -18,7 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from loader import EpochPlan, Layout, Order, ResumableDataLoader, StateError, merge_states
-from loader.state import progress_of
+from loader.core.state import progress_of
 from tests.conftest import IndexDataset
 
 N, SEED = 53, 1

@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 
 from loader import ResumableDataLoader, StateError, merge_states
 from loader.sources.sharded import FileShards
-from loader.stream_state import rank_streams, regathered
+from loader.streams.state import rank_streams, regathered
 from tests.streams import FORK, IteratorState, Plain, ids
 
 pytestmark = pytest.mark.filterwarnings("ignore:Generating overly large repr")  # states carry random states (10 KB)

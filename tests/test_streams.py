@@ -17,8 +17,8 @@ import torch
 from torch.utils.data import get_worker_info
 
 from loader import ContinuedPassWarning, ResumableDataLoader, StateError
-from loader import rng
-from loader.rng import UNCHANGED, RngWatch, rng_state, set_rng_state
+from loader.streams import rng
+from loader.streams.rng import UNCHANGED, RngWatch, rng_state, set_rng_state
 from tests.streams import FORK, DatasetState, Failing, IteratorState, NowAndThen, Plain, SelfIterating, ids, share
 
 KINDS = [Plain, IteratorState, DatasetState, SelfIterating]
@@ -464,7 +464,7 @@ def test_a_stream_with_a_length_passes_torchs_length_check(setup):
 
 
 def test_a_stream_goes_through_save_checkpoint_and_resume(tmp_path):
-    from loader.checkpoint import resume, save_checkpoint
+    from loader.checkpoint.save import resume, save_checkpoint
 
     def objects():
         model = torch.nn.Linear(1, 1)
@@ -529,7 +529,7 @@ def test_an_iterdatapipe_is_refused_at_construction_and_a_mapdatapipe_is_served_
 
 def test_a_sharded_stream_goes_through_save_checkpoint_and_resume(tmp_path):
     """The checkpoint validates the progress on a fresh keeper first, which has no source to deal shards to."""
-    from loader.checkpoint import resume, save_checkpoint
+    from loader.checkpoint.save import resume, save_checkpoint
     from loader.sources.sharded import FileShards
 
     paths = []

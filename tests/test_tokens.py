@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from loader import ResumableDataLoader
-from loader.rows import Rows, collate
+from loader.core.rows import Rows, collate
 from loader.sources import TokenFileError, TokenSource
 from loader.sources.tokens import GATHER_ROWS
 from tests.conftest import assert_batches_match_torch

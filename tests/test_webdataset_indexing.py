@@ -4,7 +4,7 @@ import os
 
 import torch.distributed as dist
 
-from loader.__main__ import main
+from loader.cli.main import main
 from loader.sources import WebDatasetSource, tar_index
 from tests.distributed import run_group
 from tests.test_webdataset_source import SHARD_SIZES, assert_same, make_dataset, read_all

@@ -6,10 +6,10 @@ of (seed, position) inherits it whole, and nothing (no sample list of 1e9 entrie
 Positions fall into windows of M = sum(counts) positions; every window holds exactly counts[s] slots of source s
 (counts: the weights apportioned to M by largest remainder, so |counts[s] - w_s * M| < 1, and exactly w_s * M when
 the weights are multiples of 1/M, which the default window picks when it can). Inside window k the slots are
-arranged by a keyed permutation of range(M) (loader.order.window_arrangements, keyed by (seed, k)). The m-th slot of
+arranged by a keyed permutation of range(M) (loader.core.order.window_arrangements, keyed by (seed, k)). The m-th slot of
 source s in window k, in position order, is that source's draw j = counts[s] * k + m; draw j is index
 Order(len_s, seed_s).for_epoch(j // len_s)(j % len_s) (evaluated for many epochs in one pass with
-loader.order.epoch_round_keys): a source that runs out continues with its next epoch in a new order, and taking a
+loader.core.order.epoch_round_keys): a source that runs out continues with its next epoch in a new order, and taking a
 source's draws in position order, each run [e * len_s, (e + 1) * len_s) is a permutation.
 Numbering draws in position order (not in the permuted order) is what keeps a source epoch that ends inside a
 window from lending one of its draws to the next epoch.
@@ -31,9 +31,9 @@ import numpy as np
 import torch
 import torch.utils.data
 
-from loader._checks import check_num_samples, check_positive_int, is_int
-from loader.order import ORDER_VERSION, epoch_round_keys, permute, window_arrangements
-from loader.rows import Rows
+from loader.core.checks import check_num_samples, check_positive_int, is_int
+from loader.core.order import ORDER_VERSION, epoch_round_keys, permute, window_arrangements
+from loader.core.rows import Rows
 from loader.sources.tokens import TokenSource
 
 __all__ = ["MAX_WINDOW", "Mixture", "MixturePlan", "window_counts"]

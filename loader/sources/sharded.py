@@ -1,5 +1,5 @@
 """Sharded streams from what users already have: a list of files, a webdataset pipeline, a Hugging Face streaming
-dataset. Each names its shards and reads one from any record on (`loader.shards.ShardedStream`), so the loader
+dataset. Each names its shards and reads one from any record on (`loader.streams.shards.ShardedStream`), so the loader
 deals the shards to ranks and workers itself and resumes at any world size or number of workers.
 
 A record offset counts the records `iter_shard` yields; reading shard i from record `start` on must yield exactly
@@ -14,7 +14,7 @@ import itertools
 import os
 from collections.abc import Callable, Iterable, Iterator, Sequence
 
-from loader.shards import ShardedStream
+from loader.streams.shards import ShardedStream
 
 
 class FileShards(ShardedStream):

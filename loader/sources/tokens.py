@@ -28,8 +28,8 @@ import numpy as np
 import torch
 import torch.utils.data
 
-from loader._checks import check_positive_int
-from loader.rows import Rows
+from loader.core.checks import check_positive_int
+from loader.core.rows import Rows
 from loader.sources.tar_index import file_state
 
 __all__ = ["TokenFileError", "TokenSource"]

@@ -32,7 +32,7 @@ import torch.utils.data
 from webdataset import autodecode
 from webdataset.shardlists import expand_urls
 
-from loader.collectives import barrier, distributed, rank, world_size
+from loader.core.collectives import barrier, distributed, rank, world_size
 from loader.sources.cache import ShardCache, human
 from loader.sources.prefetch import Prefetcher
 from loader.sources.remote import RemoteShard, RemoteShards, ShardUnavailableError, is_remote, local_path

@@ -1,6 +1,6 @@
 """`python -m loader audit RUN_DIR`: per epoch, was every sample seen exactly once across all restarts?
 
-Reads the identity ledger (`loader.ledger`) of a run, across generations and world sizes. An epoch is finished
+Reads the identity ledger (`loader.checkpoint.ledger`) of a run, across generations and world sizes. An epoch is finished
 when its dropped-by-policy record exists; for an epoch still in progress only duplicates can be judged. With a
 `Grouping` (e.g. the sources of a mixture), each epoch also gets one row per group.
 """
@@ -14,7 +14,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from loader.ledger import read_ledger
+from loader.checkpoint.ledger import read_ledger
 
 GROUP_CHUNK = 1 << 18  # indices grouped per call: bounds the memory a grouping function may take
 

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-from loader.collectives import broadcast, rank, world_size
+from loader.core.collectives import broadcast, rank, world_size
 _HEADER = struct.Struct("<qqIB")  # step, epoch, number of indices, flags:
 COMPLETE, FAILED = 1, 2  # the batch completed its update; its loading raised (consumed, never trained)
 
@@ -34,7 +34,7 @@ def _generations(run_dir) -> list[Path]:
 
 
 class Ledger:
-    """This rank's append-only record for one generation. Attach it with `loader.ledger = Ledger.open(...)`."""
+    """This rank's append-only record for one generation. Attach it with `loader.checkpoint.ledger = Ledger.open(...)`."""
 
     def __init__(self, run_dir, path: Path, resumed_step: int):
         self.run_dir, self.path, self.step = Path(run_dir), path, resumed_step

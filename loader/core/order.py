@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from loader._checks import check_num_samples, check_positive_int
+from loader.core.checks import check_num_samples, check_positive_int
 
 ROUNDS = 6
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
@@ -204,7 +204,7 @@ class Lanes:
     every node reads every shard. Here lane l is the l-th of `count` near-equal contiguous parts of the order
     (of the shuffled blocks: about 1/count of the shards), and positions take `chunk` samples from each lane in
     turn: position p is sample (p // chunk // count) * chunk + p % chunk of lane (p // chunk) % count. With chunk =
-    the micro-batch size B, rank r's micro-batch of micro-step s covers chunk s*W + r (`loader.partition`), of
+    the micro-batch size B, rank r's micro-batch of micro-step s covers chunk s*W + r (`loader.core.partition`), of
     lane (s*W + r) mod count: when the world size W divides count, rank r reads lanes r, r + W, r + 2W, ... only,
     so each rank, and each node, reads its own count/W lanes' shards. Set count to the largest world size the job
     runs at (a multiple of every one it runs at); at other sizes every rank reads every lane, exactly once all the

@@ -15,11 +15,11 @@ from typing import Iterator
 
 import numpy as np
 
-from loader._checks import check_rank, is_int
-from loader.order import EpochOrder, Order
-from loader.partition import EpochPlan, Layout
-from loader.progress import Remaining, whole
-from loader.state import Progress, base_digest, check_fingerprint, progress_of, rank_state
+from loader.core.checks import check_rank, is_int
+from loader.core.order import EpochOrder, Order
+from loader.core.partition import EpochPlan, Layout
+from loader.core.progress import Remaining, whole
+from loader.core.state import Progress, base_digest, check_fingerprint, progress_of, rank_state
 
 CHUNK_SAMPLES = 8192  # ids computed per vectorised call: amortises numpy's per-call cost (~40 us a chunk), keeps
 # the first batch fast (< 1 ms) and the working set small (~0.3 MB)
@@ -165,7 +165,7 @@ class ResumableSampler:
     @property
     def progress_id(self) -> tuple[int, str]:
         """(times the progress was set, digest of that progress): the same on ranks that loaded the same state,
-        from which they count their updates alike (see `loader.lockstep`)."""
+        from which they count their updates alike (see `loader.checkpoint.lockstep`)."""
         if self._base_digest is None:
             self._base_digest = base_digest(self._base.to_dict())
         return self._bases_set, self._base_digest

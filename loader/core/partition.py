@@ -29,7 +29,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from loader._checks import check_positive_int
+from loader.core.checks import check_positive_int
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,7 @@
 Why one function for all of it: a restart is coherent only if every part comes from the same optimizer step.
 `save_checkpoint` is called by every rank after the optimizer step; it merges the loader progress of all ranks
 (one small all_gather), writes model and optimizer with torch.distributed.checkpoint (DCP: sharded or replicated,
-loadable at any world size), and publishes the directory atomically (`loader.publish`): a checkpoint either
+loadable at any world size), and publishes the directory atomically (`loader.checkpoint.publish`): a checkpoint either
 verifies completely or is skipped by `latest`.
 
 DCP keeps one value per key and fails a load that asks for a key never saved, so nothing here is saved under a
@@ -36,14 +36,14 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-from torch.distributed.checkpoint.stateful import Stateful
 from torch.utils._pytree import tree_map_only
 
-from loader.collectives import all_gather, broadcast, distributed, rank, world_size
-from loader.publish import CheckpointError, check_arguments, latest, publish, verify
-from loader.rng import rng_state, set_rng_state
-from loader.sampler import ResumableSampler
-from loader.state import FORMAT, VERSION, StateError, attach_base, check_fingerprint, detach_base, merge_states
+from loader.core.collectives import all_gather, broadcast, distributed, rank, world_size
+from loader.checkpoint.merge import merge_states
+from loader.checkpoint.publish import CheckpointError, check_arguments, latest, publish, verify
+from loader.streams.rng import rng_state, set_rng_state
+from loader.core.sampler import ResumableSampler
+from loader.core.state import FORMAT, VERSION, StateError, attach_base, check_fingerprint, detach_base
 
 CHECKPOINT_FORMAT = 2  # 2: RNG states as JSON, nothing unpickled; 1 (refused) pickled them
 
@@ -104,21 +104,8 @@ def global_progress(loader, group=None) -> dict:
     return merge_states(attach_base(gathered, state["base"]), uneven=True)
 
 
-class LoaderState(Stateful):
-    """A ResumableDataLoader as a DCP Stateful, under one replicated key (the merged progress as JSON)."""
-
-    def __init__(self, loader, group=None):
-        self.loader, self.group = loader, group
-
-    def state_dict(self) -> dict:
-        return {"progress": json.dumps(global_progress(self.loader, self.group))}
-
-    def load_state_dict(self, state_dict: dict) -> None:
-        self.loader.load_state_dict(json.loads(state_dict["progress"]))
-
-
 def _rng_state() -> dict:
-    """This process's generators as plain data: torch's CPU, numpy's and random's as `loader.rng` packs them, and
+    """This process's generators as plain data: torch's CPU, numpy's and random's as `loader.streams.rng` packs them, and
     each CUDA device's in base64."""
     cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []
     return {"cpu": rng_state(), "cuda": [base64.b64encode(s.numpy().tobytes()).decode("ascii") for s in cuda]}
@@ -331,7 +318,7 @@ def save_checkpoint(
     every rank, naming the failing ranks and causes, and leaves every published checkpoint untouched. The states
     of model, optimizer, scheduler and scaler must be plain data (tensors, numbers, strings, lists and dicts of
     them), as resume never unpickles anything else: otherwise a TypeError names the entry, before anything is
-    written. `keep_last` and `keep_quarantined`: see `loader.publish.publish`."""
+    written. `keep_last` and `keep_quarantined`: see `loader.checkpoint.publish.publish`."""
     # On every rank alike, before the first collective:
     check_arguments(step, keep_last, {} if manifest_extra is None else manifest_extra, keep_quarantined)
     model_sd, optim_sd = get_state_dict(model, optimizer)

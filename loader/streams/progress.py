@@ -1,25 +1,25 @@
 """Progress of a stream (IterableDataset) in the main process: per worker, the snapshot of the last batch delivered.
 
 Batches arrive in torch's round robin over the workers, each with its worker's snapshot (see
-`loader.stream_source`); the snapshot of a batch is kept when the batch is delivered (or fails to load: the stream
+`loader.streams.source`); the snapshot of a batch is kept when the batch is delivered (or fails to load: the stream
 moved past it), and the snapshots as they stood after the last completed update are the state. A new torch iterator
 (a resume, a new iter() in the middle of a pass, another epoch) starts every worker from its snapshot, and torch's
 round robin at the worker after the one that delivered last. Persistent workers go on to the next pass as they are
 when their pass ended cleanly.
 
-A plain stream resumes at the same world size and number of workers; a sharded stream (`loader.shards`) at any.
+A plain stream resumes at the same world size and number of workers; a sharded stream (`loader.streams.shards`) at any.
 """
 
 from __future__ import annotations
 
 from functools import cached_property
 
-from loader._checks import is_int
-from loader.rng import UNCHANGED
-from loader.shards import ShardProgress, is_sharded, shard_digest
-from loader.state import StateError
-from loader.stream_source import Plan, StreamSource, is_stateful
-from loader.stream_state import (RankStream, Shards, check_identity, check_payloads, rank_streams, regathered,
+from loader.core.checks import is_int
+from loader.streams.rng import UNCHANGED
+from loader.streams.shards import ShardProgress, is_sharded, shard_digest
+from loader.core.state import StateError
+from loader.streams.source import Plan, StreamSource, is_stateful
+from loader.streams.state import (RankStream, Shards, check_identity, check_payloads, rank_streams, regathered,
                                  stream_identity, stream_state)
 
 _ENDED_ELSEWHERE = {"batches": 0, "ended": True, "dataset": None, "iterator": None, "shard": [0, 0], "rng": None}
@@ -187,14 +187,14 @@ class StreamProgress:
                 f"this IterableDataset progress was saved at world_size {saved.world_size}, the loader runs at "
                 f"{self.world_size}: an IterableDataset has no random access, so its progress cannot be "
                 f"repartitioned. Restart at world_size {saved.world_size}, or make the stream sharded "
-                f"(loader.shards.ShardedStream) or map-style to change the world size"
+                f"(loader.ShardedStream) or map-style to change the world size"
             )
         if saved.num_workers != self.num_workers:
             raise StateError(
                 f"this IterableDataset progress was saved with num_workers={saved.num_workers}, the loader has "
                 f"num_workers={self.num_workers}: each worker's stream resumes in its own worker, so the count must "
                 f"stay. Construct the loader with num_workers={saved.num_workers}, or make the stream sharded "
-                f"(loader.shards.ShardedStream) to change it"
+                f"(loader.ShardedStream) to change it"
             )
 
     def _check_same_shards(self, saved: Shards) -> None:

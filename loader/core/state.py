@@ -1,12 +1,12 @@
 """The progress state: its serialised format, validation, and the merge of per-rank states.
 
 A rank's state is O(1) beyond the progress it started from (its *base*): the layout it ran under, its rank, its
-epoch and how many micro-batches it delivered in completed updates. `merge_states` turns the states of all ranks
+epoch and how many micro-batches it delivered in completed updates. `merge_rank_states` turns the states of all ranks
 into the global progress: per epoch, the committed positions as intervals, which a restart at any world size
 reads as one small object. Everything is plain Python types, so a state is JSON- and torch.save-able.
 
-Map-style datasets get the full guarantee. Stream (IterableDataset) states are defined in `loader.stream_state`;
-the merge keeps them side by side per rank.
+Map-style datasets get the full guarantee. Stream (IterableDataset) states are defined in `loader.streams.state`;
+`loader.checkpoint.merge_states` takes either kind.
 """
 
 from __future__ import annotations
@@ -22,9 +22,9 @@ from typing import Callable
 
 import numpy as np
 
-from loader._checks import MAX_SAMPLES, is_int
-from loader.partition import EpochPlan, Layout
-from loader.progress import EMPTY, Remaining, complement, normalize, total, union
+from loader.core.checks import MAX_SAMPLES, is_int
+from loader.core.partition import EpochPlan, Layout
+from loader.core.progress import EMPTY, Remaining, complement, normalize, total, union
 
 FORMAT = "loader.progress"
 VERSION = 1
@@ -106,7 +106,7 @@ def _get(state: dict, key: str, kind, where: str, default=_MISSING):
     return value
 
 
-def _check_header(state: dict, kinds: tuple[str, ...], where: str) -> str:
+def check_header(state: dict, kinds: tuple[str, ...], where: str) -> str:
     if _get(state, "format", str, where) != FORMAT:
         raise StateError(f"{where}.format is {_short(state['format'])}, expected {FORMAT!r}: not a loader state")
     version = _get(state, "version", int, where)
@@ -197,7 +197,7 @@ class Progress:
         """Checks what every merge keeps true: committed epochs from `epoch` to at most MAX_EPOCHS_AHEAD after it,
         each once; finished epochs before `epoch`, in increasing order; and no more micro-batches or samples done
         in the cursor epoch than it has committed positions."""
-        _check_header(state, ("global",), where)
+        check_header(state, ("global",), where)
         fingerprint = _get(state, "fingerprint", dict, where)
         n = _get(fingerprint, "num_samples", int, f"{where}.fingerprint")
         epoch = _get(state, "epoch", int, where)
@@ -259,7 +259,7 @@ class RankProgress:
     completed: int
     ended: bool = False
     out_of_step: dict | None = None  # another rank's count of updates when this state was taken, if it showed
-    # the ranks were not in lockstep (see `loader.lockstep`): then this state does not stand for every rank
+    # the ranks were not in lockstep (see `loader.checkpoint.lockstep`): then this state does not stand for every rank
 
     def to_dict(self) -> dict:
         state = rank_state(self.base, self.layout, self.rank, self.epoch, self.completed, self.ended)
@@ -268,7 +268,7 @@ class RankProgress:
     @classmethod
     def from_dict(cls, state: dict, where: str = "state", parsed_bases: dict | None = None) -> "RankProgress":
         """`parsed_bases` (id of a base dict -> its Progress) parses a base shared by many states only once."""
-        _check_header(state, ("rank",), where)
+        check_header(state, ("rank",), where)
         base_dict = _get(state, "base", dict, where)
         parsed_bases = {} if parsed_bases is None else parsed_bases
         if id(base_dict) not in parsed_bases:
@@ -416,24 +416,16 @@ def _done_in(plan: EpochPlan | None, rank: RankProgress, epoch: int) -> tuple[in
     return completed, plan.samples_from(rank.rank, 0) - plan.samples_from(rank.rank, completed)
 
 
-def merge_states(states: list[dict], uneven: bool = False) -> dict:
-    """Combine the states of all ranks, saved at one step of one world size, into the global progress.
+def merge_rank_states(states: list[dict], uneven: bool = False) -> dict:
+    """Combine the map-style states of all ranks, saved at one step of one world size, into the global progress.
 
     A pure function: usable without torch.distributed, e.g. offline on saved files. The states carry no step, but
     at any one step the ranks of a lockstep run (DDP, FSDP) have completed the same micro-batches, so states that
     differ were saved at different steps and are refused. `uneven=True` merges ranks that deliberately consumed
     unequal amounts (DDP Join); it is for states known to come from one step, as a collective gathers them
-    (`loader.checkpoint.global_progress`). Stream states (IterableDataset) cannot be merged into positions; they
-    are checked and kept side by side per rank."""
+    (`loader.checkpoint.global_progress`)."""
     if not isinstance(states, (list, tuple)) or not states:
         raise StateError("merge_states takes a non-empty list of per-rank state dicts (one per rank)")
-    kinds = {_check_header(s, ("rank", "stream"), f"states[{i}]") for i, s in enumerate(states)}
-    if len(kinds) > 1:
-        raise StateError("merge_states got map-style and stream states mixed: they come from different loaders")
-    if kinds == {"stream"}:
-        from loader.stream_state import merge_stream_states  # imports this module
-
-        return merge_stream_states(states)
     parsed_bases: dict = {}
     ranks = [RankProgress.from_dict(s, f"states[{i}]", parsed_bases) for i, s in enumerate(states)]
     first = ranks[0]
@@ -455,7 +447,7 @@ def progress_of(state) -> Progress:
     ran in lockstep (every optimizer update involved every rank, as under DDP or FSDP): what most scripts and
     frameworks save is rank 0's `state_dict()`."""
     if isinstance(state, (list, tuple)):
-        state = merge_states(list(state))
+        state = merge_rank_states(list(state))
     elif isinstance(state, dict) and state.get("kind") == "rank":
         alone = RankProgress.from_dict(state)
         if alone.out_of_step is not None and alone.layout.world_size > 1:

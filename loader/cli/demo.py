@@ -26,10 +26,11 @@ from typing import Callable
 
 import torch
 
-from loader.audit import main as audit_main
-from loader.replay import replay_plan
+from loader.checkpoint.audit import main as audit_main
+from loader.checkpoint.replay import replay_plan
+from loader.cli.names import by_source
 
-PROJECT = Path(__file__).resolve().parent.parent  # the checkout: the example and the package it imports
+PROJECT = Path(__file__).resolve().parents[2]  # the checkout: the example and the package it imports
 EXAMPLE = PROJECT / "examples" / "train_elastic.py"
 LM_EXAMPLE = PROJECT / "examples" / "train_lm.py"
 JOB = ["--samples", "480", "--global-batch", "24", "--micro-batch", "2", "--checkpoint-every", "3", "--ledger"]
@@ -260,9 +261,8 @@ def _audit(run: Path, lm: bool) -> int:
     """The audit as `python -m loader audit` prints it; per source for the mixture of the LM job."""
     if not lm:
         return audit_main(str(run))
-    from loader.__main__ import main as cli  # the command line imports this module: import it when needed
-
-    return cli(["audit", str(run), "--mixture", str(run / "mixture.json")])
+    grouping, describe = by_source(str(run / "mixture.json"))
+    return audit_main(str(run), describe=describe, grouping=grouping)
 
 
 def _audit_command(run: Path, lm: bool) -> str:

@@ -11,7 +11,7 @@ others with rank 0. A state taken after the optimizer step of a lockstep run see
 count or one update ahead (it cannot finish the next update before this rank joins it), never behind (that
 rank's batches of this update fed this step) and never further. A state taken otherwise, whether the ranks drifted
 apart or the state was taken before the step (which would count an update the model has not learnt from), is
-marked, with a warning, and loading it alone is refused (`loader.state.progress_of`).
+marked, with a warning, and loading it alone is refused (`loader.core.state.progress_of`).
 
 Each round trip runs on a daemon thread that the rank waits for a bounded time (`round_trip_bound`), since torch's
 store client never returns from a host that stopped answering, whatever its timeout: the check must never hold a
@@ -29,7 +29,7 @@ from typing import Any, Callable
 
 import torch.distributed as dist
 
-from loader.collectives import distributed
+from loader.core.collectives import distributed
 
 _PREFIX = "loader/lockstep"
 _identities: collections.Counter = collections.Counter()  # loaders of one identity that published so far here

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from loader._checks import check_positive_int
+from loader.core.checks import check_positive_int
 
 
 class GlobalBatchChangeWarning(UserWarning):

@@ -21,28 +21,28 @@ from functools import cached_property
 import numpy as np
 import torch
 
-from loader._checks import is_int
-from loader.shards import EpochShards, RankShards, ShardDeal, ShardProgress, merge
-from loader.state import (
+from loader.core.checks import is_int
+from loader.streams.shards import EpochShards, RankShards, ShardDeal, ShardProgress, merge
+from loader.core.state import (
     FORMAT,
     LARGEST,
     MAX_EPOCHS_AHEAD,
     VERSION,
     StateError,
-    _check_header,
+    check_header,
     _check_ranks,
     _get,
     _short,
     intervals_from_json,
     intervals_to_json,
 )
-from loader.progress import normalize
+from loader.core.progress import normalize
 
 SNAPSHOT_KEYS = ("batches", "ended", "dataset", "iterator", "shard", "rng")
 STATE_KEYS = ("format", "version", "kind", "world_size", "rank", "epoch", "batches", "exhausted", "ended",
               "num_workers", "base_seed", "next_worker", "origins", "workers", "shards", "stream")
 IDENTITY_KEYS = ("class", "length", "fingerprint")
-_RNG_FIXED = 8 * 3 + 8 * 2 + 4 * 624 + 4 * 625  # see loader.rng
+_RNG_FIXED = 8 * 3 + 8 * 2 + 4 * 624 + 4 * 625  # see loader.streams.rng
 
 
 def _seed(value, where: str):
@@ -238,7 +238,7 @@ class RankStream:
 
     @classmethod
     def from_dict(cls, state, where: str = "state") -> "RankStream":
-        _check_header(state, ("stream",), where)
+        check_header(state, ("stream",), where)
         if "num_workers" not in state:
             raise StateError(
                 f"{where} was saved by an earlier release, which did not record num_workers: resuming it could "
@@ -353,7 +353,7 @@ def rank_streams(state) -> list[RankStream]:
     has no progress that one rank's state could stand for in the others."""
     if isinstance(state, (list, tuple)):
         return _parse_all(state)
-    kind = _check_header(state, ("stream", "streams"), "state")
+    kind = check_header(state, ("stream", "streams"), "state")
     if kind == "stream":
         return _parse_all([state])
     if set(state) != {"format", "version", "kind", "world_size", "ranks"}:

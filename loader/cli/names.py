@@ -1,0 +1,32 @@
+"""How the audit names samples: by WebDataset shard and key, or by mixture source and index."""
+
+from __future__ import annotations
+
+import os
+
+from loader.checkpoint import audit
+
+
+def describe_by_key(shards: str):
+    from loader.sources import WebDatasetSource
+
+    source = WebDatasetSource(shards, progress=False)
+
+    def describe(index: int) -> str:
+        shard, key = source.sample_key(index)
+        return f"{index} ({os.path.basename(shard)}:{key})"
+
+    return describe
+
+
+def by_source(plan_path: str) -> tuple[audit.Grouping, object]:
+    """The run's mixture plan as the audit's grouping (a row per source) and a describer (position, source, index)."""
+    from loader.sources import MixturePlan
+
+    plan = MixturePlan.load(plan_path)
+
+    def describe(position: int) -> str:
+        (source,), (index,) = plan.locate([position])
+        return f"{position} ({plan.names[source]}:{index})"
+
+    return audit.Grouping(plan.names, plan.source_of, plan.num_samples), describe
