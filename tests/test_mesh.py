@@ -254,6 +254,8 @@ def test_merge_states_keeps_one_state_per_data_rank_and_refuses_replicas_that_di
     ones = [state_after(0, 2), state_after(1, 2)]
     gathered = [ones[0], ones[1], state_after(0, 2), state_after(1, 2)]  # dp 2 x tp 2, in global rank order
     assert merge_states(gathered) == merge_states(ones)
+    gathered[2] = {**gathered[2], "lockstep": {"rank": 1, "updates": 4, "own_updates": 2}}  # a peer saw rank 1 then
+    assert merge_states(gathered) == merge_states(ones)  # what a state saw of the others is not its progress
     gathered[3] = state_after(1, 3)
     with pytest.raises(StateError, match=r"states\[1\] and states\[3\] hold the progress of the same data-parallel "
                                          r"rank 1, but it differs \(completed 2 vs 3\)"):

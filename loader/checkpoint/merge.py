@@ -17,10 +17,19 @@ from loader.core.state import StateError, check_header, merge_rank_states
 from loader.streams.state import merge_stream_states
 
 
-def _differences(first: dict, other: dict) -> str:
-    """The fields in which two states differ, with their values where these are short."""
+_OBSERVED = ("lockstep",)  # what a state saw of the other ranks when it was taken, not its progress: peers that
+# looked at different moments may differ in it
+
+
+def _differences(first: dict, other: dict) -> list[str]:
+    """The progress fields in which two states differ."""
+    fields = first.keys() | other.keys()
+    return sorted(key for key in fields if key not in _OBSERVED and first.get(key) != other.get(key))
+
+
+def _described(first: dict, other: dict, fields: list[str]) -> str:
+    """The differing fields, with their values where these are short."""
     plain = (int, str, bool, type(None))
-    fields = sorted(key for key in first.keys() | other.keys() if first.get(key) != other.get(key))
     return ", ".join(f"{key} {first.get(key)!r} vs {other.get(key)!r}"
                      if isinstance(first.get(key), plain) and isinstance(other.get(key), plain) else key
                      for key in fields)
@@ -39,10 +48,10 @@ def one_per_data_rank(states: list, names: Sequence[str] | None = None) -> list:
         j = first_of.setdefault(rank, i) if is_int(rank) else i  # no rank: the merge names what is wrong with it
         if j == i:
             kept.append(state)
-        elif state != states[j]:
+        elif differing := _differences(states[j], state):
             raise StateError(
                 f"{names[j]} and {names[i]} hold the progress of the same data-parallel rank {rank}, but it differs "
-                f"({_differences(states[j], state)}): the peers of a data-parallel rank (tensor, context, pipeline "
+                f"({_described(states[j], state, differing)}): the peers of a data-parallel rank (tensor, context, pipeline "
                 f"or expert parallel) train on the same batches, so each must iterate its loader alike (every batch, "
                 f"set_epoch and load_state_dict, a pipeline stage that needs no input included). Fix the training "
                 f"loop of the one that differs; nothing was merged"
