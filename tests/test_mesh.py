@@ -4,6 +4,7 @@ forked processes, real meshes; every test counts every sample of every epoch: de
 
 import hashlib
 import json
+import math
 import warnings
 from collections import Counter
 
@@ -50,8 +51,9 @@ class Records(ShardedStream):
 
 
 def plain(value):
-    return value.tolist() if isinstance(value, torch.Tensor) else [plain(v) for v in value] if isinstance(
-        value, (list, tuple)) else value
+    if isinstance(value, torch.Tensor):
+        return value.tolist()
+    return [plain(v) for v in value] if isinstance(value, (list, tuple)) else value
 
 
 def digest(batch) -> str:
@@ -176,7 +178,7 @@ def _reshape_job(rank, world_size, shape, names, dp_dims, progress):
 
 def run_at(shape, names, dp_dims, progress=None) -> tuple[list, dict | None]:
     """Per data-parallel rank its batches (the same on every peer), and the saved progress."""
-    results = run_group(_reshape_job, int(torch.tensor(shape).prod()), shape, names, dp_dims, progress)
+    results = run_group(_reshape_job, math.prod(shape), shape, names, dp_dims, progress)
     by_rank: dict[int, list] = {}
     for dp_rank, batches, _ in results:
         assert by_rank.setdefault(dp_rank, batches) == batches, f"the peers of data-parallel rank {dp_rank} differ"
@@ -307,7 +309,11 @@ def _spelling_job(rank, world_size):
     flattened = hsdp._flatten("dp")  # torchtitan's dp mesh
     # global ranks laid out out of order: the mesh's order is not the order of the global ranks in its groups
     shuffled = DeviceMesh("cpu", torch.tensor([[3, 1], [2, 0]]), mesh_dim_names=("dp", "tp"))
-    of = lambda **where: (lambda dl: (dl.rank, dl.world_size))(ResumableDataLoader(IndexDataset(8), **where))
+
+    def of(**where):
+        dl = ResumableDataLoader(IndexDataset(8), **where)
+        return dl.rank, dl.world_size
+
     errors = []
     for where in ({"dp_mesh": hsdp, "rank": 0}, {"dp_mesh": hsdp, "dp_group": flattened.get_group()},
                   {"dp_mesh": flattened.get_group()}):
