@@ -17,6 +17,7 @@ writes it) for `python -m loader audit RUN_DIR`. Backend: nccl when every local 
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import signal
 import sys
@@ -154,7 +155,8 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     dist.init_process_group("nccl" if _one_gpu_per_rank() else "gloo", timeout=timedelta(seconds=args.timeout))
     train(args)  # on an exception, exit at once: a peer may be gone, so no collective would return
-    dist.destroy_process_group()
+    gc.collect()  # FSDP2's and DTensor's cycles hold the mesh's groups: freed now, while the interpreter is whole,
+    dist.destroy_process_group()  # not at its exit, where a group's teardown aborted a rank (-6) once under load
     return 0
 
 
