@@ -365,7 +365,11 @@ def test_every_block_is_run_or_skipped_with_a_reason_that_names_its_test():
         if kind == "setup":
             assert value in SETUPS, f"{block.name}: no setup named {value!r} in tests/test_docs.py"
         else:
-            assert "test_" in value, f"{block.name}: the reason to skip must name the test that covers the block"
+            named = re.findall(r"(tests/\w+\.py)(?:::(\w+))?", value)
+            assert named, f"{block.name}: the reason to skip must name the test that covers the block (tests/...)"
+            for path, test in named:
+                assert (ROOT / path).exists(), f"{block.name}: the reason to skip names {path}, which does not exist"
+                assert not test or f"def {test}(" in (ROOT / path).read_text(), f"{block.name}: no {path}::{test}"
 
 
 def test_every_setup_is_used():
