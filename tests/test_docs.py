@@ -78,15 +78,14 @@ BLOCKS = [block for page in PAGES for block in python_blocks(page)]
 class Setup:
     make: Callable[[], dict]  # runs in the block's directory; returns the names the block uses
     smaller: dict[str, str]
-    slow: bool  # starts a process group, a server or a framework's trainer
 
 
 SETUPS: dict[str, Setup] = {}
 
 
-def doc_setup(smaller: dict[str, str] | None = None, slow: bool = False):
+def doc_setup(smaller: dict[str, str] | None = None):
     def register(make: Callable[[], dict]) -> Callable[[], dict]:
-        SETUPS[make.__name__] = Setup(make, smaller or {}, slow)
+        SETUPS[make.__name__] = Setup(make, smaller or {})
         return make
     return register
 
@@ -177,7 +176,7 @@ def shards() -> dict:
     return {"files": files, "paths": paths}
 
 
-@doc_setup(smaller={"{000000..000127}": "{000000..000007}", '"/local/nvme/cache"': '"cache"'}, slow=True)
+@doc_setup(smaller={"{000000..000127}": "{000000..000007}", '"/local/nvme/cache"': '"cache"'})
 def s3() -> dict:
     """8 shards in a bucket of moto's S3 server on loopback, running until the block's interpreter exits."""
     import fsspec
@@ -217,7 +216,7 @@ def arrow() -> dict:
     return {}
 
 
-@doc_setup(slow=True)
+@doc_setup()
 def lightning() -> dict:
     """A LightningModule and its dataset, on one CPU device."""
     import lightning as L
@@ -238,7 +237,7 @@ def lightning() -> dict:
     return {"model": Regression(), "dataset": _regression(256), "N": 1}
 
 
-@doc_setup(slow=True)
+@doc_setup()
 def accelerate() -> dict:
     """A model, its optimizer and dataset, 2 accumulation steps and a checkpoint every update."""
     import torch
@@ -331,16 +330,14 @@ def script_of(block: Block) -> str:
 
 
 def marks_of(block: Block) -> list:
+    """Every block is slow (an interpreter of its own, torch imported anew: 2-10 s); a skipped one says why."""
     try:
         directive = directive_of(block)
     except AssertionError:
-        return []  # test_the_block_runs fails with the reason
-    if directive is None:
-        return []
-    if directive[0] == "skip":
+        directive = None  # test_the_block_runs fails with the reason
+    if directive is not None and directive[0] == "skip":
         return [pytest.mark.skip(reason=f"{block.name}: {directive[1]}")]
-    setup = SETUPS.get(directive[1])
-    return [pytest.mark.slow] if setup is not None and setup.slow else []
+    return [pytest.mark.slow]
 
 
 @pytest.mark.parametrize("block", [pytest.param(b, id=b.name, marks=marks_of(b)) for b in BLOCKS])
