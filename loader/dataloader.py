@@ -620,7 +620,7 @@ class ResumableDataLoader(DataLoader[T_co]):
             "its progress: it is already sharded by rank and resumable, so leave it out of prepare(). Prepare the "
             "model and optimizer only, call accelerator.register_for_checkpointing(loader) so that save_state() and "
             "load_state() carry its progress, move each batch with batch.to(accelerator.device), and step the "
-            "optimizer when loader.update_complete (see the README, Accelerate)"
+            "optimizer when loader.update_complete (see docs/frameworks.md, Hugging Face Accelerate)"
         )
 
     # -- state -----------------------------------------------------------------------------------------------------
