@@ -25,7 +25,8 @@ def rank_states(n: int, layout: Layout, epochs: np.ndarray, completed: np.ndarra
     """The states of ranks 0..W-1 of a fresh run, rank r in `epochs[r]` with `completed[r]` micro-batches of it,
     sharing one base as the ranks of one process would."""
     base = Progress(Order(n, SEED).fingerprint(), 0, {})
-    return [rank_state(base, layout, r, e, c, False) for r, (e, c) in enumerate(zip(epochs.tolist(), completed.tolist()))]
+    pairs = zip(epochs.tolist(), completed.tolist())
+    return [rank_state(base, layout, r, epoch, done, False) for r, (epoch, done) in enumerate(pairs)]
 
 
 def every_batch(sampler: ResumableSampler, epoch: int, counts: np.ndarray) -> np.ndarray:

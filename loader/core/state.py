@@ -503,7 +503,7 @@ def progress_of(state) -> Progress:
 def _not_standing_for_all(alone: RankProgress) -> StateError:
     mark = alone.out_of_step
     return StateError(
-        f"this is rank {alone.rank}'s state alone, taken while rank {mark['rank']} had completed {mark['updates']} "
+        f"this is rank {alone.rank}'s state alone, taken after rank {mark['rank']} had completed {mark['updates']} "
         f"optimizer updates and rank {alone.rank} {mark['own_updates']}: the ranks were not in lockstep (or it was "
         f"taken before the optimizer step), so it does not say what every rank trained (resuming from it would "
         f"repeat or skip samples). Resume from a checkpoint holding every rank's progress: saved by "
