@@ -97,9 +97,40 @@ def _peers(figure, section: dict) -> None:
     right.set_ylabel("throughput / DataLoader")
 
 
+def _scale(figure, section: dict) -> None:
+    """Seconds and bytes against the world size, and the lockstep store's cost under each protocol."""
+    figure.set_size_inches(13, 4.5)
+    left, middle, right = figure.subplots(1, 3)
+    points = section["points"]
+    worlds = [p["world"] for p in points]
+    times = {name: (worlds, [p[key]["median"] for p in points]) for name, key in (
+        ("merge_states, lockstep", "merge_lockstep_s"), ("merge_states, uneven", "merge_uneven_s"),
+        ("validation of the merged state", "validate_s"), ("load + first batch, one rank", "load_s"))}
+    _lines(left, times, "world size W (ranks simulated)", "seconds (median)")
+    left.axhline(1.0, color="gray", linestyle="--", linewidth=0.8)
+    sizes = {
+        "gather, one rank (detached)": (worlds, [p["gather_bytes_per_rank"] for p in points]),
+        "gather, all ranks": (worlds, [p["gather_bytes_per_rank"] * p["world"] for p in points]),
+        "merged state, lockstep": (worlds, [p["merged_bytes"]["lockstep"] for p in points]),
+        "merged state, uneven": (worlds, [p["merged_bytes"]["uneven"] for p in points]),
+    }
+    _lines(middle, sizes, "world size W", "bytes (JSON)")
+    store = section["store"]
+    protocols = ["every rank, every update", "turns"]
+    measures = (("requests per step", "requests_per_step", 1), ("step (ms)", "step_s", 1e3),
+                ("one rank's update (ms)", "update_latency_s", 1e3))
+    for i, protocol in enumerate(protocols):
+        right.bar([m + 0.4 * i for m in range(len(measures))],
+                  [store[protocol][key]["median"] * scale for _, key, scale in measures], 0.4, label=protocol)
+    right.set_xticks([m + 0.2 for m in range(len(measures))], [label for label, _, _ in measures], fontsize=7)
+    right.set_yscale("log")
+    right.set_title(f"lockstep store, {store['ranks']:,} ranks on {store['clients']:,} clients", fontsize=8)
+    right.legend(fontsize=7)
+
+
 _DRAW: dict[str, Callable] = {"throughput": _bars, "training": _bars, "checkpoint": _checkpoint,
                               "resume": _resume, "memory": _memory, "webdataset": _bars, "tokens": _bars, "remote": _bars,
-                              "peers": _peers}
+                              "peers": _peers, "scale": _scale}
 
 
 def write(results: dict, out: Path, stem: str) -> dict:

@@ -1,8 +1,8 @@
-"""The lockstep check beyond 65 ranks: ranks take turns, so one store serves O(1) requests per step at any W.
+"""The lockstep check beyond 195 ranks: ranks take turns, so one store serves O(1) requests per step at any W.
 
 Many ranks are simulated in one process, each a `LockstepWatch` over a client of one real TCPStore on loopback,
 called in the order a lockstep step allows (every rank delivers update u, then takes its state after the step);
-a real gloo group of 4 processes then runs loaders that are 4 of 130 ranks, as a larger job's would.
+a real gloo group of 4 processes then runs loaders that are 4 of 200 ranks, as a larger job's would.
 """
 
 from __future__ import annotations
@@ -15,8 +15,9 @@ import torch.distributed as dist
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from benchmarks.scale import CountingStore
 from loader import ResumableDataLoader
-from loader.checkpoint.lockstep import SAMPLE, LockstepWarning, LockstepWatch, due, due_ranks, period
+from loader.checkpoint.lockstep import EXACT, SAMPLE, LockstepWarning, LockstepWatch, due, due_ranks, period
 from tests.conftest import IndexDataset
 from tests.distributed import run_group
 
@@ -27,30 +28,14 @@ PROGRESS = (1, "digest")  # the progress every simulated rank counts its updates
 @given(world=st.integers(2, 5000), start=st.integers(0, 10**6))
 def test_every_rank_takes_one_turn_per_period_and_at_most_sample_ranks_share_an_update(world, start):
     turns = [list(due_ranks(u, world)) for u in range(start, start + period(world))]
-    assert all(len(ranks) <= SAMPLE for ranks in turns)
+    assert period(world) == 1 or all(len(ranks) <= SAMPLE for ranks in turns)  # beyond the exact check
     assert sorted(r for ranks in turns for r in ranks) == list(range(1, world))  # each rank once
     assert all(due(r, u, world) for u, ranks in zip(range(start, start + period(world)), turns) for r in ranks)
-    assert (period(world) == 1) == (world <= SAMPLE + 1)  # the exact check up to 65 ranks
+    assert (period(world) == 1) == (world <= EXACT)  # the exact check up to 195 ranks
 
 
 def test_at_65536_ranks_a_turn_comes_every_1024_updates():
     assert period(65_536) == 1024 and max(len(due_ranks(u, 65_536)) for u in range(1024)) == SAMPLE
-
-
-class CountingStore:
-    """A real store client that counts the requests sent through it."""
-
-    def __init__(self, store):
-        self.store, self.requests = store, 0
-
-    def __getattr__(self, name):
-        call = getattr(self.store, name)
-
-        def counted(*args):
-            self.requests += 1
-            return call(*args)
-
-        return counted
 
 
 @pytest.fixture
@@ -59,11 +44,11 @@ def store():
     yield CountingStore(dist.TCPStore("127.0.0.1", server.port, is_master=False))
 
 
-def simulate(store, world: int, updates: int, counts: dict[int, int] | None = None, name: str = "sim") -> list:
-    """`updates` lockstep steps of `world` simulated ranks (`counts`: ranks whose loop does fewer, to that many);
-    returns rank 0's mark after each step and the requests the store served in each step."""
+def simulate(store, world: int, updates: int, counts: dict[int, int] | None = None) -> tuple[list, list, list]:
+    """`updates` lockstep steps of `world` simulated ranks (`counts`: ranks whose loop does fewer, to that many):
+    rank 0's mark after each step, the requests the store served in each step, and the ranks' watches."""
     counts = counts or {}
-    watches = [LockstepWatch(name, store=store) for _ in range(world)]
+    watches = [LockstepWatch("sim", store=store) for _ in range(world)]
     marks, requests = [], []
     for u in range(1, updates + 1):
         before = store.requests
@@ -78,8 +63,8 @@ def simulate(store, world: int, updates: int, counts: dict[int, int] | None = No
 def test_at_1024_ranks_an_update_costs_the_store_o_of_1_requests_and_lockstep_is_never_marked(store):
     marks, requests, watches = simulate(store, 1024, 3 * period(1024))
     assert marks == [None] * len(marks)
-    assert requests[0] <= 1024 + 3 * (1 + SAMPLE)  # the first update since the progress was set: every rank publishes
-    assert max(requests[1:]) <= 3 * (1 + SAMPLE) < 1024  # then publish (compare_set), check and multi_get of rank
+    assert requests[0] <= 1024 + EXACT  # the first update since the progress was set: every rank publishes
+    assert max(requests[1:]) <= EXACT < 1024  # then publish (compare_set), check and multi_get of rank
     # 0 and of the ranks whose turn it is, where every rank used to publish at every update
     assert all(watch.check(rank, 1024, PROGRESS) is None for rank, watch in enumerate(watches))
 
@@ -103,13 +88,13 @@ def test_rank_zero_behind_the_others_is_caught_by_a_rank_at_its_turn(store):
     assert watches[0].check(0, world, (2, "digest")) is None  # a progress set anew: nothing found since
 
 
-# -- loaders of a 130-rank job, 4 of its ranks in a real gloo group ---------------------------------------------------
+# -- loaders of a 200-rank job, 4 of its ranks in a real gloo group ---------------------------------------------------
 
-WORLD, N, KW = 130, 130 * 2 * 12, dict(batch_size=2, shuffle=True, seed=5)  # 12 updates an epoch
+WORLD, N, KW = 200, 200 * 2 * 12, dict(batch_size=2, shuffle=True, seed=5)  # 12 updates an epoch
 
 
 def _job(rank, world_size, stopping):
-    """Ranks 0-3 of 130 in lockstep (an all_reduce per update) for 6 updates; then rank `stopping` leaves its
+    """Ranks 0-3 of 200 in lockstep (an all_reduce per update) for 6 updates; then rank `stopping` leaves its
     loop while the others go on for 6 more. Rank 0 takes its state after every step, after them rank 0 and the
     others alike; every state is returned with the warnings it raised."""
     dl = ResumableDataLoader(IndexDataset(N), rank=rank, world_size=WORLD, **KW)
@@ -136,7 +121,7 @@ def _state(dl):
 
 
 @pytest.mark.slow
-def test_beyond_65_ranks_a_rank_that_leaves_its_loop_marks_rank_zeros_states_within_a_period():
+def test_beyond_195_ranks_a_rank_that_leaves_its_loop_marks_rank_zeros_states_within_a_period():
     results = run_group(_job, 4, 2)
     marks = results[0][0]
     assert len(marks) == 12 and marks[:6] == [None] * 6
@@ -145,7 +130,7 @@ def test_beyond_65_ranks_a_rank_that_leaves_its_loop_marks_rank_zeros_states_wit
 
 
 @pytest.mark.slow
-def test_beyond_65_ranks_rank_zero_leaving_its_loop_is_found_by_the_others():
+def test_beyond_195_ranks_rank_zero_leaving_its_loop_is_found_by_the_others():
     results = run_group(_job, 4, 0)
     marks, final = results[0]
     assert marks == [None] * 6 and final is not None and final["own_updates"] == 6 and final["updates"] > 7

@@ -13,7 +13,7 @@ state taken otherwise, whether the ranks drifted apart or the state was taken be
 an update the model has not learnt from), is marked, with a warning, and loading it alone is refused
 (`loader.core.state.progress_of`).
 
-At up to SAMPLE + 1 ranks the check is exact: every rank publishes at every optimizer update (one round trip), and
+Up to EXACT ranks the check is exact: every rank publishes at every optimizer update (one round trip), and
 `state_dict()` compares data rank 0 with every rank, the others with rank 0. Beyond, one store must not serve a
 request per rank per step (65,536 at the largest jobs), so the ranks take turns: rank 0 publishes at every update,
 each other rank at one update in `period(W)` (a rotation: at most SAMPLE ranks at any update). A rank at its turn
@@ -21,7 +21,7 @@ publishes and reads rank 0's count; rank 0 at each update reads the counts of th
 before; whoever finds the two out of step leaves a mark that every later `state_dict()` of rank 0 carries until
 the progress is set anew. So a rank out of step with rank 0 for `period(W)` consecutive updates (1,024 at 65,536
 ranks) is always caught, one out of step at fewer is caught with probability 1 / period(W) per update (each rank
-is seen once per period), and the store serves at most 3 (1 + SAMPLE) requests per step whatever W, besides one
+is seen once per period), and the store serves at most EXACT requests per step whatever W, besides one
 per rank at the first update after the progress is set (so that a rank that stops before its first turn leaves a
 count behind; the job's rendezvous costs as much). Between a divergence and its discovery rank 0's states are not
 marked; states of other ranks keep the exact comparison with rank 0 at any W.
@@ -47,8 +47,9 @@ from loader.core.collectives import distributed
 _PREFIX = "loader/lockstep"
 _identities: collections.Counter = collections.Counter()  # loaders of one identity that published so far here
 MOST_WAIT = 5.0  # seconds a round trip may take, at most: a store this slow is as good as stopped for the check
-SAMPLE = 64  # ranks besides rank 0 that touch the store at one update, at most: up to SAMPLE + 1 ranks, all of them
-# at every update (the exact check)
+SAMPLE = 64  # ranks besides rank 0 that take their turn at one update, at most
+EXACT = 3 * (1 + SAMPLE)  # requests per step the turns cost at most (rank 0's and each turn's: a publication, and a
+# check and a read of counts): up to as many ranks, every rank publishes at every update, which costs no more
 
 
 class LockstepWarning(UserWarning):
@@ -64,8 +65,8 @@ def out_of_step(own_updates: int, other_updates: int, stepped: bool = True) -> b
 
 
 def period(world_size: int) -> int:
-    """Updates between two turns of a rank other than 0: 1 (every rank at every update) up to SAMPLE + 1 ranks."""
-    return max(1, -(-(world_size - 1) // SAMPLE))
+    """Updates between two turns of a rank other than 0: 1 (every rank at every update) up to EXACT ranks."""
+    return 1 if world_size <= EXACT else -(-(world_size - 1) // SAMPLE)
 
 
 def due(rank: int, updates: int, world_size: int) -> bool:
@@ -191,7 +192,7 @@ class LockstepWatch:
         self._published: str = ""
         self._progress: tuple[int, str] | None = None  # the progress_id updates are counted from
         self._updates = 0
-        self._found: dict | None = None  # beyond SAMPLE + 1 ranks, since the progress was set: on rank 0 the mark
+        self._found: dict | None = None  # beyond EXACT ranks, since the progress was set: on rank 0 the mark
         # of the first rank found out of step, which every later state of rank 0 carries; on the others the one they
         # left for rank 0 (once)
         self._off = False  # the store failed or stalled once (see `_ask`): never touched again
@@ -217,9 +218,9 @@ class LockstepWatch:
         return (*progress_id, self._updates)
 
     def completed_update(self, rank: int, progress_id: tuple[int, str], world_size: int) -> None:
-        """This rank delivered the last micro-batch of an optimizer update: publish (every rank up to SAMPLE + 1,
+        """This rank delivered the last micro-batch of an optimizer update: publish (every rank up to EXACT ranks,
         else rank 0, the ranks whose turn it is, and every rank at its first update since its progress was set, so
-        that a rank that stops before its first turn leaves a count behind) and, beyond SAMPLE + 1 ranks, compare
+        that a rank that stops before its first turn leaves a count behind) and, beyond EXACT ranks, compare
         (see the module)."""
         self._token(progress_id)
         self._updates += 1
@@ -283,7 +284,7 @@ class LockstepWatch:
         return None
 
     def check(self, rank: int, world_size: int, progress_id: tuple[int, str]) -> dict | None:
-        """The first rank found out of step with this one, as the mark a state carries, or None. Up to SAMPLE + 1
+        """The first rank found out of step with this one, as the mark a state carries, or None. Up to EXACT
         ranks: rank 0 reads every rank's count, the others rank 0's. Beyond: rank 0 carries what it or the ranks at
         their turns found, else compares with the ranks whose turn was its last update; the others read rank 0's."""
         if self._store() is None or world_size == 1:
