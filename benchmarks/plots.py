@@ -116,16 +116,15 @@ def _scale(figure, section: dict) -> None:
     }
     _lines(middle, sizes, "world size W", "bytes (JSON)")
     store = section["store"]
-    protocols = ["every rank, every update", "turns"]
-    measures = (("requests per step", "requests_per_step", 1), ("step (ms)", "step_s", 1e3),
-                ("one rank's update (ms)", "update_latency_s", 1e3))
-    for i, protocol in enumerate(protocols):
-        right.bar([m + 0.4 * i for m in range(len(measures))],
-                  [store[protocol][key]["median"] * scale for _, key, scale in measures], 0.4, label=protocol)
-    right.set_xticks([m + 0.2 for m in range(len(measures))], [label for label, _, _ in measures], fontsize=7)
-    right.set_yscale("log")
-    right.set_title(f"lockstep store, {store['ranks']:,} ranks on {store['clients']:,} clients", fontsize=8)
-    right.legend(fontsize=7)
+    ranks = [p["ranks"] for p in store["points"]]
+    costs = {}
+    for protocol in ("every rank, every update", "turns"):
+        costs[f"requests per step, {protocol}"] = (
+            ranks, [p[protocol]["requests_per_step"]["median"] for p in store["points"]])
+        costs[f"step (ms), {protocol}"] = (ranks, [p[protocol]["step_s"]["median"] * 1e3 for p in store["points"]])
+    costs["step (ms), the harness alone"] = (ranks, [p["none (the harness alone)"]["step_s"]["median"] * 1e3
+                                                     for p in store["points"]])
+    _lines(right, costs, f"ranks simulated on {store['clients']:,} TCPStore clients", "lockstep check, per step")
 
 
 _DRAW: dict[str, Callable] = {"throughput": _bars, "training": _bars, "checkpoint": _checkpoint,

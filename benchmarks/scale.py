@@ -116,25 +116,31 @@ def _store_host(ports) -> None:
         time.sleep(1)
 
 
+PROTOCOLS = ("none (the harness alone)", "every rank, every update", "turns")
+
+
 def _steps(clients: list[CountingStore], world: int, steps: int, protocol: str) -> dict:
-    """`steps` lockstep updates of `world` simulated ranks on the clients' threads under one protocol."""
-    watches = [LockstepWatch(f"bench/{protocol}", store=clients[r % len(clients)]) for r in range(world)]
-    latencies: list[list[float]] = [[] for _ in clients]
+    """`steps` lockstep updates of `world` simulated ranks on the clients' threads under one protocol; the first
+    (every rank publishes under either protocol: the first update since the progress was set) reported apart."""
+    watches = [LockstepWatch(f"bench/{world}/{protocol}", store=clients[r % len(clients)]) for r in range(world)]
+    updates: list[list[tuple[int, float, int]]] = [[] for _ in clients]  # (rank, seconds, requests) per update
     barrier = threading.Barrier(len(clients) + 1)
 
     def update(rank: int, u: int) -> None:
-        if protocol == "every rank, every update":  # what completed_update does up to EXACT ranks
+        if protocol == PROTOCOLS[1]:  # what completed_update does up to EXACT ranks
             watches[rank].publish(rank, (*PROGRESS, u))
-        else:
+        elif protocol == PROTOCOLS[2]:
             watches[rank].completed_update(rank, PROGRESS, world)
 
     def client(c: int) -> None:
+        store = clients[c]
         for u in range(1, steps + 1):
             barrier.wait()
             for rank in range(c, world, len(clients)):
-                start = time.perf_counter()
+                start, before = time.perf_counter(), store.requests
                 update(rank, u)
-                latencies[c].append(time.perf_counter() - start)
+                if u > 1:
+                    updates[c].append((rank, time.perf_counter() - start, store.requests - before))
             barrier.wait()
 
     threads = [threading.Thread(target=client, args=(c,), daemon=True) for c in range(len(clients))]
@@ -150,14 +156,15 @@ def _steps(clients: list[CountingStore], world: int, steps: int, protocol: str) 
         requests.append(sum(c.requests for c in clients) - before)
     for thread in threads:
         thread.join()
-    steady = slice(1, None)  # the first update after the progress is set: every rank publishes, under either
-    per_update = [s for per_client in latencies for s in per_client[len(per_client) // steps:]]
+    done = [one for per_client in updates for one in per_client]
+    calling = [seconds for _, seconds, made in done if made] or [0.0]
     return {
         "first_step": {"requests": requests[0], "seconds": step_s[0]},
-        "requests_per_step": summary(requests[steady]),
-        "step_s": summary(step_s[steady]),
-        "update_latency_s": summary(per_update),
-        "requests_per_s": sum(requests[steady]) / sum(step_s[steady]),
+        "requests_per_step": summary(requests[1:]),
+        "step_s": summary(step_s[1:]),
+        "calling_update_s": summary(calling),  # an update that made requests
+        "rank0_update_s": summary([seconds for rank, seconds, _ in done if rank == 0]),
+        "requests_per_s": sum(requests[1:]) / sum(step_s[1:]),
     }
 
 
@@ -173,12 +180,16 @@ def _store(cfg: Config) -> dict:
             clients = list(pool.map(lambda _: CountingStore(dist.TCPStore("127.0.0.1", port, is_master=False)),
                                     range(cfg.store_clients)))
         say("scale", f"{cfg.store_clients} store clients connected in {time.perf_counter() - start:.1f} s")
-        result = {"ranks": cfg.store_ranks, "clients": cfg.store_clients, "steps": cfg.store_steps}
-        for protocol in ("every rank, every update", "turns"):
-            result[protocol] = _steps(clients, cfg.store_ranks, cfg.store_steps + 1, protocol)
-            say("scale", f"store, {protocol}: {result[protocol]['requests_per_step']['median']:.0f} requests and "
-                         f"{result[protocol]['step_s']['median'] * 1e3:.1f} ms a step")
-        return result
+        points = []
+        for world in cfg.store_ranks:
+            point = {"ranks": world}
+            for protocol in PROTOCOLS:
+                point[protocol] = _steps(clients, world, cfg.store_steps + 1, protocol)
+                result = point[protocol]
+                say("scale", f"store, {world:,} ranks, {protocol}: {result['requests_per_step']['median']:,.0f} "
+                             f"requests and {result['step_s']['median'] * 1e3:.1f} ms a step")
+            points.append(point)
+        return {"clients": cfg.store_clients, "steps": cfg.store_steps, "points": points}
     finally:
         os.kill(host.pid, signal.SIGKILL)
         host.join(timeout=10)
@@ -190,6 +201,20 @@ def _exponent(points: list[dict], key: str) -> float:
     """How the median grows between the two largest W: 1 is linear, 2 quadratic."""
     small, large = points[-2], points[-1]
     return math.log(large[key]["median"] / small[key]["median"]) / math.log(large["world"] / small["world"])
+
+
+def _store_rows(point: dict) -> list[dict]:
+    ranks = f"{point['ranks']:,} ranks"
+    rows = []
+    for protocol in PROTOCOLS:
+        result = point[protocol]
+        rows.append(row(f"step (every rank's update), {ranks}, {protocol}", result["step_s"], "ms", scale=1e3))
+        if protocol != PROTOCOLS[0]:
+            rows += [
+                row(f"store requests per step, {ranks}, {protocol}", result["requests_per_step"], "requests"),
+                row(f"rank 0's update, {ranks}, {protocol}", result["rank0_update_s"], "ms", scale=1e3),
+            ]
+    return rows
 
 
 def _rows(points: list[dict], store: dict) -> list[dict]:
@@ -209,20 +234,16 @@ def _rows(points: list[dict], store: dict) -> list[dict]:
         row(f"gather bytes per rank, {w} / W={smallest['world']:,}", single(per_rank), "ratio", "<= 1.1"),
         row(f"merged state bytes, {w}, uneven", single(largest["merged_bytes"]["uneven"]), "B"),
     ]
-    ranks = f"{store['ranks']:,} ranks"
-    for protocol in ("every rank, every update", "turns"):
-        result = store[protocol]
-        rows += [
-            row(f"store requests per step, {ranks}, {protocol}", result["requests_per_step"], "requests"),
-            row(f"step (every rank's update), {ranks}, {protocol}", result["step_s"], "ms", scale=1e3),
-            row(f"one rank's update, {ranks}, {protocol}", result["update_latency_s"], "ms", scale=1e3),
-        ]
-    rate = store["every rank, every update"]["requests_per_s"]
+    for point in (store["points"][0], store["points"][-1]) if len(store["points"]) > 1 else store["points"]:
+        rows += _store_rows(point)
+    exact = store["points"][-1][PROTOCOLS[1]]  # the most requests per step: the store's rate under load
     rows += [
-        row(f"store requests/s served, {store['clients']:,} clients", single(rate), "requests/s"),
+        row(f"store requests/s served, {store['clients']:,} client threads, {store['points'][-1]['ranks']:,} ranks "
+            f"every update", single(exact["requests_per_s"]), "requests/s"),
         row("store time per step at 65,536 ranks, every rank every update (65,536 requests at that rate)",
-            single(65_536 / rate), "s"),
-        row(f"store time per step at any W, turns ({EXACT} requests at most)", single(EXACT / rate), "ms", scale=1e3),
+            single(65_536 / exact["requests_per_s"]), "s"),
+        row(f"store time per step at any W, turns ({EXACT} requests at most, at that rate)",
+            single(EXACT / exact["requests_per_s"]), "ms", scale=1e3),
     ]
     return rows
 

@@ -169,9 +169,11 @@ def test_the_scale_section_runs_only_when_chosen_and_reports_every_world_size(re
                                                                 "load_s"))
         assert _positive(point["gather_bytes_per_rank"])
         assert point["merged_bytes"]["uneven"] >= point["merged_bytes"]["lockstep"] > 0
-    store = scale["store"]
-    assert store["every rank, every update"]["requests_per_step"]["median"] == config["store_ranks"] > EXACT
-    assert store["turns"]["requests_per_step"]["max"] <= EXACT  # the first update (every rank publishes) aside
+    assert [point["ranks"] for point in scale["store"]["points"]] == config["store_ranks"]
+    for point in scale["store"]["points"]:
+        assert point["every rank, every update"]["requests_per_step"]["median"] == point["ranks"] > EXACT
+        assert point["turns"]["requests_per_step"]["max"] <= EXACT  # the first update (every rank publishes) aside
+        assert point["none (the harness alone)"]["requests_per_step"]["max"] == 0
     assert all(row["met"] is None for row in scale["rows"])
 
 

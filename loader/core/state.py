@@ -91,6 +91,15 @@ _MISSING = object()
 def _get(state: dict, key: str, kind, where: str, default=_MISSING):
     """state[key] checked to be of `kind` (int: a non-negative int below LARGEST, never a bool); `default` for
     fields added after the first release, which older states lack."""
+    if type(state) is dict:  # the common case first, in a few operations: a merge of 65,536 ranks reads a dozen
+        value = state.get(key, _MISSING)  # fields of each state
+        if type(value) is kind and (kind is not int or 0 <= value < LARGEST):
+            return value
+    return _checked(state, key, kind, where, default)
+
+
+def _checked(state: dict, key: str, kind, where: str, default):
+    """`_get` in full, with the error that says what is wrong."""
     if not isinstance(state, dict):
         raise StateError(f"{where} must be a dict, got {type(state).__name__}: the state is corrupted")
     if key not in state:
@@ -98,8 +107,6 @@ def _get(state: dict, key: str, kind, where: str, default=_MISSING):
             return default
         raise StateError(f"{where} has no field {key!r}: the state is truncated or not a loader state")
     value = state[key]
-    if type(value) is int and kind is int and 0 <= value < LARGEST:  # the common case first: a merge reads
-        return value  # a dozen fields of each of 65,536 states
     if kind is int and (not is_int(value) or not 0 <= value < LARGEST):
         raise StateError(f"{where}.{key} must be a non-negative int, got {_short(value)}: the state is corrupted")
     if kind is not int and not isinstance(value, kind):
