@@ -6,12 +6,12 @@ loop early, ranks that consume unequal amounts): the restart would re-serve what
 
 How, without a collective (a rank-0-only caller must never block): ranks publish, through the process group's
 key-value store, how many updates they completed since their progress was last set, and compare. In a lockstep
-run, a rank that delivers the last micro-batch of its update u sees any other rank at u - 1 or u (rank 0 could not
-have finished update u - 1 without it, nor started u + 1); a state taken after the optimizer step of update c sees
-every other rank at c or c + 1, never behind (that rank's batches of update c fed this step) and never further. A
-state taken otherwise, whether the ranks drifted apart or the state was taken before the step (which would count
-an update the model has not learnt from), is marked, with a warning, and loading it alone is refused
-(`loader.core.state.progress_of`).
+run, a rank that delivers the last micro-batch of its update u sees any other rank at u - 1 or u (every rank
+delivered update u - 1 before this rank's step of it, and none delivers u + 1 before this rank's step of u); a
+state taken after the optimizer step of update c sees every other rank at c or c + 1, never behind (that rank's
+batches of update c fed this step) and never further. A state taken otherwise, whether the ranks drifted apart or
+the state was taken before the step (which would count an update the model has not learnt from), is marked, with
+a warning, and loading it alone is refused (`loader.core.state.progress_of`).
 
 Up to EXACT ranks the check is exact: every rank publishes at every optimizer update (one round trip), and
 `state_dict()` compares data rank 0 with every rank, the others with rank 0. Beyond, one store must not serve a
