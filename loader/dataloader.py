@@ -541,7 +541,7 @@ class ResumableDataLoader(DataLoader[T_co]):
     def _publish_update(self) -> None:
         """Tell the other ranks when this rank completed an optimizer update (see `loader.checkpoint.lockstep`)."""
         if self.resumable_sampler.update_complete:
-            self._lockstep.completed_update(self._rank, self.resumable_sampler.progress_id)
+            self._lockstep.completed_update(self._rank, self.resumable_sampler.progress_id, self._world_size)
 
     def _fail(self) -> None:
         if self._stream is not None:

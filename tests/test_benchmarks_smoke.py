@@ -154,6 +154,31 @@ def test_a_smoke_run_is_not_graded(results):
     assert "**no**" not in table and "| met |" not in table and "not graded" in table
 
 
+def test_the_scale_section_runs_only_when_chosen_and_reports_every_world_size(results, tmp_path):
+    from loader.checkpoint.lockstep import EXACT
+
+    assert "scale" not in results["sections"]  # 65,536 ranks and 1,024 store clients: opt-in, as peers is
+    command = [sys.executable, "-m", "benchmarks", "--smoke", "--sections", "scale", "--device", "cpu", "--out",
+               str(tmp_path)]
+    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-4000:]
+    (json_path,) = tmp_path.glob("cpu-*-scale.json")
+    data = json.loads(json_path.read_text())
+    scale, config = data["sections"]["scale"], data["config"]
+    assert [point["world"] for point in scale["points"]] == config["scale_worlds"]
+    for point in scale["points"]:
+        assert all(_positive(point[key]["median"]) for key in ("merge_lockstep_s", "merge_uneven_s", "validate_s",
+                                                                "load_s"))
+        assert _positive(point["gather_bytes_per_rank"])
+        assert point["merged_bytes"]["uneven"] >= point["merged_bytes"]["lockstep"] > 0
+    assert [point["ranks"] for point in scale["store"]["points"]] == config["store_ranks"]
+    for point in scale["store"]["points"]:
+        assert point["every rank, every update"]["requests_per_step"]["median"] == point["ranks"] > EXACT
+        assert point["turns"]["requests_per_step"]["max"] <= EXACT  # the first update (every rank publishes) aside
+        assert point["none (the harness alone)"]["requests_per_step"]["max"] == 0
+    assert all(row["met"] is None for row in scale["rows"])
+
+
 def test_quick_and_smoke_together_are_refused():
     done = subprocess.run([sys.executable, "-m", "benchmarks", "--quick", "--smoke"], cwd=REPO, capture_output=True,
                           text=True, timeout=60)

@@ -37,7 +37,7 @@ def _gather_job(rank, world_size, base):
     it = iter(dl)
     for _ in range(rank + 1):  # unequal again
         next(it)
-    state = dl.state_dict(check_lockstep=False)  # the ranks are uneven on purpose
+    state = dl.state_dict(check_lockstep=False)  # unequal on purpose: gathered, never saved alone
     return state, global_progress(dl), len(pickle.dumps(detach_base(state)))
 
 
