@@ -295,7 +295,7 @@ def test_the_lockstep_check_compares_data_parallel_ranks_whose_peers_publish_ali
     assert all(caught[0] == [] for _, caught in results)  # replicas sharing a key raise no false alarm
     for dp_rank, caught in results:
         if dp_rank == 0:
-            assert len(caught[1]) == 1 and "while rank 1 had completed 5 optimizer updates" in caught[1][0]
+            assert len(caught[1]) == 1 and "after rank 1 had completed 5 optimizer updates" in caught[1][0]
         else:
             assert caught[1] == []
 
