@@ -533,11 +533,12 @@ class ResumableDataLoader(DataLoader[T_co]):
         if self._stream is not None:
             self._stream.deliver()  # the stream moved past it: resuming must not replay it
             return
-        if self.ledger is not None:
-            self.ledger.record_failed(self.epoch, self.resumable_sampler.next_indices())
+        failed = self.resumable_sampler.next_indices()
         self.resumable_sampler.fail()
         if self._world_size > 1:
             self._publish_update()
+        if self.ledger is not None:
+            self.ledger.record_failed(self.epoch, failed, self.update_complete)
 
     def _end_pass(self) -> None:
         (self._stream or self.resumable_sampler).end_pass()

@@ -55,6 +55,42 @@ def test_skips_and_duplicates_are_reported_with_their_indices(tmp_path, capsys):
     assert "skipped indices: 7, 8, 10, 11" in out and "duplicated indices: 0, 9" in out and "FAILED" in out
 
 
+class FailsAt3(IndexDataset):
+    def __getitem__(self, index):
+        if index == 3:
+            raise ValueError("bad sample 3")
+        return int(index)
+
+
+def take(it, count: int) -> None:
+    for _ in range(count):
+        try:
+            next(it)
+        except ValueError:
+            pass
+
+
+def test_a_failed_batch_that_completes_an_update_advances_the_ledger_step(tmp_path):
+    """The ledger labels each record with the step it feeds: a failed last micro-batch completes its step too, or
+    every later record of that rank would be labelled a step early, and a resume would count the replayed one twice."""
+    kw = dict(batch_size=2, grad_accum=2)
+    first = ResumableDataLoader(FailsAt3(16), **kw)
+    first.ledger = Ledger.open(tmp_path, 0, 16)
+    it = iter(first)
+    take(it, 4)  # step 1: [0, 1] and [2, 3], which fails; step 2: [4, 5], [6, 7]
+    state = merge_states([first.state_dict()])
+    take(it, 2)  # step 3, then a crash
+    first.ledger.close()
+    second = ResumableDataLoader(FailsAt3(16), **kw)
+    second.load_state_dict(state)
+    second.ledger = Ledger.open(tmp_path, 2, 16)
+    take(iter(second), 4)
+    second.ledger.record_finished(merge_states([second.state_dict()]), second)
+    second.ledger.close()
+    (epoch,) = audit(tmp_path)
+    assert epoch.finished and epoch.clean and epoch.seen_once == 14 and epoch.failed.tolist() == [2, 3]
+
+
 def test_a_torn_last_record_is_ignored(tmp_path):
     ledger = Ledger.open(tmp_path, 0, 8)
     ledger.record(0, np.arange(4), True)

@@ -56,10 +56,14 @@ class Ledger:
             self.step += 1
             self._file.flush()
 
-    def record_failed(self, epoch: int, indices: np.ndarray) -> None:
+    def record_failed(self, epoch: int, indices: np.ndarray, update_complete: bool) -> None:
         """A batch whose loading raised: consumed and never served again, so the audit lists its samples as
-        failed, neither trained nor skipped. It feeds no optimizer step of its own."""
-        self._write(epoch, indices, FAILED)
+        failed, neither trained nor skipped. It feeds no optimizer step of its own, but it may be the last
+        micro-batch of one (`update_complete`): the step is then complete, and the next batch feeds the next."""
+        self._write(epoch, indices, FAILED | (COMPLETE if update_complete else 0))
+        if update_complete:
+            self.step += 1
+            self._file.flush()
 
     def _write(self, epoch: int, indices: np.ndarray, flags: int) -> None:
         ids = np.ascontiguousarray(indices, dtype="<i8")
