@@ -40,6 +40,11 @@ class Ledger:
         self.run_dir, self.path, self.step = Path(run_dir), path, resumed_step
         self._file = open(path, "ab")
 
+    @property
+    def generation(self) -> int:
+        """This launch's number (1 for the job's first): what tells a replayed step's records, and metrics, apart."""
+        return int(self.path.parent.name[4:])
+
     @classmethod
     def open(cls, run_dir, resumed_step: int, num_samples: int, group=None) -> "Ledger":
         """Start a new generation (rank 0 creates it, every rank learns its number); a collective when
