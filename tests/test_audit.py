@@ -37,17 +37,23 @@ def test_replayed_steps_do_not_count_and_the_audit_is_clean(tmp_path, capsys):
     assert "audit: every sample exactly once" in capsys.readouterr().out
 
 
-def test_skips_and_duplicates_are_reported_with_their_indices(tmp_path, capsys):
+def skipped_and_duplicated(run_dir, dropped: list) -> None:
+    """A ledger whose second launch, resumed from step 1, replays step 2 as other samples: 7 is skipped, 9 comes
+    twice; 8, 10 and 11 never come (those that `dropped`, intervals of positions, does not drop); 0 comes again."""
     dl = ResumableDataLoader(IndexDataset(12), batch_size=4)
-    ledger = Ledger.open(tmp_path, 0, 12)
+    ledger = Ledger.open(run_dir, 0, 12)
     ledger.record(0, np.array([0, 1, 2, 3]), True)
     ledger.record(0, np.array([4, 5, 6, 7]), True)
     ledger.close()
-    ledger = Ledger.open(tmp_path, 1, 12)  # resumed from step 1: the second batch is replayed...
-    ledger.record(0, np.array([4, 5, 6, 9]), True)  # ...but as different samples, and 8, 10, 11 never come
+    ledger = Ledger.open(run_dir, 1, 12)  # resumed from step 1: the second batch is replayed...
+    ledger.record(0, np.array([4, 5, 6, 9]), True)  # ...but as different samples
     ledger.record(0, np.array([0, 9]), True)
-    ledger.record_finished({"finished": [{"epoch": 0, "dropped": []}]}, dl)
+    ledger.record_finished({"finished": [{"epoch": 0, "dropped": dropped}]}, dl)
     ledger.close()
+
+
+def test_skips_and_duplicates_are_reported_with_their_indices(tmp_path, capsys):
+    skipped_and_duplicated(tmp_path, dropped=[])
     (epoch,) = audit(tmp_path)
     assert epoch.skipped.tolist() == [7, 8, 10, 11] and epoch.duplicated.tolist() == [0, 9]
     assert cli(["audit", str(tmp_path)]) == 1
