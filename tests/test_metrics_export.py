@@ -5,6 +5,7 @@ twice. Skipped (with the reason) without the extras."""
 import multiprocessing
 import os
 import signal
+import time
 from pathlib import Path
 
 import pytest
@@ -62,6 +63,12 @@ def test_tensorboard_keeps_the_last_launch_of_each_replayed_step(tmp_path):
         first.kill()
         first.join()
     assert first.exitcode == -signal.SIGKILL  # it died after step 7; its checkpoint is step 6's
+    # TensorBoard reads a directory's event files in name order, which starts with the second each was made: a
+    # relaunch comes seconds later (torchrun's takes several), so this one too, or it would be read first
+    (made,) = {int(path.name.split(".")[3]) for path in log_dir.glob("events.out.tfevents.*")}
+    deadline = time.monotonic() + 5
+    while int(time.time()) <= made and time.monotonic() < deadline:
+        time.sleep(0.05)
     launch(run_dir, log_dir)  # resumes from step 6 and replays step 7
 
     written = [(event.step, value.tag) for path in sorted(log_dir.glob("events.out.tfevents.*"))
