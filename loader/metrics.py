@@ -107,7 +107,8 @@ class Monitor:
         """The stall watch: a step is stalled when the training loop waited for data more than `stall_ratio` of its
         time and at least `stall_min_seconds`; `stall_steps` stalled steps in a row raise a `DataStallWarning`
         (once per streak; None: never). `count_bytes`: also sum the bytes of the tensors in every batch delivered
-        (O(tensors) per batch: off by default), for `bytes` and `bytes_per_second`."""
+        (O(tensors) per batch: off by default), for `bytes` and `bytes_per_second`. Each call sets all four, those
+        not given to their defaults."""
         if not (isinstance(stall_ratio, (int, float)) and 0 <= stall_ratio < 1):
             raise ValueError(f"stall_ratio must be a number in [0, 1), got {stall_ratio!r}")
         if stall_steps is not None and (isinstance(stall_steps, bool) or not isinstance(stall_steps, int)
