@@ -58,6 +58,12 @@ class Config:
     # 8. restart: the plan, and (except in smoke mode) a real elastic restart through torchrun
     t_launch_s: float
     checkpoint_interval: int
+    # 11. scale (--sections scale): world sizes simulated in one process; the lockstep store's simulated ranks,
+    # their client threads (each with a TCPStore client of its own) and the steps they take
+    scale_worlds: tuple[int, ...]
+    store_ranks: tuple[int, ...]
+    store_clients: int
+    store_steps: int
     measure_restart: bool = True
 
 
@@ -76,6 +82,8 @@ QUICK = Config(
     shards=8, samples_per_shard=500, sample_bytes=16384,
     seq_len=2048, tokens_per_source=2**25, token_batch_sizes=(8, 32), mixture_positions=10**9,
     t_launch_s=10.0, checkpoint_interval=100,
+    scale_worlds=tuple(4**k for k in range(9)), store_ranks=(1024, 4096, 16384, 65536), store_clients=1024,
+    store_steps=5,
 )
 
 FULL = replace(
@@ -85,7 +93,7 @@ FULL = replace(
     stateful_resume_sizes=(10**4, 10**5, 10**6, 10**7, 5 * 10**7), stateful_budget_s=10.0,
     randperm_cap=10**8, memory_timeout_s=600.0,
     shards=16, samples_per_shard=2000,
-    tokens_per_source=2**26, token_batch_sizes=(8, 32, 128),
+    tokens_per_source=2**26, token_batch_sizes=(8, 32, 128), store_steps=10,
 )
 
 SMOKE = replace(
@@ -96,6 +104,7 @@ SMOKE = replace(
     memory_sizes=(10**6,), randperm_cap=10**6, memory_timeout_s=60.0,
     shards=2, samples_per_shard=128, sample_bytes=256,
     seq_len=64, tokens_per_source=2**14, token_batch_sizes=(8,),
+    scale_worlds=(1, 4, 16, 64, 256), store_ranks=(256, 1024), store_clients=8, store_steps=3,
     measure_restart=False,
 )
 

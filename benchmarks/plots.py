@@ -97,9 +97,39 @@ def _peers(figure, section: dict) -> None:
     right.set_ylabel("throughput / DataLoader")
 
 
+def _scale(figure, section: dict) -> None:
+    """Seconds and bytes against the world size, and the lockstep store's cost under each protocol."""
+    figure.set_size_inches(13, 4.5)
+    left, middle, right = figure.subplots(1, 3)
+    points = section["points"]
+    worlds = [p["world"] for p in points]
+    times = {name: (worlds, [p[key]["median"] for p in points]) for name, key in (
+        ("merge_states, lockstep", "merge_lockstep_s"), ("merge_states, uneven", "merge_uneven_s"),
+        ("validation of the merged state", "validate_s"), ("load + first batch, one rank", "load_s"))}
+    _lines(left, times, "world size W (ranks simulated)", "seconds (median)")
+    left.axhline(1.0, color="gray", linestyle="--", linewidth=0.8)
+    sizes = {
+        "gather, one rank (detached)": (worlds, [p["gather_bytes_per_rank"] for p in points]),
+        "gather, all ranks": (worlds, [p["gather_bytes_per_rank"] * p["world"] for p in points]),
+        "merged state, lockstep": (worlds, [p["merged_bytes"]["lockstep"] for p in points]),
+        "merged state, uneven": (worlds, [p["merged_bytes"]["uneven"] for p in points]),
+    }
+    _lines(middle, sizes, "world size W", "bytes (JSON)")
+    store = section["store"]
+    ranks = [p["ranks"] for p in store["points"]]
+    costs = {}
+    for protocol in ("every rank, every update", "turns"):
+        costs[f"requests per step, {protocol}"] = (
+            ranks, [p[protocol]["requests_per_step"]["median"] for p in store["points"]])
+        costs[f"step (ms), {protocol}"] = (ranks, [p[protocol]["step_s"]["median"] * 1e3 for p in store["points"]])
+    costs["step (ms), the harness alone"] = (ranks, [p["none (the harness alone)"]["step_s"]["median"] * 1e3
+                                                     for p in store["points"]])
+    _lines(right, costs, f"ranks simulated on {store['clients']:,} TCPStore clients", "lockstep check, per step")
+
+
 _DRAW: dict[str, Callable] = {"throughput": _bars, "training": _bars, "checkpoint": _checkpoint,
                               "resume": _resume, "memory": _memory, "webdataset": _bars, "tokens": _bars, "remote": _bars,
-                              "peers": _peers}
+                              "peers": _peers, "scale": _scale}
 
 
 def write(results: dict, out: Path, stem: str) -> dict:

@@ -3,8 +3,10 @@
 
 Runs the sections in order, then the restart plan from their numbers, and writes <out>/<stem>.json, .md and one
 PNG per section (stem: cpu-<hostname> or cuda-<gpu name>). `--sections` runs only those (stem <stem>-<keys>);
-`--peers` is `--sections peers`, the peers section, which a default run leaves out (it takes minutes). A smoke run writes to a temporary directory unless --out is given; no run replaces results already
-in benchmarks/results without --overwrite (or an explicit --out).
+`--peers` is `--sections peers`, the peers section, which a default run leaves out (it takes minutes), as it
+leaves out `scale` (65,536 ranks simulated, 1,024 store clients). A smoke run writes to a temporary directory
+unless --out is given; no run replaces results already in benchmarks/results without --overwrite (or an explicit
+--out).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ if __package__ in (None, ""):  # run as a script: make the repository root impor
 import torch  # noqa: E402
 
 from benchmarks import (  # noqa: E402
-    checkpoint, memory, peers, plots, report, restart, resume, throughput, tokens, training, wds, wds_remote,
+    checkpoint, memory, peers, plots, report, restart, resume, scale, throughput, tokens, training, wds, wds_remote,
 )
 from benchmarks.config import Config, config_for  # noqa: E402
 from benchmarks.environment import environment, output_stem  # noqa: E402
@@ -43,6 +45,9 @@ SECTIONS: tuple[tuple[str, str, Callable[[Config], dict]], ...] = (
 RESTART_TITLE = "9. Restart budget (replay plans from measured inputs; a measured elastic restart)"
 PEERS = ("peers", "10. Peers side by side: samples skipped or duplicated by a resume, resume time, state, memory, "
          "throughput", peers.run)
+SCALE = ("scale", "11. Data parallelism at scale (65,536 ranks simulated: merge, gather bytes, validation, load; "
+         "the lockstep check's store at 1,024 clients)", scale.run)
+OPT_IN = (PEERS, SCALE)  # run only when chosen with --sections
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
@@ -54,7 +59,7 @@ def _arguments(argv: list[str] | None) -> argparse.Namespace:
     only = parser.add_mutually_exclusive_group()
     only.add_argument("--peers", action="store_true",
                       help="only the peers section: other loaders side by side (pip install -e '.[peers]')")
-    only.add_argument("--sections", nargs="+", choices=[key for key, _, _ in SECTIONS + (PEERS,)],
+    only.add_argument("--sections", nargs="+", choices=[key for key, _, _ in SECTIONS + OPT_IN],
                       help="run only these (the restart plan needs training and resume)")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--out", type=Path, help="default: a temporary directory with --smoke, else benchmarks/results")
@@ -81,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     results = {"mode": mode, "config": dataclasses.asdict(cfg), "environment": environment(args.device),
                "sections": {}}
     sections = results["sections"]
-    chosen = [s for s in SECTIONS + (PEERS,) if s[0] in args.sections] if args.sections else SECTIONS
+    chosen = [s for s in SECTIONS + OPT_IN if s[0] in args.sections] if args.sections else SECTIONS
     with_restart = {"training", "resume"} <= {key for key, _, _ in chosen}
     total = len(chosen) + with_restart
     for number, (key, title, run) in enumerate(chosen, 1):

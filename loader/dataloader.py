@@ -16,6 +16,7 @@ from time import perf_counter
 from typing import Any, Callable, Iterator, TypeVar
 
 import numpy as np
+import torch
 import torch.distributed as dist
 import torch.utils.data
 from torch._utils import ExceptionWrapper
@@ -23,7 +24,8 @@ from torch.utils.data import DataLoader, IterableDataset, default_collate
 from torch.utils.data._utils.fetch import _MapDatasetFetcher
 
 from loader.core.checks import check_positive_int, check_rank, is_int
-from loader.core.order import Lanes, Order, block_sizes_for_window, sample_seed
+from loader.core.mesh import data_parallel
+from loader.core.order import Lanes, Order, block_sizes_for_window, sample_seed, worker_seed
 from loader.checkpoint.lockstep import LockstepWatch, warn_out_of_step
 from loader.core.partition import Layout
 from loader.core.rows import collate
@@ -292,7 +294,10 @@ class ResumableDataLoader(DataLoader[T_co]):
     inside each block: an int window or a list of block sizes), `sample_seeds` (the dataset receives
     `SampleIndex` ints carrying a per-sample seed) and `lanes` (each rank reads its own part of the shards: set it
     to a multiple of every world size the job runs at, see `loader.core.order.Lanes`; `lane_chunk` defaults to
-    batch_size).
+    batch_size). Under tensor, context, pipeline or expert parallelism, `dp_mesh` (a DeviceMesh: `world_mesh["dp"]`,
+    or `world_mesh["dp_replicate", "dp_shard"]`, flattened in the mesh's order) or `dp_group` (a ProcessGroup)
+    gives the data-parallel coordinates to partition over instead: every peer of one data-parallel rank gets the
+    same batches, and `rank` and `world_size` are the data-parallel ones.
 
     A new `iter()` continues the current epoch right after the last delivered batch (with a
     `ContinuedPassWarning` when an earlier iterator left the pass after delivering batches); after a pass that
@@ -327,6 +332,8 @@ class ResumableDataLoader(DataLoader[T_co]):
         sample_seeds: bool = False,
         lanes: int | None = None,
         lane_chunk: int | None = None,
+        dp_mesh=None,
+        dp_group=None,
     ):
         if sampler is not None or batch_sampler is not None:
             raise ValueError(
@@ -343,6 +350,7 @@ class ResumableDataLoader(DataLoader[T_co]):
             raise ValueError("batch_size=None disables batching, so drop_last=True has nothing to drop (as in torch)")
         if not is_int(seed):
             raise ValueError(f"seed must be an int, got {seed!r}")
+        rank, world_size = data_parallel(rank, world_size, dp_mesh, dp_group)
         self._rank_and_world_given = (rank, world_size)  # None: torch.distributed's, read when iteration starts
         self._resolved_distributed = _distributed()  # whether the group existed when rank and world were read
         rank, world_size = _default_rank_and_world(rank, world_size)
@@ -511,12 +519,18 @@ class ResumableDataLoader(DataLoader[T_co]):
         return _StreamDelivery(inner, self, self._iterations)
 
     def _get_iterator(self):
-        """torch's iterator; for a stream, over the stream's source, which makes the batches (with their states)."""
-        if self._stream is None:
-            return super()._get_iterator()
+        """torch's iterator, its workers seeded by `worker_seed` unless a `generator=` was given (torch would draw
+        their seed from this process's generator, which may differ between the peers of a data-parallel rank); for
+        a stream, over the stream's source, which makes the batches (with their states)."""
         view = copy.copy(self)
-        view.__dict__.update(dataset=self._stream.source, batch_sampler=None, collate_fn=_as_is, drop_last=False,
-                             worker_init_fn=self._stream.source.init_worker)
+        if self.generator is None:
+            sampler = self.resumable_sampler  # the micro-batch the pass starts at, on this rank:
+            start = self._stream.delivered if sampler is None else len(sampler) - sampler.batches_left
+            seed = worker_seed(self.seed, self.epoch, self._rank, start)
+            view.__dict__["generator"] = torch.Generator().manual_seed(seed)
+        if self._stream is not None:
+            view.__dict__.update(dataset=self._stream.source, batch_sampler=None, collate_fn=_as_is, drop_last=False,
+                                 worker_init_fn=self._stream.source.init_worker)
         return DataLoader._get_iterator(view)
 
     def _supersede(self) -> None:
@@ -544,7 +558,7 @@ class ResumableDataLoader(DataLoader[T_co]):
     def _publish_update(self) -> None:
         """Tell the other ranks when this rank completed an optimizer update (see `loader.checkpoint.lockstep`)."""
         if self.resumable_sampler.update_complete:
-            self._lockstep.completed_update(self._rank, self.resumable_sampler.progress_id)
+            self._lockstep.completed_update(self._rank, self.resumable_sampler.progress_id, self._world_size)
 
     def _fail(self, started: float | None) -> None:
         if self._stream is not None:
@@ -674,7 +688,7 @@ class ResumableDataLoader(DataLoader[T_co]):
             "its progress: it is already sharded by rank and resumable, so leave it out of prepare(). Prepare the "
             "model and optimizer only, call accelerator.register_for_checkpointing(loader) so that save_state() and "
             "load_state() carry its progress, move each batch with batch.to(accelerator.device), and step the "
-            "optimizer when loader.update_complete (see the README, Accelerate)"
+            "optimizer when loader.update_complete (see docs/frameworks.md, Hugging Face Accelerate)"
         )
 
     # -- state -----------------------------------------------------------------------------------------------------

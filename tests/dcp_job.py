@@ -19,30 +19,13 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
-                                                     set_state_dict)
-from torch.distributed.checkpoint.stateful import Stateful
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
-from loader.integrations.dcp import LoaderState
+from loader.integrations.dcp import LoaderState, ModelAndOptimizer
 from loader.checkpoint.ledger import Ledger
 from tests.framework_jobs import SAMPLES, TrainedLog, end_process_group, job_loader, job_parser, train_epochs
-
-
-class ModelAndOptimizer(Stateful):
-    """torchtitan's ModelWrapper and OptimizersContainer in one: DCP's sharded state dicts, any world size."""
-
-    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer):
-        self.model, self.optimizer = model, optimizer
-
-    def state_dict(self) -> dict:
-        model, optim = get_state_dict(self.model, self.optimizer)
-        return {"model": model, "optim": optim}
-
-    def load_state_dict(self, state_dict: dict) -> None:
-        set_state_dict(self.model, self.optimizer, model_state_dict=state_dict["model"],
-                       optim_state_dict=state_dict["optim"])
 
 
 class HeldWriter(FileSystemWriter):

@@ -13,6 +13,7 @@ import signal
 import sys
 import time
 import traceback
+import warnings
 from pathlib import Path
 
 import torch.multiprocessing as mp
@@ -36,6 +37,7 @@ def _rank_main(rank, world_size, port, argv, log_dir, example):
     import torch
 
     torch.set_num_threads(1)
+    warnings.resetwarnings()  # the job's warnings as a job has them, not the suite's errors its fork inherited
     with open(Path(log_dir) / f"rank-{rank}.log", "a", buffering=1) as out:
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
             try:

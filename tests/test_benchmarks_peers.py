@@ -53,6 +53,7 @@ def peers(tmp_path_factory) -> dict:
     return data
 
 
+@pytest.mark.slow  # the peers fixture runs the benchmark runner as a process of its own
 def test_every_system_is_measured_or_reported_with_its_error(peers):
     section = peers["sections"]["peers"]
     keys = {s.key for s in SYSTEMS}
@@ -65,6 +66,7 @@ def test_every_system_is_measured_or_reported_with_its_error(peers):
             assert ("skipped" in result) != ("cannot_resume" in result or "error" in result), (label, result)
 
 
+@pytest.mark.slow
 def test_the_smoke_table_has_every_cost_and_the_versions(peers):
     section = peers["sections"]["peers"]
     assert section["versions"]["grain"] != "not installed"

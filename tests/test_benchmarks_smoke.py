@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # the benchmark runner as a process of its own (the `results` fixture: about 20 s)
+
 REPO = Path(__file__).resolve().parent.parent
 SECTIONS = ("throughput", "training", "checkpoint", "resume", "memory", "webdataset", "tokens", "remote", "restart")
 LOADERS = {"DataLoader", "ResumableDataLoader", "ResumableDataLoader+state_dict", "StatefulDataLoader+state_dict"}
@@ -150,6 +152,31 @@ def test_a_smoke_run_is_not_graded(results):
     assert all(row["met"] is None for s in results["sections"].values() for row in s.get("rows", []))
     table = (results["_out"] / next(results["_out"].glob("cpu-*.md")).name).read_text()
     assert "**no**" not in table and "| met |" not in table and "not graded" in table
+
+
+def test_the_scale_section_runs_only_when_chosen_and_reports_every_world_size(results, tmp_path):
+    from loader.checkpoint.lockstep import EXACT
+
+    assert "scale" not in results["sections"]  # 65,536 ranks and 1,024 store clients: opt-in, as peers is
+    command = [sys.executable, "-m", "benchmarks", "--smoke", "--sections", "scale", "--device", "cpu", "--out",
+               str(tmp_path)]
+    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-4000:]
+    (json_path,) = tmp_path.glob("cpu-*-scale.json")
+    data = json.loads(json_path.read_text())
+    scale, config = data["sections"]["scale"], data["config"]
+    assert [point["world"] for point in scale["points"]] == config["scale_worlds"]
+    for point in scale["points"]:
+        assert all(_positive(point[key]["median"]) for key in ("merge_lockstep_s", "merge_uneven_s", "validate_s",
+                                                                "load_s"))
+        assert _positive(point["gather_bytes_per_rank"])
+        assert point["merged_bytes"]["uneven"] >= point["merged_bytes"]["lockstep"] > 0
+    assert [point["ranks"] for point in scale["store"]["points"]] == config["store_ranks"]
+    for point in scale["store"]["points"]:
+        assert point["every rank, every update"]["requests_per_step"]["median"] == point["ranks"] > EXACT
+        assert point["turns"]["requests_per_step"]["max"] <= EXACT  # the first update (every rank publishes) aside
+        assert point["none (the harness alone)"]["requests_per_step"]["max"] == 0
+    assert all(row["met"] is None for row in scale["rows"])
 
 
 def test_quick_and_smoke_together_are_refused():

@@ -11,6 +11,7 @@ from tests.distributed import run_group
 def _rank_job(rank, world_size):
     dl = ResumableDataLoader(IndexDataset(50), batch_size=3, shuffle=True, seed=4)
     delivered = [b.tolist() for b in dl]
+    dist.barrier()  # as a training step's collective would: no rank takes its state before the others' last update
     gathered = [None] * world_size
     dist.all_gather_object(gathered, dl.state_dict())  # the merge a checkpoint does: one small collective
     counts = torch.tensor([len(delivered)])

@@ -13,6 +13,7 @@ import warnings
 from collections import Counter, defaultdict
 
 import numpy as np
+import pytest
 import torch
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
@@ -192,6 +193,7 @@ def test_every_sample_committed_exactly_once_across_restarts(data, n, batch_size
     simulate(data, IndexDataset(n), batch_size, grad_accum, shuffle, drop_last, worlds, num_workers=0)
 
 
+@pytest.mark.slow  # starts worker processes, for every example
 @settings(max_examples=10, deadline=None)
 @given(
     data=st.data(),

@@ -7,7 +7,8 @@ then run this script with the file's path (and, optionally, test names as unitte
     pip install parameterized expecttest
     python tests/torchdata_peer.py /tmp/data/test/stateful_dataloader/test_state_dict.py [TestClass[.test]] ...
 
-Without names it runs the IterableDataset tests (README: "Deliberate differences" lists those that differ and why).
+Without names it runs the IterableDataset tests (docs/streams.md, "StatefulDataLoader's test suite", lists those
+that differ and why).
 StatefulDataLoader's own argument snapshot_every_n_steps is accepted and ignored: every state is exact.
 """
 

@@ -4,14 +4,27 @@ Why: most scripts and frameworks (Lightning, Accelerate) save rank 0's state alo
 optimizer update involved every rank, as under DDP or FSDP, and silently wrong otherwise (a rank that left its
 loop early, ranks that consume unequal amounts): the restart would re-serve what the others trained, or skip it.
 
-How, without a collective (a rank-0-only caller must never block): each rank publishes, through the process
-group's key-value store, how many updates it completed since its progress was last set (one round trip per
-optimizer update, and only with more than one rank). `state_dict()` compares: data rank 0 with every rank, the
-others with rank 0. A state taken after the optimizer step of a lockstep run sees every other rank at the same
-count or one update ahead (it cannot finish the next update before this rank joins it), never behind (that
-rank's batches of this update fed this step) and never further. A state taken otherwise, whether the ranks drifted
-apart or the state was taken before the step (which would count an update the model has not learnt from), is
-marked, with a warning, and loading it alone is refused (`loader.core.state.progress_of`).
+How, without a collective (a rank-0-only caller must never block): ranks publish, through the process group's
+key-value store, how many updates they completed since their progress was last set, and compare. In a lockstep
+run, a rank that delivers the last micro-batch of its update u sees any other rank at u - 1 or u (every rank
+delivered update u - 1 before this rank's step of it, and none delivers u + 1 before this rank's step of u); a
+state taken after the optimizer step of update c sees every other rank at c or c + 1, never behind (that rank's
+batches of update c fed this step) and never further. A state taken otherwise, whether the ranks drifted apart or
+the state was taken before the step (which would count an update the model has not learnt from), is marked, with
+a warning, and loading it alone is refused (`loader.core.state.progress_of`).
+
+Up to EXACT ranks the check is exact: every rank publishes at every optimizer update (one round trip), and
+`state_dict()` compares data rank 0 with every rank, the others with rank 0. Beyond, one store must not serve a
+request per rank per step (65,536 at the largest jobs), so the ranks take turns: rank 0 publishes at every update,
+each other rank at one update in `period(W)` (a rotation: at most SAMPLE ranks at any update). A rank at its turn
+publishes and reads rank 0's count; rank 0 at each update reads the counts of the ranks whose turn was the update
+before; whoever finds the two out of step leaves a mark that every later `state_dict()` of rank 0 carries until
+the progress is set anew. So a rank out of step with rank 0 for `period(W)` consecutive updates (1,024 at 65,536
+ranks) is always caught, one out of step at fewer is caught with probability 1 / period(W) per update (each rank
+is seen once per period), and the store serves at most EXACT requests per step whatever W, besides one
+per rank at the first update after the progress is set (so that a rank that stops before its first turn leaves a
+count behind; the job's rendezvous costs as much). Between a divergence and its discovery rank 0's states are not
+marked; states of other ranks keep the exact comparison with rank 0 at any W.
 
 Each round trip runs on a daemon thread that the rank waits for a bounded time (`round_trip_bound`), since torch's
 store client never returns from a host that stopped answering, whatever its timeout: the check must never hold a
@@ -34,6 +47,9 @@ from loader.core.collectives import distributed
 _PREFIX = "loader/lockstep"
 _identities: collections.Counter = collections.Counter()  # loaders of one identity that published so far here
 MOST_WAIT = 5.0  # seconds a round trip may take, at most: a store this slow is as good as stopped for the check
+SAMPLE = 64  # ranks besides rank 0 that take their turn at one update, at most
+EXACT = 3 * (1 + SAMPLE)  # requests per step the turns cost at most (rank 0's and each turn's: a publication, and a
+# check and a read of counts): up to as many ranks, every rank publishes at every update, which costs no more
 
 
 class LockstepWarning(UserWarning):
@@ -41,17 +57,43 @@ class LockstepWarning(UserWarning):
     not stand for every rank, so it must not be saved alone."""
 
 
-def out_of_step(own_updates: int, other_updates: int) -> bool:
-    """Whether another rank's count of completed updates is impossible at a step of a lockstep run."""
-    return not 0 <= other_updates - own_updates <= 1  # taken after this rank's optimizer step
+def out_of_step(own_updates: int, other_updates: int, stepped: bool = True) -> bool:
+    """Whether another rank's count of completed updates is impossible in a lockstep run, seen after this rank's
+    optimizer step (`stepped`), or as this rank delivers the last micro-batch of its update, before the step."""
+    low = 0 if stepped else -1
+    return not low <= other_updates - own_updates <= low + 1
 
 
-def _updates_in(value: bytes, token: tuple[int, str, int]) -> int | None:
-    """The updates a published value counts, if it counts them from the same progress as `token`."""
-    fields = value.decode(errors="replace").split(":")
-    if len(fields) != 3 or fields[:2] != [str(token[0]), token[1]] or not fields[2].isdigit():
+def period(world_size: int) -> int:
+    """Updates between two turns of a rank other than 0: 1 (every rank at every update) up to EXACT ranks."""
+    return 1 if world_size <= EXACT else -(-(world_size - 1) // SAMPLE)
+
+
+def due(rank: int, updates: int, world_size: int) -> bool:
+    """Whether a rank other than 0 takes its turn at its `updates`-th update since its progress was set."""
+    return (updates + rank) % period(world_size) == 0
+
+
+def due_ranks(updates: int, world_size: int) -> range:
+    """The ranks other than 0 whose turn is their `updates`-th update: each residue of rank mod `period` in turn,
+    at most SAMPLE of them."""
+    step = period(world_size)
+    return range((-updates) % step or step, world_size, step)
+
+
+def _counts(value: bytes, token: tuple[int, str, int], fields: int) -> list[int] | None:
+    """The counts a published value holds after its progress (generation, base digest), if it counts them from
+    the same progress as `token`."""
+    parts = value.decode(errors="replace").split(":")
+    if len(parts) != 2 + fields or parts[:2] != [str(token[0]), token[1]] or not all(p.isdecimal() for p in parts[2:]):
         return None
-    return int(fields[2])
+    return [int(p) for p in parts[2:]]
+
+
+def _read(store, keys: list[str]) -> list[bytes]:
+    """The values of the keys, b"" for a key not set yet (a plain get would wait for it)."""
+    return store.multi_get(keys) if store.check(keys) else [store.get(key) if store.check([key]) else b""
+                                                            for key in keys]
 
 
 def _store():
@@ -138,24 +180,31 @@ class LockstepWatch:
 
     A published value is "generation:base digest:updates", so counts are compared only between ranks that set
     their progress the same number of times to the same base (a rank that has not yet loaded the checkpoint the
-    others loaded is not compared, rather than compared wrongly)."""
+    others loaded is not compared, rather than compared wrongly). `store`: a store client of this watch's own,
+    called directly rather than through the store thread, whose keys the identity alone names (many ranks
+    simulated in one process, as `benchmarks.scale` does); by default the process group's store."""
 
-    def __init__(self, identity: str):
+    def __init__(self, identity: str, store=None):
         self._identity = identity
-        self._keys: str | None = None  # the key prefix, fixed at the first publication (see `_key`)
+        self._given = store
+        self._keys: str | None = None if store is None else f"{_PREFIX}/{identity}"  # the key prefix, else fixed
+        # at the first publication (see `_key`)
         self._published: str = ""
         self._progress: tuple[int, str] | None = None  # the progress_id updates are counted from
         self._updates = 0
+        self._found: dict | None = None  # beyond EXACT ranks, since the progress was set: on rank 0 the mark
+        # of the first rank found out of step, which every later state of rank 0 carries; on the others the one they
+        # left for rank 0 (once)
         self._off = False  # the store failed or stalled once (see `_ask`): never touched again
 
     def _store(self):
-        return None if self._off else _store()
+        return None if self._off else self._given if self._given is not None else _store()
 
     def _ask(self, calls: Callable[[], Any]) -> Any:
         """calls() (store calls) on the store thread; None, with the check off for good, when the store fails or
         stalls: a check never breaks or holds training, it stops with a warning."""
         try:
-            return _round_trip(calls)
+            return calls() if self._given is not None else _round_trip(calls)
         except (RuntimeError, _Stalled) as error:  # torch.distributed's store errors are RuntimeErrors
             self._off = True
             cause = str(error) if isinstance(error, _Stalled) else f"the process group's store failed ({error!r})"
@@ -164,17 +213,34 @@ class LockstepWatch:
             return None
 
     def _token(self, progress_id: tuple[int, str]) -> tuple[int, str, int]:
-        if progress_id != self._progress:  # the progress was set anew: nothing completed since
-            self._progress, self._updates = progress_id, 0
+        if progress_id != self._progress:  # the progress was set anew: nothing completed since, nothing found
+            self._progress, self._updates, self._found = progress_id, 0, None
         return (*progress_id, self._updates)
 
-    def completed_update(self, rank: int, progress_id: tuple[int, str]) -> None:
-        """This rank delivered the last micro-batch of an optimizer update."""
+    def completed_update(self, rank: int, progress_id: tuple[int, str], world_size: int) -> None:
+        """This rank delivered the last micro-batch of an optimizer update: publish (every rank up to EXACT ranks,
+        else rank 0, the ranks whose turn it is, and every rank at its first update since its progress was set, so
+        that a rank that stops before its first turn leaves a count behind) and, beyond EXACT ranks, compare
+        (see the module)."""
         self._token(progress_id)
         self._updates += 1
-        self.publish(rank, (*progress_id, self._updates))
+        token = (*progress_id, self._updates)
+        if rank == 0 or period(world_size) == 1 or self._updates == 1 or due(rank, self._updates, world_size):
+            self.publish(rank, token)
+        if period(world_size) == 1 or self._found is not None:
+            return
+        if rank == 0:  # the ranks whose turn was the update before: each published it before rank 0 got here
+            others = list(due_ranks(self._updates - 1, world_size)) if self._updates > 1 else []
+            self._found = self._compare(others, token, stepped=False)
+        elif due(rank, self._updates, world_size):
+            self._found = self._compare([0], token, stepped=False)
+            store = self._store()
+            if self._found is not None and store is not None:  # left for rank 0, as rank 0 would have found it
+                key, found = self._key("found"), ":".join(map(str, (*token[:2], rank, self._updates,
+                                                                     self._found["updates"])))
+                self._ask(lambda: store.set(key, found))
 
-    def _key(self, rank: int) -> str:
+    def _key(self, rank: int | str) -> str:
         if self._keys is None:  # SPMD: every rank makes its loaders in the same order, so the n-th loader of an
             _identities[self._identity] += 1  # identity is the same loader on every rank; torchrun's restart
             attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "")  # count keeps a store shared across
@@ -195,42 +261,56 @@ class LockstepWatch:
         key, published = self._key(rank), self._published
 
         def write() -> None:
-            current = _updates_in(store.compare_set(key, published, value), token)
-            if current not in (token[2], token[2] + 1):  # a peer is at most an update ahead: else it is stale
+            current = _counts(store.compare_set(key, published, value), token, 1)
+            if current not in ([token[2]], [token[2] + 1]):  # a peer is at most an update ahead: else it is stale
                 store.set(key, value)
                 store.check([key])  # answered after the set is applied
 
         self._ask(write)
         self._published = value
 
-    def check(self, rank: int, world_size: int, progress_id: tuple[int, str]) -> dict | None:
-        """The first rank found out of step with this one, as the mark a state carries, or None."""
+    def _compare(self, others: list[int], token: tuple[int, str, int], stepped: bool) -> dict | None:
+        """The first of `others` whose published count is out of step with this rank's, as the mark a state
+        carries, or None (also when nothing is to be read, or the store is off)."""
         store = self._store()
-        if store is None or world_size == 1:
+        if store is None or not others:
             return None
-        token = self._token(progress_id)
-        self.publish(rank, token)
-        others = [r for r in (range(world_size) if rank == 0 else (0,)) if r != rank]
-        keys = [self._key(r) for r in others]
-
-        def read() -> list[bytes]:
-            return store.multi_get(keys) if store.check(keys) else [
-                store.get(key) if store.check([key]) else b"" for key in keys
-            ]
-
-        values = None if self._off else self._ask(read)  # off: the publication just failed
-        if values is None:
-            return None
-        for other, value in zip(others, values):
-            updates = _updates_in(value, token)
-            if updates is not None and out_of_step(token[2], updates):
-                return {"rank": other, "updates": updates, "own_updates": token[2]}
+        keys = [self._key(r) for r in others]  # here: the first call counts this loader's identity
+        values = self._ask(lambda: _read(store, keys))
+        for other, value in zip(others, values or ()):
+            counts = _counts(value, token, 1)
+            if counts is not None and out_of_step(token[2], counts[0], stepped):
+                return {"rank": other, "updates": counts[0], "own_updates": token[2]}
         return None
+
+    def check(self, rank: int, world_size: int, progress_id: tuple[int, str]) -> dict | None:
+        """The first rank found out of step with this one, as the mark a state carries, or None. Up to EXACT
+        ranks: rank 0 reads every rank's count, the others rank 0's. Beyond: rank 0 carries what it or the ranks at
+        their turns found, else compares with the ranks whose turn was its last update; the others read rank 0's."""
+        if self._store() is None or world_size == 1:
+            return None
+        token, exact = self._token(progress_id), period(world_size) == 1
+        if rank == 0 or exact:
+            self.publish(rank, token)
+        if rank != 0:
+            return self._compare([0], token, stepped=True)
+        if exact:
+            return self._compare(list(range(1, world_size)), token, stepped=True)
+        store = self._store()
+        if self._found is None and store is not None:
+            key = self._key("found")
+            values = self._ask(lambda: _read(store, [key]))
+            counts = _counts(values[0], token, 3) if values else None
+            if counts is not None:
+                self._found = {"rank": counts[0], "updates": counts[1], "own_updates": counts[2]}
+        if self._found is None and token[2] > 0:
+            return self._compare(list(due_ranks(token[2], world_size)), token, stepped=True)
+        return self._found
 
 
 def warn_out_of_step(rank: int, mark: dict) -> None:
     warnings.warn(
-        f"rank {rank}'s state_dict() was taken while rank {mark['rank']} had completed {mark['updates']} optimizer "
+        f"rank {rank}'s state_dict() was taken after rank {mark['rank']} had completed {mark['updates']} optimizer "
         f"updates since the progress was last set, and rank {rank} {mark['own_updates']}: the ranks are not in "
         f"lockstep (or this state was taken before the optimizer step), so it does not stand for every rank and a "
         f"restart refuses it alone. Take it after the optimizer step; for ranks that consume unequal amounts, save "

@@ -38,8 +38,8 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.utils._pytree import tree_map_only
 
-from loader.core.collectives import all_gather, broadcast, distributed, rank, world_size
-from loader.checkpoint.merge import merge_states
+from loader.core.collectives import all_gather, broadcast, distributed, global_ranks, rank, world_size
+from loader.checkpoint.merge import merge_states, one_per_data_rank
 from loader.checkpoint.publish import CheckpointError, check_arguments, latest, publish, verify
 from loader.streams.rng import rng_state, set_rng_state
 from loader.core.sampler import ResumableSampler
@@ -96,9 +96,12 @@ def global_progress(loader, group=None) -> dict:
     """The loader progress of all ranks, merged: loadable at any world size. A collective: every rank calls it.
 
     Ranks exchange their states without the base they share (see `detach_base`): O(world size) bytes. The states
-    are of one step by construction, so ranks that consumed unequal amounts (DDP Join) merge as they are."""
+    are of one step by construction, so ranks that consumed unequal amounts (DDP Join) merge as they are. Under a
+    mesh, the peers of each data-parallel rank must hold equal states, one of which is kept; a StateError naming
+    both global ranks refuses a peer that differs (see `loader.checkpoint.merge.one_per_data_rank`)."""
     state = loader.state_dict(check_lockstep=False)  # gathered from every rank: none stands alone
-    gathered = all_gather(detach_base(state), group)
+    names = [f"global rank {r}" for r in global_ranks(group)]
+    gathered = one_per_data_rank(all_gather(detach_base(state), group), names)
     if state.get("kind") != "rank":
         return merge_states(gathered)
     return merge_states(attach_base(gathered, state["base"]), uneven=True)

@@ -23,6 +23,13 @@ def world_size(group=None) -> int:
     return dist.get_world_size(group) if distributed() else 1
 
 
+def global_ranks(group=None) -> list[int]:
+    """The global rank of each member of the group, in the group's rank order."""
+    if not distributed():
+        return [0]
+    return list(range(dist.get_world_size())) if group is None else dist.get_process_group_ranks(group)
+
+
 def all_gather(value: Any, group=None) -> list:
     """Every rank's value, in rank order, on every rank."""
     if not distributed():

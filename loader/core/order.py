@@ -30,6 +30,7 @@ _SALT_ORDER = 0x6F72646572  # distinct key streams for the order, the blocks and
 _SALT_BLOCKS = 0x626C6F636B73
 _SALT_SAMPLE = 0x73616D706C65
 _SALT_WINDOWS = 0x77696E646F7773
+_SALT_WORKERS = 0x776F726B657273
 
 SHUFFLE_MODES = ("none", "global", "blocks")
 ORDER_VERSION = 2  # bumped whenever the same (seed, epoch, position) would give another index: saved positions
@@ -187,6 +188,15 @@ def sample_seed(seed: int, epoch: int, index) -> np.ndarray | int:
     with np.errstate(over="ignore"):
         mixed = _fmix64(_u64(index) ^ key) >> np.uint64(1)
     return int(mixed) if np.ndim(index) == 0 else mixed.astype(np.int64)
+
+
+def worker_seed(seed: int, epoch: int, rank: int, start: int) -> int:
+    """A 63-bit base seed for the worker processes of a pass (torch seeds worker w with base + w), from (seed, epoch,
+    data-parallel rank, the micro-batch the pass starts at) only: the peers of a data-parallel rank (tensor,
+    pipeline parallel) seed their workers alike whatever their own generators hold, and every pass differently."""
+    key = _stream_key(seed, epoch, _SALT_WORKERS)
+    with np.errstate(over="ignore"):
+        return int(_fmix64(_fmix64(_u64([rank]) ^ key) ^ _u64([start]))[0] >> np.uint64(1))
 
 
 def block_sizes_for_window(num_samples: int, window: int) -> list[int]:

@@ -111,18 +111,20 @@ class EpochPlan:
     def _tail_share(self, rank: int) -> int:
         return self.tail.share + (rank < self.tail.extra)
 
-    def batch_bounds(self, rank: int, batches: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Remaining-index intervals [start, stop) of rank's micro-batches (an int64 array of batch numbers)."""
+    def batch_bounds(self, rank: int | np.ndarray, batches: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Remaining-index intervals [start, stop) of rank's micro-batches (an int64 array of batch numbers); `rank`
+        may be an array of one rank per batch, so that a merge computes every rank's batches in one call."""
         W, K, B = self.layout.world_size, self.layout.grad_accum, self.layout.batch_size
         j = np.asarray(batches, dtype=np.int64)
+        rank = np.broadcast_to(np.asarray(rank, dtype=np.int64), j.shape)
         update, step = np.divmod(j, K)
         starts = update * self.layout.global_batch + step * (W * B) + rank * B
         stops = starts + B
         in_tail = j >= self.tail.first_batch
         if in_tail.any():
-            piece = j[in_tail] - self.tail.first_batch
-            share, pieces = self._tail_share(rank), self.tail_batches
-            base = self.tail.start + rank * self.tail.share + min(rank, self.tail.extra)
+            piece, tail_rank = j[in_tail] - self.tail.first_batch, rank[in_tail]
+            share, pieces = self._tail_share(tail_rank), self.tail_batches
+            base = self.tail.start + tail_rank * self.tail.share + np.minimum(tail_rank, self.tail.extra)
             starts[in_tail] = base + piece * share // pieces
             stops[in_tail] = base + (piece + 1) * share // pieces
         return starts, stops

@@ -34,8 +34,8 @@ FINGERPRINT_DEFAULTS = {"order_version": 1, "lanes": None}  # fields added after
 LARGEST = MAX_SAMPLES + 1  # no count, epoch or size in a state reaches this (a position, at most num_samples, comes
 # nearest); anything larger is corruption, refused before numpy (int64) or a Python loop would meet it
 MAX_EPOCHS_AHEAD = 10_000  # how far a rank state may run ahead of its base: the merge walks each epoch between
-MAX_DRIFT = 2**16  # micro-batches a merge may enumerate beyond the prefix every rank completed: each can leave a
-# hole, so ranks this far apart would make a merged state of a megabyte or more; one step of a training run never does
+MAX_DRIFT = 2**16  # micro-batches a merge of any world size may enumerate beyond the prefix every rank completed
+DRIFT_PER_RANK = 16  # and per rank given, beyond that: see `drift_limit`
 LAYOUT_FIELDS = ("world_size", "grad_accum", "batch_size", "drop_last")
 
 
@@ -91,6 +91,15 @@ _MISSING = object()
 def _get(state: dict, key: str, kind, where: str, default=_MISSING):
     """state[key] checked to be of `kind` (int: a non-negative int below LARGEST, never a bool); `default` for
     fields added after the first release, which older states lack."""
+    if type(state) is dict:  # the common case first, in a few operations: a merge of 65,536 ranks reads a dozen
+        value = state.get(key, _MISSING)  # fields of each state
+        if type(value) is kind and (kind is not int or 0 <= value < LARGEST):
+            return value
+    return _checked(state, key, kind, where, default)
+
+
+def _checked(state: dict, key: str, kind, where: str, default):
+    """`_get` in full, with the error that says what is wrong."""
     if not isinstance(state, dict):
         raise StateError(f"{where} must be a dict, got {type(state).__name__}: the state is corrupted")
     if key not in state:
@@ -266,24 +275,23 @@ class RankProgress:
         return state if self.out_of_step is None else {**state, "lockstep": self.out_of_step}
 
     @classmethod
-    def from_dict(cls, state: dict, where: str = "state", parsed_bases: dict | None = None) -> "RankProgress":
-        """`parsed_bases` (id of a base dict -> its Progress) parses a base shared by many states only once."""
+    def from_dict(cls, state: dict, where: str = "state", parsed: dict | None = None) -> "RankProgress":
+        """`parsed` (id of a base dict -> its Progress, checked layout fields -> their Layout) parses a base, and a
+        layout, shared by many states only once."""
         check_header(state, ("rank",), where)
         base_dict = _get(state, "base", dict, where)
-        parsed_bases = {} if parsed_bases is None else parsed_bases
-        if id(base_dict) not in parsed_bases:
-            parsed_bases[id(base_dict)] = Progress.from_dict(base_dict, f"{where}.base")
-        base = parsed_bases[id(base_dict)]
+        parsed = {} if parsed is None else parsed
+        if id(base_dict) not in parsed:
+            parsed[id(base_dict)] = Progress.from_dict(base_dict, f"{where}.base")
+        base = parsed[id(base_dict)]
         saved_layout = _get(state, "layout", dict, where)
-        if set(saved_layout) != set(LAYOUT_FIELDS):
+        if saved_layout.keys() != _LAYOUT_KEYS:
             raise StateError(f"{where}.layout must have exactly the fields {LAYOUT_FIELDS}: the state is corrupted")
-        try:
-            layout = Layout(*(_get(saved_layout, name, int, f"{where}.layout") for name in LAYOUT_FIELDS[:3]),
-                            _get(saved_layout, "drop_last", bool, f"{where}.layout"))
-        except ValueError as err:  # a count of 0
-            raise StateError(f"{where}.layout is invalid ({err}): the state is corrupted") from None
-        if layout.global_batch >= LARGEST:
-            raise StateError(f"{where}.layout has a global batch of {layout.global_batch}: the state is corrupted")
+        at = f"{where}.layout"
+        fields = (_get(saved_layout, "world_size", int, at), _get(saved_layout, "grad_accum", int, at),
+                  _get(saved_layout, "batch_size", int, at), _get(saved_layout, "drop_last", bool, at))
+        layout = parsed.get(fields) or _layout(fields, where)  # checked types: as a key, True never stands for 1
+        parsed[fields] = layout
         rank = _get(state, "rank", int, where)
         if rank >= layout.world_size:
             raise StateError(f"{where}.rank is {rank}, outside world_size {layout.world_size}")
@@ -305,6 +313,19 @@ class RankProgress:
         return cls(base, layout, rank, epoch, completed, _get(state, "ended", bool, where, default=False), mark)
 
 
+_LAYOUT_KEYS = frozenset(LAYOUT_FIELDS)
+
+
+def _layout(fields: tuple, where: str) -> Layout:
+    try:
+        layout = Layout(*fields)
+    except ValueError as err:  # a count of 0
+        raise StateError(f"{where}.layout is invalid ({err}): the state is corrupted") from None
+    if layout.global_batch >= LARGEST:
+        raise StateError(f"{where}.layout has a global batch of {layout.global_batch}: the state is corrupted")
+    return layout
+
+
 def rank_state(base: Progress, layout: Layout, rank: int, epoch: int, completed: int, ended: bool) -> dict:
     """A RankProgress in its serialised form, built without the dataclass: the sampler makes one per state_dict()
     call, i.e. per step, and a frozen dataclass costs more to construct than the dict itself."""
@@ -321,40 +342,60 @@ def rank_state(base: Progress, layout: Layout, rank: int, epoch: int, completed:
     }
 
 
-def _common_updates(plan: EpochPlan, completed: list[int]) -> int:
+def drift_limit(world_size: int) -> int:
+    """Micro-batches a merge of `world_size` rank states may enumerate beyond the prefix every rank completed, in
+    all the epochs it walks: each can leave a hole in the merged state, and a corrupted count (2**40) must be
+    refused before it is enumerated. MAX_DRIFT at any world size (one rank 65,536 micro-batches ahead of another:
+    a merged state of about a megabyte), and DRIFT_PER_RANK per rank beyond 4,096 ranks: ranks a few micro-batches
+    apart (DDP Join) at any scale, while the merged state stays O(world size), about as large as the rank states
+    it is made from (a hole is two ints, ~20 bytes of JSON, against a rank state's ~300), and the merge's work
+    proportional to what it was given."""
+    return max(MAX_DRIFT, DRIFT_PER_RANK * world_size)
+
+
+def _common_updates(plan: EpochPlan, completed: np.ndarray) -> int:
     """Whole updates every rank completed before the tail (whose extra samples lie beyond them): a prefix."""
-    return min(min(completed), plan.tail.first_batch) // plan.layout.grad_accum
+    return min(int(completed.min()), plan.tail.first_batch) // plan.layout.grad_accum
 
 
-def _delivered_spans(plan: EpochPlan, completed: list[int]) -> np.ndarray:
+def _delivered_spans(plan: EpochPlan, completed: np.ndarray) -> np.ndarray:
     """Remaining-index intervals delivered by ranks 0..W-1 that completed the given micro-batch counts.
 
-    The common updates are a prefix; only the part beyond it is enumerated, so the cost grows with how far the
-    ranks drifted apart, not with the position."""
+    The common updates are a prefix; only the part beyond it is enumerated (every rank's batches in one vectorised
+    call), so the cost grows with how far the ranks drifted apart, not with the position or the world size."""
     K = plan.layout.grad_accum
-    if min(completed) == max(completed):  # lockstep (also one state standing for every rank): a prefix
-        done = completed[0]
+    if completed.min() == completed.max():  # lockstep (also one state standing for every rank): a prefix
+        done = int(completed[0])
         return np.array([[0, plan.served if done == plan.batches_per_rank else done // K * plan.layout.global_batch]])
-    common = _common_updates(plan, completed)
-    spans = [np.array([[0, common * plan.layout.global_batch]], dtype=np.int64)]
-    for rank, done in enumerate(completed):
-        starts, stops = plan.batch_bounds(rank, np.arange(common * K, done))
-        spans.append(np.stack((starts, stops), axis=1))
-    return normalize(np.concatenate(spans))
+    first = _common_updates(plan, completed) * K
+    beyond = completed - first
+    ends = np.cumsum(beyond)
+    batches = first + np.arange(ends[-1]) - np.repeat(ends - beyond, beyond)
+    starts, stops = plan.batch_bounds(np.repeat(np.arange(len(completed)), beyond), batches)
+    prefix = np.array([[0, first // K * plan.layout.global_batch]], dtype=np.int64)
+    return normalize(np.concatenate((prefix, np.stack((starts, stops), axis=1))))
+
+
+def _completed_in(plan: EpochPlan, epoch: int, epochs: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """Each rank's completed micro-batches of `epoch`: all of them in an epoch it left, none in one ahead."""
+    return np.where(epochs > epoch, plan.batches_per_rank, np.where(epochs == epoch, counts, 0))
 
 
 def merge(ranks: list[RankProgress], uneven: bool = False) -> Progress:
     """The global progress committed by all ranks of one layout (given in rank order; a single state of a
     multi-rank layout stands for every rank in lockstep). Unless `uneven`, the ranks must have completed the same
-    micro-batches in every epoch, as the ranks of a lockstep run do at any one step."""
+    micro-batches in every epoch, as the ranks of a lockstep run do at any one step. The ranks' counts are arrays:
+    a merge of 65,536 ranks does no Python work per rank and epoch."""
     base, layout = ranks[0].base, ranks[0].layout
-    n = base.num_samples
-    epoch, finished, last, plans = base.epoch, [], max(r.epoch for r in ranks), {}
+    n, K = base.num_samples, layout.grad_accum
+    epochs = np.fromiter((r.epoch for r in ranks), dtype=np.int64, count=len(ranks))
+    counts = np.fromiter((r.completed for r in ranks), dtype=np.int64, count=len(ranks))
+    epoch, finished, last, plans = base.epoch, [], int(epochs.max()), {}
     committed = {e: spans for e, spans in base.committed.items() if e > last}  # ahead of every rank: untouched
     fresh = Remaining(EMPTY, n), EpochPlan(n, layout)  # every epoch the base committed nothing in
-    walked: dict[tuple[int, ...], tuple[np.ndarray, np.ndarray]] = {}  # such an epoch's (spans, their complement)
-    # per completed counts: a rank thousands of epochs ahead of its base walks them at the cost of one
-    drift = 0
+    walked: dict[bytes | None, tuple[np.ndarray, np.ndarray]] = {}  # such an epoch's (spans, their complement) per
+    # completed counts: a rank thousands of epochs ahead of its base walks them at the cost of one
+    drift, limit, everyone_in = 0, drift_limit(len(ranks)), int(epochs.min())
     for e in range(base.epoch, last + 1):
         if e in base.committed:
             remaining = Remaining(base.committed[e], n)
@@ -362,45 +403,53 @@ def merge(ranks: list[RankProgress], uneven: bool = False) -> Progress:
         else:
             remaining, plan = fresh
         plans[e] = plan
-        completed = [plan.batches_per_rank if r.epoch > e else r.completed if r.epoch == e else 0 for r in ranks]
-        for r, done in zip(ranks, completed):
-            if done > plan.batches_per_rank or done != plan.completed(done):
+        if e < everyone_in:  # every rank left this epoch: its whole share, as one rank standing for all
+            completed = np.array([plan.batches_per_rank])
+        else:
+            completed = _completed_in(plan, e, epochs, counts)
+            bad = (completed > plan.batches_per_rank) | ((completed < plan.batches_per_rank) & (completed % K != 0))
+            if bad.any():
+                i = int(np.argmax(bad))
                 raise StateError(
-                    f"rank {r.rank} reports {done} completed micro-batches in epoch {e}, but its share is "
-                    f"{plan.batches_per_rank} in updates of {layout.grad_accum}: the state is corrupted or belongs "
-                    f"to another run"
+                    f"rank {ranks[i].rank} reports {completed[i]} completed micro-batches in epoch {e}, but its share "
+                    f"is {plan.batches_per_rank} in updates of {K}: the state is corrupted or belongs to another run"
                 )
-        if min(completed) != max(completed):
+        if completed.min() != completed.max():
             if not uneven:
                 raise _different_steps(ranks, completed, e)
-            drift += sum(completed) - len(completed) * _common_updates(plan, completed) * layout.grad_accum
-            if drift > MAX_DRIFT:
+            beyond = completed - _common_updates(plan, completed) * K
+            drift += int(beyond.max())
+            if drift <= limit:  # the sum is safe from int64 overflow (huge corrupted counts) only now
+                drift += int(beyond.sum()) - int(beyond.max())
+            if drift > limit:
                 raise StateError(
-                    f"the ranks' completed micro-batches differ by {drift} or more (in epoch {e}), beyond the "
-                    f"{MAX_DRIFT} the ranks of one step ever leave apart: the states are corrupted"
+                    f"the ranks' completed micro-batches differ by {drift} or more (in epoch {e}), beyond the {limit} "
+                    f"the ranks of one step ever leave apart at {len(ranks)} ranks (see drift_limit): the states are "
+                    f"corrupted"
                 )
-        key = None if e in base.committed else tuple(completed)
+        key = None if e in base.committed else completed.tobytes()
         if key is None or key not in walked:
             spans = union(base.committed_in(e), remaining.covering_spans(_delivered_spans(plan, completed)))
             walked[key] = spans, complement(spans, n)
         spans, dropped = walked[key]
-        if epoch == e and all(done == plan.batches_per_rank for done in completed):  # after every earlier epoch
+        if epoch == e and completed.min() == plan.batches_per_rank:  # after every earlier epoch
             epoch = e + 1
             finished.append((e, dropped))
         elif len(spans):
             committed[e] = spans
-    at_end = all(r.epoch == epoch - 1 and (r.epoch not in plans or r.completed == plans[r.epoch].batches_per_rank)
-                 for r in ranks)
+    at_end = everyone_in == last == epoch - 1 and (last not in plans or counts.min() == plans[last].batches_per_rank)
     end_of_epoch = all(r.ended for r in ranks) if at_end else None
     cursor = epoch - 1 if at_end else epoch
-    done = [_done_in(plans.get(cursor), r, cursor) for r in ranks]
+    done = (0, 0)
+    if cursor in plans:
+        done = _done_in(plans[cursor], _completed_in(plans[cursor], cursor, epochs, counts), [r.rank for r in ranks])
     before = (base.done_in_epoch, base.samples_done_in_epoch) if cursor == base.cursor_epoch else (0, 0)
     return Progress(base.fingerprint, epoch, committed, tuple(finished) or base.finished, end_of_epoch,
-                    before[0] + max(d[0] for d in done), before[1] + max(d[1] for d in done))
+                    before[0] + done[0], before[1] + done[1])
 
 
-def _different_steps(ranks: list[RankProgress], completed: list[int], epoch: int) -> StateError:
-    most, least = completed.index(max(completed)), completed.index(min(completed))
+def _different_steps(ranks: list[RankProgress], completed: np.ndarray, epoch: int) -> StateError:
+    most, least = int(np.argmax(completed)), int(np.argmin(completed))
     return StateError(
         f"rank {ranks[most].rank} completed {completed[most]} micro-batches of epoch {epoch}, rank {ranks[least].rank} "
         f"{completed[least]}: the states come from different steps. Pass the states of one step, or merge_states("
@@ -408,12 +457,14 @@ def _different_steps(ranks: list[RankProgress], completed: list[int], epoch: int
     )
 
 
-def _done_in(plan: EpochPlan | None, rank: RankProgress, epoch: int) -> tuple[int, int]:
-    """(micro-batches, samples) a rank completed in `epoch`, whose plan (if the merge walked it) is given."""
-    if plan is None or rank.epoch < epoch:
-        return 0, 0
-    completed = plan.batches_per_rank if rank.epoch > epoch else rank.completed
-    return completed, plan.samples_from(rank.rank, 0) - plan.samples_from(rank.rank, completed)
+def _done_in(plan: EpochPlan, completed: np.ndarray, rank_ids: list[int]) -> tuple[int, int]:
+    """The most micro-batches, and the most samples, any rank completed of an epoch (each rank's count given, in
+    rank order). A rank's samples depend on its rank only through the tail's one more sample of the first ranks,
+    so each distinct count is measured once, on the first rank that has it (whose share is the largest of them)."""
+    values, firsts = np.unique(completed, return_index=True)
+    samples = [plan.samples_from(rank_ids[i], 0) - plan.samples_from(rank_ids[i], int(done))
+               for done, i in zip(values.tolist(), firsts.tolist())]
+    return int(values[-1]), max(samples)
 
 
 def merge_rank_states(states: list[dict], uneven: bool = False) -> dict:
@@ -426,8 +477,8 @@ def merge_rank_states(states: list[dict], uneven: bool = False) -> dict:
     (`loader.checkpoint.global_progress`)."""
     if not isinstance(states, (list, tuple)) or not states:
         raise StateError("merge_states takes a non-empty list of per-rank state dicts (one per rank)")
-    parsed_bases: dict = {}
-    ranks = [RankProgress.from_dict(s, f"states[{i}]", parsed_bases) for i, s in enumerate(states)]
+    parsed: dict = {}
+    ranks = [RankProgress.from_dict(s, f"states[{i}]", parsed) for i, s in enumerate(states)]
     first = ranks[0]
     for i, r in enumerate(ranks):
         same_base = r.base is first.base or r.base.to_dict() == first.base.to_dict()
@@ -459,7 +510,7 @@ def progress_of(state) -> Progress:
 def _not_standing_for_all(alone: RankProgress) -> StateError:
     mark = alone.out_of_step
     return StateError(
-        f"this is rank {alone.rank}'s state alone, taken while rank {mark['rank']} had completed {mark['updates']} "
+        f"this is rank {alone.rank}'s state alone, taken after rank {mark['rank']} had completed {mark['updates']} "
         f"optimizer updates and rank {alone.rank} {mark['own_updates']}: the ranks were not in lockstep (or it was "
         f"taken before the optimizer step), so it does not say what every rank trained (resuming from it would "
         f"repeat or skip samples). Resume from a checkpoint holding every rank's progress: saved by "
