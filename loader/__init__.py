@@ -7,6 +7,7 @@ The packages, each importing only those above it in this list:
 - `loader.core`: the position-space arithmetic (order, partition, progress, state) and the resumable sampler;
 - `loader.streams`: IterableDataset progress (shard deals, worker snapshots, random states);
 - `loader.checkpoint`: merging rank states, the lockstep check, atomic publication, save/resume, ledger and audit;
+- `loader.metrics`: what the loader did per step (the data wait, samples, failures) and the stall warning;
 - `loader.dataloader`: `ResumableDataLoader`, the drop-in DataLoader over all of the above;
 - `loader.sources`: datasets (WebDataset shards local or remote, token files, mixtures), leaves over `core`;
 - `loader.integrations`: framework glue (Lightning, DCP), and `loader.cli`: the command line (demo, audit, index).
@@ -19,10 +20,12 @@ from loader.core.rows import Rows
 from loader.core.sampler import ResumableSampler
 from loader.core.state import StateError
 from loader.dataloader import ContinuedPassWarning, ResumableDataLoader, SampleIndex
+from loader.metrics import DataStallWarning
 from loader.streams.shards import ShardedStream
 
 __all__ = [
     "ContinuedPassWarning",
+    "DataStallWarning",
     "EpochPlan",
     "Layout",
     "Order",

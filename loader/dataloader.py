@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import warnings
 import weakref
+from time import perf_counter
 from typing import Any, Callable, Iterator, TypeVar
 
 import numpy as np
@@ -29,6 +30,7 @@ from loader.checkpoint.lockstep import LockstepWatch, warn_out_of_step
 from loader.core.partition import Layout
 from loader.core.rows import collate
 from loader.core.sampler import ResumableSampler
+from loader.metrics import DataStallWarning, Monitor, batch_nbytes, stall_message
 from loader.streams.shards import is_sharded
 from loader.streams.progress import StreamProgress
 
@@ -152,6 +154,7 @@ class _Delivery:
     def __next__(self):
         loader = self._loader
         self._check_active()
+        started = perf_counter()
         try:
             received_before = getattr(self._inner, "_rcvd_idx", None)
             batch = next(self._inner)
@@ -160,12 +163,13 @@ class _Delivery:
             raise
         except Exception:
             for _ in range(self._slots_taken(received_before)):
-                loader._fail()
+                loader._fail(started)
+                started = None  # the wait was the first one's
             raise
         except BaseException:  # KeyboardInterrupt and the like: nothing is counted, a new iter() serves it again
             self._interrupted = True
             raise
-        loader._deliver()
+        loader._deliver(started, batch)
         return batch
 
 
@@ -174,17 +178,18 @@ def _distributed() -> bool:
 
 
 class _StreamDelivery(_Delivery):
-    """A stream's delivery: torch yields (worker, snapshot, error, end, batch) per batch (see loader.streams.source);
-    each snapshot moves its worker's state on. A batch whose making raised is consumed (the stream moved past it)
-    and its error raised; `end` marks a worker's end, without a batch. An error torch raises itself (a worker that
-    died, a timeout) counts nothing."""
+    """A stream's delivery: torch yields (worker, snapshot, error, end, batch, records) per batch (see
+    loader.streams.source); each snapshot moves its worker's state on. A batch whose making raised is consumed (the
+    stream moved past it) and its error raised; `end` marks a worker's end, without a batch. An error torch raises
+    itself (a worker that died, a timeout) counts nothing."""
 
     def __next__(self):
         loader = self._loader
         self._check_active()
+        started = perf_counter()
         while True:
             try:
-                worker, snapshot, raised, end, batch = next(self._inner)
+                worker, snapshot, raised, end, batch, records = next(self._inner)
             except StopIteration:
                 loader._end_pass()
                 raise
@@ -197,13 +202,14 @@ class _StreamDelivery(_Delivery):
             if not end:
                 break
         if raised is not None:
-            loader._fail()
+            loader._fail(started)
             error = _unwrapped(raised.take())
             try:
                 raise error
             finally:
                 del error  # no cycle (exception -> traceback -> this frame -> exception) keeps the workers alive
-        loader._deliver()
+        loader.monitor.records += records  # a stream's samples: counted where they are made
+        loader._deliver(started, batch)
         return batch
 
 
@@ -366,6 +372,7 @@ class ResumableDataLoader(DataLoader[T_co]):
         )
         self.seed, self._rank, self._world_size, self.grad_accum = seed, rank, world_size, grad_accum
         self.ledger = None  # a loader.ledger.Ledger records every delivered batch's indices when attached
+        self.monitor = Monitor(grad_accum)  # per-step metrics (`metrics()`), the stall warning (`monitor.configure`)
         self._iterations = 0  # iterators superseded so far: only the newest iterator delivers
         self._delivered_by_iterator = 0  # batches the newest iterator delivered
         if isinstance(dataset, IterableDataset):
@@ -455,11 +462,14 @@ class ResumableDataLoader(DataLoader[T_co]):
                 ContinuedPassWarning,
                 stacklevel=2,
             )
+        self._settle()
         self._supersede()
         if self._stream is not None:
             return self._stream_iter()
-        self.resumable_sampler.begin_pass()
-        self._follow_length(self.resumable_sampler)
+        sampler = self.resumable_sampler
+        sampler.begin_pass()
+        self._follow_length(sampler)
+        self.monitor.begin(sampler.view().plan, sampler.rank, sampler.handed_out)
         return _Delivery(super().__iter__(), self, self._iterations)
 
     def _follow_length(self, sampler: ResumableSampler) -> None:
@@ -501,6 +511,7 @@ class ResumableDataLoader(DataLoader[T_co]):
             self._iterator._shutdown_workers()
             self._iterator = None
         stream.source.plan = plan
+        self.monitor.begin(None)
         inner = super().__iter__()
         if inner._IterableDataset_len_called is not None:  # torch warns past len(dataset) items; each worker's end
             inner._IterableDataset_len_called += stream.workers  # comes as one more item
@@ -526,35 +537,90 @@ class ResumableDataLoader(DataLoader[T_co]):
         """From now on, only an iterator made after this call delivers."""
         self._iterations += 1
         self._delivered_by_iterator = 0
+        self.monitor.new_pass()
 
-    def _deliver(self) -> None:
+    def _deliver(self, started: float, batch) -> None:
         self.__dict__["_delivered_by_iterator"] += 1  # not through DataLoader.__setattr__: Python, 0.3 us a batch
         if self._stream is not None:
             self._stream.deliver()
-            return
-        self.resumable_sampler.deliver()
-        if self._world_size > 1:
-            self._publish_update()
-        if self.ledger is not None:
-            self.ledger.record(self.epoch, self.last_indices(), self.update_complete)
+        else:
+            self.resumable_sampler.deliver()
+            if self._world_size > 1:
+                self._publish_update()
+            if self.ledger is not None:
+                self.ledger.record(self.epoch, self.last_indices(), self.update_complete)
+        monitor = self.monitor
+        if monitor.count_bytes:
+            monitor.bytes += batch_nbytes(batch)
+        if monitor.handed(started, perf_counter()):
+            self._stalled()
 
     def _publish_update(self) -> None:
         """Tell the other ranks when this rank completed an optimizer update (see `loader.checkpoint.lockstep`)."""
         if self.resumable_sampler.update_complete:
             self._lockstep.completed_update(self._rank, self.resumable_sampler.progress_id, self._world_size)
 
-    def _fail(self) -> None:
+    def _fail(self, started: float | None) -> None:
         if self._stream is not None:
             self._stream.deliver()  # the stream moved past it: resuming must not replay it
-            return
-        if self.ledger is not None:
-            self.ledger.record_failed(self.epoch, self.resumable_sampler.next_indices())
-        self.resumable_sampler.fail()
-        if self._world_size > 1:
-            self._publish_update()
+            samples = 0  # the records it consumed are the stream's own; none was delivered
+        else:
+            failed = self.resumable_sampler.next_indices()
+            samples = len(failed)
+            self.resumable_sampler.fail()
+            if self._world_size > 1:
+                self._publish_update()
+            if self.ledger is not None:
+                self.ledger.record_failed(self.epoch, failed, self.update_complete)
+        now = perf_counter()
+        if self.monitor.failed(now if started is None else started, now, samples):
+            self._stalled()
+
+    # -- metrics (see loader.metrics) --------------------------------------------------------------------------------
+
+    def _settle(self) -> None:
+        """Close the monitor's open step if the sampler says its update is complete: the epoch's last update, which
+        may be shorter than grad_accum, is closed when the loader next looks (the end of the pass, a new iter(),
+        set_epoch, load_state_dict, metrics())."""
+        monitor = self.monitor
+        if monitor.in_step and self.update_complete and monitor.close(monitor.last_at):
+            self._stalled()
+
+    def _source_metrics(self) -> dict:
+        """The dataset's own counters (`dataset.metrics()`, e.g. a remote source's cache), if it has any."""
+        metrics = getattr(self.dataset, "metrics", None)
+        return dict(metrics()) if callable(metrics) else {}
+
+    def _stalled(self) -> None:
+        """A stall streak began (note the source's counters), or reached the monitor's length (warn)."""
+        monitor = self.monitor
+        if monitor.streak.steps == 1:
+            monitor.streak_source = self._source_metrics()
+        if monitor.warns():
+            shuffle = "stream" if self._stream is not None else self.resumable_sampler.order.shuffle
+            message = stall_message(monitor.streak, self._rank, self.num_workers, shuffle, monitor.streak_source,
+                                    self._source_metrics())
+            warnings.warn(message, DataStallWarning, stacklevel=4)
+
+    def metrics(self) -> dict:
+        """What this loader did, as one flat dict of plain numbers: the last completed optimizer update's (`batches`,
+        `samples`, `failed_batches`, `wait_seconds` the loop spent in next(), `step_seconds`, `stall_ratio`,
+        `samples_per_second`; with `monitor.configure(count_bytes=True)`, `bytes` and `bytes_per_second`),
+        `resume_seconds` (load_state_dict() to the next batch), this launch's totals (`total/...`), the dataset's own
+        counters (`source/...`, from its `metrics()`) and, with a ledger attached, the `launch` (its generation) and
+        `step`. A step's values are None until one completed. See docs/observability.md."""
+        self._settle()
+        ledger = self.ledger
+        return {
+            "launch": None if ledger is None else ledger.generation,
+            "step": None if ledger is None else ledger.step,
+            **self.monitor.snapshot(),
+            **{f"source/{key}": value for key, value in self._source_metrics().items()},
+        }
 
     def _end_pass(self) -> None:
         (self._stream or self.resumable_sampler).end_pass()
+        self._settle()
 
     def peek(self) -> Any:
         """The batch the next delivery will hand out, loaded here in this process and not counted: for looking at
@@ -588,8 +654,10 @@ class ResumableDataLoader(DataLoader[T_co]):
     def set_epoch(self, epoch: int) -> None:
         """Same epoch: no change (safe to call after a resume). The next epoch after an exhausted pass: the natural
         advance. Another epoch: start it from its beginning. A change supersedes the active iterator."""
+        self._settle()
         if (self._stream or self.resumable_sampler).set_epoch(epoch):
             self._supersede()
+            self.monitor.forget_step()
 
     @property
     def exhausted(self) -> bool:
@@ -647,5 +715,7 @@ class ResumableDataLoader(DataLoader[T_co]):
         every rank in lockstep), saved at any world size. It supersedes the active iterator.
 
         Validated in full first: a rejected state raises StateError and leaves the loader unchanged."""
+        self._settle()
         (self._stream or self.resumable_sampler).load_state_dict(state)
         self._supersede()
+        self.monitor.loaded(perf_counter())

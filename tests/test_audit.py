@@ -37,22 +37,64 @@ def test_replayed_steps_do_not_count_and_the_audit_is_clean(tmp_path, capsys):
     assert "audit: every sample exactly once" in capsys.readouterr().out
 
 
-def test_skips_and_duplicates_are_reported_with_their_indices(tmp_path, capsys):
+def skipped_and_duplicated(run_dir, dropped: list) -> None:
+    """A ledger whose second launch, resumed from step 1, replays step 2 as other samples: 7 is skipped, 9 comes
+    twice; 8, 10 and 11 never come (those that `dropped`, intervals of positions, does not drop); 0 comes again."""
     dl = ResumableDataLoader(IndexDataset(12), batch_size=4)
-    ledger = Ledger.open(tmp_path, 0, 12)
+    ledger = Ledger.open(run_dir, 0, 12)
     ledger.record(0, np.array([0, 1, 2, 3]), True)
     ledger.record(0, np.array([4, 5, 6, 7]), True)
     ledger.close()
-    ledger = Ledger.open(tmp_path, 1, 12)  # resumed from step 1: the second batch is replayed...
-    ledger.record(0, np.array([4, 5, 6, 9]), True)  # ...but as different samples, and 8, 10, 11 never come
+    ledger = Ledger.open(run_dir, 1, 12)  # resumed from step 1: the second batch is replayed...
+    ledger.record(0, np.array([4, 5, 6, 9]), True)  # ...but as different samples
     ledger.record(0, np.array([0, 9]), True)
-    ledger.record_finished({"finished": [{"epoch": 0, "dropped": []}]}, dl)
+    ledger.record_finished({"finished": [{"epoch": 0, "dropped": dropped}]}, dl)
     ledger.close()
+
+
+def test_skips_and_duplicates_are_reported_with_their_indices(tmp_path, capsys):
+    skipped_and_duplicated(tmp_path, dropped=[])
     (epoch,) = audit(tmp_path)
     assert epoch.skipped.tolist() == [7, 8, 10, 11] and epoch.duplicated.tolist() == [0, 9]
     assert cli(["audit", str(tmp_path)]) == 1
     out = capsys.readouterr().out
     assert "skipped indices: 7, 8, 10, 11" in out and "duplicated indices: 0, 9" in out and "FAILED" in out
+
+
+class FailsAt3(IndexDataset):
+    def __getitem__(self, index):
+        if index == 3:
+            raise ValueError("bad sample 3")
+        return int(index)
+
+
+def take(it, count: int) -> None:
+    for _ in range(count):
+        try:
+            next(it)
+        except ValueError:
+            pass
+
+
+def test_a_failed_batch_that_completes_an_update_advances_the_ledger_step(tmp_path):
+    """The ledger labels each record with the step it feeds: a failed last micro-batch completes its step too, or
+    every later record of that rank would be labelled a step early, and a resume would count the replayed one twice."""
+    kw = dict(batch_size=2, grad_accum=2)
+    first = ResumableDataLoader(FailsAt3(16), **kw)
+    first.ledger = Ledger.open(tmp_path, 0, 16)
+    it = iter(first)
+    take(it, 4)  # step 1: [0, 1] and [2, 3], which fails; step 2: [4, 5], [6, 7]
+    state = merge_states([first.state_dict()])
+    take(it, 2)  # step 3, then a crash
+    first.ledger.close()
+    second = ResumableDataLoader(FailsAt3(16), **kw)
+    second.load_state_dict(state)
+    second.ledger = Ledger.open(tmp_path, 2, 16)
+    take(iter(second), 4)
+    second.ledger.record_finished(merge_states([second.state_dict()]), second)
+    second.ledger.close()
+    (epoch,) = audit(tmp_path)
+    assert epoch.finished and epoch.clean and epoch.seen_once == 14 and epoch.failed.tolist() == [2, 3]
 
 
 def test_a_torn_last_record_is_ignored(tmp_path):

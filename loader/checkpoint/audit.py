@@ -10,11 +10,11 @@ from __future__ import annotations
 import sys
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Callable, Iterator, Sequence
 
 import numpy as np
 
-from loader.checkpoint.ledger import read_ledger
+from loader.checkpoint.ledger import Record, read_ledger
 
 GROUP_CHUNK = 1 << 18  # indices grouped per call: bounds the memory a grouping function may take
 
@@ -79,19 +79,31 @@ def _by_group(grouping: Grouping, counts: np.ndarray, **offending: np.ndarray) -
     return tuple(GroupAudit(name, *map(int, row)) for name, row in zip(grouping.names, columns))
 
 
+def tally(records: list[Record], epochs, num_samples: int) -> Iterator[tuple[int, np.ndarray, np.ndarray]]:
+    """Per epoch (those of the records and `epochs`, in order): how many times the records delivered each index, and
+    the indices of the batches that failed to load."""
+    per_epoch: dict[int, list[np.ndarray]] = defaultdict(list)
+    failed_per_epoch: dict[int, list[np.ndarray]] = defaultdict(list)
+    for record in records:
+        (failed_per_epoch if record.failed else per_epoch)[record.epoch].append(record.indices)
+    for epoch in sorted(set(per_epoch) | set(epochs) | set(failed_per_epoch)):
+        counts = np.bincount(np.concatenate(per_epoch[epoch] + [np.zeros(0, np.int64)]), minlength=num_samples)
+        yield epoch, counts, np.unique(np.concatenate(failed_per_epoch[epoch] + [np.zeros(0, np.int64)]))
+
+
 def audit(run_dir, grouping: Grouping | None = None) -> list[EpochAudit]:
     records, dropped, num_samples = read_ledger(run_dir)
     if grouping is not None and grouping.num_samples != num_samples:
         raise ValueError(f"the grouping describes a dataset of {grouping.num_samples} samples, the ledger of {run_dir} "
                          f"one of {num_samples}: pass the one this run trained on")
-    per_epoch: dict[int, list[np.ndarray]] = defaultdict(list)
-    failed_per_epoch: dict[int, list[np.ndarray]] = defaultdict(list)
-    for record in records:
-        (failed_per_epoch if record.failed else per_epoch)[record.epoch].append(record.indices)
+    return audit_records(records, dropped, num_samples, grouping)
+
+
+def audit_records(records: list[Record], dropped: dict[int, np.ndarray], num_samples: int,
+                  grouping: Grouping | None = None) -> list[EpochAudit]:
+    """The audit of the records that count (`read_ledger`'s)."""
     report = []
-    for epoch in sorted(set(per_epoch) | set(dropped) | set(failed_per_epoch)):
-        counts = np.bincount(np.concatenate(per_epoch[epoch] + [np.zeros(0, np.int64)]), minlength=num_samples)
-        failed = np.unique(np.concatenate(failed_per_epoch[epoch] + [np.zeros(0, np.int64)]))
+    for epoch, counts, failed in tally(records, dropped, num_samples):
         finished = epoch in dropped
         unseen = np.ones(num_samples, dtype=bool)
         unseen[counts > 0] = False

@@ -40,6 +40,11 @@ class Ledger:
         self.run_dir, self.path, self.step = Path(run_dir), path, resumed_step
         self._file = open(path, "ab")
 
+    @property
+    def generation(self) -> int:
+        """This launch's number (1 for the job's first): what tells a replayed step's records, and metrics, apart."""
+        return int(self.path.parent.name[4:])
+
     @classmethod
     def open(cls, run_dir, resumed_step: int, num_samples: int, group=None) -> "Ledger":
         """Start a new generation (rank 0 creates it, every rank learns its number); a collective when
@@ -56,10 +61,14 @@ class Ledger:
             self.step += 1
             self._file.flush()
 
-    def record_failed(self, epoch: int, indices: np.ndarray) -> None:
+    def record_failed(self, epoch: int, indices: np.ndarray, update_complete: bool) -> None:
         """A batch whose loading raised: consumed and never served again, so the audit lists its samples as
-        failed, neither trained nor skipped. It feeds no optimizer step of its own."""
-        self._write(epoch, indices, FAILED)
+        failed, neither trained nor skipped. It feeds no optimizer step of its own, but it may be the last
+        micro-batch of one (`update_complete`): the step is then complete, and the next batch feeds the next."""
+        self._write(epoch, indices, FAILED | (COMPLETE if update_complete else 0))
+        if update_complete:
+            self.step += 1
+            self._file.flush()
 
     def _write(self, epoch: int, indices: np.ndarray, flags: int) -> None:
         ids = np.ascontiguousarray(indices, dtype="<i8")
@@ -109,40 +118,64 @@ class Record:
     indices: np.ndarray
     complete: bool
     failed: bool
+    counted: bool = True  # False: a later generation replayed its step, or its rank never completed the step
 
 
-def _read_file(path: Path, generation: int, rank: int) -> list[Record]:
+@dataclass(frozen=True)
+class Generation:
+    """One launch of the job: its number, the checkpoint step it resumed from, and its world size."""
+
+    number: int
+    resumed_step: int
+    world_size: int
+    num_samples: int
+
+
+def _read_file(path: Path) -> list[tuple[int, int, np.ndarray, int]]:
     data, records, at = path.read_bytes(), [], 0
     while at + _HEADER.size <= len(data):
         step, epoch, count, flags = _HEADER.unpack_from(data, at)
         end = at + _HEADER.size + 8 * count
         if end > len(data):
             break  # a record torn by a crash: its update never completed, so it is replayed anyway
-        ids = np.frombuffer(data, dtype="<i8", count=count, offset=at + _HEADER.size)
-        records.append(Record(generation, rank, step, epoch, ids, bool(flags & COMPLETE), bool(flags & FAILED)))
+        records.append((step, epoch, np.frombuffer(data, dtype="<i8", count=count, offset=at + _HEADER.size), flags))
         at = end
     return records
 
 
-def read_ledger(run_dir) -> tuple[list[Record], dict[int, np.ndarray], int]:
-    """The records that count (completed steps not replayed later), the dropped indices per finished epoch, and N.
+def read_generations(run_dir) -> tuple[list[Generation], list[Record]]:
+    """Every generation of the run, and every record each wrote, marked whether it counts.
 
     A record of generation g counts when its step is at most the step every later generation resumed from, and
     at most the last step its rank completed in generation g."""
     if not Path(run_dir).is_dir():
         raise FileNotFoundError(f"{run_dir}: no such directory (the run directory whose ledger/ to read)")
-    generations = _generations(run_dir)
-    if not generations:
+    paths = _generations(run_dir)
+    if not paths:
         raise FileNotFoundError(f"{_ledger_dir(run_dir)} holds no ledger: run the job with a Ledger attached")
-    metas = [json.loads((g / "meta.json").read_text()) for g in generations]
-    counted = []
-    for i, (generation, meta) in enumerate(zip(generations, metas)):
-        cutoff = min((m["resumed_step"] for m in metas[i + 1 :]), default=float("inf"))
-        for path in sorted(generation.glob("rank-*.bin")):
-            records = _read_file(path, i + 1, int(path.stem[5:]))
-            completed = max((r.step for r in records if r.complete), default=meta["resumed_step"])
-            counted += [r for r in records if r.step <= min(cutoff, completed)]
-    dropped = {
+    metas = [json.loads((g / "meta.json").read_text()) for g in paths]
+    generations = [Generation(int(g.name[4:]), m["resumed_step"], m["world_size"], m["num_samples"])
+                   for g, m in zip(paths, metas)]
+    records = []
+    for i, (path, generation) in enumerate(zip(paths, generations)):
+        cutoff = min((g.resumed_step for g in generations[i + 1 :]), default=float("inf"))
+        for file in sorted(path.glob("rank-*.bin")):
+            raw = _read_file(file)
+            completed = max((step for step, _, _, flags in raw if flags & COMPLETE), default=generation.resumed_step)
+            records += [Record(generation.number, int(file.stem[5:]), step, epoch, ids, bool(flags & COMPLETE),
+                               bool(flags & FAILED), step <= min(cutoff, completed))
+                        for step, epoch, ids, flags in raw]
+    return generations, records
+
+
+def read_dropped(run_dir) -> dict[int, np.ndarray]:
+    """The indices dropped by policy, per finished epoch (an epoch is finished when its record exists)."""
+    return {
         int(p.stem[6:]): np.load(p) for p in sorted((_ledger_dir(run_dir) / "dropped").glob("epoch-[0-9]*[0-9].npy"))
     }
-    return counted, dropped, metas[-1]["num_samples"]
+
+
+def read_ledger(run_dir) -> tuple[list[Record], dict[int, np.ndarray], int]:
+    """The records that count (completed steps not replayed later), the dropped indices per finished epoch, and N."""
+    generations, records = read_generations(run_dir)
+    return [r for r in records if r.counted], read_dropped(run_dir), generations[-1].num_samples

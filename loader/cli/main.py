@@ -1,4 +1,5 @@
-"""Command line: `python -m loader demo [--lm]`, `python -m loader audit RUN_DIR` and `python -m loader index SHARDS`."""
+"""Command line: `python -m loader demo [--lm]`, `python -m loader audit RUN_DIR [--plot OUT.png]` and
+`python -m loader index SHARDS`."""
 
 import argparse
 import json
@@ -24,6 +25,9 @@ def main(argv: list[str] | None = None) -> int:
     check.add_argument("--shards", help="the run's WebDataset shards: name samples by shard and key")
     check.add_argument("--mixture", help="the run's mixture plan (Mixture.plan.save): a row per source, samples "
                                          "named by source and index")
+    check.add_argument("--plot", metavar="OUT.png", help="also draw the run: positions by step per launch, restarts "
+                                                         "and world sizes, and each epoch's indices by what the audit "
+                                                         "found (needs matplotlib: the bench extra)")
     index = commands.add_parser("index", help="build the WebDataset shards' indexes ahead of a job, in parallel")
     index.add_argument("shards", help="a directory of .tar shards or a brace pattern (local, or URLs fsspec opens)")
     index.add_argument("--cache-dir", help="where the job will look for them (default: next to each shard, also "
@@ -43,11 +47,25 @@ def main(argv: list[str] | None = None) -> int:
               f"{counts['shards'] - counts['built']} already current")
         return 0
     if args.command == "audit":
+        if args.plot:
+            from loader.cli.plot import require_matplotlib
+
+            try:
+                require_matplotlib()
+            except ImportError as err:
+                parser.error(str(err))
         if args.mixture and args.shards:
             parser.error("audit: --shards names the samples of a WebDataset run, --mixture those of a mixture run: "
                          "pass one")
         if args.mixture:
             grouping, describe = by_source(args.mixture)
-            return audit.main(args.run_dir, args.limit, describe, grouping)
-        return audit.main(args.run_dir, args.limit, describe_by_key(args.shards) if args.shards else str)
+            status = audit.main(args.run_dir, args.limit, describe, grouping)
+        else:
+            status = audit.main(args.run_dir, args.limit, describe_by_key(args.shards) if args.shards else str)
+        if args.plot and status != audit.NO_LEDGER:
+            from loader.cli.plot import plot
+
+            plot(args.run_dir, args.plot)
+            print(f"audit: the run drawn in {args.plot}")
+        return status
     return demo.main(args.lm, args.dir)

@@ -163,6 +163,11 @@ class ResumableSampler:
         self.delivered_any = True
 
     @property
+    def handed_out(self) -> int:
+        """Micro-batches of the current epoch handed out on this rank so far: delivered, or failed to load."""
+        return self._position
+
+    @property
     def progress_id(self) -> tuple[int, str]:
         """(times the progress was set, digest of that progress): the same on ranks that loaded the same state,
         from which they count their updates alike (see `loader.checkpoint.lockstep`)."""

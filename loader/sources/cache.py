@@ -365,11 +365,13 @@ class ShardCache:
                     os.unlink(f.path)
                     if f.sum_path is not None:
                         os.unlink(f.sum_path)
-            return _Room(fits, used - freed, busy, written)
         finally:
             for _, fd in chosen:
                 if fd is not None:
                     _close_held(fd)
+        if fits and chosen:
+            self.count(evictions=len(chosen), evicted_bytes=freed)
+        return _Room(fits, used - freed, busy, written)
 
     def _room_for(self, nbytes: int, what: str) -> None:
         """Make room for a small file the cache writes itself (index, plan, counters), or refuse. Under the lock."""
@@ -402,10 +404,14 @@ class ShardCache:
         """
         path, partial, need = self.copy_path(name), self._partial_path(name, nbytes), self.copy_footprint(nbytes)
         deadline, pause, seen, still_since = time.monotonic() + self.wait_s, _POLL_S[0], None, time.monotonic()
+        missed = False  # a reader that found no copy at its first look, and waited for another's download
         while True:
             with self._locked():
                 if os.path.exists(path):
+                    if rank is None:
+                        self.count(**{"cache_misses" if missed else "cache_hits": 1})
                     return Fetched(path, self._pin(path) if pin else None, False)
+                missed = True
                 if self._held(partial):
                     progress = os.stat(partial).st_size  # another process is downloading it: wait while it grows
                     stalled = TimeoutError(f"waited {self.wait_s:.0f} s for another process's download of {name} "
@@ -442,7 +448,7 @@ class ShardCache:
                 with open(self._sum_path(name), "w", encoding="ascii") as f:  # in the room reserved with the download
                     f.write(recorded)
                 os.replace(partial, path)
-                self.count(downloads=1, downloaded_bytes=nbytes)
+                self.count(downloads=1, downloaded_bytes=nbytes, **({"cache_misses": 1} if rank is None else {}))
                 self._verified_copies()[name] = _identity(os.stat(path))
                 if not pin:
                     return Fetched(path, None, True)
@@ -567,6 +573,8 @@ class ShardCache:
     def stats(self) -> dict[str, int]:
         """The node's counters: ``downloads``, ``downloaded_bytes`` (whole copies), ``damaged_copies`` (found
         damaged, rotten or truncated, and discarded), ``indexes_built`` and ``index_bytes`` (ranged reads to index),
-        across every process using the directory."""
+        ``cache_hits`` and ``cache_misses`` (a reader found its copy there, or waited for its download),
+        ``evictions`` and ``evicted_bytes`` (copies and indexes removed for room), across every process using the
+        directory since it was made. A counter that never moved is absent."""
         with self._locked():
             return self._read_stats()

@@ -533,9 +533,15 @@ class WebDatasetSource(torch.utils.data.Dataset):
 
     def cache_stats(self) -> dict[str, int]:
         """The node cache's counters (remote shards): ``downloads``, ``downloaded_bytes``, ``damaged_copies``,
-        ``indexes_built``, ``index_bytes`` (read by ranged requests to index), across every process using
-        ``cache_dir``."""
+        ``indexes_built``, ``index_bytes`` (read by ranged requests to index), ``cache_hits``, ``cache_misses``,
+        ``evictions``, ``evicted_bytes``, across every process using ``cache_dir``."""
         return {} if self._remote is None else self._remote.cache.stats()
+
+    def metrics(self) -> dict[str, int]:
+        """What a ResumableDataLoader merges into its metrics as ``source/...`` (see loader.metrics): with remote
+        shards, ``remote_shards`` and the node cache's counters (``cache_stats``), cumulative since the cache
+        directory was made; nothing for local shards."""
+        return {} if self._remote is None else {"remote_shards": len(self._versions), **self.cache_stats()}
 
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "_prefetcher": None}  # the plan is followed in the loader's process only

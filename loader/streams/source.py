@@ -32,10 +32,11 @@ def is_stateful(obj) -> bool:
     return callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))
 
 
-# What torch's iterator yields for a stream, one per batch: (worker, snapshot, error, end, batch). `snapshot` is the
-# worker's state right after the batch ("ended" once its stream is exhausted); `error` (a Raised), when making the
-# batch raised (the batch is then consumed, not delivered); `end`, when no batch comes: the worker's stream ended
-# after its last one. A plain tuple: it pickles 3x faster than an object, and pin_memory passes through it.
+# What torch's iterator yields for a stream, one per batch: (worker, snapshot, error, end, batch, records).
+# `snapshot` is the worker's state right after the batch ("ended" once its stream is exhausted); `error` (a Raised),
+# when making the batch raised (the batch is then consumed, not delivered); `end`, when no batch comes: the worker's
+# stream ended after its last one; `records`, how many the batch holds (a worker's last may hold fewer), for the
+# loader's metrics. A plain tuple: it pickles 3x faster than an object, and pin_memory passes through it.
 
 
 @dataclass(frozen=True)
@@ -257,16 +258,16 @@ class _Batches:
             self.exhausted = len(items) < size  # the records ended (their end was drawn: a stream's last code ran)
             if not items or (source.drop_last and len(items) < size):
                 self.finished = True
-                return source._worker, self.snapshot(ended=True), None, True, None
+                return source._worker, self.snapshot(ended=True), None, True, None, 0
             batch = source.collate_fn(items if source.batch_size is not None else items[0])
         except Exception as err:  # noqa: BLE001 - whatever the user's code raised fails this batch only
-            return self._made(_wrap(err), None)  # returned from here: no local keeps `err` (a cycle)
-        return self._made(None, batch)
+            return self._made(_wrap(err), None, 0)  # returned from here: no local keeps `err` (a cycle)
+        return self._made(None, batch, len(items))
 
-    def _made(self, error, batch) -> tuple:
+    def _made(self, error, batch, records: int) -> tuple:
         self.count += 1
         self.finished = self.exhausted  # a short last batch: the stream ended with it
-        return self.source._worker, self.snapshot(ended=self.exhausted), error, False, batch
+        return self.source._worker, self.snapshot(ended=self.exhausted), error, False, batch, records
 
     def replay(self, count: int) -> None:
         """Make `count` batches again, unseen: how a stream without state gets back to where its worker was."""
