@@ -17,8 +17,8 @@ from urllib.parse import urlparse
 import numpy as np
 import pytest
 
-pytest.importorskip("s3fs", reason='remote shards need the "remote" extra: pip install -e ".[remote]"')
-pytest.importorskip("moto.server", reason='the S3 tests need moto\'s server: pip install "moto[server]"')
+pytest.importorskip("s3fs", reason='the remote-shard tests need s3fs and moto\'s S3 server: pip install -e ".[test]"')
+pytest.importorskip("moto.server", reason='the remote-shard tests need s3fs and moto\'s S3 server: pip install -e ".[test]"')
 
 import fsspec  # noqa: E402
 import webdataset as wds  # noqa: E402
