@@ -20,8 +20,8 @@ from benchmarks.config import Config
 from benchmarks.loaders import OURS_CHECKPOINTING
 from benchmarks.progress import say
 from benchmarks.rows import row, single
-from loader.cli.demo import run_elastic_restart
 from loader.checkpoint.replay import replay_plan
+from loader.cli.demo import run_elastic_restart
 
 
 def _plan(cfg: Config, training: dict, resume: dict) -> dict:

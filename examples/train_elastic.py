@@ -38,9 +38,9 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import Dataset
 
 from loader import ResumableDataLoader
-from loader.core.batch_policy import BatchPolicy
-from loader.checkpoint.save import resume, save_checkpoint
 from loader.checkpoint.ledger import Ledger
+from loader.checkpoint.save import resume, save_checkpoint
+from loader.core.batch_policy import BatchPolicy
 
 FEATURES = 8
 IN_SAVE = ("checkpoint", "checkpoint-hang")  # fault modes that strike in the checkpoint's save

@@ -23,16 +23,16 @@ from torch._utils import ExceptionWrapper
 from torch.utils.data import DataLoader, IterableDataset, default_collate
 from torch.utils.data._utils.fetch import _MapDatasetFetcher
 
+from loader.checkpoint.lockstep import LockstepWatch, warn_out_of_step
 from loader.core.checks import check_positive_int, check_rank, is_int
 from loader.core.mesh import data_parallel
 from loader.core.order import Lanes, Order, block_sizes_for_window, sample_seed, worker_seed
-from loader.checkpoint.lockstep import LockstepWatch, warn_out_of_step
 from loader.core.partition import Layout
 from loader.core.rows import collate
 from loader.core.sampler import ResumableSampler
 from loader.metrics import DataStallWarning, Monitor, batch_nbytes, stall_message
-from loader.streams.shards import is_sharded
 from loader.streams.progress import StreamProgress
+from loader.streams.shards import is_sharded
 
 
 class SampleIndex(int):

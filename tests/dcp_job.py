@@ -23,8 +23,8 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
-from loader.integrations.dcp import LoaderState, ModelAndOptimizer
 from loader.checkpoint.ledger import Ledger
+from loader.integrations.dcp import LoaderState, ModelAndOptimizer
 from tests.framework_jobs import SAMPLES, TrainedLog, end_process_group, job_loader, job_parser, train_epochs
 
 

@@ -23,9 +23,9 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import Dataset
 
 from loader import ResumableDataLoader
-from loader.core import collectives
 from loader.checkpoint.audit import audit
 from loader.checkpoint.save import global_progress
+from loader.core import collectives
 
 SAMPLES = 203  # the framework jobs' dataset: no multiple of their global batches, so every epoch ends short
 

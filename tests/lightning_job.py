@@ -18,8 +18,8 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.strategies import DDPStrategy
 
 from loader import ResumableDataLoader
-from loader.integrations.lightning import ResumableLoaderCallback
 from loader.checkpoint.ledger import Ledger
+from loader.integrations.lightning import ResumableLoaderCallback
 from tests.framework_jobs import TrainedLog, end_process_group, job_loader, job_parser, record_epoch_end, strike
 
 

@@ -4,9 +4,9 @@ import numpy as np
 import pytest
 
 from loader import ResumableDataLoader, merge_states
-from loader.cli.main import main as cli
 from loader.checkpoint.audit import EXACTLY_ONCE, FAILED, NO_LEDGER, UNFINISHED, audit
 from loader.checkpoint.ledger import Ledger, read_ledger
+from loader.cli.main import main as cli
 from tests.conftest import IndexDataset
 
 

@@ -4,9 +4,9 @@ import numpy as np
 import pytest
 
 from loader import ResumableDataLoader, merge_states
-from loader.cli.main import main as cli
 from loader.checkpoint.audit import Grouping, audit
 from loader.checkpoint.ledger import Ledger
+from loader.cli.main import main as cli
 from loader.sources import Mixture
 from tests.conftest import IndexDataset
 

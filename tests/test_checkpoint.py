@@ -16,8 +16,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from loader import ContinuedPassWarning, ResumableDataLoader
-from loader.checkpoint.save import load_checkpoint, resume, save_checkpoint
 from loader.checkpoint.publish import CheckpointError, CheckpointWarning, latest, list_checkpoints, publish, verify
+from loader.checkpoint.save import load_checkpoint, resume, save_checkpoint
 from tests.conftest import IndexDataset
 from tests.test_dataloader import Stream
 

@@ -20,9 +20,9 @@ import pytest
 import torch
 
 from loader import ResumableDataLoader
-from loader.checkpoint.save import load_checkpoint, save_checkpoint
 from loader.checkpoint.ledger import Ledger
 from loader.checkpoint.publish import CheckpointError, latest
+from loader.checkpoint.save import load_checkpoint, save_checkpoint
 from tests.conftest import IndexDataset
 from tests.distributed import run_group
 

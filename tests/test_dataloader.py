@@ -9,8 +9,8 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset
 
-import loader.core.sampler as sampler_module
 from loader import ContinuedPassWarning, ResumableDataLoader, SampleIndex, StateError, merge_states, sample_seed
+import loader.core.sampler as sampler_module
 from tests.conftest import IndexDataset
 
 

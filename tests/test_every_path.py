@@ -22,9 +22,9 @@ import torch.distributed as dist
 
 from loader import ContinuedPassWarning, ResumableDataLoader, StateError, merge_states
 from loader.checkpoint.audit import audit
-from loader.checkpoint.save import global_progress
 from loader.checkpoint.ledger import Ledger
 from loader.checkpoint.lockstep import LockstepWarning
+from loader.checkpoint.save import global_progress
 from tests.conftest import IndexDataset
 from tests.distributed import run_group
 from tests.streams import Plain

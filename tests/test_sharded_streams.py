@@ -13,8 +13,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from loader import ResumableDataLoader, StateError, merge_states
-from loader.streams.shards import RankShards, ShardDeal, ShardProgress, merge
 from loader.sources.sharded import FileShards, HuggingFaceShards, WebDatasetShards
+from loader.streams.shards import RankShards, ShardDeal, ShardProgress, merge
 from tests.streams import FORK
 from tests.test_streams import train_skipping_errors
 

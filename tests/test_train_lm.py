@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from loader.cli.main import main as cli
 from loader.checkpoint.audit import Grouping, audit
+from loader.cli.main import main as cli
 from loader.sources import MixturePlan
 from tests.elastic import logs, run_generation
 

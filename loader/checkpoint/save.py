@@ -38,12 +38,12 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.utils._pytree import tree_map_only
 
-from loader.core.collectives import all_gather, broadcast, distributed, global_ranks, rank, world_size
 from loader.checkpoint.merge import merge_states, one_per_data_rank
 from loader.checkpoint.publish import CheckpointError, check_arguments, latest, publish, verify
-from loader.streams.rng import rng_state, set_rng_state
+from loader.core.collectives import all_gather, broadcast, distributed, global_ranks, rank, world_size
 from loader.core.sampler import ResumableSampler
 from loader.core.state import FORMAT, VERSION, StateError, attach_base, check_fingerprint, detach_base
+from loader.streams.rng import rng_state, set_rng_state
 
 CHECKPOINT_FORMAT = 2  # 2: RNG states as JSON, nothing unpickled; 1 (refused) pickled them
 

@@ -15,9 +15,9 @@ from __future__ import annotations
 from functools import cached_property
 
 from loader.core.checks import is_int
+from loader.core.state import StateError
 from loader.streams.rng import UNCHANGED
 from loader.streams.shards import ShardProgress, is_sharded, shard_digest
-from loader.core.state import StateError
 from loader.streams.source import Plan, StreamSource, is_stateful
 from loader.streams.state import (RankStream, Shards, check_identity, check_payloads, rank_streams, regathered,
                                  stream_identity, stream_state)

@@ -23,9 +23,9 @@ import torch.utils.data._utils.worker as torch_worker
 from torch._utils import ExceptionWrapper
 from torch.utils.data import IterableDataset, get_worker_info
 
+from loader.core.state import StateError
 from loader.streams.rng import RngWatch, seed_like_torch, set_rng_state
 from loader.streams.shards import ShardDeal
-from loader.core.state import StateError
 
 
 def is_stateful(obj) -> bool:
