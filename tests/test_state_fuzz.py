@@ -236,6 +236,10 @@ def check_merged_counts(states, merged):
     """Per epoch the ranks walked, the merge commits the base's positions plus what each rank delivered, counted
     from the partition alone (EpochPlan), not from the merge's intervals."""
     ranks = states if isinstance(states, list) else [states]
+    first = {}
+    for r in ranks:  # a rank's state given twice (replicas under a mesh, or a duplicated entry) counts once
+        first.setdefault(r["rank"], r)
+    ranks = [first[rank] for rank in sorted(first)]
     base, layout = ranks[0]["base"], Layout(**ranks[0]["layout"])
     before, after = committed_counts(base), committed_counts(merged)
     for epoch in range(base["epoch"], max(r["epoch"] for r in ranks) + 1):
@@ -244,7 +248,8 @@ def check_merged_counts(states, merged):
                 for r in ranks]
         if len(ranks) == 1:  # one rank's state stands for every rank
             done *= layout.world_size
-        delivered = sum(plan.samples_from(rank, 0) - plan.samples_from(rank, d) for rank, d in enumerate(done))
+        numbers = range(layout.world_size) if len(ranks) == 1 else [r["rank"] for r in ranks]
+        delivered = sum(plan.samples_from(rank, 0) - plan.samples_from(rank, d) for rank, d in zip(numbers, done))
         assert after.get(epoch, 0) == before.get(epoch, 0) + delivered, f"epoch {epoch} merged wrong"
 
 

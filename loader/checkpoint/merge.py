@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from loader.core.checks import is_int
-from loader.core.state import StateError, check_header, merge_rank_states
+from loader.core.state import StateError, check_header, merge_rank_states, short
 from loader.streams.state import merge_stream_states
 
 
@@ -24,15 +24,18 @@ _OBSERVED = ("lockstep",)  # what a state saw of the other ranks when it was tak
 def _differences(first: dict, other: dict) -> list[str]:
     """The progress fields in which two states differ."""
     fields = first.keys() | other.keys()
-    return sorted(key for key in fields if key not in _OBSERVED and first.get(key) != other.get(key))
+    return sorted((key for key in fields if key not in _OBSERVED and first.get(key) != other.get(key)), key=str)
 
 
-def _described(first: dict, other: dict, fields: list[str]) -> str:
-    """The differing fields, with their values where these are short."""
+def _described(first: dict, other: dict, fields: list[str], most: int = 3) -> str:
+    """The first few differing fields, with their values as short as an error message needs (a corrupted state may
+    hold megabytes in a field)."""
     plain = (int, str, bool, type(None))
-    return ", ".join(f"{key} {first.get(key)!r} vs {other.get(key)!r}"
-                     if isinstance(first.get(key), plain) and isinstance(other.get(key), plain) else key
-                     for key in fields)
+    names = [str(key)[:40] for key in fields[:most]]
+    shown = [f"{name} {short(first.get(key))} vs {short(other.get(key))}"
+             if isinstance(first.get(key), plain) and isinstance(other.get(key), plain) else name
+             for name, key in zip(names, fields)]
+    return ", ".join(shown + ([f"{len(fields) - most} more"] if len(fields) > most else []))
 
 
 def one_per_data_rank(states: list, names: Sequence[str] | None = None) -> list:
@@ -51,10 +54,9 @@ def one_per_data_rank(states: list, names: Sequence[str] | None = None) -> list:
         elif differing := _differences(states[j], state):
             raise StateError(
                 f"{names[j]} and {names[i]} hold the progress of the same data-parallel rank {rank}, but it differs "
-                f"({_described(states[j], state, differing)}): the peers of a data-parallel rank (tensor, context, pipeline "
-                f"or expert parallel) train on the same batches, so each must iterate its loader alike (every batch, "
-                f"set_epoch and load_state_dict, a pipeline stage that needs no input included). Fix the training "
-                f"loop of the one that differs; nothing was merged"
+                f"({_described(states[j], state, differing)}): the peers of a data-parallel rank (tensor, pipeline, "
+                f"... parallel) must iterate their loaders alike, every batch, set_epoch and load_state_dict. Nothing "
+                f"was merged"
             )
     return kept
 

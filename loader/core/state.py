@@ -56,7 +56,7 @@ def intervals_from_json(flats: list, n: int, name: Callable[[int], str]) -> list
         if not isinstance(flat, (list, tuple)) or len(flat) % 2 or not all(
             is_int(v) and abs(v) < LARGEST for v in flat
         ):
-            raise StateError(f"{name(i)} must be a flat list of int pairs [start, stop, ...], got {_short(flat)}")
+            raise StateError(f"{name(i)} must be a flat list of int pairs [start, stop, ...], got {short(flat)}")
         sizes.append(len(flat) // 2)
     if not any(sizes):
         return [EMPTY] * len(flats)
@@ -77,7 +77,7 @@ def intervals_from_json(flats: list, n: int, name: Callable[[int], str]) -> list
     return np.split(spans, ends[:-1])
 
 
-def _short(value) -> str:
+def short(value) -> str:
     """A value for an error message: a corrupted state can hold megabytes (or lists nested a million deep), a
     message stays one short line."""
     return _REPR.repr(value)
@@ -108,16 +108,16 @@ def _checked(state: dict, key: str, kind, where: str, default):
         raise StateError(f"{where} has no field {key!r}: the state is truncated or not a loader state")
     value = state[key]
     if kind is int and (not is_int(value) or not 0 <= value < LARGEST):
-        raise StateError(f"{where}.{key} must be a non-negative int, got {_short(value)}: the state is corrupted")
+        raise StateError(f"{where}.{key} must be a non-negative int, got {short(value)}: the state is corrupted")
     if kind is not int and not isinstance(value, kind):
         names = " or ".join(k.__name__ for k in (kind if isinstance(kind, tuple) else (kind,)))
-        raise StateError(f"{where}.{key} must be of type {names}, got {_short(value)}: the state is corrupted")
+        raise StateError(f"{where}.{key} must be of type {names}, got {short(value)}: the state is corrupted")
     return value
 
 
 def check_header(state: dict, kinds: tuple[str, ...], where: str) -> str:
     if _get(state, "format", str, where) != FORMAT:
-        raise StateError(f"{where}.format is {_short(state['format'])}, expected {FORMAT!r}: not a loader state")
+        raise StateError(f"{where}.format is {short(state['format'])}, expected {FORMAT!r}: not a loader state")
     version = _get(state, "version", int, where)
     if version != VERSION:
         raise StateError(
@@ -126,7 +126,7 @@ def check_header(state: dict, kinds: tuple[str, ...], where: str) -> str:
         )
     kind = _get(state, "kind", str, where)
     if kind not in kinds:
-        raise StateError(f"{where}.kind is {_short(kind)}, expected one of {kinds}")
+        raise StateError(f"{where}.kind is {short(kind)}, expected one of {kinds}")
     return kind
 
 
@@ -137,7 +137,7 @@ def check_fingerprint(saved: dict, current: dict, where: str = "state") -> None:
             raise StateError(f"{where}.fingerprint has no field {name!r}: the state is truncated")
         saved_value = saved.get(name, FINGERPRINT_DEFAULTS.get(name))
         if type(saved_value) is not type(current[name]) or saved_value != current[name]:  # True is not seed 1
-            saved_value = _short(saved_value)
+            saved_value = short(saved_value)
             hint = {
                 "num_samples": "the dataset changed length; this progress cannot be applied to it",
                 "seed": f"construct the loader with seed={saved_value} to resume this run",
@@ -217,7 +217,7 @@ class Progress:
                     and epoch <= entry[0] <= epoch + MAX_EPOCHS_AHEAD):
                 raise StateError(
                     f"{where}.committed entries must be [epoch in [{epoch}, {epoch + MAX_EPOCHS_AHEAD}], intervals], "
-                    f"got {_short(entry)}"
+                    f"got {short(entry)}"
                 )
         epochs = [entry[0] for entry in entries]
         if len(set(epochs)) < len(epochs):
@@ -230,7 +230,7 @@ class Progress:
         done_epochs = [_get(record, "epoch", int, f"{where}.finished[{i}]") for i, record in enumerate(records)]
         if any(b <= a for a, b in zip(done_epochs, done_epochs[1:])) or done_epochs and done_epochs[-1] >= epoch:
             raise StateError(f"{where}.finished must list epochs before {epoch} in increasing order, got "
-                             f"{_short(done_epochs)}: the state is corrupted")
+                             f"{short(done_epochs)}: the state is corrupted")
         dropped = [_get(record, "dropped", list, f"{where}.finished[{i}]") for i, record in enumerate(records)]
         finished = tuple(zip(done_epochs, intervals_from_json(dropped, n, lambda i: f"{where}.finished[{i}].dropped")))
         end = _get(state, "end_of_epoch", (dict, type(None)), where, default=None)
@@ -542,7 +542,7 @@ def attach_base(states: list[dict], base: dict) -> list[dict]:
         if isinstance(state, dict) and state.get("kind") == "rank":
             if _get(state, "base", dict, f"states[{i}]").get("digest") != digest:
                 raise StateError(
-                    f"states[{i}] (rank {_short(state.get('rank'))}) started from another progress than this rank: "
+                    f"states[{i}] (rank {short(state.get('rank'))}) started from another progress than this rank: "
                     f"every rank must load the same checkpoint before training"
                 )
             state = {**state, "base": base}

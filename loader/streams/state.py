@@ -32,7 +32,7 @@ from loader.core.state import (
     check_header,
     _check_ranks,
     _get,
-    _short,
+    short,
     intervals_from_json,
     intervals_to_json,
 )
@@ -47,7 +47,7 @@ _RNG_FIXED = 8 * 3 + 8 * 2 + 4 * 624 + 4 * 625  # see loader.streams.rng
 
 def _seed(value, where: str):
     if value is not None and not (is_int(value) and 0 <= value < 2**64):
-        raise StateError(f"{where} must be None or a 64-bit seed, got {_short(value)}: the state is corrupted")
+        raise StateError(f"{where} must be None or a 64-bit seed, got {short(value)}: the state is corrupted")
     return value
 
 
@@ -66,14 +66,14 @@ def _snapshot(value, where: str, sharded: bool) -> dict | None:
     if value is None:
         return None
     if not isinstance(value, dict) or set(value) != set(SNAPSHOT_KEYS):
-        raise StateError(f"{where} must be None or a dict with fields {SNAPSHOT_KEYS}, got {_short(value)}")
+        raise StateError(f"{where} must be None or a dict with fields {SNAPSHOT_KEYS}, got {short(value)}")
     _get(value, "batches", int, where)
     _get(value, "ended", bool, where)
     _check_rng(value["rng"], where)
     shard = value["shard"]
     if sharded:
         if not (isinstance(shard, list) and len(shard) == 2 and all(is_int(v) and 0 <= v < LARGEST for v in shard)):
-            raise StateError(f"{where}.shard must be [task, next record], got {_short(shard)}")
+            raise StateError(f"{where}.shard must be [task, next record], got {short(shard)}")
         if value["dataset"] is not None or value["iterator"] is not None:
             raise StateError(f"{where} of a sharded stream holds a dataset state: the state is corrupted")
     elif shard is not None:
@@ -91,7 +91,7 @@ def stream_identity(dataset) -> dict:
         length = None
     fingerprint = dataset.fingerprint() if callable(getattr(dataset, "fingerprint", None)) else None
     if fingerprint is not None and not isinstance(fingerprint, str):
-        raise TypeError(f"{type(dataset).__name__}.fingerprint() must return a str, got {_short(fingerprint)}")
+        raise TypeError(f"{type(dataset).__name__}.fingerprint() must return a str, got {short(fingerprint)}")
     return {"class": f"{type(dataset).__module__}.{type(dataset).__qualname__}", "length": length,
             "fingerprint": fingerprint}
 
@@ -105,15 +105,15 @@ def check_identity(saved: dict | None, current: dict, rank: int) -> None:
                        ("length", "the stream's len() changed: its progress would name other records"),
                        ("fingerprint", "the stream's fingerprint() changed: it reads other records")):
         if saved[name] != current[name]:
-            raise StateError(f"the state of rank {rank}: stream.{name} is {_short(saved[name])} in the saved state "
-                             f"but {_short(current[name])} in this loader: {hint}")
+            raise StateError(f"the state of rank {rank}: stream.{name} is {short(saved[name])} in the saved state "
+                             f"but {short(current[name])} in this loader: {hint}")
 
 
 def _identity(value, where: str) -> dict | None:
     if value is None:
         return None
     if not isinstance(value, dict) or set(value) != set(IDENTITY_KEYS):
-        raise StateError(f"{where} must be None or a dict with fields {IDENTITY_KEYS}, got {_short(value)}")
+        raise StateError(f"{where} must be None or a dict with fields {IDENTITY_KEYS}, got {short(value)}")
     _get(value, "class", str, where)
     if value["length"] is not None:
         _get(value, "length", int, where)
@@ -177,7 +177,7 @@ def _progress_from_dict(value, count: int, where: str) -> ShardProgress:
             if not (isinstance(pair, list) and len(pair) == 2 and is_int(pair[0]) and 0 <= pair[0] < count
                     and is_int(pair[1]) and 0 < pair[1] < LARGEST) or pair[0] in done or pair[0] in offsets:
                 raise StateError(f"{at}.offsets must be [shard, next record > 0] of unfinished shards, got "
-                                 f"{_short(pair)}")
+                                 f"{short(pair)}")
             offsets[pair[0]] = pair[1]
         epochs[e] = EpochShards(frozenset(done), offsets)
     return ShardProgress(count, epoch, epochs)
@@ -245,7 +245,7 @@ class RankStream:
                 f"skip or repeat records. Start the stream's epoch again (construct the loader without loading it)"
             )
         if unknown := set(state) - set(STATE_KEYS):
-            raise StateError(f"{where} has unknown fields {_short(sorted(map(str, unknown)))}: the state is "
+            raise StateError(f"{where} has unknown fields {short(sorted(map(str, unknown)))}: the state is "
                              f"corrupted or not a stream state of this release")
         world_size, rank = _get(state, "world_size", int, where), _get(state, "rank", int, where)
         if world_size == 0 or rank >= world_size:
@@ -358,7 +358,7 @@ def rank_streams(state) -> list[RankStream]:
         return _parse_all([state])
     if set(state) != {"format", "version", "kind", "world_size", "ranks"}:
         raise StateError(f"state must have exactly the fields format, version, kind, world_size and ranks, got "
-                         f"{_short(sorted(map(str, state)))}: the state is corrupted")
+                         f"{short(sorted(map(str, state)))}: the state is corrupted")
     ranks = _parse_all(_get(state, "ranks", list, "state"))
     if _get(state, "world_size", int, "state") != len(ranks):
         raise StateError(f"state.world_size is {state['world_size']}, but it holds the states of {len(ranks)} ranks: "
