@@ -409,7 +409,8 @@ def test_a_full_cache_disk_is_reported_as_such_and_not_retried(s3, tmp_path, cap
     """The download written to /dev/full (every write: ENOSPC): no retry as a network fault, but an error naming
     the cache's directory, the bytes needed and free, and what to do; the partial download is gone."""
     if not os.path.exists("/dev/full"):
-        pytest.skip("needs /dev/full")
+        pytest.skip("this system has no /dev/full (the Linux device whose every write fails with ENOSPC), the "
+                    "real full disk this test writes to; Linux CI has it")
     source = remote_source(s3, tmp_path)
     full = tmp_path / "full"
     full.symlink_to("/dev/full")
