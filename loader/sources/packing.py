@@ -164,15 +164,14 @@ def row_metadata(lengths: Sequence[int], seq_len: int) -> dict[str, torch.Tensor
     these lengths from column 0 on, padding after them: segment_ids (0, 1, ... per segment, -1 for padding),
     positions (restarting at 0 at each segment, 0 for padding) and cu_seqlens over the seq_len inputs (segment
     boundaries; the padding run is a segment of its own), int32, padded to seq_len + 1 entries with seq_len."""
-    width = seq_len + 1
-    lengths = np.asarray(lengths, dtype=np.int64)
-    ends = np.cumsum(lengths)
-    used = int(ends[-1]) if len(ends) else 0
+    width, lengths = seq_len + 1, [int(n) for n in lengths]
+    ends = np.cumsum(lengths, dtype=np.int64)
+    used = int(ends[-1]) if lengths else 0
     segment_ids = np.full(width, -1, np.int64)
     segment_ids[:used] = np.repeat(np.arange(len(lengths)), lengths)
     positions = np.zeros(width, np.int64)
     positions[:used] = np.arange(used) - np.repeat(ends - lengths, lengths)
-    bounds = np.unique(np.concatenate(([0], np.minimum(ends, seq_len), [seq_len])))
+    bounds = [0] + [end for end in ends.tolist() if 0 < end < seq_len] + [seq_len]
     cu_seqlens = np.full(width, seq_len, np.int32)
     cu_seqlens[:len(bounds)] = bounds
     return {"segment_ids": torch.from_numpy(segment_ids), "positions": torch.from_numpy(positions),
@@ -227,7 +226,7 @@ class PackedSource(torch.utils.data.Dataset):
         mode: str = "best_fit",
         *,
         rows_per_window: int = 64,
-        fill: float = 0.98,
+        fill: float = 0.99,
         seed: int = 0,
         epoch: int = 0,
         pad_id: int = 0,
