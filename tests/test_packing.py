@@ -10,6 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from loader import ResumableDataLoader, merge_states
+from loader.checkpoint import audit
+from loader.checkpoint.ledger import Ledger
 from loader.sources import Mixture, TokenSource
 from loader.sources.packing import ArrowDocuments, PackedSource, label_mask, pack
 
@@ -266,12 +268,10 @@ def test_a_mixture_of_packed_sources_trains_every_token_of_each_once_across_a_re
                            for s, src in enumerate(sources)), Counter())
 
 
-def test_the_audit_names_the_documents_and_token_ranges_of_a_row(corpus):
+def test_sample_key_names_the_documents_and_token_ranges_of_a_row(corpus):
     source = packed(corpus, "best_fit")
-    pieces = source.pieces(0)
-    names = [f"{source.documents.describe_token(d + o)}+{n}" for d, o, n, _ in pieces]
+    names = [f"{source.documents.describe_token(d + o)}+{n}" for d, o, n, _ in source.pieces(0)]
     assert source.sample_key(0) == tuple(names) and source.describe(0) == f"0 ({', '.join(names)})"
-    assert all(name.startswith("part-") for name in names)
 
 
 def test_bad_input_is_refused_clearly(corpus, tmp_path):
@@ -293,3 +293,28 @@ def test_bad_input_is_refused_clearly(corpus, tmp_path):
     source = PackedSource(tokens)
     with pytest.raises(IndexError, match=f"row {len(source)} out of range for {len(source)} packed rows"):
         source[len(source)]
+
+
+def test_the_audit_names_the_documents_and_token_ranges_of_duplicated_rows(corpus, tmp_path, capsys):
+    """A run resumed from a stale state (checkpoint of step 0 declared as step 2) trains two batches again: the
+    audit fails and names each duplicated row by its documents and token ranges."""
+    source = packed(corpus, "best_fit")
+    first = ResumableDataLoader(source, batch_size=2, rank=0, world_size=1, shuffle=True)
+    stale = first.state_dict()
+    first.ledger = Ledger.open(tmp_path, 0, len(source))
+    iterator, again_rows = iter(first), []
+    for _ in range(2):
+        next(iterator)
+        again_rows += first.last_indices().tolist()
+    first.ledger.close()
+    again = ResumableDataLoader(source, batch_size=2, rank=0, world_size=1, shuffle=True)
+    again.load_state_dict(stale)
+    again.ledger = Ledger.open(tmp_path, 2, len(source))
+    for _ in again:
+        pass
+    again.ledger.record_finished(merge_states([again.state_dict()]), again)
+    again.ledger.close()
+    assert audit.main(str(tmp_path), describe=source.describe) == audit.FAILED
+    out = capsys.readouterr().out
+    for row in again_rows:
+        assert source.describe(row) in out and "part-" in source.describe(row)

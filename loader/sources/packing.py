@@ -360,7 +360,8 @@ class PackedSource(torch.utils.data.Dataset):
 
     def stats(self, windows: Sequence[int] | None = None) -> dict[str, float]:
         """Padding and splits over these windows (default all; bin modes): the padding fraction of their rows, and
-        the fractions of their documents cut at a window's edge, longer than a row, or split to fit a row."""
+        as fractions of their documents (counted per window): those cut at a window's edge, those in more than one
+        row of a window (longer than a row, or split to fit), and the splits made to fit a piece."""
         windows = range(self.windows) if windows is None else windows
         rows = tokens = documents = edges = long = split = 0
         for window in windows:
