@@ -17,6 +17,7 @@ Sample: {"tokens", "segment_ids", "positions", "cu_seqlens"}; see `PackedSource`
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import json
 from collections import OrderedDict
@@ -136,26 +137,40 @@ class ArrowDocuments:
 
 def pack(lengths: Sequence[int], capacity: int, rows: int, best: bool) -> np.ndarray:
     """Place pieces of these lengths, in this order, into `rows` rows of `capacity` tokens: each piece whole into
-    the first row with room (first fit) or the fullest row with room (best fit); a piece that fits in no row is
-    split over the rows with the most room, largest first. Each row fills from its column 0 in placement order.
-    Returns one row per part: (piece, offset in the piece, length, row, column), in placement order."""
-    free = [capacity] * rows
+    the first row with room (first fit) or the fullest row with room (best fit, the first of equals); a piece that
+    fits in no row is split over the rows with the most room, the first of equals first. Each row fills from its
+    column 0 in placement order. Returns one row per part: (piece, offset in the piece, length, row, column), in
+    placement order. Best fit keeps the rows sorted by (room, row), so a piece costs a binary search."""
     if sum(lengths) > capacity * rows:
         raise ValueError(f"{sum(lengths)} tokens do not fit in {rows} rows of {capacity}")
+    free = np.full(rows, capacity, np.int64)
+    rooms = [(capacity, row) for row in range(rows)]
     parts = []
+
+    def put(piece: int, offset: int, length: int, row: int) -> None:
+        room = int(free[row])
+        parts.append((piece, offset, length, row, capacity - room))
+        if best:
+            del rooms[bisect.bisect_left(rooms, (room, row))]
+            bisect.insort(rooms, (room - length, row))
+        free[row] = room - length
+
     for piece, length in enumerate(lengths):
-        room = [r for r in range(rows) if free[r] >= length]
-        if room:
-            row = min(room, key=free.__getitem__) if best else room[0]
-            parts.append((piece, 0, length, row, capacity - free[row]))
-            free[row] -= length
+        if best:
+            at = bisect.bisect_left(rooms, (length, -1))
+            row = rooms[at][1] if at < rows else -1
+        else:
+            row = int(np.argmax(free >= length))
+            row = row if free[row] >= length else -1
+        if row >= 0:
+            put(piece, 0, length, row)
             continue
         offset = 0
         while offset < length:
-            row = max(range(rows), key=free.__getitem__)
-            take = min(free[row], length - offset)
-            parts.append((piece, offset, take, row, capacity - free[row]))
-            free[row], offset = free[row] - take, offset + take
+            row = int(np.argmax(free))
+            take = min(int(free[row]), length - offset)
+            put(piece, offset, take, row)
+            offset += take
     return np.array(parts, dtype=np.int64).reshape(-1, 5)
 
 
