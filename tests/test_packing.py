@@ -14,6 +14,7 @@ from loader.checkpoint import audit
 from loader.checkpoint.ledger import Ledger
 from loader.sources import Mixture, TokenSource
 from loader.sources.packing import ArrowDocuments, PackedSource, label_mask, pack
+from tests.test_tokens import write_megatron
 
 EOS = 0
 BIN_MODES = ("first_fit", "best_fit")
@@ -117,13 +118,39 @@ def test_loader_workers_deliver_the_rows_random_access_gives(corpus):
     assert_loader_rows(source, {row: source[row] for row in range(len(source))}, workers=2)
 
 
+@pytest.mark.parametrize("kind", ["npy", "idx"])
+def test_offsets_files_give_the_documents_and_each_file_starts_one(tmp_path, kind):
+    """Documents from offsets files (a .npy of starts, or Megatron's .idx) over two token files: the packed rows hold
+    every token once, each piece inside one document (a file's first token starts one)."""
+    rng = np.random.default_rng(4)
+    documents = [[rng.integers(0, 500, n) for n in rng.integers(1, 40, 30)] for _ in range(2)]
+    for number, docs in enumerate(documents):
+        write_megatron(tmp_path / f"t-{number}", docs)  # the .bin and its .idx
+        np.save(tmp_path / f"t-{number}.npy", np.cumsum([0] + [len(d) for d in docs])[:-1])
+    tokens = TokenSource(str(tmp_path / "t-*.bin"), seq_len=16, dtype="uint16",
+                         doc_offsets=str(tmp_path / f"t-*.{kind}"))
+    source = PackedSource(tokens, mode="best_fit", rows_per_window=4)
+    flat = [d for docs in documents for d in docs]
+    stream = np.concatenate(flat)
+    starts = np.cumsum([0] + [len(d) for d in flat])[:-1].tolist()
+    length_of = dict(zip(starts, map(len, flat)))
+    found = Counter()
+    for row in range(len(source)):
+        sample = source[row]
+        for document, offset, length, column in source.pieces(row):
+            assert offset + length <= length_of[document]
+            assert sample["tokens"][column:column + length].tolist() == stream[document + offset:][:length].tolist()
+            found.update((document, offset + k) for k in range(length))
+    assert found == Counter((s, k) for s, n in length_of.items() for k in range(n))
+
+
 class ListDocuments:
     """Documents in memory, for the property test: document d is tokens 1000 * d + offset (+1: never EOS)."""
 
     def __init__(self, lengths):
         self.lengths = np.asarray(lengths, dtype=np.int64)
         self.starts = np.concatenate(([0], np.cumsum(self.lengths)[:-1]))
-        self.stream = np.concatenate([1000 * d + np.arange(n) + 1 for d, n in enumerate(lengths)])
+        self.stream = np.concatenate([1000 * d + np.arange(n) + 1 for d, n in enumerate(lengths)] + [np.zeros(0, np.int64)])
         self.tokens = len(self.stream)
 
     def read_tokens(self, low, high):
@@ -290,6 +317,8 @@ def test_bad_input_is_refused_clearly(corpus, tmp_path):
         PackedSource(torch.arange(10), seq_len=4)
     with pytest.raises(ValueError, match="too few for one row"):
         PackedSource(ListDocuments([3]), seq_len=4, mode="concat")
+    with pytest.raises(ValueError, match="0 tokens are too few"):
+        PackedSource(ListDocuments([]), seq_len=4)
     source = PackedSource(tokens)
     with pytest.raises(IndexError, match=f"row {len(source)} out of range for {len(source)} packed rows"):
         source[len(source)]

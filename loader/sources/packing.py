@@ -267,6 +267,8 @@ class PackedSource(torch.utils.data.Dataset):
             documents, seq_len, mode, seed, epoch, pad_id
         self.capacity, self.rows_per_window, self.fill = seq_len + 1, rows_per_window, fill
         tokens = documents.tokens
+        if tokens < (self.capacity if mode == "concat" else 1):
+            raise ValueError(f"{tokens} tokens are too few for one row of seq_len + 1 = {self.capacity}")
         if mode == "concat":
             self.window_tokens, self._len = seq_len, (tokens - 1) // seq_len
         else:
@@ -277,8 +279,6 @@ class PackedSource(torch.utils.data.Dataset):
             self._len = (self.windows - 1) * rows_per_window + self._last_rows
             self._shift = int(sample_seed(seed, epoch, _SHIFT)) % tokens
             self._arrange = int(sample_seed(seed, epoch, _ARRANGE))
-        if self._len < 1:
-            raise ValueError(f"{tokens} tokens are too few for one row of seq_len + 1 = {self.capacity}")
         self._cache: OrderedDict[int, tuple[np.ndarray, np.ndarray]] = OrderedDict()
 
     def __len__(self) -> int:
