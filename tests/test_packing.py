@@ -150,7 +150,8 @@ class ListDocuments:
     def __init__(self, lengths):
         self.lengths = np.asarray(lengths, dtype=np.int64)
         self.starts = np.concatenate(([0], np.cumsum(self.lengths)[:-1]))
-        self.stream = np.concatenate([1000 * d + np.arange(n) + 1 for d, n in enumerate(lengths)] + [np.zeros(0, np.int64)])
+        documents = [1000 * d + np.arange(n) + 1 for d, n in enumerate(lengths)]
+        self.stream = np.concatenate(documents + [np.zeros(0, np.int64)])
         self.tokens = len(self.stream)
 
     def read_tokens(self, low, high):
