@@ -25,7 +25,8 @@ if __package__ in (None, ""):  # run as a script: make the repository root impor
 import torch  # noqa: E402
 
 from benchmarks import (  # noqa: E402
-    checkpoint, memory, peers, plots, report, restart, resume, scale, throughput, tokens, training, wds, wds_remote,
+    checkpoint, memory, packing, peers, plots, report, restart, resume, scale, throughput, tokens, training, wds,
+    wds_remote,
 )
 from benchmarks.config import Config, config_for  # noqa: E402
 from benchmarks.environment import environment, output_stem  # noqa: E402
@@ -41,6 +42,8 @@ SECTIONS: tuple[tuple[str, str, Callable[[Config], dict]], ...] = (
     ("tokens", "7. LM data (tokens/s ratio to a plain memmap loop; mixture memory and position cost)", tokens.run),
     ("remote", "8. Remote shards on a loopback S3 endpoint (samples/s ratio to webdataset streaming them)",
      wds_remote.run),
+    ("packing", "12. Document packing (padding against Grain's first and best fit, packed tokens/s against an in-order "
+     "loop, memory at 1e9 documents)", packing.run),
 )
 RESTART_TITLE = "9. Restart budget (replay plans from measured inputs; a measured elastic restart)"
 PEERS = ("peers", "10. Peers side by side: samples skipped or duplicated by a resume, resume time, state, memory, "

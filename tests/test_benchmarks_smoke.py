@@ -15,7 +15,8 @@ import pytest
 pytestmark = pytest.mark.slow  # the benchmark runner as a process of its own (the `results` fixture: about 20 s)
 
 REPO = Path(__file__).resolve().parent.parent
-SECTIONS = ("throughput", "training", "checkpoint", "resume", "memory", "webdataset", "tokens", "remote", "restart")
+SECTIONS = ("throughput", "training", "checkpoint", "resume", "memory", "webdataset", "tokens", "remote", "packing",
+            "restart")
 LOADERS = {"DataLoader", "ResumableDataLoader", "ResumableDataLoader+state_dict", "StatefulDataLoader+state_dict"}
 
 

@@ -3,6 +3,7 @@ and sharded streams (files, webdataset pipelines, Hugging Face streaming dataset
 
 from loader.sources.cache import CacheFullError, DiskFullError
 from loader.sources.mixture import Mixture, MixturePlan
+from loader.sources.packing import ArrowDocuments, PackedSource
 from loader.sources.sharded import FileShards, HuggingFaceShards, WebDatasetShards
 from loader.sources.tokens import TokenFileError, TokenSource
 from loader.sources.webdataset import (
@@ -15,7 +16,7 @@ from loader.sources.webdataset import (
 )
 
 __all__ = [
-    "CacheFullError", "DiskFullError", "FileShards", "HuggingFaceShards", "MissingKeyError", "Mixture", "MixturePlan",
-    "ShardFormatError", "ShardUnavailableError", "StaleIndexError", "TokenFileError", "TokenSource",
-    "WebDatasetShards", "WebDatasetSource", "prepare_indexes",
+    "ArrowDocuments", "CacheFullError", "DiskFullError", "FileShards", "HuggingFaceShards", "MissingKeyError",
+    "Mixture", "MixturePlan", "PackedSource", "ShardFormatError", "ShardUnavailableError", "StaleIndexError",
+    "TokenFileError", "TokenSource", "WebDatasetShards", "WebDatasetSource", "prepare_indexes",
 ]

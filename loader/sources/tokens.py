@@ -439,20 +439,66 @@ class TokenSource(torch.utils.data.Dataset):
         if self.eos_id is not None:
             np.cumsum(tokens[:, :-1] == self.eos_id, axis=1, out=doc_ids[:, 1:])
             return doc_ids
-        span = self._span
         for row, start in enumerate(starts.tolist()):
-            file = int(np.searchsorted(self._starts, start, side="right")) - 1
-            while self._starts[file] < start + span:
-                first, low = int(self._starts[file]), max(start, int(self._starts[file]))
-                documents = self._documents[file]
-                bounds = documents.within(low - first + 1, start + span - first) + first - start
-                documents.check_unchanged()  # after the read, as for tokens: a change during it is caught too
-                doc_ids[row, bounds] += 1
-                if first > start:  # a file boundary inside the sample starts a document
-                    doc_ids[row, first - start] += 1
-                file += 1
-            np.cumsum(np.minimum(doc_ids[row], 1), out=doc_ids[row])
+            doc_ids[row, self.document_starts(start + 1, start + self._span) - start] = 1
+            np.cumsum(doc_ids[row], out=doc_ids[row])
         return doc_ids
+
+    def read_tokens(self, low: int, high: int) -> np.ndarray:
+        """Tokens [low, high) of the files' concatenation as int64, checked as a batch is (files unchanged after
+        the read, ids below vocab_size): the read that packing (`loader.sources.packing`) builds its rows from."""
+        if not 0 <= low <= high <= self.tokens:
+            raise IndexError(f"tokens [{low}, {high}) out of range for {self.tokens} tokens")
+        out, touched = np.empty(high - low, dtype=np.int64), set()
+        if high > low:
+            file = int(np.searchsorted(self._starts, low, side="right")) - 1
+            self._read(out, file, low - int(self._starts[file]), touched)
+        for file in touched:
+            self._files[file].check_unchanged()
+        if self.vocab_size is not None:
+            self._check_ids(out[None], [low])
+        return out
+
+    def document_starts(self, low: int, high: int) -> np.ndarray:
+        """Token offsets of the concatenation in [low, high) where a document starts (int64, ascending): 0, every
+        token after an EOS, or the offsets files' starts and every file's first token. O(log documents) with
+        offsets files (binary search in their maps); O(high - low) with eos_id (the tokens are read)."""
+        low, high = max(low, 0), min(high, self.tokens)
+        if high <= low:
+            return np.zeros(0, np.int64)
+        if self.eos_id is not None:
+            before = max(low - 1, 0)
+            ends = np.flatnonzero(self.read_tokens(before, high - 1) == self.eos_id) + before + 1
+            return np.concatenate(([0] if low == 0 else [], ends)).astype(np.int64)
+        if self._documents is None:
+            raise ValueError("this TokenSource has no document boundaries: pass eos_id= or doc_offsets=")
+        found = []
+        file = int(np.searchsorted(self._starts, low, side="right")) - 1
+        while file < len(self._files) and self._starts[file] < high:
+            first = int(self._starts[file])
+            documents = self._documents[file]
+            found += [[first]] if first >= low else []  # a file's first token starts a document
+            found.append(documents.within(max(low - first, 1), high - first) + first)
+            documents.check_unchanged()  # after the read, as for tokens: a change during it is caught too
+            file += 1
+        return np.concatenate(found).astype(np.int64)
+
+    def document_start(self, token: int) -> int:
+        """Where the document holding `token` starts: the last document start at or before it."""
+        step = 1 << 16
+        low = token + 1
+        while low > 0:  # with eos_id, documents are found by reading back: O(the document's length)
+            low, high = max(low - step, 0), low
+            starts = self.document_starts(low, high)
+            if len(starts):
+                return int(starts[-1])
+            step *= 2
+        return 0
+
+    def describe_token(self, token: int) -> str:
+        """A token offset of the concatenation as FILE:OFFSET, as the audit prints it."""
+        file = int(np.searchsorted(self._starts, token, side="right")) - 1
+        return f"{os.path.basename(self._files[file].path)}:{token - int(self._starts[file])}"
 
     def _windows(self, file: int) -> np.ndarray:
         """The file's whole samples as rows of a strided view of its map (no copy): row r starts at the file's first
@@ -492,16 +538,17 @@ class TokenSource(torch.utils.data.Dataset):
         for file in touched:
             self._files[file].check_unchanged()
         if self.vocab_size is not None:
-            self._check_ids(out[target], indices)
+            self._check_ids(out[target], [int(i) * self.seq_len for i in indices])
 
-    def _check_ids(self, tokens: np.ndarray, indices: Sequence[int]) -> None:
-        """Refuse a batch holding a token that is no id below vocab_size, naming its file and offset. One max() of
-        the unsigned view checks both ends (a negative int32 id wraps to a huge one): ~4 us for 8 x 2049 tokens."""
+    def _check_ids(self, tokens: np.ndarray, firsts: Sequence[int]) -> None:
+        """Refuse rows holding a token that is no id below vocab_size (row r starts at token firsts[r] of the
+        concatenation), naming its file and offset. One max() of the unsigned view checks both ends (a negative
+        int32 id wraps to a huge one): ~4 us for 8 x 2049 tokens."""
         ids = tokens.view(np.uint64)
         if ids.max() < self.vocab_size:
             return
         row, column = np.argwhere(ids >= self.vocab_size)[0].tolist()
-        token = int(indices[row]) * self.seq_len + column
+        token = int(firsts[row]) + column
         file = int(np.searchsorted(self._starts, token, side="right")) - 1
         path, dtype = self._files[file].path, self._files[file].dtype.name
         raise TokenFileError(
