@@ -4,12 +4,17 @@ sampler, without a Manager), then the state torchft transfers, then real process
 on gloo, one SIGKILLed mid-epoch and restarted, one added later (tests/torchft_job.py)."""
 
 import json
+import os
+import signal
+import time
 from collections import Counter
+from pathlib import Path
 
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from torch import multiprocessing as mp
 
 from loader.core.order import Order
 from loader.core.sampler import ResumableSampler
@@ -101,3 +106,124 @@ def test_the_transferred_state_is_small_plain_and_checked_field_by_field():
         check_step_state({**state, "fingerprint": {**state["fingerprint"], "seed": 4}}, order.fingerprint(), deal)
     with pytest.raises(StateError, match="global_batch is 8 but 16"):
         check_step_state(state, order.fingerprint(), StepDeal(50, 16, 2))
+
+
+def _lighthouse(address_out) -> None:
+    from torchft._torchft import LighthouseServer
+
+    server = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=200, quorum_tick_ms=50,
+                              heartbeat_timeout_ms=1500)
+    address_out.send(server.address())
+    signal.pause()  # until the test kills it
+
+
+def _rank(log_dir: str, *args) -> None:
+    import contextlib
+    import traceback
+    import warnings
+
+    from tests import torchft_job
+
+    warnings.resetwarnings()  # the job's warnings as a job has them, not the suite's errors its fork inherited
+    with open(f"{log_dir}/group{args[0]}-rank{args[1]}.log", "a", buffering=1) as out:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+            try:
+                torchft_job.main(*args)
+            except BaseException:
+                traceback.print_exc()
+                os._exit(1)
+
+
+def _steps_done(run_dir: Path, group: int) -> int:
+    path = run_dir / f"progress-{group}.txt"
+    lines = path.read_text().split() if path.exists() else []
+    return int(lines[-1]) if lines else 0
+
+
+@pytest.mark.slow
+def test_replica_groups_killed_restarted_and_added_train_every_sample_once_in_the_uninterrupted_steps(tmp_path):
+    """A lighthouse and replica groups of 2 ranks on gloo (forked processes): groups 0 and 1 start; group 1 is
+    SIGKILLed mid-epoch and restarted (healed from group 0) while group 0 goes on; group 2 joins later. The
+    ledger's audit: every sample of both epochs exactly once, and each committed step's samples are the
+    uninterrupted run's (the step's block of the epoch order)."""
+    from loader.checkpoint.audit import audit
+    from loader.checkpoint.ledger import read_generations, read_ledger
+    from tests.distributed import free_port
+    from tests.torchft_job import GLOBAL_BATCH, MICRO_BATCH, SAMPLES, SEED
+
+    ctx = mp.get_context("fork")  # a clean parent: torchft's runtime starts in the children only
+    steps, group_size, procs = 2 * SAMPLES // GLOBAL_BATCH, 2, []
+    logs = tmp_path / "logs"
+    logs.mkdir()
+
+    # group 0 waits before step 8 for the restarted group 1, and before step 16 for group 2 (the others follow it)
+    hold = {8: "up-1-0-restarted", 16: "up-2-0-added"}
+
+    def start(group: int, mark: str | None = None) -> None:
+        port = free_port()
+        for rank in range(group_size):
+            p = ctx.Process(target=_rank, args=(str(logs), group, rank, group_size, port, lighthouse,
+                                                str(tmp_path), steps, hold if group == 0 else {}))
+            p.start()
+            procs.append((group, p))
+        if mark is not None:
+            wait_until(lambda: any(tmp_path.glob(f"up-{group}-0-*")), f"group {group} up")
+            for up in tmp_path.glob(f"up-{group}-0-*"):
+                up.rename(tmp_path / f"up-{group}-0-{mark}")
+
+    def wait_until(condition, what: str, timeout: float = 60.0) -> None:
+        deadline = time.monotonic() + timeout
+        while not condition():
+            failed = [(g, p.exitcode) for g, p in procs if p.exitcode not in (None, 0, -signal.SIGKILL)]
+            assert not failed, f"{failed} failed while waiting for {what}: {read_logs(logs)}"
+            assert time.monotonic() < deadline, f"no {what} after {timeout} s: {read_logs(logs)}"
+            time.sleep(0.05)
+
+    receive, send = ctx.Pipe(duplex=False)
+    house = ctx.Process(target=_lighthouse, args=(send,))
+    house.start()
+    try:
+        assert receive.poll(30), "the lighthouse did not start"
+        lighthouse = receive.recv()
+        start(0)
+        start(1)
+        wait_until(lambda: _steps_done(tmp_path, 1) >= 4, "step 4 of group 1")
+        for group, p in procs:
+            if group == 1:
+                os.kill(p.pid, signal.SIGKILL)  # the whole group, mid-epoch
+        done_before = _steps_done(tmp_path, 0)
+        wait_until(lambda: _steps_done(tmp_path, 0) >= done_before + 2, "group 0 going on alone")
+        for up in tmp_path.glob("up-1-0-*"):
+            up.unlink()  # the killed incarnation's
+        start(1, "restarted")  # heals from group 0's live state
+        wait_until(lambda: _steps_done(tmp_path, 0) >= SAMPLES // GLOBAL_BATCH + 1, "group 0 in epoch 1")
+        start(2, "added")  # a group added later
+        wait_until(lambda: all(p.exitcode is not None for _, p in procs), "the end of training", timeout=120)
+        assert all(p.exitcode in (0, -signal.SIGKILL) for _, p in procs), read_logs(logs)
+    finally:
+        for _, p in procs + [(None, house)]:
+            if p.is_alive():
+                os.kill(p.pid, signal.SIGKILL)
+            p.join(timeout=10)
+
+    report = audit(tmp_path)
+    assert [(e.epoch, e.finished, e.seen_once, len(e.skipped), len(e.duplicated)) for e in report] == [
+        (0, True, SAMPLES, 0, 0), (1, True, SAMPLES, 0, 0)], read_logs(logs)
+    records, _, _ = read_ledger(tmp_path)
+    by_step: dict[int, list[int]] = {}
+    for record in records:
+        by_step.setdefault(record.step - 1, []).extend(record.indices.tolist())
+    deal, order = StepDeal(SAMPLES, GLOBAL_BATCH, MICRO_BATCH), Order(SAMPLES, SEED, "global")
+    assert sorted(by_step) == list(range(steps))
+    for step, samples in by_step.items():
+        block = deal.block(step)
+        uninterrupted = order.for_epoch(block.epoch)(np.arange(block.start, block.start + block.size))
+        assert sorted(samples) == sorted(uninterrupted.tolist()), f"step {step}"
+    groups = {name.split("-")[0] for name in (g.attempts for g in read_generations(tmp_path)[0])}
+    assert groups == {"group0", "group1", "group2"}
+    counted_groups = {r.generation for r in records}
+    assert len(counted_groups) >= 6, "the restarted group 1 and the added group 2 trained counted steps"
+
+
+def read_logs(log_dir: Path) -> str:
+    return "\n".join(f"--- {p.name}\n{p.read_text()[-3000:]}" for p in sorted(log_dir.glob("*.log")))

@@ -109,7 +109,7 @@ class Ledger:
             positions = np.concatenate([np.arange(a, b) for a, b in spans] + [np.zeros(0, np.int64)])
             target = root / f"epoch-{record['epoch']:06d}.npy"
             if not target.exists():
-                tmp = target.with_suffix(".tmp.npy")
+                tmp = root / f"epoch-{record['epoch']:06d}.{os.getpid()}.tmp.npy"  # writers may race (torchft)
                 np.save(tmp, order.for_epoch(record["epoch"])(positions))
                 os.replace(tmp, target)
 

@@ -100,11 +100,11 @@ class StepDeal:
                         samples_done_in_epoch=block.start).to_dict()
 
 
-def _quorum(manager) -> tuple[Any, int]:
-    """The quorum this step started (torchft 0.2 keeps it private): its future, to tell a new quorum from the
-    last step's, and its id, which every replica group of it shares."""
+def _private(manager, name: str) -> Any:
+    """What torchft 0.2 keeps private: the quorum's future (to tell the step's quorum from the last step's) and,
+    once it is done, its id (which every replica group of it shares)."""
     try:
-        return manager._quorum_future, manager._quorum_id
+        return getattr(manager, name)
     except AttributeError:
         raise RuntimeError("this torchft Manager has no _quorum_future/_quorum_id: loader.integrations.torchft "
                            "supports torchft 0.2; report the torchft version") from None
@@ -137,24 +137,31 @@ class ManagedLoader:
         self.participating = False  # whether this rank's batches of the current step count
         self._dealt: tuple | None = None  # (quorum future, step, attempt key, block, ranks) of the last deal
         self._tries: dict[tuple[int, int], int] = {}  # attempts per (step, quorum) seen here
-        self._healed = False  # the Manager loaded a peer's state since the last deal
         manager.register_state_dict_fn(STATE_KEY, self.load_state_dict, self.state_dict)
 
     # -- a step --------------------------------------------------------------------------------------------------
 
     def __iter__(self) -> Iterator:
-        future, quorum_id = _quorum(self.manager)
+        future = _private(self.manager, "_quorum_future")
         if future is None or (self._dealt is not None and self._dealt[0] is future):
             raise RuntimeError("iter() of a ManagedLoader deals one step over that step's quorum, which has not "
                                "started: call optimizer.zero_grad() (torchft's OptimizerWrapper starts the quorum "
                                "there; or manager.start_quorum()) before each step's iter()")
         self.manager.wait_quorum()  # bounded by the Manager's quorum_timeout
+        quorum_id = _private(self.manager, "_quorum_id")
         self._close_attempt()
         step, replicas = self.manager.current_step(), self.manager.num_participants()
         participant = self.manager.participating_rank()
         self.participating = self.manager.is_participating()
         if replicas < 1:
             raise RuntimeError(f"the quorum of step {step} has no participating replica group")
+        if not self.participating and participant is not None:
+            raise RuntimeError(
+                f"replica group rank {self.group_rank} heals at step {step} while the quorum counts it as participant "
+                f"{participant} of {replicas}: torchft zeroes its gradients, so its share of the step would never be "
+                f"trained. This is torchft's init_sync at step 0 under the async quorum: build the Manager with "
+                f"init_sync=False (seed the model alike in every group) or use_async_quorum=False"
+            )
         ranks = replicas * self.group_size
         dp_rank = (participant if self.participating else 0) * self.group_size + self.group_rank
         block = self.deal.block(step)
@@ -162,32 +169,34 @@ class ManagedLoader:
         self._tries[(step, quorum_id)] = key[1] + 1
         self.loader.load_state_dict(self.deal.progress(self.loader.resumable_sampler.order.fingerprint(), block))
         self.loader.resumable_sampler.relayout(self.deal.layout(block, ranks), dp_rank)
-        self._dealt, self._healed = (future, step, key, block, ranks), False
-        self.loader.ledger = self.ledger if self.participating else None
-        if self.loader.ledger is not None:
+        self._dealt = future, step, key, block, ranks
+        self.loader.ledger = self.ledger if self.participating else None  # a non-participant's batches never count
+        if self.ledger is not None:
             self.ledger.begin_attempt(step, key)
         return iter(self.loader)
 
     def _close_attempt(self) -> None:
-        """Record whether the last step dealt here committed: this group's Manager stepped past it, with no heal
-        since (a healed group's step says nothing of its own commit; the other groups' verdicts decide)."""
-        if self._dealt is None or self.loader.ledger is None:
+        """Record the verdict on the last step dealt here: committed when the Manager now stands right after it
+        (by its own commit, or healed from a group that committed it: in that very attempt, or a later one, which
+        the ledger's largest-key rule prefers), failed when it still stands at it, and nothing when a heal took it
+        further (the other groups' verdicts decide). A healing group's verdict counts as much: its commit takes
+        the participants' gradients."""
+        if self._dealt is None or self.ledger is None:
             return
         _, step, key, block, ranks = self._dealt
-        if self._healed or not self.manager.is_participating():
+        now = self.manager.current_step()
+        if now > step + 1:
             return
-        committed = self.manager.current_step() == step + 1
-        self.ledger.verdict(step, key, committed)
-        dropped = self.deal.dropped(block, ranks) if committed else None
+        self.ledger.verdict(step, key, now == step + 1)
+        dropped = self.deal.dropped(block, ranks) if now == step + 1 else None
         if dropped is not None:
             record = {"epoch": block.epoch, "dropped": [] if dropped[0] == dropped[1] else list(dropped)}
             self.ledger.record_finished({"finished": [record]}, self.loader)
 
     def close(self) -> None:
         """After the last step's `optimizer.step()`: record its verdict, close the ledger."""
-        if self._dealt is not None and self.loader.ledger is not None:
-            self._close_attempt()
-            self.loader.ledger = None
+        self._close_attempt()
+        self.loader.ledger = self._dealt = None
         if self.ledger is not None:
             self.ledger.close()
 
@@ -210,7 +219,6 @@ class ManagedLoader:
     def load_state_dict(self, state: dict) -> None:
         """A peer's state (torchft's heal) or a checkpoint's: checked; nothing changes, the step is the Manager's."""
         check_step_state(state, self.loader.resumable_sampler.order.fingerprint(), self.deal)
-        self._healed = True
 
 
 def step_state(fingerprint: dict, deal: StepDeal) -> dict:
