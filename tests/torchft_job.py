@@ -5,6 +5,7 @@ the group's store. Each committed step is written to RUN_DIR/progress-<group>.tx
 from __future__ import annotations
 
 import os
+import signal
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -19,9 +20,10 @@ SAMPLES, GLOBAL_BATCH, MICRO_BATCH, SEED = 96, 8, 2, 11
 
 
 def main(group: int, group_rank: int, group_size: int, store_port: int, lighthouse: str, run_dir: str,
-         steps: int, hold: dict[int, str]) -> None:
+         steps: int, hold: dict[int, str], die_at: int | None = None) -> None:
     """`hold`: before step s, wait (bounded) until RUN_DIR/hold[s] exists, which a starting group writes once its
-    Manager is up: so that the group still trains when the other joins."""
+    Manager is up: so that the group still trains when the other joins. `die_at`: SIGKILL this process in that
+    step, after its backward and before the gradients' allreduce, so that the other groups' step fails its commit."""
     from torchft.manager import Manager
     from torchft.optim import OptimizerWrapper
     from torchft.process_group import ProcessGroupGloo
@@ -51,12 +53,16 @@ def main(group: int, group_rank: int, group_size: int, store_port: int, lighthou
     progress = Path(run_dir) / f"progress-{group}.txt"
     (Path(run_dir) / f"up-{group}-{group_rank}-{os.getpid()}").touch()
     try:
+        refused(dl)  # before the first quorum
         while manager.current_step() < steps:
             if manager.current_step() in hold:
                 wait_for(Path(run_dir) / hold.pop(manager.current_step()))
             optimizer.zero_grad()  # starts the step's quorum
             for x in dl:  # this rank's micro-batches of the step, dealt over that quorum
                 (model(x.float().unsqueeze(1)) ** 2).mean().backward()
+            refused(dl)  # a second fetch in one step
+            if manager.current_step() == die_at:
+                os.kill(os.getpid(), signal.SIGKILL)
             for p in model.parameters():
                 manager.allreduce(p.grad if p.grad is not None else torch.zeros_like(p)).wait()
             optimizer.step()  # should_commit: the step counts only if it commits
@@ -76,3 +82,14 @@ def wait_for(path: Path, timeout: float = 60.0) -> None:
         if time.monotonic() > deadline:
             raise TimeoutError(f"{path} did not appear within {timeout} s")
         time.sleep(0.02)
+
+
+def refused(dl) -> None:
+    """A fetch without a new quorum is refused, saying what to call."""
+    try:
+        iter(dl)
+    except RuntimeError as err:
+        if "call optimizer.zero_grad()" in str(err):
+            return
+        raise
+    raise AssertionError("a ManagedLoader dealt a step without its quorum")

@@ -84,12 +84,12 @@ class StepDeal:
         return Layout(ranks, accum, self.micro_batch, False)
 
     def dropped(self, block: Block, ranks: int) -> tuple[int, int] | None:
-        """Positions [a, b) of the block's epoch that no step deals, recorded when the epoch's last step committed
-        (None for another step): the drop_last tail, and a last block fewer than the ranks (the README's rule)."""
+        """Positions [a, b) of the block's epoch that no step deals, often none (a == b), recorded when the epoch's
+        last step commits (None for another step): the drop_last tail, and an epoch's last block of fewer samples
+        than the quorum's ranks (the README's rule: fewer samples than ranks are dropped by policy)."""
         if block.index + 1 < self.steps_per_epoch:
             return None
-        served = block.start + EpochPlan(block.size, self.layout(block, ranks)).served
-        return (served, self.num_samples) if served < self.num_samples else (served, served)
+        return block.start + EpochPlan(block.size, self.layout(block, ranks)).served, self.num_samples
 
     def progress(self, fingerprint: dict, block: Block) -> dict:
         """The loader's progress that leaves exactly the block to deal: every other position of its epoch counted
@@ -189,8 +189,8 @@ class ManagedLoader:
             return
         self.ledger.verdict(step, key, now == step + 1)
         dropped = self.deal.dropped(block, ranks) if now == step + 1 else None
-        if dropped is not None:
-            record = {"epoch": block.epoch, "dropped": [] if dropped[0] == dropped[1] else list(dropped)}
+        if dropped is not None:  # the epoch is finished: the audit judges it whole
+            record = {"epoch": block.epoch, "dropped": list(dropped) if dropped[0] < dropped[1] else []}
             self.ledger.record_finished({"finished": [record]}, self.loader)
 
     def close(self) -> None:
@@ -202,13 +202,12 @@ class ManagedLoader:
 
     @property
     def update_complete(self) -> bool:
+        """True after this rank's last micro-batch of the step (the loader's own, see ResumableDataLoader)."""
         return self.loader.update_complete
-
-    def last_indices(self) -> np.ndarray:
-        return self.loader.last_indices()
 
     @property
     def epoch(self) -> int:
+        """The epoch of the Manager's current step."""
         return self.deal.block(self.manager.current_step()).epoch
 
     # -- the state torchft transfers -------------------------------------------------------------------------------
