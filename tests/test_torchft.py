@@ -140,6 +140,10 @@ def test_a_step_counts_by_its_committed_attempt_with_the_largest_key(tmp_path):
         (1, 1, [0, 1, 2, 3]), (2, 1, [4, 5]), (3, 3, [6, 7])]
 
 
+EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "train_torchft.py"
+SAMPLES, GLOBAL_BATCH, MICRO_BATCH, SEED, GROUP_SIZE = 96, 8, 2, 5, 2
+
+
 def _lighthouse(address_out) -> None:
     from torchft._torchft import LighthouseServer
 
@@ -149,21 +153,24 @@ def _lighthouse(address_out) -> None:
     signal.pause()  # until the test kills it
 
 
-def _rank(log_dir: str, *args) -> None:
+def _rank(log_dir: str, group: int, rank: int, argv: list[str]) -> None:
+    """One process of a replica group: examples/train_torchft.py, its output in LOG_DIR/group<g>-rank<r>.log."""
     import contextlib
     import traceback
     import warnings
 
-    from tests import torchft_job
+    from tests.elastic import load_example
 
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(GROUP_SIZE))
     warnings.resetwarnings()  # the job's warnings as a job has them, not the suite's errors its fork inherited
-    with open(f"{log_dir}/group{args[0]}-rank{args[1]}.log", "a", buffering=1) as out:
+    with open(f"{log_dir}/group{group}-rank{rank}.log", "a", buffering=1) as out:
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
             try:
-                torchft_job.main(*args)
+                code = load_example(EXAMPLE).main(argv)
             except BaseException:
                 traceback.print_exc()
-                os._exit(1)
+                code = 1
+    os._exit(code)
 
 
 def _steps_done(run_dir: Path, group: int) -> int:
@@ -172,37 +179,37 @@ def _steps_done(run_dir: Path, group: int) -> int:
     return int(lines[-1]) if lines else 0
 
 
+def read_logs(log_dir: Path) -> str:
+    return "\n".join(f"--- {p.name}\n{p.read_text()[-3000:]}" for p in sorted(log_dir.glob("*.log")))
+
+
 @pytest.mark.slow
 def test_replica_groups_killed_restarted_and_added_train_every_sample_once_in_the_uninterrupted_steps(tmp_path):
-    """A lighthouse and replica groups of 2 ranks on gloo (forked processes): groups 0 and 1 start; group 1 is
-    SIGKILLed mid-epoch, inside a step (which then fails its commit in group 0 and is dealt again to the next
-    quorum), and restarted (healed from group 0) while group 0 goes on; group 2 joins later. The
-    ledger's audit: every sample of both epochs exactly once, and each committed step's samples are the
-    uninterrupted run's (the step's block of the epoch order)."""
+    """examples/train_torchft.py with a lighthouse and replica groups of 2 ranks on gloo (forked processes): groups
+    0 and 1 start; group 1 is SIGKILLed mid-epoch, inside a step (which then fails its commit in group 0 and is
+    dealt again to the next quorum), and restarted (healed from group 0) while group 0 goes on; group 2 joins
+    later. The ledger's audit: every sample of both epochs exactly once, and each committed step's samples are
+    the uninterrupted run's (the step's block of the epoch order)."""
     from loader.checkpoint.audit import audit
     from loader.checkpoint.ledger import read_generations, read_ledger
     from tests.distributed import free_port
-    from tests.torchft_job import GLOBAL_BATCH, MICRO_BATCH, SAMPLES, SEED
 
     ctx = mp.get_context("fork")  # a clean parent: torchft's runtime starts in the children only
-    steps, group_size, procs = 2 * SAMPLES // GLOBAL_BATCH, 2, []
+    steps, procs = 2 * SAMPLES // GLOBAL_BATCH, []
     logs = tmp_path / "logs"
     logs.mkdir()
 
-    # group 0 waits before step 8 for the restarted group 1, and before step 16 for group 2 (the others follow it)
-    hold = {8: "up-1-0-restarted", 16: "up-2-0-added"}
-
-    def start(group: int, mark: str | None = None, die_at: int | None = None) -> None:
-        port = free_port()
-        for rank in range(group_size):
-            p = ctx.Process(target=_rank, args=(str(logs), group, rank, group_size, port, lighthouse,
-                                                str(tmp_path), steps, hold if group == 0 else {}, die_at))
+    def start(group: int, *extra: str) -> None:
+        """A replica group's processes; returns once each is up (its Manager made)."""
+        port, before = free_port(), set(tmp_path.glob(f"up-{group}-*"))
+        argv = ["--run-dir", str(tmp_path), "--lighthouse", lighthouse, "--group", str(group), "--store-port",
+                str(port), "--samples", str(SAMPLES), "--global-batch", str(GLOBAL_BATCH), "--micro-batch",
+                str(MICRO_BATCH), "--seed", str(SEED), "--ledger", "--timeout", "5", *extra]
+        for rank in range(GROUP_SIZE):
+            p = ctx.Process(target=_rank, args=(str(logs), group, rank, argv))
             p.start()
             procs.append((group, p))
-        if mark is not None:
-            wait_until(lambda: any(tmp_path.glob(f"up-{group}-0-*")), f"group {group} up")
-            for up in tmp_path.glob(f"up-{group}-0-*"):
-                up.rename(tmp_path / f"up-{group}-0-{mark}")
+        wait_until(lambda: len(set(tmp_path.glob(f"up-{group}-*")) - before) == GROUP_SIZE, f"group {group} up")
 
     def wait_until(condition, what: str, timeout: float = 60.0) -> None:
         deadline = time.monotonic() + timeout
@@ -218,16 +225,24 @@ def test_replica_groups_killed_restarted_and_added_train_every_sample_once_in_th
     try:
         assert receive.poll(30), "the lighthouse did not start"
         lighthouse = receive.recv()
-        start(0)
-        start(1, die_at=4)  # the whole group SIGKILLs itself in step 4, before its gradients' allreduce
-        wait_until(lambda: all(p.exitcode == -signal.SIGKILL for g, p in procs if g == 1), "group 1 killed")
+        # group 0 waits before step 0 for group 1, before step 8 for the restarted group 1 and before step 16 for
+        # group 2, so that it is still training when they join (the lighthouse waits for it meanwhile)
+        start(0, *(f"--wait-before={step}:{tmp_path / f'go-{step}'}" for step in (0, 8, 16)))
+        start(1, "--fail-at-step", "4")  # its processes SIGKILL themselves in step 4, before the allreduce
+        (tmp_path / "go-0").touch()
+        first = [p for g, p in procs if g == 1]
+        wait_until(lambda: any(p.exitcode == -signal.SIGKILL for p in first), "group 1 killed")
+        for p in first:  # as torchrun's agent would: a rank died, the group goes (a peer may be in a collective)
+            if p.is_alive():
+                os.kill(p.pid, signal.SIGKILL)
+            p.join(timeout=10)
         done_before = _steps_done(tmp_path, 0)
         wait_until(lambda: _steps_done(tmp_path, 0) >= done_before + 2, "group 0 going on alone")
-        for up in tmp_path.glob("up-1-0-*"):
-            up.unlink()  # the killed incarnation's
-        start(1, "restarted")  # heals from group 0's live state
+        start(1)  # restarted: heals from group 0's live state
+        (tmp_path / "go-8").touch()
         wait_until(lambda: _steps_done(tmp_path, 0) >= SAMPLES // GLOBAL_BATCH + 1, "group 0 in epoch 1")
-        start(2, "added")  # a group added later
+        start(2)  # a group added later
+        (tmp_path / "go-16").touch()
         wait_until(lambda: all(p.exitcode is not None for _, p in procs), "the end of training", timeout=120)
         assert all(p.exitcode in (0, -signal.SIGKILL) for _, p in procs), read_logs(logs)
     finally:
@@ -261,5 +276,73 @@ def test_replica_groups_killed_restarted_and_added_train_every_sample_once_in_th
                                "group2-rank1"] and any(r.generation == restarted for r in records), counted
 
 
-def read_logs(log_dir: Path) -> str:
-    return "\n".join(f"--- {p.name}\n{p.read_text()[-3000:]}" for p in sorted(log_dir.glob("*.log")))
+
+def _fetches(out) -> None:
+    """Two replica groups of one rank, as threads of this process, under torchft's defaults (async quorum,
+    init_sync): what each one's fetches raise, in order, or "dealt N" for a fetch that was served."""
+    import threading
+    from datetime import timedelta
+
+    import torch.distributed as dist
+    from torchft._torchft import LighthouseServer
+    from torchft.manager import Manager
+    from torchft.process_group import ProcessGroupGloo
+
+    from loader.integrations.torchft import ManagedLoader
+    from tests.conftest import IndexDataset
+
+    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=2, join_timeout_ms=200)
+    results, both = {}, threading.Barrier(2, timeout=30)  # neither goes away while the other heals from it
+
+    def group(number: int) -> None:
+        seen = results[number] = []
+        store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+        manager = Manager(pg=ProcessGroupGloo(), min_replica_size=1, load_state_dict=lambda state: None,
+                          state_dict=lambda: {}, replica_id=f"group{number}", store_addr="127.0.0.1",
+                          store_port=store.port, rank=0, world_size=1, lighthouse_addr=lighthouse.address(),
+                          timeout=timedelta(seconds=10), quorum_timeout=timedelta(seconds=10))
+        dl = ManagedLoader(manager, IndexDataset(40), global_batch=8, batch_size=2, group_rank=0, group_size=1)
+        try:
+            for start in (False, True, False):  # a fetch before the first quorum, one after it, one more
+                if start:
+                    manager.start_quorum()
+                try:
+                    seen.append(f"dealt {sum(len(b) for b in dl)}")
+                except RuntimeError as err:
+                    seen.append(str(err))
+                if start:
+                    both.wait()
+        finally:
+            manager.shutdown(wait=False)
+
+    threads = [threading.Thread(target=group, args=(n,)) for n in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    lighthouse.shutdown()
+    out.send([results.get(n) for n in range(2)])
+    os._exit(0)
+
+
+@pytest.mark.slow
+def test_a_fetch_without_the_steps_quorum_and_init_syncs_step_0_heal_are_refused():
+    """A fetch before the step's quorum started (the first, or a second in one step) is refused, saying to call
+    optimizer.zero_grad() first. Under torchft's defaults a rank that heals at step 0 (init_sync) is counted as a
+    participant while its gradients are zeroed: its share would be lost, so that fetch is refused, with the fix."""
+    ctx = mp.get_context("fork")  # torchft's runtime starts in the child only
+    receive, send = ctx.Pipe(duplex=False)
+    child = ctx.Process(target=_fetches, args=(send,))
+    child.start()
+    try:
+        assert receive.poll(90), "the two replica groups did not finish"
+        seen = receive.recv()
+    finally:
+        if child.is_alive():
+            os.kill(child.pid, signal.SIGKILL)
+        child.join(timeout=10)
+    assert all(s is not None and len(s) == 3 for s in seen), seen
+    healthy, healing = sorted(seen, key=lambda s: s[1] != "dealt 4")  # 8 over 2 groups
+    assert all("call optimizer.zero_grad()" in s[0] for s in seen), seen  # before the first quorum
+    assert healthy[1] == "dealt 4" and "call optimizer.zero_grad()" in healthy[2], seen  # then twice in one step
+    assert "heals at step 0" in healing[1] and "init_sync=False" in healing[1] and healing[2] == healing[1], seen
