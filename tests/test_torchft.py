@@ -153,24 +153,24 @@ def _lighthouse(address_out) -> None:
     signal.pause()  # until the test kills it
 
 
-def _rank(log_dir: str, group: int, rank: int, argv: list[str]) -> None:
-    """One process of a replica group: examples/train_torchft.py, its output in LOG_DIR/group<g>-rank<r>.log."""
-    import contextlib
-    import traceback
-    import warnings
+def _forked(target, what: str, timeout: float):
+    """A forked child (a clean parent: torchft's runtime starts in children only) and the first thing it sends
+    through the pipe it is given, waited for at most `timeout`; the child is killed if it sends nothing."""
+    ctx = mp.get_context("fork")
+    receive, send = ctx.Pipe(duplex=False)
+    child = ctx.Process(target=target, args=(send,))
+    child.start()
+    if receive.poll(timeout):
+        return child, receive.recv()
+    os.kill(child.pid, signal.SIGKILL)
+    child.join(timeout=10)
+    raise AssertionError(f"{what}: nothing after {timeout} s")
 
-    from tests.elastic import load_example
 
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(GROUP_SIZE))
-    warnings.resetwarnings()  # the job's warnings as a job has them, not the suite's errors its fork inherited
-    with open(f"{log_dir}/group{group}-rank{rank}.log", "a", buffering=1) as out:
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
-            try:
-                code = load_example(EXAMPLE).main(argv)
-            except BaseException:
-                traceback.print_exc()
-                code = 1
-    os._exit(code)
+def _end(process) -> None:
+    if process.is_alive():
+        os.kill(process.pid, signal.SIGKILL)
+    process.join(timeout=10)
 
 
 def _steps_done(run_dir: Path, group: int) -> int:
@@ -180,7 +180,8 @@ def _steps_done(run_dir: Path, group: int) -> int:
 
 
 def read_logs(log_dir: Path) -> str:
-    return "\n".join(f"--- {p.name}\n{p.read_text()[-3000:]}" for p in sorted(log_dir.glob("*.log")))
+    return "\n".join(f"--- {path.relative_to(log_dir)}\n{path.read_text()[-3000:]}"
+                     for path in sorted(log_dir.rglob("*.log")))
 
 
 @pytest.mark.slow
@@ -193,6 +194,7 @@ def test_replica_groups_killed_restarted_and_added_train_every_sample_once_in_th
     from loader.checkpoint.audit import audit
     from loader.checkpoint.ledger import read_generations, read_ledger
     from tests.distributed import free_port
+    from tests.elastic import _rank_main
 
     ctx = mp.get_context("fork")  # a clean parent: torchft's runtime starts in the children only
     steps, procs = 2 * SAMPLES // GLOBAL_BATCH, []
@@ -205,8 +207,10 @@ def test_replica_groups_killed_restarted_and_added_train_every_sample_once_in_th
         argv = ["--run-dir", str(tmp_path), "--lighthouse", lighthouse, "--group", str(group), "--store-port",
                 str(port), "--samples", str(SAMPLES), "--global-batch", str(GLOBAL_BATCH), "--micro-batch",
                 str(MICRO_BATCH), "--seed", str(SEED), "--ledger", "--timeout", "5", *extra]
-        for rank in range(GROUP_SIZE):
-            p = ctx.Process(target=_rank, args=(str(logs), group, rank, argv))
+        (logs / f"group{group}").mkdir(exist_ok=True)
+        for rank in range(GROUP_SIZE):  # RANK and WORLD_SIZE: the place in the group (the example's own store)
+            p = ctx.Process(target=_rank_main, args=(rank, GROUP_SIZE, port, argv, str(logs / f"group{group}"),
+                                                     EXAMPLE))
             p.start()
             procs.append((group, p))
         wait_until(lambda: len(set(tmp_path.glob(f"up-{group}-*")) - before) == GROUP_SIZE, f"group {group} up")
@@ -219,12 +223,8 @@ def test_replica_groups_killed_restarted_and_added_train_every_sample_once_in_th
             assert time.monotonic() < deadline, f"no {what} after {timeout} s: {read_logs(logs)}"
             time.sleep(0.05)
 
-    receive, send = ctx.Pipe(duplex=False)
-    house = ctx.Process(target=_lighthouse, args=(send,))
-    house.start()
+    house, lighthouse = _forked(_lighthouse, "the lighthouse", 30)
     try:
-        assert receive.poll(30), "the lighthouse did not start"
-        lighthouse = receive.recv()
         # group 0 waits before step 0 for group 1, before step 8 for the restarted group 1 and before step 16 for
         # group 2, so that it is still training when they join (the lighthouse waits for it meanwhile)
         start(0, *(f"--wait-before={step}:{tmp_path / f'go-{step}'}" for step in (0, 8, 16)))
@@ -233,9 +233,7 @@ def test_replica_groups_killed_restarted_and_added_train_every_sample_once_in_th
         first = [p for g, p in procs if g == 1]
         wait_until(lambda: any(p.exitcode == -signal.SIGKILL for p in first), "group 1 killed")
         for p in first:  # as torchrun's agent would: a rank died, the group goes (a peer may be in a collective)
-            if p.is_alive():
-                os.kill(p.pid, signal.SIGKILL)
-            p.join(timeout=10)
+            _end(p)
         done_before = _steps_done(tmp_path, 0)
         wait_until(lambda: _steps_done(tmp_path, 0) >= done_before + 2, "group 0 going on alone")
         start(1)  # restarted: heals from group 0's live state
@@ -247,9 +245,7 @@ def test_replica_groups_killed_restarted_and_added_train_every_sample_once_in_th
         assert all(p.exitcode in (0, -signal.SIGKILL) for _, p in procs), read_logs(logs)
     finally:
         for _, p in procs + [(None, house)]:
-            if p.is_alive():
-                os.kill(p.pid, signal.SIGKILL)
-            p.join(timeout=10)
+            _end(p)
 
     report = audit(tmp_path)
     assert [(e.epoch, e.finished, e.seen_once, len(e.skipped), len(e.duplicated)) for e in report] == [
@@ -330,17 +326,8 @@ def test_a_fetch_without_the_steps_quorum_and_init_syncs_step_0_heal_are_refused
     """A fetch before the step's quorum started (the first, or a second in one step) is refused, saying to call
     optimizer.zero_grad() first. Under torchft's defaults a rank that heals at step 0 (init_sync) is counted as a
     participant while its gradients are zeroed: its share would be lost, so that fetch is refused, with the fix."""
-    ctx = mp.get_context("fork")  # torchft's runtime starts in the child only
-    receive, send = ctx.Pipe(duplex=False)
-    child = ctx.Process(target=_fetches, args=(send,))
-    child.start()
-    try:
-        assert receive.poll(90), "the two replica groups did not finish"
-        seen = receive.recv()
-    finally:
-        if child.is_alive():
-            os.kill(child.pid, signal.SIGKILL)
-        child.join(timeout=10)
+    child, seen = _forked(_fetches, "the two replica groups", 90)
+    _end(child)
     assert all(s is not None and len(s) == 3 for s in seen), seen
     healthy, healing = sorted(seen, key=lambda s: s[1] != "dealt 4")  # 8 over 2 groups
     assert all("call optimizer.zero_grad()" in s[0] for s in seen), seen  # before the first quorum
