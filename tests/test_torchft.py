@@ -1,7 +1,8 @@
 """The loader under torchft: each step's block dealt over the quorum of that step, exactly once across any sequence
 of quorum changes and failed commits. First the pure deal (the production composition, StepDeal and the loader's
-sampler, without a Manager), then the state torchft transfers, then real processes: a lighthouse and replica groups
-on gloo, one SIGKILLed mid-epoch and restarted, one added later (tests/torchft_job.py)."""
+sampler, without a Manager), the ledger's rule and the state torchft transfers, then real processes: a lighthouse
+and replica groups on gloo running examples/train_torchft.py, one SIGKILLed mid-epoch and restarted, one added
+later; and two Managers whose fetches out of order are refused."""
 
 import json
 import os
@@ -12,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import multiprocessing as mp
@@ -333,3 +335,33 @@ def test_a_fetch_without_the_steps_quorum_and_init_syncs_step_0_heal_are_refused
     assert all("call optimizer.zero_grad()" in s[0] for s in seen), seen  # before the first quorum
     assert healthy[1] == "dealt 4" and "call optimizer.zero_grad()" in healthy[2], seen  # then twice in one step
     assert "heals at step 0" in healing[1] and "init_sync=False" in healing[1] and healing[2] == healing[1], seen
+
+
+class Draws(torch.utils.data.Dataset):
+    """A draw of the loading worker's own generator per sample, which the loader seeds."""
+
+    def __len__(self) -> int:
+        return 32
+
+    def __getitem__(self, index):
+        return torch.rand(())
+
+
+def test_each_rank_and_step_of_a_deal_seeds_its_workers_apart():
+    """A step's deal sets the rank on the loader's sampler alone: the workers' seed follows it (and the step), as
+    under any other layout, so two ranks' augmentations differ and a rank's differ from step to step."""
+    from loader import ResumableDataLoader
+
+    deal = StepDeal(32, 8, 2)
+
+    def first_draw(step: int, dp_rank: int) -> float:
+        dl = ResumableDataLoader(Draws(), batch_size=2, rank=0, world_size=1, num_workers=1,
+                                 multiprocessing_context="fork")
+        block = deal.block(step)
+        dl.load_state_dict(deal.progress(dl.resumable_sampler.order.fingerprint(), block))
+        dl.resumable_sampler.relayout(deal.layout(block, 2), dp_rank)
+        return next(iter(dl))[0].item()
+
+    draws = {(step, rank): first_draw(step, rank) for step in (0, 1) for rank in (0, 1)}
+    assert len(set(draws.values())) == 4, draws
+    assert first_draw(1, 1) == draws[(1, 1)]  # and the same again for the same rank and step
