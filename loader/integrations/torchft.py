@@ -136,7 +136,7 @@ class ManagedLoader:
         self.ledger: Ledger | None = None  # Ledger.open_attempts(...): the batches of the steps that commit
         self.participating = False  # whether this rank's batches of the current step count
         self._dealt: tuple | None = None  # (quorum future, step, attempt key, block, ranks) of the last deal
-        self._tries: dict[tuple[int, int], int] = {}  # attempts per (step, quorum) seen here
+        self._tries = (-1, -1, 0)  # (step, quorum id, attempts of that step in that quorum) of the last deal
         manager.register_state_dict_fn(STATE_KEY, self.load_state_dict, self.state_dict)
 
     # -- a step --------------------------------------------------------------------------------------------------
@@ -165,8 +165,8 @@ class ManagedLoader:
         ranks = replicas * self.group_size
         dp_rank = (participant if self.participating else 0) * self.group_size + self.group_rank
         block = self.deal.block(step)
-        key = (quorum_id, self._tries.get((step, quorum_id), 0))
-        self._tries[(step, quorum_id)] = key[1] + 1
+        tries = self._tries[2] if self._tries[:2] == (step, quorum_id) else 0  # a step's tries are consecutive
+        key, self._tries = (quorum_id, tries), (step, quorum_id, tries + 1)
         self.loader.load_state_dict(self.deal.progress(self.loader.resumable_sampler.order.fingerprint(), block))
         self.loader.resumable_sampler.relayout(self.deal.layout(block, ranks), dp_rank)
         self._dealt = future, step, key, block, ranks
