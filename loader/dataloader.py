@@ -524,9 +524,10 @@ class ResumableDataLoader(DataLoader[T_co]):
         a stream, over the stream's source, which makes the batches (with their states)."""
         view = copy.copy(self)
         if self.generator is None:
-            sampler = self.resumable_sampler  # the micro-batch the pass starts at, on this rank:
+            sampler = self.resumable_sampler  # the micro-batch the pass starts at, on the rank dealt (which a
+            # loader.integrations.torchft step sets on the sampler alone):
             start = self._stream.delivered if sampler is None else len(sampler) - sampler.batches_left
-            seed = worker_seed(self.seed, self.epoch, self._rank, start)
+            seed = worker_seed(self.seed, self.epoch, self._rank if sampler is None else sampler.rank, start)
             view.__dict__["generator"] = torch.Generator().manual_seed(seed)
         if self._stream is not None:
             view.__dict__.update(dataset=self._stream.source, batch_sampler=None, collate_fn=_as_is, drop_last=False,

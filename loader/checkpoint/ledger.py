@@ -7,6 +7,13 @@ earlier ones are the replayed steps and are discarded by the reader (`read_ledge
 
 Layout under RUN_DIR/ledger/: gen-NNNNNN/meta.json and gen-NNNNNN/rank-NNNNN.bin (one append-only file per rank),
 and dropped/epoch-NNNNNN.npy (indices dropped by policy when an epoch finished).
+
+Jobs that keep training through membership changes (torchft) never restart as a whole, so no generation supersedes
+another: each process opens an *attempts* generation of its own (`Ledger.open_attempts`), and a step counts by the
+vote of the processes that tried it. Each try of a step is an attempt with a key every process of it shares (the
+quorum and the try's number in it); its records follow an ATTEMPT record and may be followed by a VERDICT (whether
+the step committed). The records of a step that count are those of its committed attempt with the largest key:
+none when every attempt failed its commit.
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ import numpy as np
 from loader.core.collectives import broadcast, rank, world_size
 _HEADER = struct.Struct("<qqIB")  # step, epoch, number of indices, flags:
 COMPLETE, FAILED = 1, 2  # the batch completed its update; its loading raised (consumed, never trained)
+ATTEMPT, VERDICT = 4, 8  # an attempt's start, payload its key; its verdict, payload its key and 1 if it committed
 
 
 def _ledger_dir(run_dir) -> Path:
@@ -54,6 +62,23 @@ class Ledger:
             made = str(_new_generation(run_dir, resumed_step, world_size(group), num_samples))
         return cls(run_dir, Path(broadcast(made, group)) / f"rank-{rank(group):05d}.bin", resumed_step)
 
+    @classmethod
+    def open_attempts(cls, run_dir, num_samples: int, name: str) -> "Ledger":
+        """This process's own generation of attempts (no collective: the processes of a torchft job share no
+        group that outlives a membership change); `name` says whose it is (e.g. its replica group and rank)."""
+        path = _new_generation(run_dir, 0, 1, num_samples, attempts=name)
+        return cls(run_dir, path / "rank-00000.bin", 0)
+
+    def begin_attempt(self, step: int, key: tuple[int, int]) -> None:
+        """The batches recorded next feed step `step` + 1 in the attempt `key` (shared by every process of it)."""
+        self.step = step
+        self._write(-1, np.asarray(key), ATTEMPT)
+
+    def verdict(self, step: int, key: tuple[int, int], committed: bool) -> None:
+        """Whether the attempt `key` of step `step` + 1 committed, as this process saw it."""
+        self._write(-1, np.asarray([*key, committed]), VERDICT, step + 1)
+        self._file.flush()
+
     def record(self, epoch: int, indices: np.ndarray, update_complete: bool) -> None:
         """One delivered batch; flushed at each completed update so a crash loses only the replayed tail."""
         self._write(epoch, indices, COMPLETE if update_complete else 0)
@@ -70,9 +95,9 @@ class Ledger:
             self.step += 1
             self._file.flush()
 
-    def _write(self, epoch: int, indices: np.ndarray, flags: int) -> None:
+    def _write(self, epoch: int, indices: np.ndarray, flags: int, step: int | None = None) -> None:
         ids = np.ascontiguousarray(indices, dtype="<i8")
-        self._file.write(_HEADER.pack(self.step + 1, epoch, len(ids), flags) + ids.tobytes())
+        self._file.write(_HEADER.pack(self.step + 1 if step is None else step, epoch, len(ids), flags) + ids.tobytes())
 
     def record_finished(self, progress: dict, loader) -> None:
         """Store the indices dropped by policy of the epochs a merged progress reports finished (rank 0)."""
@@ -84,7 +109,7 @@ class Ledger:
             positions = np.concatenate([np.arange(a, b) for a, b in spans] + [np.zeros(0, np.int64)])
             target = root / f"epoch-{record['epoch']:06d}.npy"
             if not target.exists():
-                tmp = target.with_suffix(".tmp.npy")
+                tmp = root / f"epoch-{record['epoch']:06d}.{os.getpid()}.tmp.npy"  # writers may race (torchft)
                 np.save(tmp, order.for_epoch(record["epoch"])(positions))
                 os.replace(tmp, target)
 
@@ -92,7 +117,7 @@ class Ledger:
         self._file.close()
 
 
-def _new_generation(run_dir, resumed_step: int, world_size: int, num_samples: int) -> Path:
+def _new_generation(run_dir, resumed_step: int, world_size: int, num_samples: int, attempts: str | None = None) -> Path:
     root = _ledger_dir(run_dir)
     root.mkdir(parents=True, exist_ok=True)
     existing = _generations(run_dir)
@@ -105,6 +130,8 @@ def _new_generation(run_dir, resumed_step: int, world_size: int, num_samples: in
         except FileExistsError:
             number += 1
     meta = {"resumed_step": resumed_step, "world_size": world_size, "num_samples": num_samples}
+    if attempts is not None:
+        meta["attempts"] = attempts
     (path / "meta.json").write_text(json.dumps(meta))
     return path
 
@@ -129,6 +156,7 @@ class Generation:
     resumed_step: int
     world_size: int
     num_samples: int
+    attempts: str | None = None  # whose attempts generation it is (see the module), None for a launch
 
 
 def _read_file(path: Path) -> list[tuple[int, int, np.ndarray, int]]:
@@ -154,18 +182,40 @@ def read_generations(run_dir) -> tuple[list[Generation], list[Record]]:
     if not paths:
         raise FileNotFoundError(f"{_ledger_dir(run_dir)} holds no ledger: run the job with a Ledger attached")
     metas = [json.loads((g / "meta.json").read_text()) for g in paths]
-    generations = [Generation(int(g.name[4:]), m["resumed_step"], m["world_size"], m["num_samples"])
-                   for g, m in zip(paths, metas)]
+    generations = [Generation(int(g.name[4:]), m["resumed_step"], m["world_size"], m["num_samples"],
+                              m.get("attempts")) for g, m in zip(paths, metas)]
     records = []
+    launches = [g for g in generations if g.attempts is None]
     for i, (path, generation) in enumerate(zip(paths, generations)):
-        cutoff = min((g.resumed_step for g in generations[i + 1 :]), default=float("inf"))
+        if generation.attempts is not None:
+            continue
+        cutoff = min((g.resumed_step for g in launches if g.number > generation.number), default=float("inf"))
         for file in sorted(path.glob("rank-*.bin")):
             raw = _read_file(file)
             completed = max((step for step, _, _, flags in raw if flags & COMPLETE), default=generation.resumed_step)
             records += [Record(generation.number, int(file.stem[5:]), step, epoch, ids, bool(flags & COMPLETE),
                                bool(flags & FAILED), step <= min(cutoff, completed))
                         for step, epoch, ids, flags in raw]
-    return generations, records
+    return generations, records + _attempt_records([(g, p) for g, p in zip(generations, paths) if g.attempts])
+
+
+def _attempt_records(generations: list[tuple[Generation, Path]]) -> list[Record]:
+    """The records of attempts generations, each counted when its attempt is its step's committed attempt with
+    the largest key (see the module); a process's records before its first ATTEMPT belong to none."""
+    tried, committed = [], {}
+    for generation, path in generations:
+        key = None
+        for step, epoch, payload, flags in _read_file(path / "rank-00000.bin"):
+            if flags & ATTEMPT:
+                key = tuple(payload.tolist())
+            elif flags & VERDICT:
+                if payload[-1]:
+                    committed[step] = max(committed.get(step, ()), tuple(payload[:-1].tolist()))
+            else:
+                tried.append((generation.number, step, epoch, payload, flags, key))
+    return [Record(number, 0, step, epoch, ids, bool(flags & COMPLETE), bool(flags & FAILED),
+                   key is not None and committed.get(step) == key)
+            for number, step, epoch, ids, flags, key in tried]
 
 
 def read_dropped(run_dir) -> dict[int, np.ndarray]:

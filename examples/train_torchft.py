@@ -1,0 +1,123 @@
+"""Training that goes on while replica groups die and join: torchft, with the loader dealing each step's global
+batch over the groups of that step's quorum. Start a lighthouse, then each replica group (here 2 processes each):
+
+    torchft_lighthouse --min_replicas 1 --join_timeout_ms 1000 &
+    for rank in 0 1; do RANK=$rank WORLD_SIZE=2 python examples/train_torchft.py --run-dir /tmp/run \
+        --lighthouse http://localhost:29510 --group 0 --store-port 29600 --ledger & done
+    # the same with --group 1 --store-port 29601, now or later; kill a group, start it again: it heals from a peer
+
+Each step the loop calls `optimizer.zero_grad()` (which starts the step's quorum), then iterates the loader: this
+rank's micro-batches of the step's block of the epoch, dealt over (participating groups) x (ranks per group). The
+step counts only when `optimizer.step()` commits; a failed commit deals the same block to the next quorum. Inside a
+group the ranks average their gradients over the group's own process group (FSDP would shard instead); across
+groups the Manager averages them. `--ledger` records what each process trained for `python -m loader audit RUN_DIR`.
+Fault injection: `--fail-at-step S` SIGKILLs this process in step S, after its backward, before the allreduce.
+`--wait-before S:PATH` waits (bounded) before step S until PATH exists, e.g. until another group has started.
+CPU and gloo here; the loader is the same on GPUs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torchft.manager import Manager
+from torchft.optim import OptimizerWrapper
+from torchft.process_group import ProcessGroupGloo
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling example, also when loaded by path
+from train_elastic import FEATURES, Regression  # noqa: E402
+
+from loader.checkpoint.ledger import Ledger  # noqa: E402
+from loader.integrations.torchft import ManagedLoader  # noqa: E402
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--run-dir", required=True, type=Path)
+    p.add_argument("--lighthouse", required=True, help="the lighthouse's address (http://host:port)")
+    p.add_argument("--group", type=int, required=True, help="this replica group's number")
+    p.add_argument("--store-port", type=int, required=True, help="the group's TCPStore port (its rank 0 hosts it)")
+    p.add_argument("--samples", type=int, default=96)
+    p.add_argument("--epochs", type=int, default=2)
+    p.add_argument("--global-batch", type=int, default=8)
+    p.add_argument("--micro-batch", type=int, default=2)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--ledger", action="store_true", help="record every trained sample index for the audit")
+    p.add_argument("--timeout", type=float, default=10.0, help="seconds a collective may wait for a dead peer")
+    p.add_argument("--fail-at-step", type=int, help="SIGKILL this process in this step, before its allreduce")
+    p.add_argument("--wait-before", action="append", default=[], metavar="STEP:PATH",
+                   help="before step STEP, wait until PATH exists (at most a minute)")
+    return p.parse_args(argv)
+
+
+def wait_for(path: Path, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{path} did not appear within {timeout} s")
+        time.sleep(0.02)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    rank, size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])  # the place in the replica group
+    torch.set_num_threads(1)
+    timeout = timedelta(seconds=args.timeout)
+    store = dist.TCPStore("127.0.0.1", args.store_port, is_master=rank == 0, wait_for_workers=False, timeout=timeout)
+    dist.init_process_group("gloo", store=dist.PrefixStore("group", store), rank=rank, world_size=size,
+                            timeout=timeout)
+    torch.manual_seed(args.seed)  # every group starts from the same model: no step-0 sync (init_sync=False)
+    model = torch.nn.Sequential(torch.nn.Linear(FEATURES, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+    inner = torch.optim.SGD(model.parameters(), lr=0.05)
+    manager = Manager(
+        pg=ProcessGroupGloo(timeout=timeout), min_replica_size=1, init_sync=False,
+        load_state_dict=lambda state: (model.load_state_dict(state["model"]), inner.load_state_dict(state["optim"])),
+        state_dict=lambda: {"model": model.state_dict(), "optim": inner.state_dict()},
+        replica_id=f"group{args.group}", store_addr="127.0.0.1", store_port=args.store_port, rank=rank,
+        world_size=size, lighthouse_addr=args.lighthouse, timeout=timeout, quorum_timeout=3 * timeout,
+        connect_timeout=timeout,
+    )
+    optimizer = OptimizerWrapper(manager, inner)
+    dataset = Regression(args.samples)
+    dl = ManagedLoader(manager, dataset, global_batch=args.global_batch, batch_size=args.micro_batch,
+                       group_rank=rank, group_size=size, shuffle=True, seed=args.seed)
+    if args.ledger:
+        dl.ledger = Ledger.open_attempts(args.run_dir, len(dataset), f"group{args.group}-rank{rank}")
+    waits = {int(step): Path(path) for step, path in (w.split(":", 1) for w in args.wait_before)}
+    (args.run_dir / f"up-{args.group}-{rank}-{os.getpid()}").touch()  # for a launcher: this process is up
+    try:
+        while manager.current_step() < args.epochs * dl.deal.steps_per_epoch:
+            if manager.current_step() in waits:
+                wait_for(waits.pop(manager.current_step()))
+            optimizer.zero_grad()  # starts the step's quorum: the loader deals the step over it
+            for x, y in dl:
+                loss = torch.nn.functional.mse_loss(model(x).squeeze(1), y, reduction="sum") / args.global_batch
+                loss.backward()  # summed over the step's samples: every sample weighs alike, at any quorum
+            if manager.current_step() == args.fail_at_step:
+                os.kill(os.getpid(), signal.SIGKILL)
+            for p in model.parameters():  # the sum over the group's ranks, then the mean over the groups
+                grad = torch.zeros_like(p) if p.grad is None else p.grad
+                dist.all_reduce(grad)
+                manager.allreduce(grad).wait()
+                p.grad = grad * manager.num_participants()  # the Manager averages: the sum is the step's gradient
+            optimizer.step()  # commits only if every group's step went through; else the step is dealt again
+            if rank == 0:
+                with open(args.run_dir / f"progress-{args.group}.txt", "a") as out:
+                    out.write(f"{manager.current_step()}\n")
+        dl.close()
+    finally:
+        manager.shutdown(wait=False)
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

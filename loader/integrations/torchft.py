@@ -1,0 +1,246 @@
+"""The loader under torchft: exactly once while replica groups leave and join a running job.
+
+Why: torchft (`pip install loader[torchft]`) keeps training when a replica group dies or joins, with a new quorum
+at the next step and a joining group healed from a live peer; its own DistributedSampler takes a fixed number of
+replica groups, so a group that is down leaves its share untrained. Here the Manager's committed step counter is the
+progress: it advances only on a successful `should_commit`, and torchft transfers it to a healing group. Step s maps,
+as a pure function, to a block of `global_batch` consecutive positions of an epoch's order (`StepDeal.block`), and
+each step that block is dealt anew over the groups of the step's quorum and the ranks inside each group, with the
+loader's own partition (a quorum change is a resume at another world size, of the one block). So a group that
+leaves leaves nothing behind, a failed commit deals the same block again to the next quorum, a joining group starts
+at the step, and every step trains the same samples as an uninterrupted run.
+
+A replica group that is not participating in the step (healing under torchft's async quorum, a spare) gets the
+batches of participant 0 so that its forward and backward run (torchft zeroes its gradients); they are not counted.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any, Iterator, NamedTuple
+
+import numpy as np
+
+from loader.checkpoint.ledger import Ledger
+from loader.core.checks import check_positive_int, check_rank
+from loader.core.partition import EpochPlan, Layout
+from loader.core.state import Progress, StateError, check_fingerprint, short
+from loader.dataloader import ResumableDataLoader
+
+FORMAT = "loader.torchft"
+VERSION = 1
+STATE_KEY = "loader"  # the key of the loader's state among the Manager's state_dict callbacks
+
+
+class Block(NamedTuple):
+    """The positions [start, start + size) of the epoch's order that a step trains, the epoch's step `index`."""
+
+    epoch: int
+    index: int
+    start: int
+    size: int
+
+
+@dataclass(frozen=True)
+class StepDeal:
+    """The pure arithmetic: which positions a step trains, and how they are dealt over a quorum.
+
+    An epoch of N samples is ceil(N / G) steps of G = `global_batch` positions, the last one short (N mod G), as
+    DataLoader's last batch; with `drop_last` the N mod G are dropped by policy and the epoch is N // G steps."""
+
+    num_samples: int
+    global_batch: int
+    micro_batch: int
+    drop_last: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("num_samples", "global_batch", "micro_batch"):
+            check_positive_int(name, getattr(self, name))
+        if self.steps_per_epoch == 0:
+            raise ValueError(f"the dataset has {self.num_samples} samples, fewer than one global batch of "
+                             f"{self.global_batch}, and drop_last=True drops them all: lower global_batch")
+
+    @property
+    def steps_per_epoch(self) -> int:
+        full, tail = divmod(self.num_samples, self.global_batch)
+        return full + (tail > 0 and not self.drop_last)
+
+    def block(self, step: int) -> Block:
+        """The positions step `step` (the Manager's `current_step()`: steps committed before it) trains."""
+        epoch, index = divmod(step, self.steps_per_epoch)
+        start = index * self.global_batch
+        return Block(epoch, index, start, min(self.global_batch, self.num_samples - start))
+
+    def layout(self, block: Block, ranks: int) -> Layout:
+        """One optimizer update over `ranks` data-parallel ranks: micro-batches of `micro_batch` samples at most
+        (B + 1 where the block does not divide evenly, as the loader's tail rule has it), as many as the block needs
+        at this size. A full block fewer than the ranks cannot give each one a sample: refused."""
+        if block.size == self.global_batch and self.global_batch < ranks:
+            raise ValueError(f"the quorum has {ranks} data-parallel ranks (replica groups x ranks per group), more "
+                             f"than the global batch of {self.global_batch} samples: every rank needs one. Raise "
+                             f"global_batch, or cap the replica groups (torchft's WorldSizeMode.FIXED_WITH_SPARES)")
+        accum = -(-self.global_batch // (ranks * self.micro_batch))
+        return Layout(ranks, accum, self.micro_batch, False)
+
+    def dropped(self, block: Block, ranks: int) -> tuple[int, int] | None:
+        """Positions [a, b) of the block's epoch that no step deals, often none (a == b), recorded when the epoch's
+        last step commits (None for another step): the drop_last tail, and an epoch's last block of fewer samples
+        than the quorum's ranks (the README's rule: fewer samples than ranks are dropped by policy)."""
+        if block.index + 1 < self.steps_per_epoch:
+            return None
+        return block.start + EpochPlan(block.size, self.layout(block, ranks)).served, self.num_samples
+
+    def progress(self, fingerprint: dict, block: Block) -> dict:
+        """The loader's progress that leaves exactly the block to deal: every other position of its epoch counted
+        (and the steps before it, so that the workers' seeds differ from step to step)."""
+        spans = [[a, b] for a, b in ((0, block.start), (block.start + block.size, self.num_samples)) if a < b]
+        committed = {block.epoch: np.asarray(spans, dtype=np.int64).reshape(-1, 2)} if spans else {}
+        return Progress(fingerprint, block.epoch, committed, done_in_epoch=block.index,
+                        samples_done_in_epoch=block.start).to_dict()
+
+
+def _private(manager, name: str) -> Any:
+    """What torchft 0.2 keeps private: the quorum's future (to tell the step's quorum from the last step's) and,
+    once it is done, its id (which every replica group of it shares)."""
+    try:
+        return getattr(manager, name)
+    except AttributeError:
+        raise RuntimeError("this torchft Manager has no _quorum_future/_quorum_id: loader.integrations.torchft "
+                           "supports torchft 0.2; report the torchft version") from None
+
+
+class ManagedLoader:
+    """A ResumableDataLoader whose progress is a torchft Manager's committed step. Each `iter()` is one step: this
+    rank's micro-batches of the step's block, dealt after the step's quorum is known (call
+    `optimizer.zero_grad()`, which starts it, first). `update_complete` is True after the last of them.
+
+    `group_rank` and `group_size` are this process's place in its replica group (default: torchft's RANK and
+    WORLD_SIZE). The loader registers its state with the Manager (key "loader"): a few hundred bytes that check a
+    healing group deals the same data, since the step itself is the Manager's. Other arguments are
+    ResumableDataLoader's (`batch_size` is the largest micro-batch)."""
+
+    def __init__(self, manager, dataset, *, global_batch: int, batch_size: int, group_rank: int | None = None,
+                 group_size: int | None = None, drop_last: bool = False, **loader_args):
+        for name in ("rank", "world_size", "grad_accum", "dp_mesh", "dp_group"):
+            if name in loader_args:
+                raise ValueError(f"{name}= is the quorum's to decide under torchft: give group_rank= and group_size=")
+        self.group_size = int(os.environ["WORLD_SIZE"]) if group_size is None else group_size
+        self.group_rank = int(os.environ["RANK"]) if group_rank is None else group_rank
+        check_positive_int("group_size", self.group_size)
+        check_rank(self.group_rank, self.group_size)
+        self.manager = manager
+        self.loader = ResumableDataLoader(dataset, batch_size=batch_size, drop_last=False, rank=0, world_size=1,
+                                          **loader_args)
+        self.deal = StepDeal(len(dataset), global_batch, batch_size, drop_last)
+        self.ledger: Ledger | None = None  # Ledger.open_attempts(...): the batches of the steps that commit
+        self.participating = False  # whether this rank's batches of the current step count
+        self._dealt: tuple | None = None  # (quorum future, step, attempt key, block, ranks) of the last deal
+        self._tries = (-1, -1, 0)  # (step, quorum id, attempts of that step in that quorum) of the last deal
+        manager.register_state_dict_fn(STATE_KEY, self.load_state_dict, self.state_dict)
+
+    # -- a step --------------------------------------------------------------------------------------------------
+
+    def __iter__(self) -> Iterator:
+        future = _private(self.manager, "_quorum_future")
+        if future is None or (self._dealt is not None and self._dealt[0] is future):
+            raise RuntimeError("iter() of a ManagedLoader deals one step over that step's quorum, which has not "
+                               "started: call optimizer.zero_grad() (torchft's OptimizerWrapper starts the quorum "
+                               "there; or manager.start_quorum()) before each step's iter()")
+        self.manager.wait_quorum()  # bounded by the Manager's quorum_timeout
+        quorum_id = _private(self.manager, "_quorum_id")
+        self._close_attempt()
+        step, replicas = self.manager.current_step(), self.manager.num_participants()
+        participant = self.manager.participating_rank()
+        self.participating = self.manager.is_participating()
+        if replicas < 1:
+            raise RuntimeError(f"the quorum of step {step} has no participating replica group")
+        if not self.participating and participant is not None:
+            raise RuntimeError(
+                f"replica group rank {self.group_rank} heals at step {step} while the quorum counts it as participant "
+                f"{participant} of {replicas}: torchft zeroes its gradients, so its share of the step would never be "
+                f"trained. This is torchft's init_sync at step 0 under the async quorum: build the Manager with "
+                f"init_sync=False (seed the model alike in every group) or use_async_quorum=False"
+            )
+        ranks = replicas * self.group_size
+        dp_rank = (participant if self.participating else 0) * self.group_size + self.group_rank
+        block = self.deal.block(step)
+        tries = self._tries[2] if self._tries[:2] == (step, quorum_id) else 0  # a step's tries are consecutive
+        key, self._tries = (quorum_id, tries), (step, quorum_id, tries + 1)
+        self.loader.load_state_dict(self.deal.progress(self.loader.resumable_sampler.order.fingerprint(), block))
+        self.loader.resumable_sampler.relayout(self.deal.layout(block, ranks), dp_rank)
+        self._dealt = future, step, key, block, ranks
+        self.loader.ledger = self.ledger if self.participating else None  # a non-participant's batches never count
+        if self.ledger is not None:
+            self.ledger.begin_attempt(step, key)
+        return iter(self.loader)
+
+    def _close_attempt(self) -> None:
+        """Record the verdict on the last step dealt here: committed when the Manager now stands right after it
+        (by its own commit, or healed from a group that committed it: in that very attempt, or a later one, which
+        the ledger's largest-key rule prefers), failed when it still stands at it, and nothing when a heal took it
+        further (the other groups' verdicts decide). A healing group's verdict counts as much: its commit takes
+        the participants' gradients."""
+        if self._dealt is None or self.ledger is None:
+            return
+        _, step, key, block, ranks = self._dealt
+        now = self.manager.current_step()
+        if now > step + 1:
+            return
+        self.ledger.verdict(step, key, now == step + 1)
+        dropped = self.deal.dropped(block, ranks) if now == step + 1 else None
+        if dropped is not None:  # the epoch is finished: the audit judges it whole
+            record = {"epoch": block.epoch, "dropped": list(dropped) if dropped[0] < dropped[1] else []}
+            self.ledger.record_finished({"finished": [record]}, self.loader)
+
+    def close(self) -> None:
+        """After the last step's `optimizer.step()`: record its verdict, close the ledger."""
+        self._close_attempt()
+        self.loader.ledger = self._dealt = None
+        if self.ledger is not None:
+            self.ledger.close()
+
+    @property
+    def update_complete(self) -> bool:
+        """True after this rank's last micro-batch of the step (the loader's own, see ResumableDataLoader)."""
+        return self.loader.update_complete
+
+    @property
+    def epoch(self) -> int:
+        """The epoch of the Manager's current step."""
+        return self.deal.block(self.manager.current_step()).epoch
+
+    # -- the state torchft transfers -------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict:
+        return step_state(self.loader.resumable_sampler.order.fingerprint(), self.deal)
+
+    def load_state_dict(self, state: dict) -> None:
+        """A peer's state (torchft's heal) or a checkpoint's: checked; nothing changes, the step is the Manager's."""
+        check_step_state(state, self.loader.resumable_sampler.order.fingerprint(), self.deal)
+
+
+def step_state(fingerprint: dict, deal: StepDeal) -> dict:
+    """What a healing group checks: the same data (fingerprint) in the same steps (global batch, drop_last). The
+    step itself is the Manager's own state, which torchft transfers with it."""
+    return {"format": FORMAT, "version": VERSION, "fingerprint": fingerprint, "global_batch": deal.global_batch,
+            "drop_last": deal.drop_last}
+
+
+def check_step_state(state, fingerprint: dict, deal: StepDeal) -> None:
+    """Refuse, naming the field, a state that would deal other data or other steps than this replica group."""
+    where = "the loader state (from torchft's heal or a checkpoint)"
+    if not isinstance(state, dict) or state.get("format") != FORMAT:
+        raise StateError(f"{where} is not a {FORMAT!r} state: got {short(state)}")
+    if state.get("version") != VERSION:
+        raise StateError(f"{where}.version is {short(state.get('version'))}, this loader reads {VERSION}")
+    saved = state.get("fingerprint")
+    if not isinstance(saved, dict):
+        raise StateError(f"{where}.fingerprint must be a dict, got {short(saved)}")
+    check_fingerprint(saved, fingerprint, where)
+    for name, ours in (("global_batch", deal.global_batch), ("drop_last", deal.drop_last)):
+        theirs = state.get(name)
+        if type(theirs) is not type(ours) or theirs != ours:
+            raise StateError(f"{where}.{name} is {short(theirs)} but {ours!r} in this replica group: every group "
+                             f"must build its ManagedLoader with the same {name}, or the steps would train other "
+                             f"samples")
