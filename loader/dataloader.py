@@ -22,6 +22,7 @@ import torch.utils.data
 from torch._utils import ExceptionWrapper
 from torch.utils.data import DataLoader, IterableDataset, default_collate
 from torch.utils.data._utils.fetch import _MapDatasetFetcher
+from torch.utils.data.dataloader import _SingleProcessDataLoaderIter
 
 from loader.checkpoint.lockstep import LockstepWatch, warn_out_of_step
 from loader.core.checks import check_positive_int, check_rank, is_int
@@ -124,6 +125,18 @@ class _Delivery:
     def __init__(self, inner, loader: "ResumableDataLoader", iteration: int):
         self._inner, self._loader, self._iteration = inner, loader, iteration
         self._interrupted = False
+        self._in_process = type(inner) is _SingleProcessDataLoaderIter  # num_workers=0: see _next
+
+    def _next(self):
+        """torch's next(): with num_workers=0 and no profiler running, its `_next_data()` and count without the
+        `record_function` context torch enters around each batch for the profiler's trace (~10 us a batch, most of
+        the loader's own cost at small batches): the same batch, the same errors. Under a profiler, torch's own."""
+        inner = self._inner
+        if not self._in_process or torch.autograd._profiler_enabled() or inner._sampler_iter is None:
+            return next(inner)
+        batch = inner._next_data()
+        inner._num_yielded += 1
+        return batch
 
     def __iter__(self) -> "_Delivery":
         return self
@@ -157,7 +170,7 @@ class _Delivery:
         started = perf_counter()
         try:
             received_before = getattr(self._inner, "_rcvd_idx", None)
-            batch = next(self._inner)
+            batch = self._next()
         except StopIteration:
             loader._end_pass()
             raise
