@@ -250,6 +250,22 @@ def test_a_file_that_changed_after_the_source_was_built_is_refused(tmp_path, cha
         src[1]
 
 
+def outcomes(dl: ResumableDataLoader):
+    """A pass, batch by batch: (its indices, the batch, or the TokenFileError its loading raised). A batch that
+    failed to load is consumed, and the pass goes on."""
+    iterator = iter(dl)
+    while True:
+        indices = dl.resumable_sampler.next_indices()
+        try:
+            batch = next(iterator)
+        except StopIteration:
+            return
+        except TokenFileError as err:
+            yield indices.tolist(), err
+        else:
+            yield dl.last_indices().tolist(), batch
+
+
 @pytest.mark.parametrize("change", ["rewrite_keeping_mtime", "replace"])
 @pytest.mark.parametrize("batch_size", [3, GATHER_ROWS])
 def test_through_the_loader_a_file_changed_between_batches_fails_the_next_batch_that_reads_it(tmp_path, change,
@@ -262,20 +278,14 @@ def test_through_the_loader_a_file_changed_between_batches_fails_the_next_batch_
     changed = sorted(parts)[1]
     src = TokenSource(str(tmp_path / "part-*.bin"), seq_len=8, dtype="uint16")
     assert src.batch_reader() is not None
-    dl = ResumableDataLoader(src, batch_size=batch_size, shuffle=False)
-    delivered, failed, iterator = [], [], iter(dl)
-    while True:
-        indices = dl.resumable_sampler.next_indices()
-        try:
-            batch = next(iterator)
-        except StopIteration:
-            break
-        except TokenFileError as err:
-            assert f"{changed} changed after the TokenSource was built" in str(err)
-            failed.append(indices.tolist())
+    delivered, failed = [], []
+    for indices, batch in outcomes(ResumableDataLoader(src, batch_size=batch_size, shuffle=False)):
+        if isinstance(batch, TokenFileError):
+            assert f"{changed} changed after the TokenSource was built" in str(batch)
+            failed.append(indices)
             continue
-        delivered.append(dl.last_indices().tolist())
-        assert batch.tolist() == [reference(stream, 8, i).tolist() for i in delivered[-1]]
+        delivered.append(indices)
+        assert batch.tolist() == [reference(stream, 8, i).tolist() for i in indices]
         if len(delivered) == 1:
             new = stream[200:][::-1]
             if change == "replace":
@@ -334,17 +344,12 @@ def read_while_truncating(directory: str, workers: int, truncated: str) -> None:
     src.__getitems__(starts.tolist())  # maps every token and offsets file in this process
     dl = ResumableDataLoader(src, batch_size=GATHER_ROWS + 1, shuffle=False, num_workers=workers,
                              multiprocessing_context="fork" if workers else None)  # in order: part-000.bin first
-    batches, iterator = [], iter(dl)
-    while True:
-        indices = dl.resumable_sampler.next_indices()
-        try:
-            batch = next(iterator)
-        except StopIteration:
-            break
-        except TokenFileError as err:  # the batch failed to load: consumed, and the pass goes on
-            batches.append({"indices": indices.tolist(), "error": str(err)})
+    batches = []
+    for indices, batch in outcomes(dl):
+        if isinstance(batch, TokenFileError):
+            batches.append({"indices": indices, "error": str(batch)})
         else:
-            batches.append({"indices": dl.last_indices().tolist(), "tokens": batch["tokens"].tolist()})
+            batches.append({"indices": indices, "tokens": batch["tokens"].tolist()})
         if len(batches) == 1:
             os.truncate(os.path.join(directory, truncated), 4096)
     Path(directory, "result.json").write_text(json.dumps(batches))
