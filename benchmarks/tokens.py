@@ -40,7 +40,7 @@ from benchmarks.memory import in_child, peak_added
 from benchmarks.progress import say
 from benchmarks.rows import count, row, single
 from benchmarks.states import global_state_at
-from benchmarks.timing import compare, measure, per_call, summary
+from benchmarks.timing import compare, measure, per_call, ratio_of, summary
 from loader.core.order import Order
 from loader.core.partition import Layout
 from loader.core.rows import Rows, batch_reader, collate
@@ -169,13 +169,14 @@ def graded(what: str, stats: dict, target: str) -> dict:
 
 
 def _overhead(cfg: Config, label: str, dataset, shuffle: bool, pairs: list[tuple[np.ndarray, int]],
-              seq_len: int) -> dict:
-    """CPU per batch of ours and of the plain loop over the same samples, interleaved; the overhead per round."""
-    count = min(OVERHEAD_BATCHES, len(pairs) // OVERHEAD_BATCH - 1)
-    plain = pairs[OVERHEAD_BATCH:(count + 1) * OVERHEAD_BATCH]  # the loader's batches after its first
+              seq_len: int, batch: int) -> dict:
+    """CPU per batch of ours and of the plain loop over the same samples, interleaved; the overhead per round
+    (graded at OVERHEAD_BATCH) and the tokens/s ratio on CPU time (graded from TARGET_FROM_BATCH)."""
+    count = min(OVERHEAD_BATCHES, len(pairs) // batch - 1)
+    plain = pairs[batch:(count + 1) * batch]  # the loader's batches after its first
     candidates = {
-        PLAIN: lambda: cpu_per_batch(plain_batches(plain, OVERHEAD_BATCH, seq_len)),
-        OURS: lambda: cpu_per_batch(loader_batches(dataset, shuffle, OVERHEAD_BATCH, count)),
+        PLAIN: lambda: cpu_per_batch(plain_batches(plain, batch, seq_len)),
+        OURS: lambda: cpu_per_batch(loader_batches(dataset, shuffle, batch, count)),
     }
     load = os.getloadavg()[0]
     result = compare(candidates, PLAIN, cfg.reps, cfg.warmup, f"tokens overhead {label}", "CPU s/batch")
@@ -183,11 +184,14 @@ def _overhead(cfg: Config, label: str, dataset, shuffle: bool, pairs: list[tuple
     say("tokens", f"overhead {label}: load average {load[0]:.1f} -> {load[1]:.1f} on {os.cpu_count()} CPUs")
     samples = result["samples"]
     overhead = summary([a - b for a, b in zip(samples[OURS], samples[PLAIN])])
-    what = f"{label}, batch {OVERHEAD_BATCH} x {seq_len + 1}: CPU per batch, {OURS} - {PLAIN}"
-    rows = [graded(what, overhead, OVERHEAD_TARGET),
-            row(f"{label}, batch {OVERHEAD_BATCH} x {seq_len + 1}: CPU per batch, {PLAIN}", result["values"][PLAIN],
-                "us", scale=1e6)]
-    return {"label": label, "batch_size": OVERHEAD_BATCH, "seq_len": seq_len, "batches": count, **result,
+    shape = f"{label}, batch {batch} x {seq_len + 1}"
+    what = f"{shape}: CPU per batch, {OURS} - {PLAIN}"
+    rows = [graded(what, overhead, OVERHEAD_TARGET) if batch == OVERHEAD_BATCH else row(what, overhead, "us",
+                                                                                         scale=1e6),
+            row(f"{shape}: CPU per batch, {PLAIN}", result["values"][PLAIN], "us", scale=1e6),
+            row(f"{shape}: tokens/s on CPU time, {OURS} / {PLAIN}", ratio_of(result, PLAIN, OURS), "ratio",
+                TARGET if batch >= TARGET_FROM_BATCH else None)]
+    return {"label": label, "batch_size": batch, "seq_len": seq_len, "batches": count, **result,
             "overhead": overhead, "load_average": load, "rows": rows}
 
 
@@ -307,7 +311,8 @@ def _mapping_costs(cfg: Config, paths: list[Path]) -> list[dict]:
 
 
 def _overheads(cfg: Config, paths: list[Path]) -> list[dict]:
-    """The overhead and its breakdown, TokenSource shuffled and the Mixture in order, at OVERHEAD_SEQ_LEN."""
+    """The overhead (at OVERHEAD_BATCH and the graded batch sizes) and its breakdown, TokenSource shuffled and the
+    Mixture in order, at OVERHEAD_SEQ_LEN."""
     seq_len = min(OVERHEAD_SEQ_LEN, cfg.seq_len)
     sources = token_sources(paths, seq_len)
     memmaps = [np.memmap(path, np.uint16, mode="r") for path in paths]
@@ -320,9 +325,9 @@ def _overheads(cfg: Config, paths: list[Path]) -> list[dict]:
         ("Mixture of 3 TokenSources", mix, False,
          [(memmaps[s], i * seq_len) for s, i in zip(source.tolist(), index.tolist())]),
     ):
-        case = _overhead(cfg, label, dataset, shuffle, pairs, seq_len)
-        case["rows"] += _breakdown(cfg, label, dataset, shuffle, seq_len)
-        cases.append(case)
+        for batch in sorted({OVERHEAD_BATCH, *(b for b in cfg.token_batch_sizes if b >= TARGET_FROM_BATCH)}):
+            cases.append(_overhead(cfg, label, dataset, shuffle, pairs, seq_len, batch))
+        cases[-1]["rows"] += _breakdown(cfg, label, dataset, shuffle, seq_len)
     return cases
 
 
