@@ -438,3 +438,22 @@ def test_unbatched_ranks_yield_the_same_number_of_samples_and_record_the_rest_as
         dropped = loaders[0].resumable_sampler.order.for_epoch(0)(positions).tolist()
         delivered = sorted(sum(yielded, []))
         assert len(set(delivered)) == len(delivered) and sorted(delivered + dropped) == list(range(n))
+
+
+def test_without_workers_torchs_profiler_event_per_batch_is_kept_when_a_profiler_runs():
+    """With num_workers=0 the loader reads each batch without the record_function context torch enters around it,
+    unless a profiler runs: under torch.profiler the trace still has torch's event for every next(). Either way
+    the same batches, every index of the epoch exactly once."""
+    event = "enumerate(DataLoader)#_SingleProcessDataLoaderIter.__next__"
+
+    def epoch() -> list[list[int]]:
+        dl = ResumableDataLoader(IndexDataset(37), batch_size=4, shuffle=True, seed=1)
+        batches = [batch.tolist() for batch in dl]
+        assert sorted(i for batch in batches for i in batch) == list(range(37))
+        return batches
+
+    plain = epoch()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+        profiled = epoch()
+    assert profiled == plain
+    assert sum(e.name == event for e in profile.events()) == len(plain) + 1  # the last one raised StopIteration

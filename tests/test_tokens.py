@@ -250,6 +250,86 @@ def test_a_file_that_changed_after_the_source_was_built_is_refused(tmp_path, cha
         src[1]
 
 
+def outcomes(dl: ResumableDataLoader):
+    """A pass, batch by batch: (its indices, the batch, or the TokenFileError its loading raised). A batch that
+    failed to load is consumed, and the pass goes on."""
+    iterator = iter(dl)
+    while True:
+        indices = dl.resumable_sampler.next_indices()
+        try:
+            batch = next(iterator)
+        except StopIteration:
+            return
+        except TokenFileError as err:
+            yield indices.tolist(), err
+        else:
+            yield dl.last_indices().tolist(), batch
+
+
+@pytest.mark.parametrize("change", ["rewrite_keeping_mtime", "replace"])
+@pytest.mark.parametrize("batch_size", [3, GATHER_ROWS])
+def test_through_the_loader_a_file_changed_between_batches_fails_the_next_batch_that_reads_it(tmp_path, change,
+                                                                                            batch_size):
+    """With num_workers=0 the loader reads a TokenSource's batches without its Rows (batch_reader): a file changed
+    after a batch fails the next batch that reads it with TokenFileError, as through __getitems__, whether gathered
+    from one file or copied per sample; that batch is consumed and the pass goes on, so every index of the epoch
+    is delivered or failed exactly once, and nothing delivered holds the changed tokens."""
+    parts, stream = stream_files(tmp_path, [200, 200])
+    changed = sorted(parts)[1]
+    src = TokenSource(str(tmp_path / "part-*.bin"), seq_len=8, dtype="uint16")
+    assert src.batch_reader() is not None
+    delivered, failed = [], []
+    for indices, batch in outcomes(ResumableDataLoader(src, batch_size=batch_size, shuffle=False)):
+        if isinstance(batch, TokenFileError):
+            assert f"{changed} changed after the TokenSource was built" in str(batch)
+            failed.append(indices)
+            continue
+        delivered.append(indices)
+        assert batch.tolist() == [reference(stream, 8, i).tolist() for i in indices]
+        if len(delivered) == 1:
+            new = stream[200:][::-1]
+            if change == "replace":
+                write_bin(tmp_path / "new.bin", new)
+                os.replace(tmp_path / "new.bin", changed)
+            else:
+                rewrite_in_place(changed, new)
+    reading_it = [ids for ids in delivered + failed if max(ids) * 8 + 8 >= 200]  # a token of the second file
+    assert failed and sorted(failed) == sorted(reading_it)
+    assert sorted(i for ids in delivered + failed for i in ids) == list(range(len(src)))
+
+
+def test_the_batch_reader_is_left_to_tokensources_of_plain_samples_and_their_own_getitems(tmp_path):
+    """The loader reads a batch through `batch_reader()` only where it is `collate(__getitems__)`: not for dict
+    samples, nor for a subclass with a __getitems__ of its own, whose batches the loader still delivers, nor under
+    a collate_fn of yours, which still sees the Rows."""
+    _, stream = stream_files(tmp_path, [300])
+    yours = ResumableDataLoader(TokenSource(str(tmp_path / "part-*.bin"), seq_len=8, dtype="uint16"), batch_size=4,
+                                collate_fn=lambda rows: rows)
+    assert type(next(iter(yours))) is Rows
+
+    class Shifted(TokenSource):
+        def __getitems__(self, indices):
+            return Rows(super().__getitems__(indices).batch + 1)
+
+    files = str(tmp_path / "part-*.bin")
+    assert TokenSource(files, seq_len=8, dtype="uint16", eos_id=0).batch_reader() is None
+    shifted = Shifted(files, seq_len=8, dtype="uint16")
+    assert shifted.batch_reader() is None
+    dl = ResumableDataLoader(shifted, batch_size=4, shuffle=True, seed=1)
+    for batch in dl:
+        assert batch.tolist() == [(reference(stream, 8, i) + 1).tolist() for i in dl.last_indices().tolist()]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="pinning needs a CUDA device (runs on a GPU machine)")
+def test_a_batch_read_without_its_rows_is_pinned_when_asked(tmp_path):
+    _, stream = stream_files(tmp_path, [300])
+    src = TokenSource(str(tmp_path / "part-*.bin"), seq_len=8, dtype="uint16")
+    dl = ResumableDataLoader(src, batch_size=4, shuffle=True, seed=1, pin_memory=True)
+    for batch in dl:
+        assert batch.is_pinned()
+        assert batch.tolist() == [reference(stream, 8, i).tolist() for i in dl.last_indices().tolist()]
+
+
 TRUNCATED_SIZES = (3200, 5000, 300)  # part-001.bin: 10000 bytes, three pages of which truncation keeps the first
 
 
@@ -264,17 +344,12 @@ def read_while_truncating(directory: str, workers: int, truncated: str) -> None:
     src.__getitems__(starts.tolist())  # maps every token and offsets file in this process
     dl = ResumableDataLoader(src, batch_size=GATHER_ROWS + 1, shuffle=False, num_workers=workers,
                              multiprocessing_context="fork" if workers else None)  # in order: part-000.bin first
-    batches, iterator = [], iter(dl)
-    while True:
-        indices = dl.resumable_sampler.next_indices()
-        try:
-            batch = next(iterator)
-        except StopIteration:
-            break
-        except TokenFileError as err:  # the batch failed to load: consumed, and the pass goes on
-            batches.append({"indices": indices.tolist(), "error": str(err)})
+    batches = []
+    for indices, batch in outcomes(dl):
+        if isinstance(batch, TokenFileError):
+            batches.append({"indices": indices, "error": str(batch)})
         else:
-            batches.append({"indices": dl.last_indices().tolist(), "tokens": batch["tokens"].tolist()})
+            batches.append({"indices": indices, "tokens": batch["tokens"].tolist()})
         if len(batches) == 1:
             os.truncate(os.path.join(directory, truncated), 4096)
     Path(directory, "result.json").write_text(json.dumps(batches))

@@ -562,17 +562,28 @@ class TokenSource(torch.utils.data.Dataset):
         """Whether samples are bare token tensors (no eos_id or doc_offsets, whose samples are dicts)."""
         return self.eos_id is None and self._documents is None
 
+    def _tokens(self, indices: Sequence[int]) -> torch.Tensor:
+        """The int64 tensor (len(indices), seq_len + 1) of these samples' tokens."""
+        out = np.empty((len(indices), self._span), dtype=np.int64)
+        self._fill(out, range(len(indices)), indices)
+        return torch.from_numpy(out)
+
+    def batch_reader(self) -> Callable[[Sequence[int]], torch.Tensor] | None:
+        """The batch of plain samples as the tensor that the loader's collate makes of `__getitems__`'s Rows, read
+        without the Rows (`loader.core.rows.batch_reader`); None for dict samples, and where a subclass has its own
+        `__getitems__`, whose batches this would not be."""
+        return self._tokens if self.plain and type(self).__getitems__ is TokenSource.__getitems__ else None
+
     def __getitems__(self, indices: Sequence[int]) -> list:
         """A batch in one call (torch's fetcher and Mixture use it): one check per file the batch touches, not per
         sample, and one tensor whose rows are the samples: plain samples come as its `Rows`, which the loader's
         collate hands on as that tensor instead of stacking a copy of it."""
-        out = np.empty((len(indices), self._span), dtype=np.int64)
-        self._fill(out, range(len(indices)), indices)
+        batch = self._tokens(indices)
         if self.plain:
-            return Rows(torch.from_numpy(out))
-        tokens = torch.from_numpy(out).unbind(0)
+            return Rows(batch)
+        tokens = batch.unbind(0)
         starts = np.asarray(indices, dtype=np.int64) * self.seq_len
-        doc_ids = torch.from_numpy(self._doc_ids(out, starts)).unbind(0)
+        doc_ids = torch.from_numpy(self._doc_ids(batch.numpy(), starts)).unbind(0)
         return [{"tokens": t, "doc_ids": d} for t, d in zip(tokens, doc_ids)]
 
     def __getitem__(self, index: int):
