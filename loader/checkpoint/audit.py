@@ -26,6 +26,7 @@ class Grouping:
     names: Sequence[str]
     of: Callable[[np.ndarray], np.ndarray]  # dataset indices -> group numbers
     num_samples: int  # the dataset length it groups: the ledger's must be the same
+    notes: Sequence[str] = ()  # lines printed above the table, e.g. where a mixture's schedule changed
 
 
 @dataclass(frozen=True)
@@ -151,6 +152,8 @@ def main(run_dir: str, limit: int = 20, describe: Callable[[int], str] = str, gr
     except (OSError, ValueError) as err:
         print(f"audit: {err}", file=sys.stderr)
         return NO_LEDGER
+    for note in () if grouping is None else grouping.notes:
+        print(note)
     print(f"{'epoch':>5} {'state':>11} {'expected':>9} {'seen once':>10} {'skipped':>8} {'duplicated':>11} "
           f"{'dropped by policy':>18} {'failed to load':>15}")
     for e in report:
