@@ -12,6 +12,7 @@ from loader.checkpoint.audit import main as audit_main
 from loader.checkpoint.ledger import Ledger
 from loader.core.state import StateError
 from tests.conftest import IndexDataset
+from tests.distributed import run_group
 
 N, B, G = 200, 2, 24  # the global batch G = W * K * B stays 24 at 4, 3 and 2 ranks
 
@@ -189,3 +190,34 @@ def test_the_audit_reports_skips_on_request_in_their_own_column(tmp_path, capsys
     row = out.splitlines()[1].split()
     assert row[:4] == ["0", "finished", "40", "32"] and row[-1] == "8"
     assert f"skipped on request (never served, not trained): {', '.join(map(str, sorted(skipped)))}" in out
+
+
+def _skip_job(rank, world_size):
+    """Two updates, a skip alike on every rank and the checkpoint's gather of the progress; then a skip that
+    differs on rank 1, and the gather again."""
+    from loader.checkpoint.save import global_progress
+
+    dl = ranks_of(world_size)[rank]
+    it = iter(dl)
+    trained = [i for _ in range(2 * dl.grad_accum) for i in next(it)]
+    spans = dl.skip(updates=2).tolist()
+    progress = global_progress(dl)
+    dl.skip(updates=1 + rank)
+    try:
+        global_progress(dl)
+    except StateError as err:
+        return trained, spans, progress, str(err)
+    return trained, spans, progress, None
+
+
+@pytest.mark.slow
+def test_over_a_gloo_group_a_skip_is_gathered_alike_and_a_divergent_one_names_the_rank():
+    results = run_group(_skip_job, 2)
+    progress = results[0][2]
+    assert results[1][2] == progress and progress["skipped"] == [[0, [2 * G, 4 * G]]]
+    three = ranks_of(3, progress)
+    trained = results[0][0] + results[1][0] + train(three)
+    assert_exactly_once(trained, indices(three, 0, results[0][1]))
+    for rank, (_, _, _, error) in enumerate(results):
+        assert f"(rank {1 - rank}) started from another progress than this rank" in error
+        assert "call loader.skip() alike" in error

@@ -24,7 +24,6 @@ window and continues with the new schedule's from there; C_s runs on across it, 
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import json
 import os
@@ -70,10 +69,14 @@ def _normalised(weights, where: str = "weights", zero_ok: bool = False) -> np.nd
 
 
 def _smallest_window(rows: np.ndarray) -> int:
-    """The smallest M <= MAX_WINDOW at which every weight of every row times M is a whole number, else MAX_WINDOW."""
-    sizes = np.arange(1, MAX_WINDOW + 1)[:, None] * rows.reshape(-1)
-    exact = np.nonzero((np.abs(sizes - np.round(sizes)) <= _EXACT).all(axis=1))[0]
-    return int(exact[0]) + 1 if len(exact) else MAX_WINDOW
+    """The smallest M <= MAX_WINDOW at which every weight of every row times M is a whole number, else MAX_WINDOW
+    (a row at a time: a schedule of many segments costs no more memory than one weight vector)."""
+    exact = np.ones(MAX_WINDOW, dtype=bool)
+    for row in np.reshape(rows, (-1, np.shape(rows)[-1])):
+        sizes = np.arange(1, MAX_WINDOW + 1)[:, None] * row
+        exact &= (np.abs(sizes - np.round(sizes)) <= _EXACT).all(axis=1)
+    found = np.nonzero(exact)[0]
+    return int(found[0]) + 1 if len(found) else MAX_WINDOW
 
 
 def _apportion(w: np.ndarray, window: int) -> tuple[int, ...]:
@@ -165,11 +168,12 @@ def schedule_pieces(schedule: Sequence[dict], sources: int, window: int | None) 
         if keys not in SEGMENT_FIELDS:
             raise ValueError(f"{where} must be a dict with \"weights\" (constant) or \"from\" and \"to\" (a linear "
                              f"ramp), and \"windows\", got {segment!r}")
-        vectors = [_normalised(segment[k], f"{where}.{k}", zero_ok=True) for k in ("weights", "from", "to")
-                   if k in segment]
-        for k, w in zip(sorted(keys, key=("weights", "from", "to").index), vectors):
-            if len(w) != sources:
-                raise ValueError(f"{where}.{k} has {len(w)} weights for {sources} sources: pass one per source")
+        vectors = []
+        for k in (k for k in ("weights", "from", "to") if k in segment):
+            vectors.append(_normalised(segment[k], f"{where}.{k}", zero_ok=True))
+            if len(vectors[-1]) != sources:
+                raise ValueError(f"{where}.{k} has {len(vectors[-1])} weights for {sources} sources: pass one per "
+                                 f"source")
         length = segment.get("windows")
         if length is None and (i < len(schedule) - 1 or "from" in segment):
             raise ValueError(f"{where}.windows is missing: only a last constant segment may run to the end")
@@ -182,7 +186,7 @@ def schedule_pieces(schedule: Sequence[dict], sources: int, window: int | None) 
     pieces, start = [], 0
     for first, last, length in segments:
         a, b = _apportion(first, window), _apportion(last, window)
-        pieces.append(Piece(start, start, 1 if a == b else length, a, b if a != b else a))
+        pieces.append(Piece(start, start, length if a != b else 1, a, b))
         start += length or 0
     if segments[-1][2] is not None:
         pieces.append(Piece(start, start, 1, pieces[-1].last, pieces[-1].last))
@@ -242,8 +246,10 @@ class MixturePlan:
         for i, piece in enumerate(pieces):
             where = f"schedule piece {i}"
             ints = (piece.start, piece.anchor, piece.ramp)
-            if not all(is_int(v) and 0 <= v <= MAX_SAMPLES for v in ints) or piece.ramp < 1 or piece.anchor > piece.start:
-                raise ValueError(f"{where}: start, anchor, ramp must be ints with anchor <= start and ramp >= 1, got {ints}")
+            if not all(is_int(v) and 0 <= v <= MAX_SAMPLES for v in ints) or piece.ramp < 1 \
+                    or piece.anchor > piece.start:
+                raise ValueError(f"{where}: start, anchor, ramp must be ints with anchor <= start and ramp >= 1, "
+                                 f"got {ints}")
             for field, counts in (("from", piece.first), ("to", piece.last)):
                 if len(counts) != len(self.names) or not all(is_int(c) and c >= 0 for c in counts) or sum(counts) != m:
                     raise ValueError(f"{where}.{field} must be {len(self.names)} non-negative ints summing to the "
@@ -626,4 +632,5 @@ class Mixture(torch.utils.data.Dataset):
 
     def __repr__(self) -> str:
         shares = ", ".join(f"{n}: {c}/{self.window}" for n, c in zip(self.names, self.counts))
-        return f"Mixture({len(self)} positions; {shares} per window; fingerprint={self.fingerprint()})"
+        scheduled = f" in window 0, a schedule of {len(self.plan.schedule)} pieces" if self.plan.schedule else ""
+        return f"Mixture({len(self)} positions; {shares} per window{scheduled}; fingerprint={self.fingerprint()})"
