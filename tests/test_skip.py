@@ -140,6 +140,8 @@ def test_bad_skips_are_refused_and_change_nothing():
     before = dl.state_dict()
     for kw, message in [
         ({"positions": [-1]}, r"positions must be in epoch 0's \[0, 40\)"),
+        ({"positions": [30.5]}, r"positions must be one or more ints"),
+        ({"positions": []}, r"positions must be one or more ints"),
         ({"positions": range(39, 41)}, r"positions must be in epoch 0's \[0, 40\)"),
         ({"positions": [5, 30]}, r"positions \[5, 6\) of epoch 0 are already committed \(trained"),
         ({"positions": [21]}, r"positions \[21, 22\) of epoch 0 are already committed \(trained, or skipped before"),

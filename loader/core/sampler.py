@@ -313,6 +313,9 @@ def _positions_to_skip(committed: np.ndarray, n: int, global_batch: int, epoch: 
                              f"{-(-remaining.count // global_batch)} updates of {global_batch} at most")
         span = [[steps.start * global_batch, min(steps.stop * global_batch, remaining.count)]]
         return difference(remaining.covering_spans(span), committed, n)
+    if not isinstance(positions, range) and np.asarray(positions).dtype.kind not in "iu":
+        raise ValueError(f"skip(positions=...): positions must be one or more ints (a range, a list, an int array), got "
+                         f"{short(positions)}")
     spans = spans_of(positions)
     if not len(spans) or spans[0, 0] < 0 or spans[-1, 1] > n:
         raise ValueError(f"skip(positions=...): positions must be in epoch {epoch}'s [0, {n}), at least one, got "
