@@ -721,6 +721,7 @@ class ResumableDataLoader(DataLoader[T_co]):
         naming it). It supersedes the active iterator: iterate a new one. Returns the skipped position intervals."""
         if self._stream is not None:
             raise TypeError("skip() needs sample positions, which an IterableDataset does not have")
+        self._resolve_rank_and_world()  # updates count global batches of the world size the job runs at
         self._settle()
         spans = self.resumable_sampler.skip(epoch, positions, updates)
         self._supersede()

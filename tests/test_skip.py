@@ -194,11 +194,13 @@ def test_the_audit_reports_skips_on_request_in_their_own_column(tmp_path, capsys
     assert f"skipped on request (never served, not trained): {', '.join(map(str, sorted(skipped)))}" in out
 
 
-def _skip_job(rank, world_size):
+def _skip_job(rank, world_size, prebuilt):
     """Two updates, a skip alike on every rank and the checkpoint's gather of the progress; then a skip that
-    differs on rank 1, and the gather again."""
+    differs on rank 1, and the gather again. First, a skip on a loader built before the group (so as rank 0 of 1):
+    the updates it names are those of the group's world size."""
     from loader.checkpoint.save import global_progress
 
+    first = prebuilt.skip(updates=1).tolist()
     dl = ranks_of(world_size)[rank]
     it = iter(dl)
     trained = [i for _ in range(2 * dl.grad_accum) for i in next(it)]
@@ -208,18 +210,20 @@ def _skip_job(rank, world_size):
     try:
         global_progress(dl)
     except StateError as err:
-        return trained, spans, progress, str(err)
-    return trained, spans, progress, None
+        return trained, spans, progress, str(err), first
+    return trained, spans, progress, None, first
 
 
 @pytest.mark.slow
 def test_over_a_gloo_group_a_skip_is_gathered_alike_and_a_divergent_one_names_the_rank():
-    results = run_group(_skip_job, 2)
+    prebuilt = ResumableDataLoader(IndexDataset(N), batch_size=B, shuffle=True, seed=3, grad_accum=6)  # no group yet
+    results = run_group(_skip_job, 2, prebuilt)
+    assert all(r[4] == [[0, G]] for r in results)  # an update of the 2 ranks (G), not of 1 rank (G / 2)
     progress = results[0][2]
     assert results[1][2] == progress and progress["skipped"] == [[0, [2 * G, 4 * G]]]
     three = ranks_of(3, progress)
     trained = results[0][0] + results[1][0] + train(three)
     assert_exactly_once(trained, indices(three, 0, results[0][1]))
-    for rank, (_, _, _, error) in enumerate(results):
+    for rank, (_, _, _, error, _) in enumerate(results):
         assert f"(rank {1 - rank}) started from another progress than this rank" in error
         assert "call loader.skip() alike" in error
