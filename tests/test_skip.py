@@ -6,6 +6,8 @@ import json
 
 import numpy as np
 import pytest
+from hypothesis import event, given, settings
+from hypothesis import strategies as st
 
 from loader import ResumableDataLoader, merge_states
 from loader.checkpoint.audit import main as audit_main
@@ -227,3 +229,45 @@ def test_over_a_gloo_group_a_skip_is_gathered_alike_and_a_divergent_one_names_th
     for rank, (_, _, _, error, _) in enumerate(results):
         assert f"(rank {1 - rank}) started from another progress than this rank" in error
         assert "call loader.skip() alike" in error
+
+
+@settings(max_examples=80, deadline=None)
+@given(n=st.integers(13, 120), seed=st.integers(0, 2**32), data=st.data())
+def test_any_skips_at_any_world_sizes_keep_every_index_exactly_once(n, seed, data):
+    """Phases at world sizes 1-4 (the global batch 12 kept), each training some updates and skipping some updates
+    or uncommitted positions of the epoch: every index trained once, skipped on request once, or dropped by the
+    tail rule once."""
+    state, trained, skipped = None, [], []
+    for _ in range(data.draw(st.integers(1, 4), label="phases")):
+        ranks = ranks_of_world(data.draw(st.sampled_from([1, 2, 3, 4]), label="world"), n, seed, state)
+        trained += train(ranks, data.draw(st.integers(0, 3), label="updates"))
+        state = merge_states([dl.state_dict() for dl in ranks])
+        if state["epoch"] > 0:
+            break
+        flat = state["committed"][0][1] if state["committed"] else []
+        left = [p for p in range(n) if not any(a <= p < b for a, b in zip(flat[::2], flat[1::2]))]
+        if data.draw(st.booleans(), label="skip"):
+            if data.draw(st.booleans(), label="by updates"):
+                last = (len(left) - 1) // 12
+                spans = skip_all(ranks, updates=range(data.draw(st.integers(0, last), label="from"), last + 1))
+            else:
+                spans = skip_all(ranks, positions=data.draw(st.lists(st.sampled_from(left), min_size=1), label="p"))
+            skipped += indices(ranks, 0, spans)
+            state = merge_states([dl.state_dict() for dl in ranks])
+    event(f"skipped some: {bool(skipped)}; the epoch left to finish: {state['epoch'] == 0}")
+    if state["epoch"] == 0:
+        ranks = ranks_of_world(1, n, seed, state)
+        trained += train(ranks)
+        state = merge_states([dl.state_dict() for dl in ranks])
+    dropped = state["finished"][0]["dropped"]
+    assert_exactly_once(trained + (indices(ranks, 0, dropped) if dropped else []), skipped, n)
+
+
+def ranks_of_world(world, n, seed, state):
+    """Ranks of batch size 1 and the global batch 12 over n indices, from `state` if given."""
+    ranks = [ResumableDataLoader(IndexDataset(n), batch_size=1, shuffle=True, seed=seed, rank=r, world_size=world,
+                                 grad_accum=12 // world, collate_fn=list) for r in range(world)]
+    for dl in ranks:
+        if state is not None:
+            dl.load_state_dict(copy.deepcopy(state))
+    return ranks
