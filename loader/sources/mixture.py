@@ -211,7 +211,8 @@ def _source_seed(seed: int, name: str) -> int:
 @dataclass(frozen=True)
 class MixturePlan:
     """The arithmetic of a mixture, without its data: which (source, index) sits at each position. Enough to
-    audit a run by source (`python -m loader audit RUN_DIR --mixture PLAN.json`); `save`/`load` as JSON."""
+    audit a run by source (`python -m loader audit RUN_DIR --mixture PLAN.json`); `save`/`load` as JSON. With a
+    `schedule`, the counts vary by window (`window_table`) and `counts` are window 0's."""
 
     names: tuple[str, ...]
     lengths: tuple[int, ...]
@@ -287,8 +288,8 @@ class MixturePlan:
         return np.array([_source_seed(self.seed, name) for name in self.names], dtype=np.uint64)
 
     def window_table(self, windows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """For sorted distinct windows: each source's slots in each window, and its draws before it (C_s(k)),
-        both (len(windows), sources). O(log) per window in closed form; consecutive windows by a running sum."""
+        """Each source's slots in each of these windows, and its draws before it (C_s(k)), both (len(windows),
+        sources). O(log) per window in closed form; a run of consecutive windows by a running sum from its first."""
         windows = np.asarray(windows, dtype=np.int64)
         if not self.schedule:
             counts = np.broadcast_to(np.asarray(self.counts, dtype=np.int64), (len(windows), len(self.names)))
