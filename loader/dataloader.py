@@ -734,6 +734,23 @@ class ResumableDataLoader(DataLoader[T_co]):
                 state = {**state, "lockstep": mark}
         return state
 
+    def skip(self, *, updates: int | range | None = None, positions=None, epoch: int | None = None) -> np.ndarray:
+        """Skip data deterministically, e.g. around a loss spike after a rewind to a checkpoint: `updates=n` the
+        next n optimizer updates (`range(a, b)`: updates a..b-1 counted from the next one, 0), or `positions=` (a
+        range or integers) of `epoch` (default: the epoch the next batch comes from). The skipped samples are
+        committed as "skipped on request": never served, recorded in the state (and by the ledger, which the audit
+        reports in a column of their own), and every other sample stays exactly once at any world size.
+
+        Call it alike on every rank, between optimizer updates (a rank that differs is refused at the next merge,
+        naming it). It supersedes the active iterator: iterate a new one. Returns the skipped position intervals."""
+        if self._stream is not None:
+            raise TypeError("skip() needs sample positions, which an IterableDataset does not have")
+        self._resolve_rank_and_world()  # updates count global batches of the world size the job runs at
+        self._settle()
+        spans = self.resumable_sampler.skip(epoch, positions, updates)
+        self._supersede()
+        return spans
+
     def load_state_dict(self, state) -> None:
         """A merged state (see `merge_states`), the list of all ranks' states, or one rank's state (standing for
         every rank in lockstep), saved at any world size. It supersedes the active iterator.

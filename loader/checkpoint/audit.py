@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import sys
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Iterator, Sequence
 
 import numpy as np
 
-from loader.checkpoint.ledger import Record, read_ledger
+from loader.checkpoint.ledger import Record, read_dropped, read_ledger
 
 GROUP_CHUNK = 1 << 18  # indices grouped per call: bounds the memory a grouping function may take
 
@@ -26,6 +26,7 @@ class Grouping:
     names: Sequence[str]
     of: Callable[[np.ndarray], np.ndarray]  # dataset indices -> group numbers
     num_samples: int  # the dataset length it groups: the ledger's must be the same
+    notes: Sequence[str] = ()  # lines printed above the table, e.g. where a mixture's schedule changed
 
 
 @dataclass(frozen=True)
@@ -39,6 +40,7 @@ class GroupAudit:
     duplicated: int
     dropped: int
     failed: int
+    requested: int = 0  # skipped on request (`loader.skip`)
 
 
 @dataclass(frozen=True)
@@ -52,15 +54,19 @@ class EpochAudit:
     dropped: int
     failed: np.ndarray  # samples of batches whose loading raised: consumed, never trained, never served again
     groups: tuple[GroupAudit, ...] = ()
+    requested: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # skipped on request
+    served_anyway: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # skipped on request, yet
+    # delivered: a skip the loader did not keep
 
     @property
     def clean(self) -> bool:
-        return not len(self.skipped) and not len(self.duplicated)
+        return not len(self.skipped) and not len(self.duplicated) and not len(self.served_anyway)
 
     @property
     def not_yet_seen(self) -> int:
         """Samples of an unfinished epoch that no counted step delivered yet (of a finished one: the skipped)."""
-        return self.expected - self.seen_once - len(self.duplicated) - self.dropped - len(self.failed)
+        return (self.expected - self.seen_once - len(self.duplicated) - self.dropped - len(self.failed)
+                - len(self.requested) + len(self.served_anyway))
 
 
 def _by_group(grouping: Grouping, counts: np.ndarray, **offending: np.ndarray) -> tuple[GroupAudit, ...]:
@@ -75,7 +81,8 @@ def _by_group(grouping: Grouping, counts: np.ndarray, **offending: np.ndarray) -
         indices = np.arange(low, min(low + GROUP_CHUNK, len(counts)))
         expected += tally(indices)
         seen_once += tally(indices[counts[indices] == 1])
-    columns = zip(expected, seen_once, *(tally(offending[k]) for k in ("skipped", "duplicated", "dropped", "failed")))
+    kinds = ("skipped", "duplicated", "dropped", "failed", "requested")
+    columns = zip(expected, seen_once, *(tally(offending[k]) for k in kinds))
     return tuple(GroupAudit(name, *map(int, row)) for name, row in zip(grouping.names, columns))
 
 
@@ -96,24 +103,26 @@ def audit(run_dir, grouping: Grouping | None = None) -> list[EpochAudit]:
     if grouping is not None and grouping.num_samples != num_samples:
         raise ValueError(f"the grouping describes a dataset of {grouping.num_samples} samples, the ledger of {run_dir} "
                          f"one of {num_samples}: pass the one this run trained on")
-    return audit_records(records, dropped, num_samples, grouping)
+    return audit_records(records, dropped, num_samples, grouping, read_dropped(run_dir, "skipped"))
 
 
 def audit_records(records: list[Record], dropped: dict[int, np.ndarray], num_samples: int,
-                  grouping: Grouping | None = None) -> list[EpochAudit]:
-    """The audit of the records that count (`read_ledger`'s)."""
-    report = []
-    for epoch, counts, failed in tally(records, dropped, num_samples):
+                  grouping: Grouping | None = None, requested: dict[int, np.ndarray] | None = None) -> list[EpochAudit]:
+    """The audit of the records that count (`read_ledger`'s), with the indices skipped on request per epoch."""
+    report, requested = [], requested or {}
+    for epoch, counts, failed in tally(records, set(dropped) | set(requested), num_samples):
         finished = epoch in dropped
+        asked = np.unique(requested.get(epoch, np.zeros(0, np.int64)))
         unseen = np.ones(num_samples, dtype=bool)
         unseen[counts > 0] = False
         unseen[failed] = False
+        unseen[asked] = False
         if finished:
             unseen[dropped[epoch]] = False
         skipped = np.nonzero(unseen)[0] if finished else np.zeros(0, np.int64)
         duplicated, dropped_here = np.nonzero(counts > 1)[0], dropped.get(epoch, np.zeros(0, np.int64))
         groups = () if grouping is None else _by_group(grouping, counts, skipped=skipped, duplicated=duplicated,
-                                                       dropped=dropped_here, failed=failed)
+                                                       dropped=dropped_here, failed=failed, requested=asked)
         report.append(EpochAudit(
             epoch=epoch,
             expected=num_samples,
@@ -124,6 +133,8 @@ def audit_records(records: list[Record], dropped: dict[int, np.ndarray], num_sam
             dropped=len(dropped_here),
             failed=failed,
             groups=groups,
+            requested=asked,
+            served_anyway=asked[counts[asked] > 0],
         ))
     return report
 
@@ -135,7 +146,8 @@ def _listed(indices: np.ndarray, limit: int, describe: Callable[[int], str]) -> 
 
 EXACTLY_ONCE, FAILED, NO_LEDGER, UNFINISHED = 0, 1, 2, 3  # the exit statuses of `python -m loader audit`
 EXIT_STATUSES = f"""exit statuses:
-  {EXACTLY_ONCE}: every epoch finished, every sample exactly once (failed-to-load samples listed, not trained)
+  {EXACTLY_ONCE}: every epoch finished, every sample exactly once (failed-to-load and skipped-on-request samples
+     listed, not trained)
   {FAILED}: a sample was skipped or duplicated
   {NO_LEDGER}: no ledger to audit (no such directory, or a run without a Ledger attached)
   {UNFINISHED}: an epoch unfinished, nothing duplicated so far (the job stopped mid-epoch, or is still running)"""
@@ -151,23 +163,29 @@ def main(run_dir: str, limit: int = 20, describe: Callable[[int], str] = str, gr
     except (OSError, ValueError) as err:
         print(f"audit: {err}", file=sys.stderr)
         return NO_LEDGER
+    for note in () if grouping is None else grouping.notes:
+        print(note)
     print(f"{'epoch':>5} {'state':>11} {'expected':>9} {'seen once':>10} {'skipped':>8} {'duplicated':>11} "
-          f"{'dropped by policy':>18} {'failed to load':>15}")
+          f"{'dropped by policy':>18} {'failed to load':>15} {'skipped on request':>19}")
     for e in report:
         skipped = str(len(e.skipped)) if e.finished else "-"
         print(f"{e.epoch:>5} {'finished' if e.finished else 'in progress':>11} {e.expected:>9} {e.seen_once:>10} "
-              f"{skipped:>8} {len(e.duplicated):>11} {e.dropped:>18} {len(e.failed):>15}")
+              f"{skipped:>8} {len(e.duplicated):>11} {e.dropped:>18} {len(e.failed):>15} {len(e.requested):>19}")
         for g in e.groups:
             print(f"{'':>5} {g.name:>11} {g.expected:>9} {g.seen_once:>10} {g.skipped if e.finished else '-':>8} "
-                  f"{g.duplicated:>11} {g.dropped:>18} {g.failed:>15}")
+                  f"{g.duplicated:>11} {g.dropped:>18} {g.failed:>15} {g.requested:>19}")
         if len(e.skipped):
             print(f"      skipped indices: {_listed(e.skipped, limit, describe)}")
         if len(e.duplicated):
             print(f"      duplicated indices: {_listed(e.duplicated, limit, describe)}")
         if len(e.failed):
             print(f"      failed to load (consumed, not trained): {_listed(e.failed, limit, describe)}")
+        if len(e.requested):
+            print(f"      skipped on request (never served, not trained): {_listed(e.requested, limit, describe)}")
+        if len(e.served_anyway):
+            print(f"      served although skipped on request: {_listed(e.served_anyway, limit, describe)}")
     if not all(e.clean for e in report):
-        print("audit: FAILED (samples skipped or duplicated)")
+        print("audit: FAILED (samples skipped or duplicated, or served although skipped on request)")
         return FAILED
     unfinished = [e for e in report if not e.finished]
     for e in unfinished:
@@ -175,9 +193,11 @@ def main(run_dir: str, limit: int = 20, describe: Callable[[int], str] = str, gr
               f"{e.not_yet_seen} not yet seen, none duplicated (the job stopped mid-epoch, or is still running)")
     if unfinished:
         return UNFINISHED
-    failed = sum(len(e.failed) for e in report)
+    failed, requested = sum(len(e.failed) for e in report), sum(len(e.requested) for e in report)
     if failed:
         print(f"audit: nothing skipped or duplicated; {failed} sample(s) failed to load and were not trained")
     else:
         print("audit: every sample exactly once")
+    if requested:
+        print(f"audit: {requested} sample(s) skipped on request, never served")
     return EXACTLY_ONCE

@@ -6,7 +6,8 @@ the optimizer step its batch feeds, so when a later generation resumes from step
 earlier ones are the replayed steps and are discarded by the reader (`read_ledger`); nothing is rewritten in place.
 
 Layout under RUN_DIR/ledger/: gen-NNNNNN/meta.json and gen-NNNNNN/rank-NNNNN.bin (one append-only file per rank),
-and dropped/epoch-NNNNNN.npy (indices dropped by policy when an epoch finished).
+dropped/epoch-NNNNNN.npy (indices dropped by policy when an epoch finished) and skipped/epoch-NNNNNN.npy (indices
+skipped on request, `ResumableDataLoader.skip`, as the newest checkpoint's progress holds them).
 
 Jobs that keep training through membership changes (torchft) never restart as a whole, so no generation supersedes
 another: each process opens an *attempts* generation of its own (`Ledger.open_attempts`), and a step counts by the
@@ -100,21 +101,35 @@ class Ledger:
         self._file.write(_HEADER.pack(self.step + 1 if step is None else step, epoch, len(ids), flags) + ids.tobytes())
 
     def record_finished(self, progress: dict, loader) -> None:
-        """Store the indices dropped by policy of the epochs a merged progress reports finished (rank 0)."""
+        """Store the indices dropped by policy of the epochs a merged progress reports finished, and those skipped
+        on request (`loader.skip`) of the epochs it holds, as that progress has them (rank 0, with the
+        checkpoint: a skip lost with a later checkpoint is no longer recorded either)."""
         order = loader.resumable_sampler.order
-        root = _ledger_dir(self.run_dir) / "dropped"
-        root.mkdir(parents=True, exist_ok=True)
         for record in progress.get("finished", []):
-            spans = np.asarray(record["dropped"], dtype=np.int64).reshape(-1, 2)
-            positions = np.concatenate([np.arange(a, b) for a, b in spans] + [np.zeros(0, np.int64)])
-            target = root / f"epoch-{record['epoch']:06d}.npy"
+            target = _ledger_dir(self.run_dir) / "dropped" / f"epoch-{record['epoch']:06d}.npy"
             if not target.exists():
-                tmp = root / f"epoch-{record['epoch']:06d}.{os.getpid()}.tmp.npy"  # writers may race (torchft)
-                np.save(tmp, order.for_epoch(record["epoch"])(positions))
-                os.replace(tmp, target)
+                _save_indices(target, order, record["epoch"], record["dropped"])
+        skipped = dict(progress.get("skipped", []))
+        held = {e for e, _ in progress.get("committed", [])} | {r["epoch"] for r in progress.get("finished", [])}
+        for epoch in sorted(held | set(skipped)):
+            target = _ledger_dir(self.run_dir) / "skipped" / f"epoch-{epoch:06d}.npy"
+            if epoch in skipped:
+                _save_indices(target, order, epoch, skipped[epoch])
+            elif target.exists():
+                target.unlink()
 
     def close(self) -> None:
         self._file.close()
+
+
+def _save_indices(target: Path, order, epoch: int, flat_spans: list) -> None:
+    """The dataset indices at these positions of the epoch, written atomically."""
+    spans = np.asarray(flat_spans, dtype=np.int64).reshape(-1, 2)
+    positions = np.concatenate([np.arange(a, b) for a, b in spans] + [np.zeros(0, np.int64)])
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_suffix(f".{os.getpid()}.tmp.npy")  # writers may race (torchft)
+    np.save(tmp, order.for_epoch(epoch)(positions))
+    os.replace(tmp, target)
 
 
 def _new_generation(run_dir, resumed_step: int, world_size: int, num_samples: int, attempts: str | None = None) -> Path:
@@ -218,10 +233,11 @@ def _attempt_records(generations: list[tuple[Generation, Path]]) -> list[Record]
             for number, step, epoch, ids, flags, key in tried]
 
 
-def read_dropped(run_dir) -> dict[int, np.ndarray]:
-    """The indices dropped by policy, per finished epoch (an epoch is finished when its record exists)."""
+def read_dropped(run_dir, kind: str = "dropped") -> dict[int, np.ndarray]:
+    """The indices dropped by policy, per finished epoch (an epoch is finished when its record exists); with
+    kind="skipped", those skipped on request, per epoch."""
     return {
-        int(p.stem[6:]): np.load(p) for p in sorted((_ledger_dir(run_dir) / "dropped").glob("epoch-[0-9]*[0-9].npy"))
+        int(p.stem[6:]): np.load(p) for p in sorted((_ledger_dir(run_dir) / kind).glob("epoch-[0-9]*[0-9].npy"))
     }
 
 

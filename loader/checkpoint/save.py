@@ -212,6 +212,13 @@ def _fingerprint_of(loader) -> dict | None:
     return None if sampler is None else sampler.order.fingerprint()
 
 
+def _before_change(loader) -> str | None:
+    """The dataset's fingerprint before a change it declares (a Mixture's `amends=`): a checkpoint saved under it
+    resumes, its progress checked against the change (`check_change`)."""
+    before = getattr(loader.dataset, "fingerprint_before_change", None)
+    return before() if callable(before) else None
+
+
 def _dataset_fingerprint(loader) -> str | None:
     """A source's own digest (e.g. WebDataset shard names and sizes), when it has one."""
     fingerprint = getattr(loader.dataset, "fingerprint", None)
@@ -509,7 +516,7 @@ def _check_manifest(path: Path, loader) -> int:
     except StateError as err:
         raise CheckpointError(str(err)) from None
     saved_dataset, current_dataset = extra.get("dataset"), _dataset_fingerprint(loader)
-    if None not in (saved_dataset, current_dataset) and saved_dataset != current_dataset:
+    if None not in (saved_dataset, current_dataset) and saved_dataset not in (current_dataset, _before_change(loader)):
         raise CheckpointError(
             f"checkpoint {path}: dataset fingerprint is {saved_dataset!r} in the checkpoint but {current_dataset!r} "
             f"here: the source's shards (names, sample counts or sample keys) changed; resume with the shards of the "
@@ -529,6 +536,9 @@ def _read_small_parts(path: Path, loader, scheduler, scaler, group) -> dict:
     progress = _json(state["loader"]["progress"], "the loader progress")
     try:
         _check_progress(loader, progress)
+        before = _before_change(loader)
+        if before is not None and verify(path, check_checksums=False).extra.get("dataset") == before:
+            loader.dataset.check_change(progress)
     except StateError as err:
         raise CheckpointError(f"checkpoint {path}: the loader progress does not fit this run: {err}") from None
     rng = _json(state["rng"]["all"], "the RNG states")

@@ -29,4 +29,6 @@ def by_source(plan_path: str) -> tuple[audit.Grouping, object]:
         (source,), (index,) = plan.locate([position])
         return f"{position} ({plan.names[source]}:{index})"
 
-    return audit.Grouping(plan.names, plan.source_of, plan.num_samples), describe
+    notes = [f"mixture schedule changed at position {k * plan.window} (window {k}): positions before it follow the "
+             f"plan before the change" for k in plan.changes]
+    return audit.Grouping(plan.names, plan.source_of, plan.num_samples, notes), describe

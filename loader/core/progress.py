@@ -48,6 +48,24 @@ def complement(intervals: np.ndarray, n: int) -> np.ndarray:
     return normalize(np.stack((starts, stops), axis=1))
 
 
+def difference(intervals: np.ndarray, other: np.ndarray, n: int) -> np.ndarray:
+    """A normalized interval set inside [0, n) minus another."""
+    return complement(union(complement(intervals, n), other), n)
+
+
+def spans_of(positions) -> np.ndarray:
+    """Positions as intervals: a range of step 1 in O(1) (range(0, 10**12) is one interval), else any integers."""
+    if isinstance(positions, range) and positions.step == 1:
+        return normalize([[positions.start, positions.stop]])
+    values = np.unique(np.asarray(positions, dtype=np.int64).reshape(-1))
+    if not len(values):
+        return EMPTY
+    cuts = np.nonzero(np.diff(values) != 1)[0] + 1
+    starts = values[np.concatenate(([0], cuts))]
+    stops = values[np.concatenate((cuts - 1, [len(values) - 1]))] + 1
+    return np.stack((starts, stops), axis=1)
+
+
 class Remaining:
     """The positions of an epoch that are not committed, addressed by remaining index j = 0, 1, ...
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import copy
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Iterator
 
 import numpy as np
@@ -18,8 +18,9 @@ import numpy as np
 from loader.core.checks import check_rank, is_int
 from loader.core.order import EpochOrder, Order
 from loader.core.partition import EpochPlan, Layout
-from loader.core.progress import Remaining, whole
-from loader.core.state import Progress, base_digest, check_fingerprint, progress_of, rank_state
+from loader.core.progress import EMPTY, Remaining, difference, spans_of, union, whole
+from loader.core.state import (MAX_EPOCHS_AHEAD, Progress, RankProgress, base_digest, check_fingerprint, merge,
+                                progress_of, rank_state, short)
 
 CHUNK_SAMPLES = 8192  # ids computed per vectorised call: amortises numpy's per-call cost (~40 us a chunk), keeps
 # the first batch fast (< 1 ms) and the working set small (~0.3 MB)
@@ -264,8 +265,63 @@ class ResumableSampler:
         as it was."""
         progress = progress_of(state)
         check_fingerprint(progress.fingerprint, self.order.fingerprint())
+        self._restore(progress)
+
+    def _restore(self, progress: Progress) -> None:
         self.delivered_any = False
         if progress.end_of_epoch is not None:  # every rank sat at the end of the epoch before progress.epoch
             self._start_epoch(progress.epoch - 1, progress, ended=progress.end_of_epoch)
         else:
             self._start_epoch(progress.epoch, progress)
+
+    def skip(self, epoch: int | None = None, positions=None, updates: int | range | None = None) -> np.ndarray:
+        """Commit positions of `epoch` (default: the epoch the next batch comes from) as skipped on request: never
+        dealt, never trained, recorded in the progress. `updates`: updates counted from the next one (an int n:
+        the next n; a range); `positions`: epoch positions. From the progress this rank stands at, which stands
+        for every rank: call it alike on every rank, between optimizer updates (a rank that differs shows at the
+        merge, as a state of another base). Checked before anything changes; returns the intervals skipped."""
+        if self.view().plan.completed(self._position) != self._position:
+            raise ValueError("skip() in the middle of an optimizer update: call it after the update's last "
+                             "micro-batch (loader.update_complete) and the optimizer step")
+        current = merge([RankProgress.from_dict(self.state_dict())])
+        epoch = current.epoch if epoch is None else epoch
+        if not is_int(epoch) or not current.epoch <= epoch <= current.epoch + MAX_EPOCHS_AHEAD:
+            raise ValueError(f"skip(epoch={epoch!r}): epochs before {current.epoch} are finished; pass an epoch in "
+                             f"[{current.epoch}, {current.epoch + MAX_EPOCHS_AHEAD}]")
+        n, committed = self.order.num_samples, current.committed_in(epoch)
+        spans = _positions_to_skip(committed, n, self.layout.global_batch, epoch, positions, updates)
+        skipped = {**current.skipped, epoch: union(current.skipped.get(epoch, EMPTY), spans)}
+        self._restore(replace(current, committed={**current.committed, epoch: union(committed, spans)},
+                              skipped=skipped))
+        return spans
+
+
+def _positions_to_skip(committed: np.ndarray, n: int, global_batch: int, epoch: int, positions, updates) -> np.ndarray:
+    """The intervals `skip` commits: each position of [0, n) not committed yet, or the remaining positions that
+    updates [a, b) from the next one would take (update g: remaining indices [g G, (g + 1) G), the last one short)."""
+    if (positions is None) == (updates is None):
+        raise ValueError("skip() takes updates= (the next n updates, or a range of them counted from the next) or "
+                         "positions= (positions of the epoch), one of them")
+    if updates is not None:
+        steps = range(updates) if is_int(updates) else updates
+        remaining = Remaining(committed, n)
+        if not isinstance(steps, range) or steps.step != 1 or not 0 <= steps.start < steps.stop:
+            raise ValueError(f"skip(updates={updates!r}): pass a positive int or a non-empty range(a, b) of updates "
+                             f"counted from the next one (0)")
+        if steps.stop > -(-remaining.count // global_batch):
+            raise ValueError(f"skip(updates={updates!r}): epoch {epoch} has {remaining.count} positions left, "
+                             f"{-(-remaining.count // global_batch)} updates of {global_batch} at most")
+        span = [[steps.start * global_batch, min(steps.stop * global_batch, remaining.count)]]
+        return difference(remaining.covering_spans(span), committed, n)
+    if not isinstance(positions, range) and np.asarray(positions).dtype.kind not in "iu":
+        raise ValueError(f"skip(positions=...): positions must be one or more ints (a range, a list, an int array), got "
+                         f"{short(positions)}")
+    spans = spans_of(positions)
+    if not len(spans) or spans[0, 0] < 0 or spans[-1, 1] > n:
+        raise ValueError(f"skip(positions=...): positions must be in epoch {epoch}'s [0, {n}), at least one, got "
+                         f"{short(positions)}")
+    overlap = difference(spans, difference(spans, committed, n), n)
+    if len(overlap):
+        raise ValueError(f"skip(positions=...): positions [{overlap[0, 0]}, {overlap[0, 1]}) of epoch {epoch} are "
+                         f"already committed (trained, or skipped before): skip positions not committed yet")
+    return spans

@@ -16,7 +16,7 @@ import hashlib
 import itertools
 import json
 import reprlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Callable
 
@@ -168,6 +168,9 @@ class Progress:
     done_in_epoch: int = 0  # micro-batches per rank delivered in the cursor's epoch up to here (the most any rank
     # did, across restarts): what a framework's restored batch counter holds, so len() adds them back
     samples_done_in_epoch: int = 0  # the same in samples, for len(loader.sampler)
+    skipped: dict[int, np.ndarray] = field(default_factory=dict)  # positions skipped on request (`skip`), per
+    # epoch: committed, so never dealt, but never trained; kept for the epochs from `epoch` on and those `finished`
+    # lists, so that the ledger records them with the checkpoint
 
     @property
     def cursor_epoch(self) -> int:
@@ -199,6 +202,8 @@ class Progress:
             "end_of_epoch": None if self.end_of_epoch is None else {"epoch": self.epoch - 1, "ended": self.end_of_epoch},
             "done_in_epoch": self.done_in_epoch,
             "samples_done_in_epoch": self.samples_done_in_epoch,
+            **({"skipped": [[e, intervals_to_json(spans)] for e, spans in sorted(self.skipped.items())]}
+               if self.skipped else {}),  # absent when empty: a state without skips reads as before them
         }
 
     @classmethod
@@ -246,7 +251,29 @@ class Progress:
                 f"{where} reports {done} micro-batches and {samples_done} samples done in its epoch, which has "
                 f"{in_cursor_epoch} committed positions: the state is corrupted"
             )
-        return cls(fingerprint, epoch, committed, finished, end, done, samples_done)
+        skipped = _skipped_from(_get(state, "skipped", list, where, default=[]), committed, finished, epoch, n, where)
+        return cls(fingerprint, epoch, committed, finished, end, done, samples_done, skipped)
+
+
+def _skipped_from(entries: list, committed: dict, finished: tuple, epoch: int, n: int, where: str) -> dict:
+    """Skipped positions per epoch: each of an epoch this progress commits (and inside what it commits) or of one
+    its `finished` lists."""
+    _check_count(entries, f"{where}.skipped")
+    done = {e for e, _ in finished}
+    for entry in entries:
+        if not (isinstance(entry, list) and len(entry) == 2 and is_int(entry[0])
+                and (entry[0] in done or epoch <= entry[0] <= epoch + MAX_EPOCHS_AHEAD)):
+            raise StateError(f"{where}.skipped entries must be [epoch, intervals] of an epoch it commits or lists "
+                             f"finished, got {short(entry)}: the state is corrupted")
+    epochs = [entry[0] for entry in entries]
+    if len(set(epochs)) < len(epochs):
+        raise StateError(f"{where}.skipped lists an epoch twice: the state is corrupted")
+    spans = intervals_from_json([entry[1] for entry in entries], n, lambda i: f"{where}.skipped[epoch {epochs[i]}]")
+    for e, skipped in zip(epochs, spans):
+        if e >= epoch and total(union(committed.get(e, EMPTY), skipped)) != total(committed.get(e, EMPTY)):
+            raise StateError(f"{where}.skipped[epoch {e}] holds positions its committed list does not: skipped "
+                             f"positions are committed (never dealt); the state is corrupted")
+    return dict(zip(epochs, spans))
 
 
 def _check_count(entries: list, where: str) -> None:
@@ -444,8 +471,11 @@ def merge(ranks: list[RankProgress], uneven: bool = False) -> Progress:
     if cursor in plans:
         done = _done_in(plans[cursor], _completed_in(plans[cursor], cursor, epochs, counts), [r.rank for r in ranks])
     before = (base.done_in_epoch, base.samples_done_in_epoch) if cursor == base.cursor_epoch else (0, 0)
-    return Progress(base.fingerprint, epoch, committed, tuple(finished) or base.finished, end_of_epoch,
-                    before[0] + done[0], before[1] + done[1])
+    finished = tuple(finished) or base.finished
+    listed = {e for e, _ in finished}
+    skipped = {e: spans for e, spans in base.skipped.items() if e >= epoch or e in listed}
+    return Progress(base.fingerprint, epoch, committed, finished, end_of_epoch, before[0] + done[0],
+                    before[1] + done[1], skipped)
 
 
 def _different_steps(ranks: list[RankProgress], completed: np.ndarray, epoch: int) -> StateError:
@@ -486,7 +516,9 @@ def merge_rank_states(states: list[dict], uneven: bool = False) -> dict:
             if not same:
                 raise StateError(
                     f"states[{i}] (rank {r.rank}) has another {name} than states[0] (rank {first.rank}): "
-                    f"pass the states of one step of one run"
+                    f"pass the states of one step of one run" + (
+                        f" (or: loader.skip() was not called alike on ranks {first.rank} and {r.rank}: call it "
+                        f"with the same arguments on every rank, after the same update)" if name == "base" else "")
                 )
     _check_ranks([r.rank for r in ranks], first.layout.world_size)
     return merge(sorted(ranks, key=lambda r: r.rank), uneven).to_dict()
@@ -543,7 +575,8 @@ def attach_base(states: list[dict], base: dict) -> list[dict]:
             if _get(state, "base", dict, f"states[{i}]").get("digest") != digest:
                 raise StateError(
                     f"states[{i}] (rank {short(state.get('rank'))}) started from another progress than this rank: "
-                    f"every rank must load the same checkpoint before training"
+                    f"every rank must load the same checkpoint before training, and call loader.skip() alike (the "
+                    f"same arguments, after the same update)"
                 )
             state = {**state, "base": base}
         attached.append(state)

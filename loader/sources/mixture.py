@@ -13,17 +13,24 @@ loader.core.order.epoch_round_keys): a source that runs out continues with its n
 source's draws in position order, each run [e * len_s, (e + 1) * len_s) is a permutation.
 Numbering draws in position order (not in the permuted order) is what keeps a source epoch that ends inside a
 window from lending one of its draws to the next epoch.
+
+A schedule makes counts[s] a function of the window k, piece by piece: constant, or a linear ramp from count vector
+A to B over L windows, whose window j holds c_s(j) = A_s + floor(P_s j / L) - floor(P_{s-1} j / L), where P_s is the
+sum of (B_t - A_t) over t <= s: each c_s(j) is the floor or the ceiling of A_s + (B_s - A_s) j / L, and they sum to M.
+Draw numbers then start at C_s(k), the sum of c_s over the windows before k: a floor sum, O(log L) in closed form
+(`_floor_sum`), so a position near 1e12 costs what position 0 does. A change of schedule keeps the pieces before its
+window and continues with the new schedule's from there; C_s runs on across it, so no draw repeats or is left out.
 """
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import json
 import os
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from itertools import accumulate
 from typing import Any
 
@@ -31,33 +38,49 @@ import numpy as np
 import torch
 import torch.utils.data
 
-from loader.core.checks import check_num_samples, check_positive_int, is_int
+from loader.core.checks import MAX_SAMPLES, check_num_samples, check_positive_int, is_int
 from loader.core.order import ORDER_VERSION, epoch_round_keys, permute, window_arrangements
 from loader.core.rows import Rows
+from loader.core.state import StateError, progress_of
 from loader.sources.tokens import TokenSource
 
-__all__ = ["MAX_WINDOW", "Mixture", "MixturePlan", "window_counts"]
+__all__ = ["MAX_WINDOW", "Mixture", "MixturePlan", "Piece", "schedule_pieces", "window_counts"]
 
 MAX_WINDOW = 10_000  # the default window is the smallest M <= this that represents every weight exactly
 LARGEST_WINDOW = 1 << 20  # a window's slot table is O(M) per process
 BLOCK = 2048  # positions mapped per vectorised call when access is sequential (the usual shuffle=False case): a
 # block costs ~50 numpy calls, and its temporaries stay within 1 MB
 PLAN_KIND, PLAN_VERSION = "loader.MixturePlan", 1
+SCHEDULED_VERSION = 2  # a plan with a schedule: a release that reads version 1 only refuses it, never ignores it
 _EXACT = 1e-6  # a weight times M within this of an integer counts as exact (weights written with 6 decimals)
 
 
-def window_counts(weights: Sequence[float], window: int | None = None) -> tuple[int, ...]:
-    """Slots of each source per window: the normalised weights times M, rounded by largest remainder (ties to the
-    earlier source), so each count is within one of w * M and they sum to M. Without `window`, M is the smallest
-    size up to MAX_WINDOW at which every w * M is a whole number, else MAX_WINDOW."""
-    w = np.asarray(weights, dtype=float)
-    if w.ndim != 1 or not len(w) or not np.isfinite(w).all() or (w <= 0).any():
-        raise ValueError(f"weights must be positive finite numbers, one per source, got {list(weights)!r}")
-    w = w / w.sum()
-    if window is None:
-        sizes = np.arange(1, MAX_WINDOW + 1)[:, None] * w
-        exact = np.nonzero((np.abs(sizes - np.round(sizes)) <= _EXACT).all(axis=1))[0]
-        window = int(exact[0]) + 1 if len(exact) else MAX_WINDOW
+def _normalised(weights, where: str = "weights", zero_ok: bool = False) -> np.ndarray:
+    """Weights as fractions of one; a schedule's may hold zeros (a source not drawn yet), a fixed mixture's not."""
+    try:
+        w = np.asarray(weights, dtype=float)
+    except (TypeError, ValueError):
+        w = np.zeros(0)
+    sign_ok = (w >= 0).all() and w.sum() > 0 if zero_ok else (w > 0).all()
+    if w.ndim != 1 or not len(w) or not np.isfinite(w).all() or not sign_ok:
+        what = "non-negative finite numbers, not all zero" if zero_ok else "positive finite numbers"
+        raise ValueError(f"{where} must be {what}, one per source, got {weights!r}")
+    return w / w.sum()
+
+
+def _smallest_window(rows: np.ndarray) -> int:
+    """The smallest M <= MAX_WINDOW at which every weight of every row times M is a whole number, else MAX_WINDOW
+    (a row at a time: a schedule of many segments costs no more memory than one weight vector)."""
+    exact = np.ones(MAX_WINDOW, dtype=bool)
+    for row in np.reshape(rows, (-1, np.shape(rows)[-1])):
+        sizes = np.arange(1, MAX_WINDOW + 1)[:, None] * row
+        exact &= (np.abs(sizes - np.round(sizes)) <= _EXACT).all(axis=1)
+    found = np.nonzero(exact)[0]
+    return int(found[0]) + 1 if len(found) else MAX_WINDOW
+
+
+def _apportion(w: np.ndarray, window: int) -> tuple[int, ...]:
+    """Largest remainder (ties to the earlier source): each count within one of w * window, summing to window."""
     check_positive_int("window", window)
     if window > LARGEST_WINDOW:
         raise ValueError(f"window={window}: each process builds a window's slot table, O(window) memory; pass a "
@@ -68,6 +91,118 @@ def window_counts(weights: Sequence[float], window: int | None = None) -> tuple[
     return tuple(int(c) for c in counts)
 
 
+def window_counts(weights: Sequence[float], window: int | None = None) -> tuple[int, ...]:
+    """Slots of each source per window: the normalised weights times M, rounded by largest remainder (ties to the
+    earlier source), so each count is within one of w * M and they sum to M. Without `window`, M is the smallest
+    size up to MAX_WINDOW at which every w * M is a whole number, else MAX_WINDOW."""
+    w = _normalised(weights)
+    return _apportion(w, _smallest_window(w) if window is None else window)
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Windows [start, next piece's start) of a schedule: counts `first` at window `anchor`, moving linearly to
+    `last` at window anchor + ramp (a constant piece: first == last). A piece that a change of schedule cut keeps
+    its anchor, so its windows hold what the uncut ramp held there."""
+
+    start: int
+    anchor: int
+    ramp: int
+    first: tuple[int, ...]
+    last: tuple[int, ...]
+
+    def to_json(self) -> dict:
+        return {"start": self.start, "anchor": self.anchor, "ramp": self.ramp, "from": list(self.first),
+                "to": list(self.last)}
+
+    @cached_property
+    def _steps(self) -> list[int]:
+        """P_s = sum over t <= s of (last_t - first_t), with P_{-1} = 0 in front (see the module docstring)."""
+        return [0, *accumulate(b - a for a, b in zip(self.first, self.last))]
+
+    def counts(self, windows: np.ndarray) -> np.ndarray:
+        """Counts (len(windows), sources) at windows of this piece, exactly (Python ints: P_s * j may pass 2**63)."""
+        j = (np.asarray(windows, dtype=np.int64) - self.anchor).astype(object)[:, None]
+        floors = (j * np.array(self._steps, dtype=object)[None, :]) // self.ramp
+        return (np.array(self.first, dtype=object)[None, :] + floors[:, 1:] - floors[:, :-1]).astype(np.int64)
+
+    def drawn(self, window: int) -> list[int]:
+        """Each source's slots in this piece's formula over windows [anchor, window), in closed form."""
+        j = window - self.anchor
+        floors = [_floor_sum(j, self.ramp, step) for step in self._steps]
+        return [a * j + hi - lo for a, hi, lo in zip(self.first, floors[1:], floors[:-1])]
+
+
+def _floor_sum(n: int, m: int, a: int) -> int:
+    """sum of floor(a * i / m) for i in [0, n), any sign of a, m > 0: the Euclid-like reduction, O(log m) steps."""
+    total, b = 0, 0
+    if a < 0:  # floor(a i / m) = floor((a mod m) i / m) - ((a mod m) - a) / m * i
+        total -= n * (n - 1) // 2 * ((a % m - a) // m)
+        a %= m
+    while n:
+        total += n * (n - 1) // 2 * (a // m) + n * (b // m)
+        a, b = a % m, b % m
+        top = a * n + b
+        if top < m:
+            break
+        n, b, m, a = top // m, top % m, a, m
+    return total
+
+
+SEGMENT_FIELDS = ({"weights"}, {"from", "to"})  # a constant segment, a linear ramp; each with "windows"
+
+
+def schedule_pieces(schedule: Sequence[dict], sources: int, window: int | None) -> tuple[int, tuple[Piece, ...]]:
+    """The window M and the pieces of a schedule: a JSON-like list of segments, each {"weights": [...]} (constant)
+    or {"from": [...], "to": [...]} (a linear ramp, which reaches "to" at the window after its last), with
+    "windows": how many windows it lasts (only the last segment may leave it out: to the end). After a last segment
+    with "windows", its final weights hold. Every weight vector is realised as counts of M by largest remainder;
+    errors name the segment and the field."""
+    if isinstance(schedule, (str, bytes, dict)) or not isinstance(schedule, Sequence) or not schedule:
+        raise ValueError(f"schedule must be a non-empty list of segments ({{\"weights\": [...], \"windows\": n}} or "
+                         f"{{\"from\": [...], \"to\": [...], \"windows\": n}}), got {schedule!r}")
+    segments = []
+    for i, segment in enumerate(schedule):
+        where = f"schedule[{i}]"
+        keys = set(segment) - {"windows"} if isinstance(segment, dict) else None
+        if keys not in SEGMENT_FIELDS:
+            raise ValueError(f"{where} must be a dict with \"weights\" (constant) or \"from\" and \"to\" (a linear "
+                             f"ramp), and \"windows\", got {segment!r}")
+        vectors = []
+        for k in (k for k in ("weights", "from", "to") if k in segment):
+            vectors.append(_normalised(segment[k], f"{where}.{k}", zero_ok=True))
+            if len(vectors[-1]) != sources:
+                raise ValueError(f"{where}.{k} has {len(vectors[-1])} weights for {sources} sources: pass one per "
+                                 f"source")
+        length = segment.get("windows")
+        if length is None and (i < len(schedule) - 1 or "from" in segment):
+            raise ValueError(f"{where}.windows is missing: only a last constant segment may run to the end")
+        if length is not None and (not is_int(length) or not 0 < length <= MAX_SAMPLES):
+            raise ValueError(f"{where}.windows must be a positive int (windows of mix.window positions), got "
+                             f"{length!r}")
+        segments.append((vectors[0], vectors[-1], length))
+    if window is None:
+        window = _smallest_window(np.stack([w for first, last, _ in segments for w in (first, last)]))
+    pieces, start = [], 0
+    for first, last, length in segments:
+        a, b = _apportion(first, window), _apportion(last, window)
+        pieces.append(Piece(start, start, length if a != b else 1, a, b))
+        start += length or 0
+    if segments[-1][2] is not None:
+        pieces.append(Piece(start, start, 1, pieces[-1].last, pieces[-1].last))
+    return window, tuple(_merged(pieces))
+
+
+def _merged(pieces: list[Piece]) -> list[Piece]:
+    """Adjacent constant pieces of equal counts as one: the same windows, fewer pieces to search."""
+    out: list[Piece] = []
+    for piece in pieces:
+        if out and out[-1].ramp == piece.ramp == 1 and out[-1].first == out[-1].last == piece.first == piece.last:
+            continue
+        out.append(piece)
+    return out
+
+
 def _source_seed(seed: int, name: str) -> int:
     """Each source's own order seed, from the mixture seed and the source's name (not its place in the list)."""
     return int.from_bytes(hashlib.sha256(f"{seed}/{name}".encode()).digest()[:8], "little") >> 1
@@ -76,7 +211,8 @@ def _source_seed(seed: int, name: str) -> int:
 @dataclass(frozen=True)
 class MixturePlan:
     """The arithmetic of a mixture, without its data: which (source, index) sits at each position. Enough to
-    audit a run by source (`python -m loader audit RUN_DIR --mixture PLAN.json`); `save`/`load` as JSON."""
+    audit a run by source (`python -m loader audit RUN_DIR --mixture PLAN.json`); `save`/`load` as JSON. With a
+    `schedule`, the counts vary by window (`window_table`) and `counts` are window 0's."""
 
     names: tuple[str, ...]
     lengths: tuple[int, ...]
@@ -84,6 +220,8 @@ class MixturePlan:
     num_samples: int
     seed: int = 0
     shuffle: bool = True
+    schedule: tuple[Piece, ...] = ()  # empty: `counts` in every window; else the pieces, `counts` window 0's
+    changes: tuple[int, ...] = ()  # the windows at which the schedule was changed during the run
 
     def __post_init__(self) -> None:
         sources = len(self.names)
@@ -93,47 +231,115 @@ class MixturePlan:
             if len(values) != sources:
                 raise ValueError(f"{field}: {len(values)} values for {sources} sources")
             for name, value in zip(self.names, values):
-                if not is_int(value) or value <= 0:
+                if not is_int(value) or value < (0 if self.schedule and field == "counts" else 1):
                     what = "is empty" if field == "lengths" else "has no slot in a window: raise its weight or window="
                     raise ValueError(f"source {name!r} {what} ({field} {value!r})")
         check_num_samples("num_samples", self.num_samples, least=1)
         if not is_int(self.seed):
             raise ValueError(f"seed must be an int, got {self.seed!r}")
+        if self.schedule:
+            self._check_schedule()
+
+    def _check_schedule(self) -> None:
+        """Pieces from window 0 on, in order, each count vector of the window's size, a ramp ended before the next
+        piece, the last piece constant; changes at piece starts. A plan file is data: it is checked, not believed."""
+        pieces, m = self.schedule, self.window
+        for i, piece in enumerate(pieces):
+            where = f"schedule piece {i}"
+            ints = (piece.start, piece.anchor, piece.ramp)
+            if not all(is_int(v) and 0 <= v <= MAX_SAMPLES for v in ints) or piece.ramp < 1 \
+                    or piece.anchor > piece.start:
+                raise ValueError(f"{where}: start, anchor, ramp must be ints with anchor <= start and ramp >= 1, "
+                                 f"got {ints}")
+            for field, counts in (("from", piece.first), ("to", piece.last)):
+                if len(counts) != len(self.names) or not all(is_int(c) and c >= 0 for c in counts) or sum(counts) != m:
+                    raise ValueError(f"{where}.{field} must be {len(self.names)} non-negative ints summing to the "
+                                     f"window {m}, got {list(counts)!r}")
+            stop = pieces[i + 1].start if i + 1 < len(pieces) else None
+            if stop is not None and stop <= piece.start or (piece.first != piece.last and (
+                    stop is None or stop > piece.anchor + piece.ramp)):
+                raise ValueError(f"{where}: pieces must start in increasing order from window 0, and a ramp end by "
+                                 f"its last window; the last piece must be constant")
+        if pieces[0].start != 0 or pieces[0].first != self.counts:
+            raise ValueError("schedule piece 0 must start at window 0 with the plan's counts")
+        starts = {p.start for p in pieces}
+        if list(self.changes) != sorted(set(self.changes)) or not set(self.changes) <= starts:
+            raise ValueError(f"changes must be increasing windows at which a piece starts, got {list(self.changes)!r}")
 
     @property
     def window(self) -> int:
         return sum(self.counts)
 
-    @functools.cached_property
-    def _bounds(self) -> np.ndarray:
-        """Slot values [bounds[s], bounds[s + 1]) of a window's permutation belong to source s."""
-        return np.concatenate(([0], np.cumsum(self.counts))).astype(np.int64)
+    @cached_property
+    def _pieces(self) -> tuple[Piece, ...]:
+        return self.schedule or (Piece(0, 0, 1, self.counts, self.counts),)
 
-    @functools.cached_property
+    @cached_property
+    def _starts(self) -> tuple[np.ndarray, list[list[int]]]:
+        """Each piece's first window, and each source's draws before it (C_s there)."""
+        drawn = [[0] * len(self.names)]
+        for before, piece in zip(self._pieces, self._pieces[1:]):
+            inside = zip(before.drawn(piece.start), before.drawn(before.start))
+            drawn.append([c + hi - lo for c, (hi, lo) in zip(drawn[-1], inside)])
+        return np.array([p.start for p in self._pieces], dtype=np.int64), drawn
+
+    @cached_property
     def _source_seeds(self) -> np.ndarray:
         return np.array([_source_seed(self.seed, name) for name in self.names], dtype=np.uint64)
 
-    def _slot_tables(self, windows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def window_table(self, windows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Each source's slots in each of these windows, and its draws before it (C_s(k)), both (len(windows),
+        sources). O(log) per window in closed form; a run of consecutive windows by a running sum from its first."""
+        windows = np.asarray(windows, dtype=np.int64)
+        if not self.schedule:
+            counts = np.broadcast_to(np.asarray(self.counts, dtype=np.int64), (len(windows), len(self.names)))
+            return counts, windows[:, None] * counts
+        starts, drawn_at = self._starts
+        piece_of = np.searchsorted(starts, windows, side="right") - 1
+        counts = np.empty((len(windows), len(self.names)), dtype=np.int64)
+        drawn = np.empty_like(counts)
+        for p in np.unique(piece_of).tolist():
+            at, piece = np.nonzero(piece_of == p)[0], self._pieces[p]
+            ks = windows[at]
+            counts[at] = piece.counts(ks)
+            first_of_run = np.concatenate(([True], np.diff(ks) != 1))
+            run = np.cumsum(first_of_run) - 1
+            origin = piece.drawn(piece.start)
+            base = np.array([[c + d - o for c, d, o in zip(drawn_at[p], piece.drawn(k), origin)]
+                             for k in ks[first_of_run].tolist()], dtype=np.int64)
+            running = np.cumsum(counts[at], axis=0) - counts[at]  # slots before each window of this piece's ks
+            drawn[at] = base[run] + running - running[first_of_run][run]
+        return counts, drawn
+
+    def _slot_tables(self, windows: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """For each window (rows) and slot (columns): its source, and its rank among that source's slots of the
         window in position order. O(M) per window, all windows in one vectorised pass."""
+        bounds = np.concatenate((np.zeros((len(windows), 1), np.int64), np.cumsum(counts, axis=1)), axis=1)
         m = self.window
-        source = np.searchsorted(self._bounds, window_arrangements(self.seed, windows, m), side="right") - 1
+        # slot values [bounds[s], bounds[s + 1]) of a window's permutation belong to source s: one search over
+        # every row's inner bounds at once, each row's shifted past the one before
+        inner, shift = bounds[:, 1:-1], np.arange(len(windows), dtype=np.int64)[:, None] * (m + 1)
+        shifted = window_arrangements(self.seed, windows, m) + shift
+        source = np.searchsorted((inner + shift).reshape(-1), shifted, side="right") - shift // (m + 1) * inner.shape[1]
         by_source = np.argsort(source, axis=1, kind="stable")  # each source's slots, in position order
         rank = np.empty_like(by_source)
-        first_of = self._bounds[np.take_along_axis(source, by_source, axis=1)]  # where each source's group starts
+        first_of = np.take_along_axis(bounds, np.take_along_axis(source, by_source, axis=1), axis=1)
         np.put_along_axis(rank, by_source, np.arange(m) - first_of, axis=1)
         return source, rank
 
     def _slots(self, positions) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(window, source, rank among the source's slots of the window) at each position."""
+        """(draws of its source before the position's window, source, rank among the source's slots of the
+        window) at each position."""
         positions = np.asarray(positions, dtype=np.int64)
         if positions.size and (positions.min() < 0 or positions.max() >= self.num_samples):
             bad = positions[(positions < 0) | (positions >= self.num_samples)][0]
             raise IndexError(f"mixture position {bad} out of range for {self.num_samples} positions")
         windows, slot = np.divmod(positions, self.window)
         distinct, row = np.unique(windows, return_inverse=True)
-        sources, ranks = self._slot_tables(distinct)
-        return windows, sources[row, slot], ranks[row, slot]
+        counts, drawn = self.window_table(distinct)
+        sources, ranks = self._slot_tables(distinct, counts)
+        source = sources[row, slot]
+        return drawn[row, source], source, ranks[row, slot]
 
     def source_of(self, positions) -> np.ndarray:
         """The source number at each position."""
@@ -141,8 +347,8 @@ class MixturePlan:
 
     def locate(self, positions) -> tuple[np.ndarray, np.ndarray]:
         """(source number, index within that source) at each position: a pure function of (plan, position)."""
-        windows, source, rank = self._slots(positions)
-        draw = np.asarray(self.counts)[source] * windows + rank
+        before, source, rank = self._slots(positions)
+        draw = before + rank
         length = np.asarray(self.lengths)[source]
         epoch, at = np.divmod(draw, length)
         if not self.shuffle:
@@ -153,27 +359,47 @@ class MixturePlan:
         return source, permute(at, length, keys[:, pair]).astype(np.int64)
 
     def samples_per_source(self) -> tuple[int, ...]:
-        """Positions of each source in [0, num_samples): the whole windows' counts plus the last window's part."""
+        """Positions of each source in [0, num_samples): the draws before the last window plus its part."""
         whole, rest = divmod(self.num_samples, self.window)
-        tail = np.bincount(self._slot_tables(np.array([whole]))[0][0, :rest], minlength=len(self.names))
-        return tuple(int(c) * whole + int(t) for c, t in zip(self.counts, tail))
+        counts, drawn = self.window_table(np.array([whole]))
+        tail = np.bincount(self._slot_tables(np.array([whole]), counts)[0][0, :rest], minlength=len(self.names))
+        return tuple(int(d) + int(t) for d, t in zip(drawn[0], tail))
+
+    def amended(self, schedule: tuple[Piece, ...], window: int) -> MixturePlan:
+        """This plan up to `window`, then `schedule` from there on (its pieces cut at `window`, keeping their
+        anchors): the windows before keep what they held, and every source's draws run on across the change."""
+        kept = [p for p in self._pieces if p.start < window]
+        ahead = [p for p in schedule if p.start >= window]
+        at = [p for p in schedule if p.start <= window][-1]
+        cut = Piece(window, at.anchor, at.ramp, at.first, at.last)
+        pieces = tuple(_merged(kept + [cut] + [p for p in ahead if p.start > window]))
+        changes = tuple(sorted({*self.changes, window} & {p.start for p in pieces}))
+        return MixturePlan(self.names, self.lengths, pieces[0].first, self.num_samples, self.seed, self.shuffle,
+                           pieces if len(pieces) > 1 or 0 in pieces[0].first else (), changes)
 
     def to_dict(self) -> dict:
-        return {"kind": PLAN_KIND, "version": PLAN_VERSION, "order_version": ORDER_VERSION,
-                "names": list(self.names), "lengths": list(self.lengths), "counts": list(self.counts),
-                "num_samples": self.num_samples, "seed": self.seed, "shuffle": self.shuffle}
+        """The JSON form; a plan without a schedule is written as before schedules existed (same fingerprint)."""
+        plain = {"kind": PLAN_KIND, "version": PLAN_VERSION, "order_version": ORDER_VERSION,
+                 "names": list(self.names), "lengths": list(self.lengths), "counts": list(self.counts),
+                 "num_samples": self.num_samples, "seed": self.seed, "shuffle": self.shuffle}
+        if not self.schedule:
+            return plain
+        return {**plain, "version": SCHEDULED_VERSION, "schedule": [p.to_json() for p in self.schedule],
+                "changes": list(self.changes)}
 
     @classmethod
     def from_dict(cls, data: dict, where: str = "mixture plan") -> MixturePlan:
-        expected = (PLAN_KIND, PLAN_VERSION, ORDER_VERSION)
         found = tuple(data.get(k) for k in ("kind", "version", "order_version"))
-        if found != expected:
-            raise ValueError(f"{where}: (kind, version, order_version) is {found}, this loader reads {expected}: "
+        readable = [(PLAN_KIND, v, ORDER_VERSION) for v in (PLAN_VERSION, SCHEDULED_VERSION)]
+        if found not in readable:
+            raise ValueError(f"{where}: (kind, version, order_version) is {found}, this loader reads {readable}: "
                              "save the plan again with this version (Mixture.plan.save)")
         try:
+            schedule = tuple(Piece(p["start"], p["anchor"], p["ramp"], tuple(p["from"]), tuple(p["to"]))
+                             for p in data["schedule"]) if found[1] == SCHEDULED_VERSION else ()
             return cls(tuple(data["names"]), tuple(data["lengths"]), tuple(data["counts"]), data["num_samples"],
-                       data["seed"], data["shuffle"])
-        except KeyError as err:
+                       data["seed"], data["shuffle"], schedule, tuple(data["changes"]) if schedule else ())
+        except (KeyError, TypeError) as err:
             raise ValueError(f"{where}: no field {err}; the file is truncated or not a mixture plan") from None
 
     def save(self, path: str | os.PathLike) -> None:
@@ -215,6 +441,19 @@ def _source_fingerprint(source) -> str | None:
     return fingerprint() if callable(fingerprint) else getattr(source, "_fingerprint", None)
 
 
+def _amend(old: MixturePlan, new: MixturePlan, change_at: int) -> MixturePlan:
+    """`old` up to the first whole window from `change_at`, `new` from there: refused, naming the field, when
+    anything but the weights differs (those would move the past's samples too)."""
+    for field in ("names", "lengths", "num_samples", "seed", "shuffle", "window"):
+        if getattr(old, field) != getattr(new, field):
+            raise ValueError(f"amends: the plan's {field} is {getattr(old, field)!r}, this mixture's "
+                             f"{getattr(new, field)!r}: a change of schedule changes the weights only; build the "
+                             f"mixture with the {field} of the run it continues")
+    if not is_int(change_at) or not 0 <= change_at < new.num_samples:
+        raise ValueError(f"change_at must be a position in [0, {new.num_samples}), got {change_at!r}")
+    return old.amended(new._pieces, -(-change_at // new.window))
+
+
 class Mixture(torch.utils.data.Dataset):
     """`num_samples` positions drawn from `sources` in the proportions `weights`, exactly per window of
     `mix.window` positions, each position a pure function of (seed, position) -> (source, index). The mixture
@@ -230,25 +469,50 @@ class Mixture(torch.utils.data.Dataset):
         names: one per source, the identity the audit reports (default "source-0", "source-1", ...).
         window: M, the positions per window; default: the smallest M <= MAX_WINDOW that holds every weight exactly.
         shuffle: each source epoch in a keyed order (True) or in index order (False).
+        schedule: instead of `weights`, weights that change with the window: a JSON-like list of segments (see
+            `schedule_pieces`): {"weights": [...], "windows": n} constant, {"from": [...], "to": [...],
+            "windows": n} a linear ramp.
+        amends, change_at: change the schedule (or weights) of a running job: `amends` is the plan it trained with
+            (`MixturePlan.load` of the saved mixture.json), `change_at` a position at or after everything it
+            committed. Windows before the first whole window from `change_at` keep the old plan, the rest follow
+            the new one, each source's draws running on; the plan records the change (`plan.changes`), and a
+            checkpoint saved under the old plan resumes (anything else about the mixture must stay the same).
     """
 
     def __init__(
         self,
         sources: Sequence[Any],
-        weights: Sequence[float],
+        weights: Sequence[float] | None,
         num_samples: int,
         seed: int = 0,
         *,
         names: Sequence[str] | None = None,
         window: int | None = None,
         shuffle: bool = True,
+        schedule: Sequence[dict] | None = None,
+        amends: MixturePlan | None = None,
+        change_at: int | None = None,
     ) -> None:
         self.sources = list(sources)
-        if len(weights) != len(self.sources):
+        if (weights is None) == (schedule is None):
+            raise ValueError("pass weights= (fixed) or schedule= (changing with the window), one of them")
+        if weights is not None and len(weights) != len(self.sources):
             raise ValueError(f"{len(weights)} weights for {len(self.sources)} sources: pass one weight per source")
         names = tuple(names) if names is not None else tuple(f"source-{s}" for s in range(len(self.sources)))
-        self.plan = MixturePlan(names, tuple(len(s) for s in self.sources), window_counts(weights, window),
-                                num_samples, seed, bool(shuffle))
+        if (amends is None) != (change_at is None):
+            raise ValueError("amends= (the plan the run trained with) and change_at= (where the change begins) go "
+                             "together")
+        window = amends.window if window is None and amends is not None else window
+        if schedule is None:
+            counts, pieces = window_counts(weights, window), ()
+        else:
+            window, pieces = schedule_pieces(schedule, len(self.sources), window)
+            counts = pieces[0].first
+        self.plan = MixturePlan(names, tuple(len(s) for s in self.sources), counts, num_samples, seed,
+                                bool(shuffle), pieces if len(pieces) > 1 or 0 in counts else ())
+        self.amends = amends
+        if amends is not None:
+            self.plan = _amend(amends, self.plan, change_at)
         self._block = -(-BLOCK // self.plan.window) * self.plan.window  # whole windows
         self._cache: OrderedDict[int, np.ndarray] = OrderedDict()
         self._span = _token_span(self.sources)  # decided once; an int, so it travels to workers with the mixture
@@ -339,14 +603,35 @@ class Mixture(torch.utils.data.Dataset):
         (source,), (index,) = self.locate([position])
         return self.names[source], int(index)
 
-    def fingerprint(self) -> str:
-        """Digest of the plan and of the sources' own fingerprints, for the checkpoint manifest."""
-        layout = {"plan": self.plan.to_dict(), "sources": [_source_fingerprint(s) for s in self.sources]}
+    def fingerprint(self, plan: MixturePlan | None = None) -> str:
+        """Digest of the plan (this mixture's, or another of these sources) and of the sources' own fingerprints,
+        for the checkpoint manifest."""
+        plan = self.plan if plan is None else plan
+        layout = {"plan": plan.to_dict(), "sources": [_source_fingerprint(s) for s in self.sources]}
         return hashlib.sha256(json.dumps(layout, sort_keys=True).encode()).hexdigest()[:16]
+
+    def fingerprint_before_change(self) -> str | None:
+        """The fingerprint a checkpoint saved before this mixture's change of schedule holds (None: no change)."""
+        return None if self.amends is None else self.fingerprint(self.amends)
+
+    def check_change(self, progress: dict) -> None:
+        """A progress saved before the change must have committed nothing at or after the change's first window:
+        those positions were trained under the old plan, and the new one would name other samples there."""
+        if self.amends is None or not self.plan.changes or self.plan.changes[-1] in self.amends.changes:
+            return
+        at = self.plan.changes[-1] * self.window
+        saved = progress_of(progress)
+        for epoch, spans in sorted(saved.committed.items()):  # epochs finished before it served the old plan whole
+            if spans[-1, 1] > at:
+                raise StateError(
+                    f"the schedule change begins at position {at} (window {at // self.window}), but epoch {epoch} "
+                    f"committed positions up to {int(spans[-1, 1]) - 1} under the old plan: pass change_at >= "
+                    f"{int(spans[-1, 1])}")
 
     def __getstate__(self) -> dict:
         return {**self.__dict__, "_cache": OrderedDict()}
 
     def __repr__(self) -> str:
         shares = ", ".join(f"{n}: {c}/{self.window}" for n, c in zip(self.names, self.counts))
-        return f"Mixture({len(self)} positions; {shares} per window; fingerprint={self.fingerprint()})"
+        scheduled = f" in window 0, a schedule of {len(self.plan.schedule)} pieces" if self.plan.schedule else ""
+        return f"Mixture({len(self)} positions; {shares} per window{scheduled}; fingerprint={self.fingerprint()})"
