@@ -12,6 +12,8 @@ def number(value: float) -> str:
 
 
 def _verdict(r: dict) -> str:
+    if r.get("resolved") is False:
+        return f"not resolved (quartiles {number(r['q1'])} - {number(r['q3'])})"
     return "" if r["met"] is None else "yes" if r["met"] else "**no**"
 
 

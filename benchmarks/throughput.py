@@ -14,6 +14,8 @@ feeders, the main process), which is what the loader costs there. Graded rows ha
 
 from __future__ import annotations
 
+import os
+import resource
 import time
 from functools import partial
 from typing import Iterator
@@ -29,6 +31,7 @@ from benchmarks.stream_costs import per_batch
 from benchmarks.timing import compare, ratio_of
 
 TORCH_AGAIN = Candidate("DataLoader (again)", DataLoader, False)  # the A/A control on a crowded host
+_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 OURS_TARGET = ">= 0.99"  # our throughput / DataLoader's, with or without a state_dict() per step
 STREAM_TARGET = ">= 0.98"  # the same on a stream, whose workers snapshot their state with every batch
 
@@ -37,18 +40,52 @@ def rate(candidate: Candidate, dataset, **kwargs) -> float:
     """Samples per second of one pass, after every worker delivered its first batch (batch i comes from worker
     i mod num_workers), so that process start-up, slow and erratic on a loaded machine, is not in the figure."""
     loader = candidate.make(dataset, **kwargs)
-    return timed_pass(steps(loader, candidate.checkpoint), loader.num_workers, candidate.name)
+    return timed_pass(steps(loader, candidate.checkpoint), loader.num_workers, candidate.name)["wall"]
 
 
-def timed_pass(batches: Iterator, num_workers: int, name: str) -> float:
-    """Samples per second of the rest of a pass once each of `num_workers` workers delivered its first batch."""
+def timed_pass(batches: Iterator, num_workers: int, name: str) -> dict[str, float]:
+    """Samples per wall-clock second and per CPU second (this process and its child processes: the workers) of the
+    rest of a pass once each of `num_workers` workers delivered its first batch, up to the arrival of the last
+    batch. What a loader does after it (the end of the pass: `RandomSampler` draws the next pass's whole
+    permutation there, workers shut down) is left out for every candidate, as start-up is."""
     for _ in range(max(1, num_workers)):
         next(batches)
-    start = time.perf_counter()
-    samples = sum(batch_len(batch) for batch in batches)
+    children, reaped = descendants(), _reaped_s()
+    cpu_start = time.process_time()
+    start = end = time.perf_counter()
+    samples = 0
+    for batch in batches:
+        samples += batch_len(batch)
+        end, cpu_end = time.perf_counter(), time.process_time()
     if not samples:
         raise ValueError(f"{name}: nothing came after the start-up batches; use more samples")
-    return samples / (time.perf_counter() - start)
+    still = descendants()  # workers a loader left running (joined ones are in the reaped children's time)
+    children_s = _reaped_s() - reaped + sum(still.get(pid, 0.0) - cpu for pid, cpu in children.items())
+    return {"wall": samples / (end - start), "cpu": samples / (cpu_end - cpu_start + children_s)}
+
+
+def descendants() -> dict[int, float]:
+    """CPU seconds so far of every process descended from this one, by pid (Linux /proc; empty elsewhere)."""
+    parents, cpu = {}, {}
+    for entry in [e for e in os.listdir("/proc") if e.isdigit()] if os.path.isdir("/proc") else []:
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except (FileNotFoundError, NotADirectoryError, ProcessLookupError):
+            continue  # not a process, or one that just ended
+        parents[int(entry)] = int(fields[1])
+        cpu[int(entry)] = (int(fields[11]) + int(fields[12])) / _TICKS
+    found, frontier = {}, [os.getpid()]
+    while frontier:
+        frontier = [pid for pid, parent in parents.items() if parent in frontier]
+        found.update((pid, cpu[pid]) for pid in frontier)
+    return found
+
+
+def _reaped_s() -> float:
+    """CPU seconds of the child processes that ended and were waited for (their whole lives)."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
 
 
 def calibrated_size(dataset_of_size, run_s: float, probe: int, **kwargs) -> int:
