@@ -89,9 +89,10 @@ class Energon(InProcess):
         return next(iter(dl))
 
     def loader(self, n: int, data: Path, batch: int, workers: int, kind: str):
-        """Its batches' samples: the texts, or the images its decoder made (a batch object has no length)."""
+        """Its batches' samples by field, as other loaders collate dicts: the texts, or the images its decoder made
+        (a batch object has no length)."""
         field = "text" if kind == "index" else "image"
-        return (getattr(b, field) for b in _loader(data, 0, 1, batch, workers))
+        return ({"i": getattr(b, field)} for b in _loader(data, 0, 1, batch, workers))
 
 
 PEER = Energon()
