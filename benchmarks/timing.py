@@ -116,7 +116,7 @@ def compare_each(
 ) -> dict[str, dict]:
     """`compare` of candidates that measure several things in one run (`units`: each one's unit): one result per
     measurement, all from the same interleaved rounds, so their per-round ratios pair up."""
-    samples = interleave(candidates, reps, warmup, section, "/".join(units.values()))
+    samples = interleave(candidates, reps, warmup, section, "; ".join(units.values()))
     return {key: _result({name: [one[key] for one in values] for name, values in samples.items()}, baseline, unit)
             for key, unit in units.items()}
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import warnings
 from pathlib import Path
 
 import webdataset
@@ -24,6 +25,8 @@ from benchmarks.environment import usable_cpus
 from benchmarks.peers.phase import InProcess, Phase, deliver
 from benchmarks.peers.samples import jpeg_bytes
 
+# get_savable_loader asks for pinned memory, which torch ignores without an accelerator, warning at every loader.
+warnings.filterwarnings("ignore", message=".*'pin_memory' argument is set as true.*")
 SAMPLES_PER_SHARD = 4096
 # The costs' states at N/2 are reached by delivering N/2 samples (~2.5k/s here): beyond this N, writing, preparing
 # and reaching them would take minutes each, so larger N are refused before anything is written.

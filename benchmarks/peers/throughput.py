@@ -21,11 +21,10 @@ from benchmarks.peers.config import PeersConfig
 from benchmarks.peers.phase import Peer
 from benchmarks.peers.samples import KINDS, dataset
 from benchmarks.peers.store import Store, why_not
-from benchmarks.throughput import oversubscribed, timed_pass
+from benchmarks.throughput import RATES, oversubscribed, timed_pass
 from benchmarks.timing import compare_each
 
 BASELINE = "DataLoader"
-UNITS = {"wall": "samples/s", "cpu": "samples per CPU second"}
 SLOW = 4
 
 
@@ -60,7 +59,7 @@ def _case(pc: PeersConfig, peers: dict[str, Peer], store: Store, kind: str, work
             candidates.pop(name, None)
     label = f"{kind}, workers={workers}" + oversubscribed(workers)
     load = os.getloadavg()[0]
-    result = compare_each(candidates, BASELINE, reps, warmup, f"peers throughput {label}", UNITS)
+    result = compare_each(candidates, BASELINE, reps, warmup, f"peers throughput {label}", RATES)
     return {"label": label, "kind": kind, "num_workers": workers, "sizes": sizes, "errors": errors,
             "load_average": [load, os.getloadavg()[0]], **result["wall"], "cpu": result["cpu"]}
 
