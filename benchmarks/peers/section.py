@@ -12,8 +12,8 @@ from benchmarks.peers import memory, resume, throughput
 from benchmarks.peers.config import PeersConfig, peers_config
 from benchmarks.peers.faults import GLOBAL_BATCH, exactly_once
 from benchmarks.peers.store import Store
-from benchmarks.peers.throughput import BASELINE
 from benchmarks.peers.systems import SYSTEMS, load_all, versions
+from benchmarks.peers.throughput import BASELINE
 from benchmarks.progress import say
 from benchmarks.rows import count, resolves, row, single
 
