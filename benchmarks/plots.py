@@ -72,15 +72,20 @@ def _bars(figure, section: dict) -> None:
     _ratio_bars(figure.subplots(), section)
 
 
+def _peers_resume(ax, section: dict) -> None:
+    """Resume time against N, a line per system, up to where its budget stopped it."""
+    resume = {key: ([p["n"] for p in section["resume"]["points"] if key in p["values"]],
+                    [p["values"][key]["median"] for p in section["resume"]["points"] if key in p["values"]])
+              for key in section["exactly_once"]}
+    _lines(ax, resume, "N (resumed at N/2)", "build + load -> first batch (s)")
+
+
 def _peers(figure, section: dict) -> None:
     """Resume time and memory against N per system, and each system's throughput ratios."""
     figure.set_size_inches(12, 4.5)
     left, middle, right = figure.subplots(1, 3)
     keys = list(section["exactly_once"])
-    resume = {key: ([p["n"] for p in section["resume"]["points"] if key in p["values"]],
-                    [p["values"][key]["median"] for p in section["resume"]["points"] if key in p["values"]])
-              for key in keys}
-    _lines(left, resume, "N (resumed at N/2)", "build + load -> first batch (s)")
+    _peers_resume(left, section)
     memory = {key: ([p["n"] for p in points if "added_bytes" in p], [max(p["added_bytes"], 1e3) / 1e6 for p in points
                                                                       if "added_bytes" in p])
               for key, points in section["memory"].get("points", {}).items()}
@@ -97,24 +102,34 @@ def _peers(figure, section: dict) -> None:
     right.set_ylabel("throughput / DataLoader")
 
 
-def _scale(figure, section: dict) -> None:
-    """Seconds and bytes against the world size, and the lockstep store's cost under each protocol."""
-    figure.set_size_inches(13, 4.5)
-    left, middle, right = figure.subplots(1, 3)
+def _scale_seconds(ax, section: dict) -> None:
     points = section["points"]
     worlds = [p["world"] for p in points]
     times = {name: (worlds, [p[key]["median"] for p in points]) for name, key in (
         ("merge_states, lockstep", "merge_lockstep_s"), ("merge_states, uneven", "merge_uneven_s"),
         ("validation of the merged state", "validate_s"), ("load + first batch, one rank", "load_s"))}
-    _lines(left, times, "world size W (ranks simulated)", "seconds (median)")
-    left.axhline(1.0, color="gray", linestyle="--", linewidth=0.8)
+    _lines(ax, times, "world size W (ranks simulated)", "seconds (median)")
+    ax.axhline(1.0, color="gray", linestyle="--", linewidth=0.8)
+
+
+def _scale_bytes(ax, section: dict) -> None:
+    points = section["points"]
+    worlds = [p["world"] for p in points]
     sizes = {
         "gather, one rank (detached)": (worlds, [p["gather_bytes_per_rank"] for p in points]),
         "gather, all ranks": (worlds, [p["gather_bytes_per_rank"] * p["world"] for p in points]),
         "merged state, lockstep": (worlds, [p["merged_bytes"]["lockstep"] for p in points]),
         "merged state, uneven": (worlds, [p["merged_bytes"]["uneven"] for p in points]),
     }
-    _lines(middle, sizes, "world size W", "bytes (JSON)")
+    _lines(ax, sizes, "world size W", "bytes (JSON)")
+
+
+def _scale(figure, section: dict) -> None:
+    """Seconds and bytes against the world size, and the lockstep store's cost under each protocol."""
+    figure.set_size_inches(13, 4.5)
+    left, middle, right = figure.subplots(1, 3)
+    _scale_seconds(left, section)
+    _scale_bytes(middle, section)
     store = section["store"]
     ranks = [p["ranks"] for p in store["points"]]
     costs = {}
@@ -127,9 +142,24 @@ def _scale(figure, section: dict) -> None:
     _lines(right, costs, f"ranks simulated on {store['clients']:,} TCPStore clients", "lockstep check, per step")
 
 
+def _holes(ax, section: dict) -> None:
+    """State bytes against the holes a rank ahead leaves (section 3: two ranks, rank 0 ahead by k)."""
+    cases = section["uneven"]
+    holes = [max(1, c["intervals"]) for c in cases]
+    _lines(ax, {"a rank's state after resuming (JSON)": (holes, [c["state_bytes"]["json"] for c in cases]),
+                "merged state (JSON)": (holes, [c["merged_bytes"]["json"] for c in cases])},
+           "holes (intervals) in the committed progress", "bytes")
+
+
 _DRAW: dict[str, Callable] = {"throughput": _bars, "training": _bars, "checkpoint": _checkpoint,
                               "resume": _resume, "memory": _memory, "webdataset": _bars, "tokens": _bars, "remote": _bars,
                               "peers": _peers, "scale": _scale}
+# One curve per plot as well, <stem>-<section>-<curve>.png: what a reader checks first, on a log axis.
+_CURVES: dict[str, dict[str, Callable]] = {
+    "peers": {"resume-vs-n": _peers_resume},
+    "scale": {"merge-vs-world": _scale_seconds, "state-bytes-vs-world": _scale_bytes},
+    "checkpoint": {"state-bytes-vs-holes": _holes},
+}
 
 
 def write(results: dict, out: Path, stem: str) -> dict:
@@ -151,9 +181,26 @@ def write(results: dict, out: Path, stem: str) -> dict:
         figure = pyplot.figure(figsize=(9, max(3.5, 1.0 + 0.16 * bars)), layout="constrained")  # a line a bar
         figure.suptitle(section["title"], fontsize=10)
         _DRAW[key](figure, section)
-        name = f"{stem}.png" if stem.endswith(f"-{key}") else f"{stem}-{key}.png"
-        figure.savefig(out / name, dpi=DPI)
-        pyplot.close(figure)
-        section["plot"] = name
-        files.append(name)
+        base = stem if stem.endswith(f"-{key}") else f"{stem}-{key}"
+        files.append(_save(pyplot, figure, out / f"{base}.png"))
+        section["plot"] = files[-1]
+        for curve, draw in _CURVES.get(key, {}).items():
+            figure = pyplot.figure(figsize=(6, 4), layout="constrained")
+            title = section["title"].split(" (")[0].split(":")[0]  # "11. Data parallelism at scale"
+            figure.suptitle(f"{title}: {curve.replace('-', ' ')}", fontsize=9)
+            draw(figure.subplots(), section)
+            files.append(_save(pyplot, figure, out / f"{base}-{curve}.png"))
     return {"files": files}
+
+
+def _save(pyplot, figure, path: Path) -> str:
+    figure.savefig(path, dpi=DPI)
+    pyplot.close(figure)
+    return path.name
+
+
+if __name__ == "__main__":  # python -m benchmarks.plots RESULTS.json: redraw a run's plots beside it
+    import json
+
+    path = Path(sys.argv[1])
+    print(write(json.loads(path.read_text()), path.parent, path.stem))

@@ -12,6 +12,8 @@ def number(value: float) -> str:
 
 
 def _verdict(r: dict) -> str:
+    if r.get("resolved") is False:
+        return f"not resolved (quartiles {number(r['q1'])} - {number(r['q3'])})"
     return "" if r["met"] is None else "yes" if r["met"] else "**no**"
 
 
@@ -39,10 +41,12 @@ def _header(results: dict) -> list[str]:
         f"torch {env['torch']}, numpy {env['numpy']}, torchdata {env['torchdata']}, webdataset {env['webdataset']}, "
         f"Python {env['python']}; {env['cpus_usable']} usable CPUs; commit {commit}"
         + (f"; load average at start {load[0]:.2f}" if load else "")
+        + (f", at end {end[0]:.2f}" if (end := env.get("load_average_at_end")) else "")
         + ".",
         "",
         f"Ratios are medians of per-round ratios of candidates run interleaved in one process ({cfg['reps']} rounds "
-        f"after {cfg['warmup']} warm-up); the spread is their min - max. Targets are read, not asserted."
+        f"after {cfg['warmup']} warm-up); the spread is their min - max. Targets are read, not asserted: where the "
+        "rounds' quartiles straddle a target, it reads \"not resolved\"."
         + (" A smoke run (one repetition, tiny sizes) shows that the suite runs: its figures are not graded against "
            "the targets." if results["mode"] == "smoke" else ""),
     ]

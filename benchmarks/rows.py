@@ -14,13 +14,23 @@ _OPS = {"<=": operator.le, ">=": operator.ge, "<": operator.lt, ">": operator.gt
 
 def row(what: str, stats: dict, unit: str, target: str | None = None, scale: float = 1.0) -> dict:
     """One headline: `stats` (a timing.summary) shown in `unit` after multiplying by `scale`; `target` such as
-    ">= 0.99" is checked against the median."""
+    ">= 0.99" is checked against the median, unless the rounds' quartiles straddle its bound: then the rounds do
+    not resolve it, and `met` is None with `resolved` False."""
     shown = {key: stats[key] * scale for key in ("median", "min", "max")}
+    shown.update(q1=stats.get("q1", stats["min"]) * scale, q3=stats.get("q3", stats["max"]) * scale)
     met = None
     if target is not None:
         op, bound = target.split()
+        if not resolves({**shown, "n": stats.get("n", 1)}, float(bound)):
+            return {"what": what, "unit": unit, **shown, "target": target, "met": None, "resolved": False}
         met = bool(_OPS[op](shown["median"], float(bound)))
     return {"what": what, "unit": unit, **shown, "target": target, "met": met}
+
+
+def resolves(stats: dict, bound: float) -> bool:
+    """Whether repeated rounds place a measurement on one side of `bound`: their quartiles (the middle half of the
+    rounds) do not straddle it. One round resolves nothing of the kind, and is not asked (smoke runs)."""
+    return stats["n"] < 2 or not stats["q1"] <= bound <= stats["q3"]
 
 
 def single(value: float) -> dict:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import sys
 import tempfile
 import time
@@ -102,6 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     if mode == "smoke":  # one repetition at tiny sizes: the figures prove the suite runs, not the targets
         for row in (r for section in sections.values() for r in section.get("rows", [])):
             row["met"] = None
+    results["environment"]["load_average_at_end"] = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
     args.out.mkdir(parents=True, exist_ok=True)
     results["plots"] = plots.write(results, args.out, args.stem)
     for path in report.write(results, args.out, args.stem):

@@ -2,18 +2,23 @@
 
 Same map-style dataset, batch size and workers, all shuffled, then the same rows as a stream (an IterableDataset
 whose iterator has a state, which our workers snapshot with every batch); the `+state_dict` candidates checkpoint
-after every batch, as a resumable training loop does. A cheap sample shows the loader's own per-batch cost; an expensive one
-(a busy wait per sample) shows whether it stays out of the way when loading dominates. Timing starts after the
-first batch of every worker: start-up is the same for every loader and is resume latency, not throughput.
+after every batch, as a resumable training loop does. A cheap sample shows the loader's own per-batch cost; an
+expensive one (a busy wait per sample) shows whether it stays out of the way when loading dominates. Timing runs
+from the first batch of every worker to the last batch: start-up is resume latency, not throughput, and the end of
+a pass (where RandomSampler draws the next permutation and workers shut down) is no loader's throughput either.
 
-Where the loader's processes outnumber the usable CPUs (2 workers on 2 CPUs), the wall-clock ratio is the
-scheduler's: those rows are shown, not graded, next to DataLoader run against itself (the A/A control: its spread
-is what the host resolves), and next to the CPU time per batch of every process and thread (workers, their queue
-feeders, the main process), which is what the loader costs there. Graded rows have a CPU per process.
+Each pass gives samples per wall-clock second and per CPU second of the process and its workers. On a shared
+machine the wall clock also measures the neighbours; the CPU time is what the loader costs, so our loader is graded
+on it in every row. Where the loader's processes outnumber the usable CPUs (2 workers on 2 CPUs), the wall-clock
+ratio is the scheduler's: those rows are not graded on it, and are shown next to DataLoader run against itself
+(the A/A control: its spread is what the host resolves) and the CPU time per batch of every process and thread
+(workers, their queue feeders, the main process).
 """
 
 from __future__ import annotations
 
+import os
+import resource
 import time
 from functools import partial
 from typing import Iterator
@@ -26,29 +31,71 @@ from benchmarks.environment import usable_cpus
 from benchmarks.loaders import CANDIDATES, OURS, OURS_CHECKPOINTING, TORCH, Candidate, batch_len, steps
 from benchmarks.rows import row
 from benchmarks.stream_costs import per_batch
-from benchmarks.timing import compare, ratio_of
+from benchmarks.timing import compare, compare_each, ratio_of
 
 TORCH_AGAIN = Candidate("DataLoader (again)", DataLoader, False)  # the A/A control on a crowded host
+_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+RATES = {"wall": "samples/s", "cpu": "samples per CPU second"}  # what one pass measures (`timed_pass`)
 OURS_TARGET = ">= 0.99"  # our throughput / DataLoader's, with or without a state_dict() per step
 STREAM_TARGET = ">= 0.98"  # the same on a stream, whose workers snapshot their state with every batch
 
 
-def rate(candidate: Candidate, dataset, **kwargs) -> float:
-    """Samples per second of one pass, after every worker delivered its first batch (batch i comes from worker
-    i mod num_workers), so that process start-up, slow and erratic on a loaded machine, is not in the figure."""
+def rates(candidate: Candidate, dataset, **kwargs) -> dict[str, float]:
+    """Samples per wall-clock and per CPU second of one pass, after every worker delivered its first batch (batch i
+    comes from worker i mod num_workers), so that process start-up, slow and erratic on a loaded machine, is not in
+    the figure."""
     loader = candidate.make(dataset, **kwargs)
     return timed_pass(steps(loader, candidate.checkpoint), loader.num_workers, candidate.name)
 
 
-def timed_pass(batches: Iterator, num_workers: int, name: str) -> float:
-    """Samples per second of the rest of a pass once each of `num_workers` workers delivered its first batch."""
+def rate(candidate: Candidate, dataset, **kwargs) -> float:
+    """Samples per wall-clock second of one pass (`rates`)."""
+    return rates(candidate, dataset, **kwargs)["wall"]
+
+
+def timed_pass(batches: Iterator, num_workers: int, name: str) -> dict[str, float]:
+    """Samples per wall-clock second and per CPU second (this process and its child processes: the workers) of the
+    rest of a pass once each of `num_workers` workers delivered its first batch, up to the arrival of the last
+    batch. What a loader does after it (the end of the pass: `RandomSampler` draws the next pass's whole
+    permutation there, workers shut down) is left out for every candidate, as start-up is."""
     for _ in range(max(1, num_workers)):
         next(batches)
-    start = time.perf_counter()
-    samples = sum(batch_len(batch) for batch in batches)
+    children, reaped = descendants(), _reaped_s()
+    cpu_start = time.process_time()
+    start = end = time.perf_counter()
+    samples = 0
+    for batch in batches:
+        samples += batch_len(batch)
+        end, cpu_end = time.perf_counter(), time.process_time()
     if not samples:
         raise ValueError(f"{name}: nothing came after the start-up batches; use more samples")
-    return samples / (time.perf_counter() - start)
+    still = descendants()  # workers a loader left running (joined ones are in the reaped children's time)
+    children_s = _reaped_s() - reaped + sum(still.get(pid, 0.0) - cpu for pid, cpu in children.items())
+    return {"wall": samples / (end - start), "cpu": samples / (cpu_end - cpu_start + children_s)}
+
+
+def descendants() -> dict[int, float]:
+    """CPU seconds so far of every process descended from this one, by pid (Linux /proc; empty elsewhere)."""
+    parents, cpu = {}, {}
+    for entry in [e for e in os.listdir("/proc") if e.isdigit()] if os.path.isdir("/proc") else []:
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except (FileNotFoundError, NotADirectoryError, ProcessLookupError):
+            continue  # not a process, or one that just ended
+        parents[int(entry)] = int(fields[1])
+        cpu[int(entry)] = (int(fields[11]) + int(fields[12])) / _TICKS
+    found, frontier = {}, [os.getpid()]
+    while frontier:
+        frontier = [pid for pid, parent in parents.items() if parent in frontier]
+        found.update((pid, cpu[pid]) for pid in frontier)
+    return found
+
+
+def _reaped_s() -> float:
+    """CPU seconds of the child processes that ended and were waited for (their whole lives)."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
 
 
 def calibrated_size(dataset_of_size, run_s: float, probe: int, **kwargs) -> int:
@@ -81,10 +128,11 @@ def _case(cfg: Config, cost: str, busy_us: float, num_workers: int, stream: bool
     crowded = oversubscribed(num_workers)
     label = f"{'stream, ' if stream else ''}{cost}, workers={num_workers}" + crowded
     controls = (TORCH_AGAIN,) if crowded else ()
-    candidates = {c.name: partial(rate, c, dataset, **kwargs) for c in CANDIDATES + controls}
-    result = compare(candidates, TORCH.name, cfg.reps, cfg.warmup, f"throughput {label}", "samples/s")
+    candidates = {c.name: partial(rates, c, dataset, **kwargs) for c in CANDIDATES + controls}
+    load = os.getloadavg()[0]
+    result = compare_each(candidates, TORCH.name, cfg.reps, cfg.warmup, f"throughput {label}", RATES)
     case = {"label": label, "busy_us": busy_us, "dataset_size": size, "stream": stream, "graded": not crowded,
-            **kwargs, **result}
+            "load_average": [load, os.getloadavg()[0]], **kwargs, **result["wall"], "per_cpu_second": result["cpu"]}
     if crowded:
         measured = (TORCH, TORCH_AGAIN, OURS_CHECKPOINTING)
         costs = {c.name: partial(cpu_per_batch, c, dataset, **kwargs) for c in measured}
@@ -96,11 +144,16 @@ def _case(cfg: Config, cost: str, busy_us: float, num_workers: int, stream: bool
 
 def ratio_rows(case: dict, baseline: str, target: str) -> Iterator[dict]:
     """A row per candidate: its throughput / the baseline's, graded for our loader where every process has a CPU;
-    on a crowded host, the control and the CPU per batch (baseline's / the candidate's: above 1 is cheaper)."""
-    target = target if case.get("graded", True) else None
+    the same per CPU second (process and workers), graded for our loader everywhere: the CPU a pass costs is the
+    loader's, however crowded the host; on a crowded host, also the control and the CPU per batch by thread
+    (baseline's / the candidate's: above 1 is cheaper)."""
     for name, ratio in case["ratios"].items():
         ours = name.startswith(OURS.name)
-        yield row(f"{case['label']}: {name} / {baseline}", ratio, "ratio", target if ours else None)
+        yield row(f"{case['label']}: {name} / {baseline}", ratio, "ratio",
+                  target if ours and case.get("graded", True) else None)
+    for name, ratio in case.get("per_cpu_second", {}).get("ratios", {}).items():
+        ours = name.startswith(OURS.name)
+        yield row(f"{case['label']}: {name} / {baseline}, per CPU second", ratio, "ratio", target if ours else None)
     for name, saving in case.get("cpu", {}).get("savings", {}).items():
         yield row(f"{case['label']}: CPU per batch, {baseline} / {name}", saving, "ratio")
 

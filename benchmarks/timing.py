@@ -21,6 +21,7 @@ from benchmarks.progress import progress_bar, say
 
 ORDER_SEED = 0  # the rounds' candidate orders: random, and the same in every run
 Measure = Callable[[], float]  # runs one repetition and returns its measurement (seconds, samples/s, ...)
+Measures = Callable[[], dict[str, float]]  # one repetition measuring several things at once (wall rate, CPU rate)
 
 
 def sync(device: str) -> None:
@@ -70,8 +71,8 @@ def _without_gc(fn: Measure) -> float:
 
 
 def interleave(
-    candidates: Mapping[str, Measure], reps: int, warmup: int, section: str, unit: str
-) -> dict[str, list[float]]:
+    candidates: Mapping[str, Measure | Measures], reps: int, warmup: int, section: str, unit: str
+) -> dict[str, list]:
     """Each candidate's measurements from `reps` rounds A B C, B C A, ... after `warmup` discarded rounds."""
     names = list(candidates)
     samples: dict[str, list[float]] = {name: [] for name in names}
@@ -84,7 +85,9 @@ def interleave(
                 value = _without_gc(candidates[name])
                 done += 1
                 bar.update()
-                say(section, f"{name} {tag}: {value:.4g} {unit} ({done}/{total})")
+                shown = (", ".join(f"{k} {v:.4g}" for k, v in value.items()) if isinstance(value, dict)
+                         else f"{value:.4g}")
+                say(section, f"{name} {tag}: {shown} {unit} ({done}/{total})")
                 if round_ >= warmup:
                     samples[name].append(value)
     return samples
@@ -105,7 +108,20 @@ def compare(
     candidates: Mapping[str, Measure], baseline: str, reps: int, warmup: int, section: str, unit: str
 ) -> dict:
     """Interleave the candidates; summarise each one and its per-round ratio to the baseline (candidate / baseline)."""
-    samples = interleave(candidates, reps, warmup, section, unit)
+    return _result(interleave(candidates, reps, warmup, section, unit), baseline, unit)
+
+
+def compare_each(
+    candidates: Mapping[str, Measures], baseline: str, reps: int, warmup: int, section: str, units: Mapping[str, str]
+) -> dict[str, dict]:
+    """`compare` of candidates that measure several things in one run (`units`: each one's unit): one result per
+    measurement, all from the same interleaved rounds, so their per-round ratios pair up."""
+    samples = interleave(candidates, reps, warmup, section, "; ".join(units.values()))
+    return {key: _result({name: [one[key] for one in values] for name, values in samples.items()}, baseline, unit)
+            for key, unit in units.items()}
+
+
+def _result(samples: dict[str, list[float]], baseline: str, unit: str) -> dict:
     result = {
         "unit": unit,
         "baseline": baseline,

@@ -1,8 +1,8 @@
 """2. Training-step overhead: a small MLP trained with each loader, against the limit of device-resident data.
 
 The limit runs the same steps on batches already on the device, so (step time with a loader) / (limit) is what
-input loading adds to a step. On a GPU that is the headline overhead; on a CPU the model and the loader share
-the cores, so only the ratio of our loader to DataLoader is meaningful there.
+input loading adds to a step. On a GPU that is the headline overhead, with pinned memory on and off; on a CPU
+the model and the loader share the cores, so only the ratio of our loader to DataLoader is meaningful there.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from benchmarks.rows import row
 from benchmarks.timing import compare, ratio_of, sync
 
 RESIDENT = "device-resident (limit)"
+UNPINNED = "pin_memory=False"
 TARGET = "<= 1.01"  # our step time / the limit on a GPU; / DataLoader's everywhere (on a CPU the limit is no bar)
 
 
@@ -89,6 +90,10 @@ def _run(cfg: Config) -> dict:
     on_device = [tuple(t.to(cfg.device) for t in batch) for batch in TORCH.make(dataset, batch_size=m.batch_size)]
     candidates = {RESIDENT: partial(trainer.seconds_per_step, on_device)}
     candidates.update({c.name: partial(_with_loader, trainer, c, dataset, **kwargs) for c in CANDIDATES})
+    if cuda:  # pinned memory on (above) and off: what the copy to the device costs each loader
+        unpinned = {**kwargs, "pin_memory": False}
+        candidates.update({f"{c.name}, {UNPINNED}": partial(_with_loader, trainer, c, dataset, **unpinned)
+                           for c in (TORCH, OURS_CHECKPOINTING)})
     result = compare(candidates, RESIDENT, cfg.reps, cfg.warmup, "training", "s/step")
     rows = [
         row(f"{name} step / limit", ratio, "ratio", TARGET if cuda and name == OURS_CHECKPOINTING.name else None)

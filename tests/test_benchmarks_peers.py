@@ -58,7 +58,7 @@ def test_every_system_is_measured_or_reported_with_its_error(peers):
     section = peers["sections"]["peers"]
     keys = {s.key for s in SYSTEMS}
     assert set(section["exactly_once"]) | set(section["not_run"]) == keys
-    assert {"torch_skip", "stateful", "grain_index", "ours"} <= set(section["exactly_once"])  # grain: .[peers]
+    assert {"torch_skip", "stateful", "grain_index", "energon", "ours"} <= set(section["exactly_once"])  # .[peers]
     for key, error in section["not_run"].items():
         assert error and next(s.name for s in SYSTEMS if s.key == key) in peers["_markdown"]
     for results in section["exactly_once"].values():
@@ -74,6 +74,19 @@ def test_the_smoke_table_has_every_cost_and_the_versions(peers):
     assert {case["kind"] for case in section["throughput"]} == {"index", "jpeg"}
     for case in section["throughput"]:
         assert "ours" in case["ratios"] and all(r["median"] > 0 for r in case["ratios"].values())
+        assert set(case["cpu"]["ratios"]) == set(case["ratios"])  # per CPU second, from the same rounds
+        assert all(r["median"] > 0 for r in case["cpu"]["ratios"].values())
+        assert len(case["load_average"]) == 2
     markdown = peers["_markdown"]
     assert "### Exactly once" in markdown and "### Costs" in markdown and "how it saves state" in markdown
     assert "| met |" not in markdown
+
+
+@pytest.mark.slow
+def test_energon_resumes_at_its_world_size_and_refuses_another(peers):
+    # its documented save_state_global / restore_state_global: every rank's state, one per rank of the old world
+    results = peers["sections"]["peers"]["exactly_once"]["energon"]
+    assert (results["4→4"]["skipped"], results["4→4"]["duplicated"]) == (0, 0)
+    assert "State must be a list of size world_size" in results["4→3"]["cannot_resume"]
+    assert (results["no restart, W=3"]["skipped"], results["no restart, W=3"]["duplicated"]) == (0, 0)
+    assert "Megatron Energon" in peers["_markdown"] and "restore_state_global" in peers["_markdown"]

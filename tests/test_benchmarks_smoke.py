@@ -70,6 +70,9 @@ def test_throughputs_and_ratios_are_positive(results):
         assert set(case["values"]) == (LOADERS | {"DataLoader (again)"} if crowded else LOADERS)
         assert all(_positive(v["median"]) for v in case["values"].values())
         assert all(_positive(r["median"]) for r in case["ratios"].values())
+        assert set(case["per_cpu_second"]["ratios"]) == set(case["ratios"])  # the same rounds, per CPU second
+        assert all(_positive(r["median"]) for r in case["per_cpu_second"]["ratios"].values())
+        assert len(case["load_average"]) == 2
         if crowded:  # the CPU per batch stands in for the wall-clock ratio there
             assert set(case["cpu"]["savings"]) == {"DataLoader (again)", "ResumableDataLoader+state_dict"}
             assert all(_positive(r["median"]) for r in case["cpu"]["savings"].values())

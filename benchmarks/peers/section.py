@@ -7,13 +7,15 @@ import time
 from pathlib import Path
 
 from benchmarks.config import Config
+from benchmarks.environment import usable_cpus
 from benchmarks.peers import memory, resume, throughput
 from benchmarks.peers.config import PeersConfig, peers_config
 from benchmarks.peers.faults import GLOBAL_BATCH, exactly_once
 from benchmarks.peers.store import Store
 from benchmarks.peers.systems import SYSTEMS, load_all, versions
+from benchmarks.peers.throughput import BASELINE
 from benchmarks.progress import say
-from benchmarks.rows import count, row, single
+from benchmarks.rows import count, resolves, row, single
 
 
 def _cell(result: dict) -> str:
@@ -57,9 +59,16 @@ def _mb(added: int) -> str:
     return f"{added / 1e6:.3g}" if added >= 1e5 else "< 0.1"
 
 
+def _ratio(stats: dict) -> str:
+    """A throughput ratio to DataLoader, or "not resolved" where the rounds' quartiles straddle 1 (parity)."""
+    if not resolves(stats, 1.0):
+        return f"not resolved ({stats['q1']:.2f}-{stats['q3']:.2f})"
+    return f"{stats['median']:.2g}" if stats["median"] < 0.1 else f"{stats['median']:.2f}"
+
+
 def _ratios(section: dict, key: str) -> list[str]:
-    return [f"{case['ratios'][key]['median']:.2f}" if key in case["ratios"] else "—"
-            for case in section["throughput"]]
+    return [f"{_ratio(case['ratios'][key])}; CPU {_ratio(case['cpu']['ratios'][key])}" if key in case["ratios"]
+            else "—" for case in section["throughput"]]
 
 
 def costs_table(section: dict) -> list[str]:
@@ -67,7 +76,7 @@ def costs_table(section: dict) -> list[str]:
     memory_n = [count(n) for n in section["memory_sizes"]]
     header = (["system", "state saved at 4 ranks (B)"] + [f"resume ms, N={n}" for n in resume_n]
               + [f"memory MB, N={n}" for n in memory_n]
-              + [f"throughput / DataLoader, {case['label']}" for case in section["throughput"]])
+              + [f"throughput / DataLoader, {case['label']}: wall; CPU" for case in section["throughput"]])
     lines = ["| " + " | ".join(header) + " |", "|---" * len(header) + "|"]
     for key, results in section["exactly_once"].items():
         state = next((r["state_bytes"] for r in results.values() if "state_bytes" in r), None)
@@ -88,12 +97,26 @@ def not_measured(section: dict) -> list[str]:
 
 
 def saves_table(section: dict) -> list[str]:
-    lines = ["| system | version | how it saves state under data parallelism |", "|---|---|---|"]
+    lines = ["| system | version | how it saves state under data parallelism | as measured |", "|---|---|---|---|"]
     for system in SYSTEMS:
         version = section["versions"][system.distribution]
         how = section["saves"].get(system.key, "not run: " + section["not_run"].get(system.key, ""))
-        lines.append(f"| {system.name} | {system.distribution} {version} | {how} |")
+        lines.append(f"| {system.name} | {system.distribution} {version} | {how} | {system.note} |")
     return lines
+
+
+def throughput_note(section: dict) -> list[str]:
+    """How the throughput cells were measured: rounds, load, the verdict, what the baseline pays."""
+    loads = [load for case in section["throughput"] for load in case["load_average"]]
+    rounds = section["throughput"][0]["values"][BASELINE]["n"] if section["throughput"] else 0
+    return ["", f"Throughput: {rounds} interleaved rounds per case at a load average of {min(loads, default=0):.1f}-"
+            f"{max(loads, default=0):.1f} (1-minute, before and after each case) on {usable_cpus()} usable CPUs. Each "
+            "cell is the median per-round ratio to DataLoader in samples per wall-clock second, then in samples per "
+            "CPU second (this process and its worker processes: what the loader costs, whatever else runs); "
+            "\"not resolved (q1-q3)\" where the quartiles of the rounds straddle 1, so the rounds do not say "
+            "which is faster. Timing runs from every worker's first batch to the last batch: start-up and the end "
+            "of the pass are left out for every system (DataLoader's `RandomSampler` draws the next pass's whole "
+            "permutation when a pass ends, which a timed end of pass would charge to the baseline alone)."]
 
 
 def _script(pc: PeersConfig) -> str:
@@ -119,7 +142,7 @@ def tables(section: dict, script: str) -> list[str]:
     return (["### Exactly once: skipped / duplicated samples, by identity", "", script, ""]
             + exactly_once_table(section) + errors(section)
             + ["", "### Costs (one rank; resume and memory at N/2; medians; every measurement's spread is below)", ""]
-            + costs_table(section) + not_measured(section)
+            + costs_table(section) + throughput_note(section) + not_measured(section)
             + ["", "### How each system saves its state", ""] + saves_table(section) + ["", f"Versions: {versions}."])
 
 
@@ -138,6 +161,8 @@ def _rows(section: dict) -> list[dict]:
     for case in section["throughput"]:
         rows += [row(f"{case['label']}: {_name(key)} / DataLoader", ratio, "ratio")
                  for key, ratio in case["ratios"].items()]
+        rows += [row(f"{case['label']}: {_name(key)} / DataLoader, per CPU second", ratio, "ratio")
+                 for key, ratio in case["cpu"]["ratios"].items()]
     return rows
 
 
@@ -160,7 +185,7 @@ def run(cfg: Config) -> dict:
         store = Store(Path(directory), pc.write_budget_s)
         section["resume"] = resume.run(pc, peers, store, cfg.reps, cfg.warmup)
         section["memory"] = memory.run(pc, peers, store)
-        section["throughput"] = throughput.run(pc, peers, store, cfg.reps, cfg.warmup)
+        section["throughput"] = throughput.run(pc, peers, store, pc.throughput_reps, cfg.warmup)
     section["rows"] = _rows(section)
     section["tables"] = tables(section, _script(pc))
     return section

@@ -14,6 +14,7 @@ class System:
     key: str  # its adapter, benchmarks/peers/<key>.py
     name: str
     distribution: str  # the installed package whose version is reported
+    note: str = ""  # what its defaults do to the table, in words
 
     @property
     def module(self) -> str:
@@ -24,11 +25,20 @@ class System:
 
 
 SYSTEMS = (
-    System("torch_skip", "DataLoader + DistributedSampler, skip k batches", "torch"),
-    System("stateful", "torchdata StatefulDataLoader", "torchdata"),
-    System("mosaic", "MosaicML Streaming", "mosaicml-streaming"),
-    System("lit", "LitData", "litdata"),
-    System("grain_index", "Grain", "grain"),
+    System("torch_skip", "DataLoader + DistributedSampler, skip k batches", "torch",
+           "DistributedSampler pads the epoch to a multiple of W with repeats (the \"no restart\" duplicates)"),
+    System("stateful", "torchdata StatefulDataLoader", "torchdata",
+           "StatefulDistributedSampler pads as DistributedSampler does"),
+    System("mosaic", "MosaicML Streaming", "mosaicml-streaming",
+           "pads each rank's share to equal length with repeats"),
+    System("lit", "LitData", "litdata",
+           "drop_last defaults to True under torch.distributed: the epoch's 16-sample tail (10,000 mod 48 at "
+           "quick size) is dropped at every W, the \"no restart\" skips"),
+    System("grain_index", "Grain", "grain",
+           "ShardOptions(drop_remainder=False); the \"no restart\" skips are its own tail handling (cause not traced)"),
+    System("energon", "Megatron Energon", "megatron-energon",
+           "shuffle_buffer_size=100, max_samples_per_sequence=100 (its save/restore example), one epoch "
+           "(repeat=False; training datasets repeat by default)"),
     System("ours", "loader (ours)", "loader"),
 )
 OURS = SYSTEMS[-1]
