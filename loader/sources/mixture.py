@@ -28,7 +28,7 @@ import hashlib
 import json
 import os
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 from itertools import accumulate
@@ -575,17 +575,29 @@ class Mixture(torch.utils.data.Dataset):
                 yield s, rows[low:high], indices[low:high]
             low = high
 
+    def _tokens(self, positions: Sequence[int]) -> torch.Tensor:
+        """The int64 tensor (len(positions), seq_len + 1) of a batch of TokenSources, each filling its rows."""
+        source, index = self.locate(positions)
+        out = np.empty((len(source), self._span), dtype=np.int64)
+        for s, rows, indices in self._by_source(source, index):
+            self.sources[s]._fill(out, rows, indices)
+        return torch.from_numpy(out)
+
+    def batch_reader(self) -> Callable[[Sequence[int]], torch.Tensor] | None:
+        """The batch as the tensor that the loader's collate makes of `__getitems__`'s Rows, read without the Rows
+        (`loader.core.rows.batch_reader`): where the batch is one int64 array (TokenSources of plain samples and
+        one seq_len), and not in a subclass with its own `__getitems__`, whose batches this would not be."""
+        own = type(self).__getitems__ is Mixture.__getitems__
+        return self._tokens if self._span is not None and own else None
+
     def __getitems__(self, positions: Sequence[int]) -> list:
         """A batch: each source asked once, for its share. TokenSources of plain samples and one seq_len fill
         their rows of one int64 array in place, returned as its `Rows` (which the loader's collate hands on as
         that array: no per-source allocation, no reordering, no stacking); other sources are asked in one call
         when they take batches, and their samples put back in position order."""
-        source, index = self.locate(positions)
         if self._span is not None:
-            out = np.empty((len(source), self._span), dtype=np.int64)
-            for s, rows, indices in self._by_source(source, index):
-                self.sources[s]._fill(out, rows, indices)
-            return Rows(torch.from_numpy(out))
+            return Rows(self._tokens(positions))
+        source, index = self.locate(positions)
         seeds = len(positions) and hasattr(positions[0], "seed")  # the loader's sample_seeds
         out: list = [None] * len(source)
         for s, rows, indices in self._by_source(source, index):
