@@ -76,6 +76,19 @@ def test_the_batch_reader_and_getitems_equal_the_samples_one_by_one(mixtures, da
     assert torch.equal(batch_reader(fresh)(positions), want)
 
 
+def test_positions_out_of_range_are_refused_and_a_worker_copy_carries_no_cached_block(mixtures):
+    mix = Mixture(mixtures["fixed"].sources, None, 3 * BLOCK + 17, seed=4, schedule=SCHEDULE)  # nothing read yet
+    read = batch_reader(mix)
+    for batch, bad in (([len(mix)], len(mix)), ([len(mix) - 2, len(mix)], len(mix)), ([-1, 0], -1), ([-1], -1)):
+        with pytest.raises(IndexError, match=f"mixture position {bad} out of range for {len(mix)} positions"):
+            read(batch)
+    read(list(range(100)))  # a large batch: the plan's own caches filled, no block's lists
+    before = len(pickle.dumps(mix))
+    read(list(range(mix._block - 5, mix._block + 3)))  # small batches across and inside a block: its table is kept
+    read(list(range(mix._block + 10, mix._block + 18)))
+    assert len(pickle.dumps(mix)) == before  # a worker maps its own blocks; none travels with the dataset
+
+
 def test_only_a_fused_mixture_of_its_own_getitems_has_a_batch_reader(mixtures):
     mix = mixtures["fixed"]
     assert batch_reader(mix) is not None
