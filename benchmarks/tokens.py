@@ -213,9 +213,8 @@ def _breakdown(cfg: Config, label: str, dataset, shuffle: bool, seq_len: int) ->
     ids = next(iter(loader.resumable_sampler))
     mixture = isinstance(dataset, Mixture)
     if mixture:
-        source, index = dataset.locate(ids)
-        parts = [(dataset.sources[s], rows, indices) for s, rows, indices in dataset._by_source(source, index)]
-        locate = lambda: list(dataset._by_source(*dataset.locate(ids)))  # noqa: E731
+        parts = [(dataset.sources[s], rows, indices) for s, rows, indices in dataset._shares(ids)]
+        locate = partial(dataset._shares, ids)
     else:
         parts = [(dataset, range(len(ids)), ids)]
         locate = partial(dataset._locate, ids)
@@ -252,7 +251,7 @@ def _breakdown(cfg: Config, label: str, dataset, shuffle: bool, seq_len: int) ->
         "torch's fetcher + the loader's collate around __getitems__ (a source without batch_reader)":
             _fetch_only(dataset, ids),
         "the sampler: the next index list": partial(next, sampler),
-        "locating the samples (file, offset)" + (": Mixture.locate + _by_source" if mixture else ""): locate,
+        "locating the samples (file, offset)" + (": Mixture._shares" if mixture else ""): locate,
         "file checks (size before, state after, per file read)": checks,
         "copies into the batch (numpy)": copies,
         "Rows of the batch + collate (torch.from_numpy, unbind; a source without batch_reader)":

@@ -28,7 +28,7 @@ import hashlib
 import json
 import os
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 from itertools import accumulate
@@ -50,6 +50,8 @@ MAX_WINDOW = 10_000  # the default window is the smallest M <= this that represe
 LARGEST_WINDOW = 1 << 20  # a window's slot table is O(M) per process
 BLOCK = 2048  # positions mapped per vectorised call when access is sequential (the usual shuffle=False case): a
 # block costs ~50 numpy calls, and its temporaries stay within 1 MB
+SMALL_BATCH = 64  # up to this many positions inside one block, a batch is grouped by source in Python (~0.1 us a
+# position), not by numpy (~6 us a batch in fixed costs)
 PLAN_KIND, PLAN_VERSION = "loader.MixturePlan", 1
 SCHEDULED_VERSION = 2  # a plan with a schedule: a release that reads version 1 only refuses it, never ignores it
 _EXACT = 1e-6  # a weight times M within this of an integer counts as exact (weights written with 6 decimals)
@@ -418,6 +420,9 @@ class MixturePlan:
         return hashlib.sha256(json.dumps(self.to_dict(), sort_keys=True).encode()).hexdigest()[:16]
 
 
+_NO_LISTS: tuple[int, list[int], list[int]] = (-1, [], [])  # no block's lists yet (-1: no block)
+
+
 def _fetch(source, indices: list[int]) -> list:
     """A source's samples at these indices, in one call when it takes batches (TokenSource, HF datasets)."""
     getitems = getattr(source, "__getitems__", None)
@@ -515,6 +520,7 @@ class Mixture(torch.utils.data.Dataset):
             self.plan = _amend(amends, self.plan, change_at)
         self._block = -(-BLOCK // self.plan.window) * self.plan.window  # whole windows
         self._cache: OrderedDict[int, np.ndarray] = OrderedDict()
+        self._lists: tuple[int, list[int], list[int]] = _NO_LISTS
         self._span = _token_span(self.sources)  # decided once; an int, so it travels to workers with the mixture
 
     @property
@@ -564,6 +570,34 @@ class Mixture(torch.utils.data.Dataset):
         source, index = table.take(np.subtract(positions, origin), axis=1)
         return source, index
 
+    def _block_lists(self, block: int) -> tuple[list[int], list[int]]:
+        """A block's table as Python lists (sources, indices), for small batches (`_shares`); the last block's."""
+        lists = self._lists  # read once: one tuple, so another thread's swap never mixes two blocks
+        if lists[0] != block:
+            table = self._block_table(block)
+            lists = self._lists = (block, table[0].tolist(), table[1].tolist())
+        return lists[1], lists[2]
+
+    def _shares(self, positions: Sequence[int]) -> list[tuple[int, list[int], list[int]]]:
+        """Each source's share of a batch: (source number, its rows in the batch, its indices), sources in order,
+        rows in position order. A small batch inside one block is looked up in the block's lists and grouped in
+        Python: at a few positions, cheaper than the numpy calls of `locate` and `_by_source` together."""
+        if 0 < len(positions) <= SMALL_BATCH:
+            low, high = min(positions), max(positions)
+            block = low // self._block
+            if low >= 0 and high < self.plan.num_samples and high // self._block == block:
+                sources, indices = self._block_lists(block)
+                origin, shares = block * self._block, {}
+                for row, position in enumerate(positions):
+                    at = position - origin
+                    share = shares.get(sources[at])
+                    if share is None:
+                        share = shares[sources[at]] = ([], [])
+                    share[0].append(row)
+                    share[1].append(indices[at])
+                return [(s, *shares[s]) for s in sorted(shares)]
+        return list(self._by_source(*self.locate(positions)))
+
     def _by_source(self, source: np.ndarray, index: np.ndarray):
         """Each source's share of a batch: (source number, its rows in the batch, its indices), in position order."""
         by_source = source.argsort(kind="stable")
@@ -575,20 +609,30 @@ class Mixture(torch.utils.data.Dataset):
                 yield s, rows[low:high], indices[low:high]
             low = high
 
+    def _tokens(self, positions: Sequence[int]) -> torch.Tensor:
+        """The int64 tensor (len(positions), seq_len + 1) of a batch of TokenSources, each filling its rows."""
+        out = np.empty((len(positions), self._span), dtype=np.int64)
+        for s, rows, indices in self._shares(positions):
+            self.sources[s]._fill(out, rows, indices)
+        return torch.from_numpy(out)
+
+    def batch_reader(self) -> Callable[[Sequence[int]], torch.Tensor] | None:
+        """The batch as the tensor that the loader's collate makes of `__getitems__`'s Rows, read without the Rows
+        (`loader.core.rows.batch_reader`): where the batch is one int64 array (TokenSources of plain samples and
+        one seq_len), and not in a subclass with its own `__getitems__`, whose batches this would not be."""
+        own = type(self).__getitems__ is Mixture.__getitems__
+        return self._tokens if self._span is not None and own else None
+
     def __getitems__(self, positions: Sequence[int]) -> list:
         """A batch: each source asked once, for its share. TokenSources of plain samples and one seq_len fill
         their rows of one int64 array in place, returned as its `Rows` (which the loader's collate hands on as
         that array: no per-source allocation, no reordering, no stacking); other sources are asked in one call
         when they take batches, and their samples put back in position order."""
-        source, index = self.locate(positions)
         if self._span is not None:
-            out = np.empty((len(source), self._span), dtype=np.int64)
-            for s, rows, indices in self._by_source(source, index):
-                self.sources[s]._fill(out, rows, indices)
-            return Rows(torch.from_numpy(out))
+            return Rows(self._tokens(positions))
         seeds = len(positions) and hasattr(positions[0], "seed")  # the loader's sample_seeds
-        out: list = [None] * len(source)
-        for s, rows, indices in self._by_source(source, index):
+        out: list = [None] * len(positions)
+        for s, rows, indices in self._shares(positions):
             if seeds:  # a source index carries its position's seed
                 indices = list(map(type(positions[0]), indices, (positions[r].seed for r in rows)))
             for row, sample in zip(rows, _fetch(self.sources[s], indices)):
@@ -629,7 +673,7 @@ class Mixture(torch.utils.data.Dataset):
                     f"{int(spans[-1, 1])}")
 
     def __getstate__(self) -> dict:
-        return {**self.__dict__, "_cache": OrderedDict()}
+        return {**self.__dict__, "_cache": OrderedDict(), "_lists": _NO_LISTS}
 
     def __repr__(self) -> str:
         shares = ", ".join(f"{n}: {c}/{self.window}" for n, c in zip(self.names, self.counts))
