@@ -37,9 +37,12 @@ def test_demo_loses_a_node_and_finishes_exactly_once(tmp_path):
 
 
 def test_the_lm_demo_loses_a_node_and_audits_each_source_exactly_once(tmp_path):
-    """The 70/30 token mixture of examples/train_lm.py: the audit's rows per source are whole and exact."""
+    """The packed rows of examples/train_lm.py, mixed by its schedule (web alone, a ramp, 70/30): the demo shows the
+    packing and the schedule's change points once, and the audit's rows per source are whole and exact."""
     out = run_demo(tmp_path, "--lm")
-    assert re.search(r"web\s+336\s+336\s+0\s+0\s+0\s+0", out) and re.search(r"code\s+144\s+144\s+0\s+0\s+0\s+0", out)
+    assert len(re.findall(r"^  web packed best fit into \d+ rows of 33 tokens: padding", out, re.MULTILINE)) == 1
+    assert "by position: 0-59 10/0, 60-179 10/0 -> 7/3, 180-479 7/3" in out
+    assert re.search(r"web\s+369\s+369\s+0\s+0\s+0\s+0", out) and re.search(r"code\s+111\s+111\s+0\s+0\s+0\s+0", out)
 
 
 def test_a_failed_job_reports_the_workers_traceback_not_only_torchrun_s_summary():

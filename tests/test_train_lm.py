@@ -1,5 +1,6 @@
-"""examples/train_lm.py: a tiny transformer on a 70/30 mixture of token files survives a SIGKILLed rank and a
-resize, with the final model of the uninterrupted run and a clean audit for each source.
+"""examples/train_lm.py: a tiny transformer on packed documents of two token corpora, mixed by a schedule (web text
+alone, then a ramp to 70/30), survives a SIGKILLed rank and a resize, with the final model of the uninterrupted run
+and a clean audit for each source; its document mask is the same through FlexAttention and the dense SDPA mask.
 
 Ranks are forked processes in a real gloo group, the kill is a real SIGKILL (tests/elastic.py). The same job under
 two torchrun agents, one of them killed, is `python -m loader demo --lm` (slower: it is not run here).
@@ -41,12 +42,44 @@ def test_a_killed_rank_and_a_resize_keep_the_model_and_every_source_exactly_once
         torch.testing.assert_close(ours[key], theirs[key], rtol=1e-5, atol=1e-6)
 
     plan = MixturePlan.load(run / "mixture.json")
+    counts, _ = plan.window_table(np.arange(24))  # web/code slots of the job's 24 windows of 10 positions
+    assert counts[:7].tolist() == [[10, 0]] * 7 and counts[18:].tolist() == [[7, 3]] * 6  # warm-up, then 70/30
+    assert (np.diff(counts[6:19, 1]) >= 0).all() and counts[12, 1] in (1, 2)  # the ramp in between
+    web, code = counts.sum(0).tolist()
     (epoch,) = audit(run, Grouping(plan.names, plan.source_of, plan.num_samples))
     assert epoch.finished and epoch.clean and epoch.seen_once == 240
     assert [(g.name, g.expected, g.seen_once, g.skipped, g.duplicated) for g in epoch.groups] == [
-        ("web", 168, 168, 0, 0), ("code", 72, 72, 0, 0)]
+        ("web", web, web, 0, 0), ("code", code, code, 0, 0)]
     assert cli(["audit", str(run), "--mixture", str(run / "mixture.json")]) == 0
     out = capsys.readouterr().out
-    assert "web       168        168        0" in out and "audit: every sample exactly once" in out
+    assert f"web       {web}        {web}        0" in out and "audit: every sample exactly once" in out
+    first_launch = logs(tmp_path / "logs1")[0]
+    assert "data: web packed best fit into" in first_launch and "0-59 10/0, 60-179 10/0 -> 7/3" in first_launch
     losses = [float(line.rsplit(" ", 1)[1]) for line in logs(tmp_path / "logs0")[0].splitlines() if " loss " in line]
     assert np.mean(losses[-3:]) < np.mean(losses[:3])  # it learns
+
+
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")  # eager: CPU inference
+def test_flex_attention_masks_packed_documents_as_the_dense_mask_does():
+    """The example's two attention paths: create_block_mask + flex_attention and SDPA with the dense boolean mask
+    give the same logits on packed rows (forward only: torch's CPU FlexAttention has no backward)."""
+    import importlib.util
+
+    pytest.importorskip("torch.nn.attention.flex_attention", reason="FlexAttention needs torch >= 2.5")
+    spec = importlib.util.spec_from_file_location("train_lm", EXAMPLE)
+    train_lm = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(train_lm)
+    torch.manual_seed(0)
+    segments = torch.tensor([[0] * 10 + [1] * 13 + [2] * 8 + [-1] * 2, [0] * 20 + [1] * 13])  # pieces, padding
+    positions = torch.cat([torch.arange(n) for n in (10, 13, 8, 2, 20, 13)]).view(2, 33)
+    tokens = torch.randint(1, train_lm.VOCAB, (2, 33))
+    model = train_lm.TinyLM(33).eval()
+    with torch.no_grad():
+        dense = model(tokens, positions, segments)
+        model.attention = "flex"
+        flex = model(tokens, positions, segments)
+        tokens[0, 12] = (tokens[0, 12] + 1) % train_lm.VOCAB  # a token of document 1 changes
+        changed = model(tokens, positions, segments)
+    torch.testing.assert_close(flex, dense, rtol=1e-5, atol=1e-5)
+    moved = (changed - flex).abs().amax(-1)[0] > 1e-6
+    assert moved.tolist() == [False] * 12 + [True] * 11 + [False] * 10  # only document 1 from that token on

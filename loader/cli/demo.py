@@ -5,7 +5,9 @@ would. During step 9 the single-worker node dies: its worker SIGKILLs its own ag
 agent restarts its workers; they rendezvous as a job of 3, resume from the newest verified checkpoint and finish
 the epoch with the same global batch. Then the ledger is audited, the final model is compared with an
 uninterrupted run, and the restart's measured costs are put next to the replay plan. With `--lm` the job is
-examples/train_lm.py (a transformer on a 70/30 mixture of token files) and the audit has a row per source.
+examples/train_lm.py (a transformer on packed documents of two token corpora, mixed by a schedule: web text alone,
+then a ramp to 70/30): the first launch's packing stats and schedule change points are shown, and the audit has a
+row per source.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ RDZV = "last_call_timeout=5,keep_alive_interval=1,keep_alive_max_attempt=2,join_
 FAIL_AT_STEP = 8
 STEP_LINE = re.compile(r"\[rank 0\] step (\d+) ")
 SAVED_LINE = re.compile(r"\[rank 0\] checkpoint of step \d+ saved in ([\d.]+) s")
+DATA_LINE = re.compile(r"\[rank 0\] data: (.*)")  # what the LM example says of its packing and schedule
 RESUMED_LINE = re.compile(r"\[rank 0\] world size (\d+), .*resumed at step (\d+).*checkpoint load ([\d.]+) s")
 Line = tuple[float, str, str]  # an agent's output line: (arrival time, node, text)
 
@@ -182,7 +185,9 @@ class ProgressLine:
         self.launches, self.listing = 0, False  # listing: the current line is a list of completed steps
 
     def show(self, line: str) -> None:
-        if (m := RESUMED_LINE.search(line)) is not None:
+        if (m := DATA_LINE.search(line)) is not None and self.launches == 0:  # once: every launch says it
+            self._write(f"\n  {m.group(1)}", False)
+        elif (m := RESUMED_LINE.search(line)) is not None:
             world, step, _ = m.groups()
             self.launches += 1
             start = "fresh start from step 0" if step == "0" else f"resumed from the checkpoint of step {step}"
@@ -280,7 +285,7 @@ def main(lm: bool = False, directory: str | None = None) -> int:
     run, reference = top / "run", top / "reference"
     if run.exists() or reference.exists():
         raise SystemExit(f"demo: {top} holds an earlier demo's run/ or reference/: name a new directory")
-    data = "a 70/30 mixture of two token corpora, 480 sequences" if lm else "480 samples"
+    data = "packed rows of two token corpora mixed by a schedule (to 70/30), 480 rows" if lm else "480 samples"
     print(f"demo: one elastic job ({example.name}), 2 nodes (3 + 1 workers), {data}, global batch 24; node B dies "
           f"during step {FAIL_AT_STEP + 1}\nrun directory: {top}\ncommands:")
     started = time.monotonic()

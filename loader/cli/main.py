@@ -14,8 +14,9 @@ def main(argv: list[str] | None = None) -> int:
     commands = parser.add_subparsers(dest="command", required=True)
     demo_command = commands.add_parser("demo", help="an elastic torchrun job loses a node mid-step and resumes on "
                                                     "fewer workers")
-    demo_command.add_argument("--lm", action="store_true", help="the job of examples/train_lm.py: a transformer on a "
-                                                                "70/30 mixture of token files, audited per source")
+    demo_command.add_argument("--lm", action="store_true", help="the job of examples/train_lm.py: a transformer on "
+                                                                "packed token files mixed by a schedule, audited per "
+                                                                "source")
     demo_command.add_argument("--dir", help="where the runs go, kept for auditing (default: a new temporary "
                                             "directory, printed)")
     check = commands.add_parser("audit", help="per epoch: samples seen once, skipped, duplicated, dropped by policy",
