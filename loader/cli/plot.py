@@ -5,8 +5,8 @@ identity ledger; a new launch starts at a dashed line, labelled with its world s
 checkpoint committed; steps that a later launch replayed are hollow and do not count; batches that failed to load
 and deliveries of a duplicated sample are marked on the step that delivered them. Bottom: each epoch's dataset
 indices, coloured by what the audit found: seen once, skipped, duplicated, failed to load, dropped by policy, skipped
-on request (`dl.skip`), or not yet seen (an epoch in progress). The drawn categories are returned (`Picture`) so a test can hold them against the
-audit's counts. matplotlib (the `bench` extra) is imported only here.
+on request (`dl.skip`), or not yet seen (an epoch in progress). The drawn categories are returned (`Picture`) so a
+test can hold them against the audit's counts. matplotlib (the `bench` extra) is imported only here.
 """
 
 from __future__ import annotations
