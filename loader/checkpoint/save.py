@@ -234,10 +234,9 @@ def check_dataset(saved: str | None, loader, where: str) -> None:
     current = dataset_fingerprint(loader)
     if None not in (saved, current) and saved not in (current, _before_change(loader)):
         raise StateError(
-            f"{where}: dataset fingerprint is {saved!r} in the checkpoint but {current!r} here: the dataset changed "
-            f"(a source's shards: names, sample counts or sample keys; a Mixture's sources, weights or schedule); "
-            f"resume with the dataset of the saved run, or change a Mixture's schedule explicitly (amends=, "
-            f"change_at=)"
+            f"{where}: dataset fingerprint is {saved!r} in the checkpoint but {current!r} here: the source's shards "
+            f"(names, sample counts or sample keys) or a Mixture's sources, weights or schedule changed; resume with "
+            f"the dataset of the saved run, or change a Mixture's schedule explicitly (amends=, change_at=)"
         )
 
 
