@@ -145,8 +145,8 @@ def plot(run_dir, out) -> Picture:
     """Draw the run's picture (see the module docstring) into the PNG `out`; returns what was drawn."""
     require_matplotlib()
     generations, records = read_generations(run_dir)
-    counted, dropped, requested = [r for r in records if r.counted], read_dropped(run_dir), read_dropped(run_dir,
-                                                                                                       "skipped")
+    counted = [r for r in records if r.counted]
+    dropped, requested = read_dropped(run_dir), read_dropped(run_dir, "skipped")
     num_samples = generations[-1].num_samples
     report = audit_records(counted, dropped, num_samples, requested=requested)
     lines = _lines(generations, records)

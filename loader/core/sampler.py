@@ -279,9 +279,9 @@ class ResumableSampler:
         """Commit positions of `epoch` (default: the epoch the next batch comes from) as skipped on request: never
         dealt, never trained, recorded in the progress. `updates`: updates counted from the next one (an int n:
         the next n; a range); `positions`: epoch positions; `indices`: dataset indices, at the positions the
-        epoch's order puts them (its inverse). From the progress this rank stands at, which stands
-        for every rank: call it alike on every rank, between optimizer updates (a rank that differs shows at the
-        merge, as a state of another base). Checked before anything changes; returns the intervals skipped."""
+        epoch's order puts them (its inverse). From the progress this rank stands at, which stands for every rank:
+        call it alike on every rank, between optimizer updates (a rank that differs shows at the merge, as a state
+        of another base). Checked before anything changes; returns the intervals skipped."""
         if self.view().plan.completed(self._position) != self._position:
             raise ValueError("skip() in the middle of an optimizer update: call it after the update's last "
                              "micro-batch (loader.update_complete) and the optimizer step")

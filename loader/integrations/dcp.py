@@ -13,7 +13,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 from loader.checkpoint.save import check_change, check_dataset, dataset_fingerprint, global_progress
 from loader.core.state import StateError
 
-WHERE = "the DCP checkpoint loaded into LoaderState"  # DCP does not tell a Stateful which checkpoint it loads
+_WHERE = "the DCP checkpoint loaded into LoaderState"  # DCP does not tell a Stateful which checkpoint it loads
 
 
 class LoaderState(Stateful):
@@ -32,11 +32,11 @@ class LoaderState(Stateful):
 
     def load_state_dict(self, state_dict: dict) -> None:
         progress, saved = json.loads(state_dict["progress"]), json.loads(state_dict["dataset"])
-        check_dataset(saved, self.loader, WHERE)
+        check_dataset(saved, self.loader, _WHERE)
         try:
             check_change(saved, self.loader, progress)
         except StateError as err:
-            raise StateError(f"{WHERE}: the loader progress does not fit this run: {err}") from None
+            raise StateError(f"{_WHERE}: the loader progress does not fit this run: {err}") from None
         self.loader.load_state_dict(progress)
 
 
