@@ -734,10 +734,12 @@ class ResumableDataLoader(DataLoader[T_co]):
                 state = {**state, "lockstep": mark}
         return state
 
-    def skip(self, *, updates: int | range | None = None, positions=None, epoch: int | None = None) -> np.ndarray:
+    def skip(self, *, updates: int | range | None = None, positions=None, indices=None,
+             epoch: int | None = None) -> np.ndarray:
         """Skip data deterministically, e.g. around a loss spike after a rewind to a checkpoint: `updates=n` the
-        next n optimizer updates (`range(a, b)`: updates a..b-1 counted from the next one, 0), or `positions=` (a
-        range or integers) of `epoch` (default: the epoch the next batch comes from). The skipped samples are
+        next n optimizer updates (`range(a, b)`: updates a..b-1 counted from the next one, 0), `positions=` (a
+        range or integers) of `epoch` (default: the epoch the next batch comes from), or `indices=`: dataset indices
+        (as the ledger and the audit list them), wherever `epoch`'s order puts them. The skipped samples are
         committed as "skipped on request": never served, recorded in the state (and by the ledger, which the audit
         reports in a column of their own), and every other sample stays exactly once at any world size.
 
@@ -747,7 +749,7 @@ class ResumableDataLoader(DataLoader[T_co]):
             raise TypeError("skip() needs sample positions, which an IterableDataset does not have")
         self._resolve_rank_and_world()  # updates count global batches of the world size the job runs at
         self._settle()
-        spans = self.resumable_sampler.skip(epoch, positions, updates)
+        spans = self.resumable_sampler.skip(epoch, positions, updates, indices)
         self._supersede()
         return spans
 

@@ -71,6 +71,7 @@ def test_the_picture_shows_each_launch_and_the_audits_categories(tmp_path, capsy
             e.seen_once, len(e.skipped), len(e.duplicated), len(e.failed))
         assert drawn["dropped by policy"] == e.dropped and drawn["not yet seen"] == (0 if e.finished else
                                                                                       e.not_yet_seen)
+        assert drawn["skipped on request"] == len(e.requested) - len(e.served_anyway)
     assert [e.epoch for e in report] == [0, 1] and report[0].finished and len(report[0].failed) == 4
     assert report[1].not_yet_seen > 0  # (121 = 5 * 24 + 1: the one more rides on the last step, nothing dropped)
     lines = {(line.generation, line.epoch): line for line in picture.lines}
@@ -90,9 +91,37 @@ def test_the_picture_shows_each_launch_and_the_audits_categories(tmp_path, capsy
 def test_skips_and_duplicates_are_drawn_where_they_are(tmp_path):
     skipped_and_duplicated(tmp_path, dropped=[[11, 12]])  # 7, 8, 10 skipped, 11 dropped, 0 and 9 twice
     picture = plot(tmp_path, tmp_path / "run.png")
-    assert picture.categories[0] == dict(zip(CATEGORIES, [6, 0, 1, 0, 3, 2]))
+    assert picture.categories[0] == dict(zip(CATEGORIES, [6, 0, 1, 0, 0, 3, 2]))
     assert picture.duplicated_at == [(1, 4), (2, 8), (3, 10)]  # 0 at steps 1 and 3, 9 at steps 2 and 3
     assert [line.counted.tolist() for line in picture.lines] == [[True, False], [True, True]]
+
+
+def test_samples_skipped_on_request_are_drawn_as_such_not_as_skipped(tmp_path):
+    """dl.skip() in a finished epoch and in one in progress: those samples are drawn in their own category, as many as
+    the audit's "skipped on request" column counts; nothing is drawn as skipped (lost) or as not yet seen."""
+    dl = ResumableDataLoader(IndexDataset(40), batch_size=4, shuffle=True, seed=1, collate_fn=list)
+    dl.ledger = Ledger.open(tmp_path, 0, 40)
+    it = iter(dl)
+    for _ in range(3):
+        next(it)
+    dl.skip(updates=2)  # 8 samples of epoch 0
+    for _ in dl:
+        pass
+    dl.skip(positions=range(4, 12), epoch=1)  # 8 samples of epoch 1, which then trains 2 batches
+    it = iter(dl)
+    for _ in range(2):
+        next(it)
+    dl.ledger.record_finished(merge_states([dl.state_dict()]), dl)
+    dl.ledger.close()
+    report = audit(tmp_path)
+    picture = plot(tmp_path, tmp_path / "run.png")
+    assert [len(e.requested) for e in report] == [8, 8] and report[0].finished and not report[1].finished
+    for e in report:
+        drawn = picture.categories[e.epoch]
+        assert drawn["skipped on request"] == len(e.requested) and drawn["skipped"] == len(e.skipped) == 0
+        assert drawn["seen once"] == e.seen_once and drawn["not yet seen"] == (0 if e.finished else e.not_yet_seen)
+        assert sum(drawn.values()) == e.expected
+    assert picture.categories[1] == dict(zip(CATEGORIES, [8, 24, 0, 8, 0, 0, 0]))
 
 
 def test_without_matplotlib_the_plot_names_what_to_install(tmp_path, monkeypatch, capsys):

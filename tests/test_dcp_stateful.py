@@ -3,6 +3,7 @@
 import itertools
 import warnings
 
+import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
@@ -79,3 +80,51 @@ def test_sharded_fsdp_state_saved_at_two_ranks_loads_at_three(tmp_path):
     assert loaded[0] == loaded[1] == loaded[2]
     for key in saved[0]:  # averaging W equal gradients is exact for W=2, within rounding for W=3
         torch.testing.assert_close(torch.tensor(loaded[0][key]), torch.tensor(saved[0][key]), rtol=1e-6, atol=1e-7)
+
+
+def _dcp_call(call, loader, path):
+    with warnings.catch_warnings():  # one process, no group: DCP warns that it assumes so
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        call({"loader": LoaderState(loader)}, checkpoint_id=path)
+
+
+def test_a_dcp_checkpoint_resumes_under_an_amended_schedule_and_a_silent_edit_is_refused(tmp_path):
+    """Saved through DCP under mixture plan A after 3 steps (12 positions), loaded under plan B that amends A from
+    position 12: every position of the epoch exactly once, the first 12 as A had them, the rest as B has them. B
+    changing inside what A committed, and B without amends= (the weights edited silently), are refused as resume
+    refuses them, and leave the loader as it was."""
+    from loader.core.state import StateError
+    from tests.test_mixture_schedule import scheduled
+
+    lengths, n, window, path = [13, 7], 64, 4, str(tmp_path / "ckpt")
+    old = scheduled(lengths, [{"weights": [3, 1]}], n, window=window)
+    dl = ResumableDataLoader(old, batch_size=4, shuffle=False, collate_fn=list)
+    it, positions, trained = iter(dl), [], []
+    for _ in range(3):
+        trained += next(it)
+        positions += dl.last_indices().tolist()
+    _dcp_call(dcp.save, dl, path)
+
+    new_schedule = [{"from": [3, 1], "to": [0, 1], "windows": 6}, {"weights": [1, 1]}]
+    refused = [(scheduled(lengths, new_schedule, n, window=window, amends=old.plan, change_at=8),
+                r"the schedule change begins at position 8 .* up to 11 under the old plan: pass change_at >= 12"),
+               (scheduled(lengths, new_schedule, n, window=window),
+                r"dataset fingerprint is '\w+' in the checkpoint but '\w+' here: .* a Mixture's sources, weights or "
+                r"schedule changed")]
+    for mix, message in refused:
+        fresh = ResumableDataLoader(mix, batch_size=4, shuffle=False, collate_fn=list)
+        before = fresh.state_dict()
+        with pytest.raises(StateError, match=message):
+            _dcp_call(dcp.load, fresh, path)
+        assert fresh.state_dict() == before
+
+    new = scheduled(lengths, new_schedule, n, window=window, amends=old.plan, change_at=12)
+    resumed = ResumableDataLoader(new, batch_size=4, shuffle=False, collate_fn=list)
+    _dcp_call(dcp.load, resumed, path)
+    after = []
+    for batch in resumed:
+        after += batch
+        positions += resumed.last_indices().tolist()
+    assert sorted(positions) == list(range(n))  # every position of the epoch once: trained before + after
+    assert trained == [old[p] for p in range(12)] and after == [new[p] for p in range(12, n)]
+    assert [old[p] for p in range(12)] == [new[p] for p in range(12)]

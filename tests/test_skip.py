@@ -12,6 +12,8 @@ from hypothesis import strategies as st
 from loader import ResumableDataLoader, merge_states
 from loader.checkpoint.audit import main as audit_main
 from loader.checkpoint.ledger import Ledger
+from loader.core.order import Lanes, Order
+from loader.core.progress import spans_of
 from loader.core.state import StateError
 from tests.conftest import IndexDataset
 from tests.distributed import run_group
@@ -150,14 +152,61 @@ def test_bad_skips_are_refused_and_change_nothing():
         ({"updates": 5}, r"epoch 0 has 30 positions left, 4 updates of 8 at most"),
         ({"updates": range(2, 1)}, r"pass a positive int or a non-empty range"),
         ({"updates": -1}, r"pass a positive int or a non-empty range"),
-        ({}, r"takes updates= .* or positions= .*, one of them"),
+        ({}, r"takes updates= .*, positions= .* or indices= .*, one of them"),
         ({"updates": 1, "positions": [30]}, r"one of them"),
+        ({"indices": [30], "positions": [30]}, r"one of them"),
+        ({"indices": [40]}, r"dataset indices must be in \[0, 40\) \(epoch 0's dataset\)"),
+        ({"indices": [-1, 30]}, r"dataset indices must be in \[0, 40\)"),
+        ({"indices": [30.0]}, r"dataset indices must be one or more ints"),
+        ({"indices": []}, r"dataset indices must be one or more ints"),
+        ({"indices": [30, 5, 21, 6]}, r"dataset indices \[5, 6, 21\] of epoch 0 are already committed \(trained, or "
+                                      r"skipped before\)"),
         ({"updates": 1, "epoch": -1}, r"epochs before 0 are finished"),
     ]:
         with pytest.raises(ValueError, match=message):
             dl.skip(**kw)
     assert dl.state_dict() == before
     assert [i for batch in dl for i in batch] == [8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19] + list(range(22, 40))
+
+
+def test_a_spiked_steps_indices_are_skipped_by_index_every_other_sample_once_at_another_world_size():
+    """The audit and the ledger list dataset indices. A user rewinds to the checkpoint before the spike and skips
+    the spiked step's indices, and a few others far ahead, by index (shuffle=True): exactly those are skipped on
+    request, every other index of the epoch is trained once, at another world size."""
+    _, spike = served_updates(ranks_of(4), 2)  # step 2 spiked: its indices, as the ledger records them
+    four = ranks_of(4)
+    trained = train(four, 1)
+    state = merge_states([dl.state_dict() for dl in four])  # the checkpoint of step 1
+    three = ranks_of(3, state)  # rewound to step 1, at 3 ranks
+    ahead = indices(three, 0, [[150, 153]])
+    spans = skip_all(three, indices=spike + ahead)
+    assert spans.tolist() == [[G, 2 * G], [150, 153]]  # step 2's positions and those ahead, found by index
+    trained += train(three)
+    assert_exactly_once(trained, spike + ahead)
+    final = merge_states([dl.state_dict() for dl in three])
+    assert final["skipped"] == [[0, [G, 2 * G, 150, 153]]]
+
+
+@settings(max_examples=60, deadline=None)
+@given(sizes=st.lists(st.integers(0, 40), max_size=8), seed=st.integers(0, 2**63), epoch=st.integers(0, 10**6),
+       mode=st.sampled_from(["none", "global", "blocks"]), lanes=st.none() | st.tuples(st.integers(1, 7),
+                                                                                      st.integers(1, 9)))
+def test_the_position_of_an_index_inverts_the_epoch_order(sizes, seed, epoch, mode, lanes):
+    """skip(indices=) finds positions through the order's inverse: every position of the epoch back from its index,
+    for each shuffle mode (blocks with empty ones too), with lanes or without."""
+    n = sum(sizes)
+    order = Order(n, seed, mode, tuple(sizes) if mode == "blocks" else None, lanes and Lanes(*lanes))
+    at = order.for_epoch(epoch)
+    positions = np.arange(n, dtype=np.int64)
+    assert np.array_equal(at.positions_of(at(positions)), positions)
+
+
+def test_the_inverse_costs_what_the_indices_cost_at_1e12():
+    rng = np.random.default_rng(0)
+    for order in (Order(10**12, 5), Order(10**12, 5, "blocks", (4 * 10**11, 6 * 10**11), Lanes(8, 1000))):
+        at = order.for_epoch(3)
+        positions = rng.integers(0, 10**12, 1000)
+        assert np.array_equal(at.positions_of(at(positions)), positions)
 
 
 def test_the_skipped_set_survives_a_resume_and_a_corrupted_one_is_refused():
@@ -234,9 +283,9 @@ def test_over_a_gloo_group_a_skip_is_gathered_alike_and_a_divergent_one_names_th
 @settings(max_examples=80, deadline=None)
 @given(n=st.integers(13, 120), seed=st.integers(0, 2**32), data=st.data())
 def test_any_skips_at_any_world_sizes_keep_every_index_exactly_once(n, seed, data):
-    """Phases at world sizes 1-4 (the global batch 12 kept), each training some updates and skipping some updates
-    or uncommitted positions of the epoch: every index trained once, skipped on request once, or dropped by the
-    tail rule once."""
+    """Phases at world sizes 1-4 (the global batch 12 kept), each training some updates and skipping some updates,
+    or uncommitted positions of the epoch by position or by dataset index: every index trained once, skipped on
+    request once, or dropped by the tail rule once."""
     state, trained, skipped = None, [], []
     for _ in range(data.draw(st.integers(1, 4), label="phases")):
         ranks = ranks_of_world(data.draw(st.sampled_from([1, 2, 3, 4]), label="world"), n, seed, state)
@@ -247,11 +296,14 @@ def test_any_skips_at_any_world_sizes_keep_every_index_exactly_once(n, seed, dat
         flat = state["committed"][0][1] if state["committed"] else []
         left = [p for p in range(n) if not any(a <= p < b for a, b in zip(flat[::2], flat[1::2]))]
         if data.draw(st.booleans(), label="skip"):
-            if data.draw(st.booleans(), label="by updates"):
+            by = data.draw(st.sampled_from(["updates", "positions", "indices"]), label="by")
+            if by == "updates":
                 last = (len(left) - 1) // 12
                 spans = skip_all(ranks, updates=range(data.draw(st.integers(0, last), label="from"), last + 1))
             else:
-                spans = skip_all(ranks, positions=data.draw(st.lists(st.sampled_from(left), min_size=1), label="p"))
+                chosen = data.draw(st.lists(st.sampled_from(left), min_size=1), label="p")
+                spans = skip_all(ranks, **{by: chosen if by == "positions" else indices(ranks, 0, spans_of(chosen))})
+                assert np.array_equal(spans, spans_of(chosen))  # by index: at the positions the order puts them
             skipped += indices(ranks, 0, spans)
             state = merge_states([dl.state_dict() for dl in ranks])
     event(f"skipped some: {bool(skipped)}; the epoch left to finish: {state['epoch'] == 0}")

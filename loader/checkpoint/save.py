@@ -219,10 +219,33 @@ def _before_change(loader) -> str | None:
     return before() if callable(before) else None
 
 
-def _dataset_fingerprint(loader) -> str | None:
-    """A source's own digest (e.g. WebDataset shard names and sizes), when it has one."""
+def dataset_fingerprint(loader) -> str | None:
+    """A source's own digest (e.g. WebDataset shard names and sizes, a Mixture's plan and sources), when it has one:
+    what a checkpoint records of the dataset (the manifest's "dataset", `LoaderState`'s), as the progress records
+    only the order (length, seed, shuffle)."""
     fingerprint = getattr(loader.dataset, "fingerprint", None)
     return fingerprint() if callable(fingerprint) else None
+
+
+def check_dataset(saved: str | None, loader, where: str) -> None:
+    """A checkpoint's dataset fingerprint against this loader's: the same, or the one before a change the dataset
+    declares (then `check_change` checks the progress). A StateError names `where` and both otherwise: the same
+    positions would name other samples."""
+    current = dataset_fingerprint(loader)
+    if None not in (saved, current) and saved not in (current, _before_change(loader)):
+        raise StateError(
+            f"{where}: dataset fingerprint is {saved!r} in the checkpoint but {current!r} here: the source's shards "
+            f"(names, sample counts or sample keys) or a Mixture's sources, weights or schedule changed; resume with "
+            f"the dataset of the saved run, or change a Mixture's schedule explicitly (amends=, change_at=)"
+        )
+
+
+def check_change(saved: str | None, loader, progress: dict) -> None:
+    """A progress saved under the plan before the dataset's declared change (`saved`: its dataset fingerprint) must
+    have committed nothing the change moves (the dataset's `check_change`, a StateError otherwise)."""
+    before = _before_change(loader)
+    if before is not None and saved == before:
+        loader.dataset.check_change(progress)
 
 
 # What a failed save or load raises: DCP's CheckpointException is a BaseException, which `except Exception` misses.
@@ -352,7 +375,7 @@ def save_checkpoint(
         "world_size": world_size(group),
         "progress_format": [FORMAT, VERSION],
         "fingerprint": _fingerprint_of(loader),
-        "dataset": _dataset_fingerprint(loader),
+        "dataset": dataset_fingerprint(loader),
         **(manifest_extra or {}),
     }
 
@@ -513,15 +536,9 @@ def _check_manifest(path: Path, loader) -> int:
     try:
         if current is not None and extra.get("fingerprint") is not None:
             check_fingerprint(extra["fingerprint"], current, where=f"checkpoint {path}")
+        check_dataset(extra.get("dataset"), loader, f"checkpoint {path}")
     except StateError as err:
         raise CheckpointError(str(err)) from None
-    saved_dataset, current_dataset = extra.get("dataset"), _dataset_fingerprint(loader)
-    if None not in (saved_dataset, current_dataset) and saved_dataset not in (current_dataset, _before_change(loader)):
-        raise CheckpointError(
-            f"checkpoint {path}: dataset fingerprint is {saved_dataset!r} in the checkpoint but {current_dataset!r} "
-            f"here: the source's shards (names, sample counts or sample keys) changed; resume with the shards of the "
-            f"saved run"
-        )
     return manifest.step
 
 
@@ -536,9 +553,7 @@ def _read_small_parts(path: Path, loader, scheduler, scaler, group) -> dict:
     progress = _json(state["loader"]["progress"], "the loader progress")
     try:
         _check_progress(loader, progress)
-        before = _before_change(loader)
-        if before is not None and verify(path, check_checksums=False).extra.get("dataset") == before:
-            loader.dataset.check_change(progress)
+        check_change(verify(path, check_checksums=False).extra.get("dataset"), loader, progress)
     except StateError as err:
         raise CheckpointError(f"checkpoint {path}: the loader progress does not fit this run: {err}") from None
     rng = _json(state["rng"]["all"], "the RNG states")

@@ -4,9 +4,9 @@ Top: each launch's position in the epoch (samples consumed by all ranks) after e
 identity ledger; a new launch starts at a dashed line, labelled with its world size, from the position its
 checkpoint committed; steps that a later launch replayed are hollow and do not count; batches that failed to load
 and deliveries of a duplicated sample are marked on the step that delivered them. Bottom: each epoch's dataset
-indices, coloured by what the audit found: seen once, skipped, duplicated, failed to load, dropped by policy, or not
-yet seen (an epoch in progress). The drawn categories are returned (`Picture`) so a test can hold them against the
-audit's counts. matplotlib (the `bench` extra) is imported only here.
+indices, coloured by what the audit found: seen once, skipped, duplicated, failed to load, dropped by policy, skipped
+on request (`dl.skip`), or not yet seen (an epoch in progress). The drawn categories are returned (`Picture`) so a
+test can hold them against the audit's counts. matplotlib (the `bench` extra) is imported only here.
 """
 
 from __future__ import annotations
@@ -21,9 +21,10 @@ from loader.checkpoint.audit import EpochAudit, audit_records, tally
 from loader.checkpoint.ledger import Generation, Record, read_dropped, read_generations
 
 # what an index of an epoch was, by severity: a bin of many indices shows the most severe one it holds
-ONCE, NOT_YET, DROPPED, FAILED, SKIPPED, DUPLICATED = range(6)
-CATEGORIES = ("seen once", "not yet seen", "dropped by policy", "failed to load", "skipped", "duplicated")
-COLOURS = ("#b8e186", "#eeeeee", "#969696", "#7b3294", "#ff9d00", "#d7191c")
+ONCE, NOT_YET, DROPPED, REQUESTED, FAILED, SKIPPED, DUPLICATED = range(7)
+CATEGORIES = ("seen once", "not yet seen", "dropped by policy", "skipped on request", "failed to load", "skipped",
+              "duplicated")
+COLOURS = ("#b8e186", "#eeeeee", "#969696", "#4393c3", "#7b3294", "#ff9d00", "#d7191c")
 MAX_COLUMNS = 800  # bins of a strip: one per index up to this many indices
 MAX_STRIPS = 12  # epochs drawn as strips: the unclean ones first, then the latest
 MARKED_STEPS = 2000  # beyond this many steps a launch's line has no per-step markers
@@ -53,12 +54,14 @@ class Picture:
     categories: dict[int, dict[str, int]] = field(default_factory=dict)
 
 
-def statuses(counts: np.ndarray, failed: np.ndarray, dropped: np.ndarray | None) -> np.ndarray:
-    """Each index's category (codes above) from how often it was delivered, whether its batch failed, and what the
-    finished epoch dropped by policy (None: the epoch is unfinished, so what was not seen is not yet seen)."""
+def statuses(counts: np.ndarray, failed: np.ndarray, dropped: np.ndarray | None, requested: np.ndarray) -> np.ndarray:
+    """Each index's category (codes above) from how often it was delivered, whether its batch failed, what the
+    finished epoch dropped by policy (None: the epoch is unfinished, so what was not seen is not yet seen) and what
+    was skipped on request (one served anyway is drawn as it was served, as the audit counts it)."""
     status = np.where(counts == 1, ONCE, np.where(counts > 1, DUPLICATED, SKIPPED if dropped is not None else NOT_YET))
     if dropped is not None:
         status[dropped[counts[dropped] == 0]] = DROPPED
+    status[requested[counts[requested] == 0]] = REQUESTED
     status[failed[counts[failed] <= 1]] = FAILED
     return status.astype(np.int8)
 
@@ -142,14 +145,15 @@ def plot(run_dir, out) -> Picture:
     """Draw the run's picture (see the module docstring) into the PNG `out`; returns what was drawn."""
     require_matplotlib()
     generations, records = read_generations(run_dir)
-    counted, dropped = [r for r in records if r.counted], read_dropped(run_dir)
+    counted = [r for r in records if r.counted]
+    dropped, requested = read_dropped(run_dir), read_dropped(run_dir, "skipped")
     num_samples = generations[-1].num_samples
-    report = audit_records(counted, dropped, num_samples)
+    report = audit_records(counted, dropped, num_samples, requested=requested)
     lines = _lines(generations, records)
     failed_at, duplicated_at = _marks(lines, counted, report)
     strips, categories = {}, {}
-    for epoch, counts, failed in tally(counted, dropped, num_samples):
-        status = statuses(counts, failed, dropped.get(epoch) if epoch in dropped else None)
+    for epoch, counts, failed in tally(counted, set(dropped) | set(requested), num_samples):
+        status = statuses(counts, failed, dropped.get(epoch), np.unique(requested.get(epoch, np.zeros(0, np.int64))))
         found = np.bincount(status, minlength=len(CATEGORIES))
         categories[epoch] = {name: int(n) for name, n in zip(CATEGORIES, found)}
         strips[epoch] = _binned(status)
@@ -232,11 +236,12 @@ def _draw(picture: Picture, report: list[EpochAudit], strips: dict, num_samples:
     totals = {name: sum(c[name] for c in picture.categories.values()) for name in CATEGORIES}
     figure.legend(handles=[Patch(color=c, label=f"{name} ({totals[name]:,})") for name, c in zip(CATEGORIES, COLOURS)
                            if totals[name] or name in ("seen once", "skipped", "duplicated")],
-                  loc="outside lower center", ncol=6, fontsize=8, frameon=False)
+                  loc="outside lower center", ncol=len(CATEGORIES), fontsize=8, frameon=False)
     figure.savefig(out)
 
 
 def _row_label(e: EpochAudit, drawn: dict[str, int]) -> str:
-    problems = [f"{drawn[name]:,} {name}" for name in ("skipped", "duplicated", "failed to load") if drawn[name]]
+    problems = [f"{drawn[name]:,} {name}" for name in ("skipped", "duplicated", "failed to load", "skipped on request")
+                if drawn[name]]
     state = "" if e.finished else ", in progress"
     return f"epoch {e.epoch}{state}: " + (", ".join(problems) if problems else "clean")

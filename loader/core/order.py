@@ -102,8 +102,9 @@ def _split_domain(n) -> tuple[np.ndarray, np.ndarray]:
     return a[where.reshape(np.shape(n))], b[where.reshape(np.shape(n))]
 
 
-def _add_keyed_hash(value: np.ndarray, other: np.ndarray, key, modulus) -> np.ndarray:
-    """value := (value + a keyed hash of `other` in [0, modulus)) mod modulus, in place, for value < modulus < 2**32.
+def _add_keyed_hash(value: np.ndarray, other: np.ndarray, key, modulus, subtract: bool = False) -> np.ndarray:
+    """value := (value + a keyed hash of `other` in [0, modulus)) mod modulus, in place, for value < modulus < 2**32
+    (`subtract`: value - the hash, the inverse, by adding modulus - hash).
 
     The hash's top 32 bits are scaled by the modulus (no division); the sum is then reduced by one subtraction,
     kept only where it did not wrap below zero (unsigned: the smaller of the two). Each step is one numpy pass
@@ -112,43 +113,47 @@ def _add_keyed_hash(value: np.ndarray, other: np.ndarray, key, modulus) -> np.nd
     hashed >>= np.uint64(32)
     hashed *= modulus
     hashed >>= np.uint64(32)
+    if subtract:
+        np.subtract(modulus, hashed, out=hashed)
     value += hashed
     np.minimum(value, value - modulus, out=value)
     return value
 
 
-def _feistel(x: np.ndarray, a, b, keys: np.ndarray) -> np.ndarray:
+def _feistel(x: np.ndarray, a, b, keys: np.ndarray, inverse: bool = False) -> np.ndarray:
     """One pass of an alternating Feistel network over Z_a x Z_b: a bijection of [0, a*b).
 
     Even rounds add a keyed hash of the right half to the left one (mod a), odd rounds the other way (mod b): each
-    round is invertible whatever a and b are."""
+    round is invertible whatever a and b are (`inverse`: the rounds in reverse, each subtracting)."""
     left = x // b
     right = x - left * b
+    rounds = list(enumerate(keys))
     with np.errstate(over="ignore"):
-        for round_number, key in enumerate(keys):
+        for round_number, key in reversed(rounds) if inverse else rounds:
             if round_number % 2 == 0:
-                _add_keyed_hash(left, right, key, a)
+                _add_keyed_hash(left, right, key, a, inverse)
             else:
-                _add_keyed_hash(right, left, key, b)
+                _add_keyed_hash(right, left, key, b, inverse)
     left *= b
     left += right
     return left
 
 
-def permute(x: np.ndarray, n, keys: np.ndarray) -> np.ndarray:
-    """Keyed permutation of range(n) applied to the 1-D array x (all x < n).
+def permute(x: np.ndarray, n, keys: np.ndarray, inverse: bool = False) -> np.ndarray:
+    """Keyed permutation of range(n) applied to the 1-D array x (all x < n); `inverse`: its inverse permutation.
 
     One permutation: keys of shape (ROUNDS,). One per element: keys of shape (ROUNDS, len(x)), with n an int (all
     domains alike) or an array (one size per element). Cycle walking maps values that land outside [0, n) again
-    until they are inside; the walk ends because x itself lies on its own cycle."""
+    until they are inside; the walk ends because x itself lies on its own cycle (walked backwards, the inverse
+    finds the value whose forward walk lands on x)."""
     x = np.asarray(x, dtype=np.uint64)
     n = np.asarray(n, dtype=np.uint64)
     a, b = _split_domain(n)
-    out = _feistel(x, a, b, keys)
+    out = _feistel(x, a, b, keys, inverse)
     outside = np.nonzero(out >= n)[0]
     while outside.size:
         a_o, b_o, n_o = (a[outside], b[outside], n[outside]) if n.ndim else (a, b, n)
-        walked = _feistel(out[outside], a_o, b_o, keys[:, outside] if keys.ndim == 2 else keys)
+        walked = _feistel(out[outside], a_o, b_o, keys[:, outside] if keys.ndim == 2 else keys, inverse)
         out[outside] = walked
         outside = outside[walked >= n_o]
     return out
@@ -244,6 +249,21 @@ class Lanes:
             inner[late] = self._lane_start(lane, size, longer) + rounds * self.chunk + rest - starts[lane]
         return inner
 
+    def outer(self, inner: np.ndarray, n: int) -> np.ndarray:
+        """The positions that stand for `inner` (int64 positions of the order without lanes, all < n): the inverse
+        of `inner`."""
+        size, longer = divmod(n, self.count)
+        rounds = size // self.chunk
+        lane = np.searchsorted(self._lane_start(np.arange(self.count + 1), size, longer), inner, side="right") - 1
+        offset = inner - self._lane_start(lane, size, longer)
+        round_number, within = np.divmod(offset, self.chunk)
+        positions = (round_number * self.count + lane) * self.chunk + within
+        late = round_number >= rounds
+        if late.any():  # in lane l's rest, which follows lane l-1's after the full rounds
+            each, rest = size - rounds * self.chunk, offset[late] - rounds * self.chunk
+            positions[late] = rounds * self.count * self.chunk + self._lane_start(lane[late], each, longer) + rest
+        return positions
+
     @staticmethod
     def _lane_start(lane: np.ndarray, size: int, longer: int) -> np.ndarray:
         """Where lane `lane` starts when lanes hold `size` samples and the first `longer` ones one more."""
@@ -327,3 +347,23 @@ class EpochOrder:
             keys = _round_keys(_fmix64(block.astype(np.uint64) ^ self._inner_key))
         inner = permute(positions - self._block_offsets[slot], sizes, keys).astype(np.int64)
         return self.order._block_starts[block] + inner
+
+    def positions_of(self, indices: np.ndarray) -> np.ndarray:
+        """Positions (int64) of the given dataset indices (all in [0, N)) in this epoch: the inverse of __call__,
+        through the same permutations run backwards, O(len(indices)) (and O(#blocks) once for blocks)."""
+        indices = np.asarray(indices, dtype=np.int64)
+        order = self.order
+        if order.shuffle == "none":
+            positions = indices
+        elif order.shuffle == "global":
+            positions = permute(indices, order.num_samples, self._keys, inverse=True).astype(np.int64)
+        else:
+            block = np.searchsorted(order._block_starts, indices, side="right") - 1  # the non-empty one holding it
+            slot = np.empty_like(self._block_at)
+            slot[self._block_at] = np.arange(len(self._block_at))
+            with np.errstate(over="ignore"):
+                keys = _round_keys(_fmix64(block.astype(np.uint64) ^ self._inner_key))
+            inner = permute(indices - order._block_starts[block], np.asarray(order.block_sizes, dtype=np.int64)[block],
+                            keys, inverse=True).astype(np.int64)
+            positions = self._block_offsets[slot[block]] + inner
+        return positions if order.lanes is None else order.lanes.outer(positions, order.num_samples)

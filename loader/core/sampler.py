@@ -274,12 +274,14 @@ class ResumableSampler:
         else:
             self._start_epoch(progress.epoch, progress)
 
-    def skip(self, epoch: int | None = None, positions=None, updates: int | range | None = None) -> np.ndarray:
+    def skip(self, epoch: int | None = None, positions=None, updates: int | range | None = None,
+             indices=None) -> np.ndarray:
         """Commit positions of `epoch` (default: the epoch the next batch comes from) as skipped on request: never
         dealt, never trained, recorded in the progress. `updates`: updates counted from the next one (an int n:
-        the next n; a range); `positions`: epoch positions. From the progress this rank stands at, which stands
-        for every rank: call it alike on every rank, between optimizer updates (a rank that differs shows at the
-        merge, as a state of another base). Checked before anything changes; returns the intervals skipped."""
+        the next n; a range); `positions`: epoch positions; `indices`: dataset indices, at the positions the
+        epoch's order puts them (its inverse). From the progress this rank stands at, which stands for every rank:
+        call it alike on every rank, between optimizer updates (a rank that differs shows at the merge, as a state
+        of another base). Checked before anything changes; returns the intervals skipped."""
         if self.view().plan.completed(self._position) != self._position:
             raise ValueError("skip() in the middle of an optimizer update: call it after the update's last "
                              "micro-batch (loader.update_complete) and the optimizer step")
@@ -289,6 +291,12 @@ class ResumableSampler:
             raise ValueError(f"skip(epoch={epoch!r}): epochs before {current.epoch} are finished; pass an epoch in "
                              f"[{current.epoch}, {current.epoch + MAX_EPOCHS_AHEAD}]")
         n, committed = self.order.num_samples, current.committed_in(epoch)
+        if (positions, updates, indices).count(None) != 2:
+            raise ValueError("skip() takes updates= (the next n updates, or a range of them counted from the next), "
+                             "positions= (positions of the epoch) or indices= (dataset indices of the epoch), one of "
+                             "them")
+        if indices is not None:
+            positions = _positions_of(self.order.for_epoch(epoch), committed, indices)
         spans = _positions_to_skip(committed, n, self.layout.global_batch, epoch, positions, updates)
         skipped = {**current.skipped, epoch: union(current.skipped.get(epoch, EMPTY), spans)}
         self._restore(replace(current, committed={**current.committed, epoch: union(committed, spans)},
@@ -299,9 +307,6 @@ class ResumableSampler:
 def _positions_to_skip(committed: np.ndarray, n: int, global_batch: int, epoch: int, positions, updates) -> np.ndarray:
     """The intervals `skip` commits: each position of [0, n) not committed yet, or the remaining positions that
     updates [a, b) from the next one would take (update g: remaining indices [g G, (g + 1) G), the last one short)."""
-    if (positions is None) == (updates is None):
-        raise ValueError("skip() takes updates= (the next n updates, or a range of them counted from the next) or "
-                         "positions= (positions of the epoch), one of them")
     if updates is not None:
         steps = range(updates) if is_int(updates) else updates
         remaining = Remaining(committed, n)
@@ -325,3 +330,25 @@ def _positions_to_skip(committed: np.ndarray, n: int, global_batch: int, epoch: 
         raise ValueError(f"skip(positions=...): positions [{overlap[0, 0]}, {overlap[0, 1]}) of epoch {epoch} are "
                          f"already committed (trained, or skipped before): skip positions not committed yet")
     return spans
+
+
+def _positions_of(order: EpochOrder, committed: np.ndarray, indices) -> np.ndarray:
+    """The positions of dataset `indices` in the epoch (the inverse of its order), refused naming the indices out of
+    the dataset or at positions already committed."""
+    n, ids = order.order.num_samples, np.asarray(indices)
+    if ids.dtype.kind not in "iu" or not ids.size:
+        raise ValueError(f"skip(indices=...): dataset indices must be one or more ints (a range, a list, an int "
+                         f"array), got {short(indices)}")
+    ids = np.unique(ids.astype(np.int64).reshape(-1))
+    if ids[0] < 0 or ids[-1] >= n:
+        raise ValueError(f"skip(indices=...): dataset indices must be in [0, {n}) (epoch {order.epoch}'s dataset), "
+                         f"got {short(indices)}")
+    positions = order.positions_of(ids)
+    after = np.searchsorted(committed[:, 1], positions, side="right")  # the first committed interval ending after
+    inside = after < len(committed)
+    inside[inside] = positions[inside] >= committed[after[inside], 0]
+    taken = ids[inside]
+    if len(taken):
+        raise ValueError(f"skip(indices=...): dataset indices {short(taken.tolist())} of epoch {order.epoch} are "
+                         f"already committed (trained, or skipped before): skip indices not committed yet")
+    return positions

@@ -10,22 +10,34 @@ import torch
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.checkpoint.stateful import Stateful
 
-from loader.checkpoint.save import global_progress
+from loader.checkpoint.save import check_change, check_dataset, dataset_fingerprint, global_progress
+from loader.core.state import StateError
+
+_WHERE = "the DCP checkpoint loaded into LoaderState"  # DCP does not tell a Stateful which checkpoint it loads
 
 
 class LoaderState(Stateful):
-    """A ResumableDataLoader as a DCP Stateful, under one replicated key (the merged progress as JSON). Its
-    state_dict() is a collective over `group` (default: the world): under a mesh, one progress per data-parallel
-    rank, its peers' checked equal (see `global_progress`)."""
+    """A ResumableDataLoader as a DCP Stateful, under replicated keys: the merged progress and the dataset's
+    fingerprint (what `save_checkpoint`'s manifest records), as JSON. Its state_dict() is a collective over `group`
+    (default: the world): under a mesh, one progress per data-parallel rank, its peers' checked equal (see
+    `global_progress`). load_state_dict() refuses what `resume` refuses: another dataset (a Mixture's weights or
+    schedule edited without `amends=`), or a declared change of schedule inside what the checkpoint committed."""
 
     def __init__(self, loader, group=None):
         self.loader, self.group = loader, group
 
     def state_dict(self) -> dict:
-        return {"progress": json.dumps(global_progress(self.loader, self.group))}
+        return {"progress": json.dumps(global_progress(self.loader, self.group)),
+                "dataset": json.dumps(dataset_fingerprint(self.loader))}
 
     def load_state_dict(self, state_dict: dict) -> None:
-        self.loader.load_state_dict(json.loads(state_dict["progress"]))
+        progress, saved = json.loads(state_dict["progress"]), json.loads(state_dict["dataset"])
+        check_dataset(saved, self.loader, _WHERE)
+        try:
+            check_change(saved, self.loader, progress)
+        except StateError as err:
+            raise StateError(f"{_WHERE}: the loader progress does not fit this run: {err}") from None
+        self.loader.load_state_dict(progress)
 
 
 class ModelAndOptimizer(Stateful):
