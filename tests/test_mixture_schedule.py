@@ -204,6 +204,15 @@ def test_a_change_keeps_the_past_and_continues_every_source_without_repeats(sour
     assert MixturePlan.from_dict(json.loads(json.dumps(new.plan.to_dict()))) == new.plan
 
 
+def test_a_change_at_window_0_to_constant_weights_is_recorded_and_survives_the_plan_file():
+    """Found by the property test above: a change at window 0 whose result is one constant piece was written as a
+    fixed-weight plan, dropping the record of the change, so a reloaded plan no longer knew a change had happened."""
+    old, new = changed([5], [{"from": [1], "to": [1], "windows": 1}], [{"weights": [1], "windows": 1}], 4, 0,
+                       window=3)
+    assert new.plan.changes == (0,)
+    assert MixturePlan.from_dict(json.loads(json.dumps(new.plan.to_dict()))) == new.plan
+
+
 def test_changes_accumulate_and_anything_but_the_weights_is_refused_naming_the_field():
     first = [{"weights": [3, 1]}]
     old, once = changed([9, 4], first, [{"from": [3, 1], "to": [1, 3], "windows": 5}, {"weights": [1, 3]}], 120, 17)

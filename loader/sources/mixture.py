@@ -377,7 +377,7 @@ class MixturePlan:
         pieces = tuple(_merged(kept + [cut] + [p for p in ahead if p.start > window]))
         changes = tuple(sorted({*self.changes, window} & {p.start for p in pieces}))
         return MixturePlan(self.names, self.lengths, pieces[0].first, self.num_samples, self.seed, self.shuffle,
-                           pieces if len(pieces) > 1 or 0 in pieces[0].first else (), changes)
+                           pieces if len(pieces) > 1 or 0 in pieces[0].first or changes else (), changes)
 
     def to_dict(self) -> dict:
         """The JSON form; a plan without a schedule is written as before schedules existed (same fingerprint)."""
