@@ -34,7 +34,8 @@ def _free_port() -> int:
 def _env(rank: int, world: int, port: int) -> dict[str, str]:
     return {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
             "LOCAL_WORLD_SIZE": str(world), "NODE_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-            "PYTHONPATH": str(_ROOT)}
+            "PYTHONPATH": os.pathsep.join(filter(None, [str(_ROOT), os.environ.get("PYTHONPATH")]))}  # the
+    # project first, then what the caller added (e.g. peers installed with --target, as benchmarks/README.md notes)
 
 
 def launch(module: str, phases: list[Phase], timeout_s: float) -> list[Outcome]:
