@@ -49,3 +49,20 @@ def assert_batches_match_torch(dataset, workers: int, **kwargs) -> list[list[int
         assert ours.dtype == torchs.dtype == expected.dtype == torch.int64
         assert torch.equal(ours, torchs) and torch.equal(ours, expected)
     return ids
+
+
+def outcomes(dl, error: type[BaseException] = Exception):
+    """A pass, batch by batch: (the indices the sampler dealt it, the batch or the `error` its loading raised). A batch
+    that failed to load is consumed, and the pass goes on; a delivered batch is the one `last_indices()` names."""
+    iterator = iter(dl)
+    while True:
+        upcoming = dl.resumable_sampler.next_indices().tolist()
+        try:
+            batch = next(iterator)
+        except StopIteration:
+            return
+        except error as err:
+            yield upcoming, err
+        else:
+            assert dl.last_indices().tolist() == upcoming
+            yield upcoming, batch

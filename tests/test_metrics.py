@@ -14,7 +14,7 @@ from loader import DataStallWarning, ResumableDataLoader, merge_states
 from loader.checkpoint.ledger import Ledger
 from loader.metrics import Monitor, Streak, stall_causes
 from loader.sources.cache import ShardCache
-from tests.conftest import IndexDataset
+from tests.conftest import IndexDataset, outcomes
 from tests.streams import FORK, Failing
 
 
@@ -45,18 +45,12 @@ def run_epoch(dl) -> tuple[list[int], list[int]]:
     delivered, failed = [], []
     step = dict(batches=0, samples=0, failed_batches=0)
     updates = dl.metrics()["updates"]
-    it = iter(dl)
-    while True:
-        upcoming = dl.resumable_sampler.next_indices()
-        try:
-            batch = next(it)
-        except StopIteration:
-            break
-        except ValueError:
-            failed += upcoming.tolist()
+    for upcoming, batch in outcomes(dl, ValueError):
+        if isinstance(batch, ValueError):
+            failed += upcoming
             step["failed_batches"] += 1
         else:
-            assert dl.last_indices().tolist() == upcoming.tolist() == batch.tolist()
+            assert upcoming == batch.tolist()
             delivered += batch.tolist()
             step["batches"] += 1
             step["samples"] += len(batch)

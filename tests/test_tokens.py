@@ -16,7 +16,7 @@ from loader import ResumableDataLoader
 from loader.core.rows import Rows, collate
 from loader.sources import TokenFileError, TokenSource
 from loader.sources.tokens import GATHER_ROWS
-from tests.conftest import assert_batches_match_torch
+from tests.conftest import assert_batches_match_torch, outcomes
 from tests.launch import launch
 
 
@@ -250,22 +250,6 @@ def test_a_file_that_changed_after_the_source_was_built_is_refused(tmp_path, cha
         src[1]
 
 
-def outcomes(dl: ResumableDataLoader):
-    """A pass, batch by batch: (its indices, the batch, or the TokenFileError its loading raised). A batch that
-    failed to load is consumed, and the pass goes on."""
-    iterator = iter(dl)
-    while True:
-        indices = dl.resumable_sampler.next_indices()
-        try:
-            batch = next(iterator)
-        except StopIteration:
-            return
-        except TokenFileError as err:
-            yield indices.tolist(), err
-        else:
-            yield dl.last_indices().tolist(), batch
-
-
 @pytest.mark.parametrize("change", ["rewrite_keeping_mtime", "replace"])
 @pytest.mark.parametrize("batch_size", [3, GATHER_ROWS])
 def test_through_the_loader_a_file_changed_between_batches_fails_the_next_batch_that_reads_it(tmp_path, change,
@@ -279,7 +263,7 @@ def test_through_the_loader_a_file_changed_between_batches_fails_the_next_batch_
     src = TokenSource(str(tmp_path / "part-*.bin"), seq_len=8, dtype="uint16")
     assert src.batch_reader() is not None
     delivered, failed = [], []
-    for indices, batch in outcomes(ResumableDataLoader(src, batch_size=batch_size, shuffle=False)):
+    for indices, batch in outcomes(ResumableDataLoader(src, batch_size=batch_size, shuffle=False), TokenFileError):
         if isinstance(batch, TokenFileError):
             assert f"{changed} changed after the TokenSource was built" in str(batch)
             failed.append(indices)
@@ -345,7 +329,7 @@ def read_while_truncating(directory: str, workers: int, truncated: str) -> None:
     dl = ResumableDataLoader(src, batch_size=GATHER_ROWS + 1, shuffle=False, num_workers=workers,
                              multiprocessing_context="fork" if workers else None)  # in order: part-000.bin first
     batches = []
-    for indices, batch in outcomes(dl):
+    for indices, batch in outcomes(dl, TokenFileError):
         if isinstance(batch, TokenFileError):
             batches.append({"indices": indices, "error": str(batch)})
         else:
