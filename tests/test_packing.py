@@ -236,7 +236,8 @@ def test_pack_places_pieces_as_first_and_best_fit_do(lengths, capacity, rows, be
 
 
 def test_a_hugging_face_column_packs_every_token_once_read_in_place(tmp_path):
-    datasets = pytest.importorskip("datasets")
+    datasets = pytest.importorskip("datasets", reason="packing a Hugging Face column needs datasets: "
+                                   "pip install -e '.[hf]' (the test extra, which CI installs, has it)")
     rng = np.random.default_rng(2)
     rows = [rng.integers(1, 500, n).tolist() for n in rng.integers(0, 30, 60)]
     parts = [datasets.Dataset.from_dict({"input_ids": rows[:25]}), datasets.Dataset.from_dict({"input_ids": rows[25:]})]
