@@ -344,6 +344,8 @@ class ResumableDataLoader(DataLoader[T_co]):
     A new `iter()` continues the current epoch right after the last delivered batch (with a
     `ContinuedPassWarning` when an earlier iterator left the pass after delivering batches); after a pass that
     ended it starts the next epoch. Call `state_dict()` after the optimizer step; it reports completed updates.
+    A dataset whose samples change with the epoch (a PackedSource) declares `epoch_aware = True`: its indices are
+    then `SampleIndex` ints carrying the epoch of their batch (`.epoch`), in whichever worker computes it.
     """
 
     def __init__(

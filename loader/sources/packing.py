@@ -243,8 +243,6 @@ class PackedSource(torch.utils.data.Dataset):
     documents and token ranges of a row in an epoch.
     """
 
-    epoch_aware = True  # the loader hands this dataset indices that carry their batch's epoch (`_epoch_of`)
-
     def __init__(
         self,
         documents: Documents,
@@ -292,6 +290,12 @@ class PackedSource(torch.utils.data.Dataset):
 
     def __len__(self) -> int:
         return self._len
+
+    @property
+    def epoch_aware(self) -> bool:
+        """Whether the loader hands this dataset indices that carry their batch's epoch (`_epoch_of`): the bin
+        modes pack each epoch their own way; a concat row is the same tokens in every epoch."""
+        return self.mode != "concat"
 
     def _check(self, row: int) -> int:
         if not 0 <= row < self._len:
