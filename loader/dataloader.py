@@ -38,33 +38,52 @@ from loader.streams.shards import is_sharded
 
 
 class SampleIndex(int):
-    """A dataset index that also carries its per-sample seed, derived from (seed, epoch, index) alone.
+    """A dataset index that also carries what the loader knows of it: its per-sample seed (`seed`, with
+    sample_seeds=True), derived from (seed, epoch, index) alone, and the epoch of its batch (`epoch`, for a dataset
+    that declares `epoch_aware = True`, e.g. a PackedSource, whose rows differ by epoch).
 
-    It is an int, so datasets that ignore the seed work unchanged; augmentations read `index.seed`."""
+    It is an int, so datasets that ignore both work unchanged; augmentations read `index.seed`. Riding on the index,
+    the epoch reaches whichever worker computes the batch (persistent or not, prefetching or not) as that batch's."""
 
     seed: int
+    epoch: int
 
-    def __new__(cls, index: int, seed: int) -> "SampleIndex":
+    def __new__(cls, index: int, seed: int | None = None, epoch: int | None = None) -> "SampleIndex":
         obj = super().__new__(cls, index)
-        obj.seed = seed
+        if seed is not None:
+            obj.seed = seed
+        if epoch is not None:
+            obj.epoch = epoch
         return obj
 
-    def __getnewargs__(self) -> tuple[int, int]:
-        return int(self), self.seed
+    def __getnewargs__(self) -> tuple[int]:
+        return (int(self),)  # the attributes travel in __dict__
+
+    def carried_to(self, index: int) -> "SampleIndex":
+        """Another index with what this one carries: a mixture's index into one of its sources."""
+        obj = int.__new__(type(self), index)
+        obj.__dict__.update(self.__dict__)
+        return obj
 
 
-class _WithSampleSeeds:
-    """Index lists -> lists of SampleIndex, for datasets that asked for per-sample seeds."""
+def carrying(batch: list[int], epoch: int, seed: int | None, epoch_aware: bool) -> list[SampleIndex]:
+    """A batch of `epoch` as SampleIndex ints: with per-sample seeds when `seed` is given, with the epoch when the
+    dataset is epoch-aware."""
+    seeds = [None] * len(batch) if seed is None else sample_seed(seed, epoch, np.asarray(batch, np.int64)).tolist()
+    return list(map(SampleIndex, batch, seeds, [epoch if epoch_aware else None] * len(batch)))
 
-    def __init__(self, sampler: ResumableSampler, seed: int):
-        self.sampler, self.seed = sampler, seed
+
+class _Carrying:
+    """Index lists -> lists of SampleIndex, for datasets that asked for per-sample seeds or take the epoch."""
+
+    def __init__(self, sampler: ResumableSampler, seed: int | None, epoch_aware: bool):
+        self.sampler, self.seed, self.epoch_aware = sampler, seed, epoch_aware
 
     def __iter__(self) -> Iterator[list[SampleIndex]]:
-        self.sampler.begin_pass()  # the epoch of the pass about to start, whose seeds these are
+        self.sampler.begin_pass()  # the epoch of the pass about to start, whose batches these are
         epoch = self.sampler.epoch
         for batch in self.sampler:
-            seeds = sample_seed(self.seed, epoch, np.asarray(batch, dtype=np.int64)).tolist()
-            yield list(map(SampleIndex, batch, seeds))
+            yield carrying(batch, epoch, self.seed, self.epoch_aware)
 
     def __len__(self) -> int:
         return len(self.sampler)
@@ -325,6 +344,8 @@ class ResumableDataLoader(DataLoader[T_co]):
     A new `iter()` continues the current epoch right after the last delivered batch (with a
     `ContinuedPassWarning` when an earlier iterator left the pass after delivering batches); after a pass that
     ended it starts the next epoch. Call `state_dict()` after the optimizer step; it reports completed updates.
+    A dataset whose samples change with the epoch (a PackedSource) declares `epoch_aware = True`: its indices are
+    then `SampleIndex` ints carrying the epoch of their batch (`.epoch`), in whichever worker computes it.
     """
 
     def __init__(
@@ -417,7 +438,8 @@ class ResumableDataLoader(DataLoader[T_co]):
         order = _order_for(len(dataset), bool(shuffle), seed, shuffle_blocks, self._lanes)
         self.resumable_sampler = ResumableSampler(order, layout, rank)
         self._lockstep = LockstepWatch(_identity(order, layout))
-        indices = _WithSampleSeeds(self.resumable_sampler, seed) if sample_seeds else self.resumable_sampler
+        self._carry = (seed if sample_seeds else None, bool(getattr(dataset, "epoch_aware", False)))
+        indices = _Carrying(self.resumable_sampler, *self._carry) if any(self._carry) else self.resumable_sampler
         dispatched = indices
         if callable(planned := getattr(dataset, "planned", None)):
             in_flight = num_workers * (2 if prefetch_factor is None else prefetch_factor) if num_workers else 1
@@ -651,12 +673,16 @@ class ResumableDataLoader(DataLoader[T_co]):
         data (shapes, an example to log) where `next(iter(loader))` would consume a batch that is never trained."""
         if self._stream is not None:
             raise TypeError("an IterableDataset cannot be peeked without consuming it")
-        ids = self.resumable_sampler.next_indices()
+        sampler = self.resumable_sampler
+        ids = sampler.next_indices()
         if ids is None:
             raise StopIteration("the next pass is empty: this rank's share of the epoch is delivered")
+        ids = ids.tolist()
+        if any(self._carry):  # as a pass dispatches them: next_indices is of the next epoch past an exhausted one
+            ids = carrying(ids, sampler.epoch + sampler.exhausted, *self._carry)
         batched = self.batch_size is not None
         fetcher = _MapDatasetFetcher(self.dataset, batched, self.collate_fn, self.drop_last)
-        return fetcher.fetch(ids.tolist() if batched else int(ids[0]))
+        return fetcher.fetch(ids if batched else ids[0])
 
     def __len__(self) -> int:
         self._resolve_rank_and_world()

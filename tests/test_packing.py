@@ -42,12 +42,13 @@ def packed(corpus, mode, **kw):
                         **{"rows_per_window": 4, "fill": 0.9, "seed": 3, **kw})
 
 
-def owned_tokens(source, stream, rows, tokens=None):
-    """(document start, offset) of each token the rows own, checked against the stream and the rows' tokens."""
+def owned_tokens(source, stream, rows, tokens=None, epoch=None):
+    """(document start, offset) of each token the rows own in `epoch` (default: the source's), checked against the
+    stream and the rows' tokens."""
     found = []
     for row in rows:
         sample = source[row] if tokens is None else tokens[row]
-        for document, offset, length, column in source.pieces(row):
+        for document, offset, length, column in source.pieces(row, epoch):
             start = document + offset
             assert sample["tokens"][column:column + length].tolist() == stream[start:start + length].tolist()
             assert document == 0 or stream[document - 1] == EOS  # named by where its document starts
@@ -265,18 +266,25 @@ def test_a_hugging_face_column_packs_every_token_once_read_in_place(tmp_path):
         ArrowDocuments(datasets.Dataset.from_dict({"input_ids": [1, 2]}), "input_ids")
 
 
-def test_a_mixture_of_packed_sources_trains_every_token_of_each_once_across_a_resume(tmp_path):
-    """Two packed sources mixed by their lengths for one epoch of each: 2 ranks stop unevenly, 3 finish; every
-    (source, document, offset) exactly once."""
+def mixture_of_two(tmp_path, mode, seed):
+    """Two packed sources of 40 documents each (data seeds `seed`, `seed` + 1), mixed by their lengths for one epoch
+    of each: the mixture, the sources and their token streams."""
     sources, streams = [], []
     for number in range(2):
         (tmp_path / f"s{number}").mkdir()
-        files, stream = write_documents(tmp_path / f"s{number}", seed=10 + number, documents=40, files=1)
-        sources.append(packed((files, stream), "first_fit", seed=number))
+        files, stream = write_documents(tmp_path / f"s{number}", seed=seed + number, documents=40, files=1)
+        sources.append(packed((files, stream), mode, seed=number))
         streams.append(stream)
     lengths = [len(s) for s in sources]
     mix = Mixture(sources, lengths, sum(lengths), seed=1, window=sum(lengths), names=["a", "b"])
     assert mix.counts == tuple(lengths)
+    return mix, sources, streams
+
+
+def test_a_mixture_of_packed_sources_trains_every_token_of_each_once_across_a_resume(tmp_path):
+    """Two packed sources mixed by their lengths for one epoch of each: 2 ranks stop unevenly, 3 finish; every
+    (source, document, offset) exactly once."""
+    mix, sources, streams = mixture_of_two(tmp_path, "first_fit", seed=10)
     trained, state = Counter(), None
     for world, stops in ((2, (3, 5)), (3, None)):
         loaders = [ResumableDataLoader(mix, batch_size=2, rank=r, world_size=world) for r in range(world)]
@@ -326,13 +334,20 @@ def test_bad_input_is_refused_clearly(corpus, tmp_path):
         source[len(source)]
 
 
-def test_the_audit_names_the_documents_and_token_ranges_of_duplicated_rows(corpus, tmp_path, capsys):
-    """A run resumed from a stale state (checkpoint of step 0 declared as step 2) trains two batches again: the
-    audit fails and names each duplicated row by its documents and token ranges."""
+@pytest.mark.parametrize("epoch", [0, 1])
+def test_the_audit_names_the_documents_and_token_ranges_of_duplicated_rows(corpus, tmp_path, capsys, epoch):
+    """A run resumed from a stale state (checkpoint of the start of `epoch` declared two steps later) trains two
+    batches again: the audit fails and names each duplicated row by the documents and token ranges that epoch
+    packed into it (epoch 1's rows hold other documents than epoch 0's)."""
     source = packed(corpus, "best_fit")
     first = ResumableDataLoader(source, batch_size=2, rank=0, world_size=1, shuffle=True)
-    stale = first.state_dict()
     first.ledger = Ledger.open(tmp_path, 0, len(source))
+    step = 0
+    for _ in range(epoch):
+        for step, _ in enumerate(first, step + 1):
+            pass
+        first.ledger.record_finished(merge_states([first.state_dict()]), first)
+    stale = first.state_dict()
     iterator, again_rows = iter(first), []
     for _ in range(2):
         next(iterator)
@@ -340,12 +355,15 @@ def test_the_audit_names_the_documents_and_token_ranges_of_duplicated_rows(corpu
     first.ledger.close()
     again = ResumableDataLoader(source, batch_size=2, rank=0, world_size=1, shuffle=True)
     again.load_state_dict(stale)
-    again.ledger = Ledger.open(tmp_path, 2, len(source))
+    again.ledger = Ledger.open(tmp_path, step + 2, len(source))
     for _ in again:
         pass
+    assert again.epoch == epoch
     again.ledger.record_finished(merge_states([again.state_dict()]), again)
     again.ledger.close()
     assert audit.main(str(tmp_path), describe=source.describe) == audit.FAILED
-    out = capsys.readouterr().out
+    duplicated = capsys.readouterr().out.split("duplicated indices: ")[1].splitlines()[0]
     for row in again_rows:
-        assert source.describe(row) in out and "part-" in source.describe(row)
+        assert source.describe(row, epoch) in duplicated and "part-" in source.describe(row, epoch)
+    if epoch:
+        assert any(source.describe(row, 0) not in duplicated for row in again_rows)

@@ -7,6 +7,7 @@ when its dropped-by-policy record exists; for an epoch still in progress only du
 
 from __future__ import annotations
 
+import inspect
 import sys
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -139,8 +140,21 @@ def audit_records(records: list[Record], dropped: dict[int, np.ndarray], num_sam
     return report
 
 
-def _listed(indices: np.ndarray, limit: int, describe: Callable[[int], str]) -> str:
-    shown = ", ".join(describe(i) for i in indices[:limit].tolist())
+def by_epoch(describe: Callable[..., str]) -> Callable[[int, int], str]:
+    """`describe` as a function of (index, epoch): a describer with an `epoch` parameter (`PackedSource.describe`,
+    whose rows hold other documents in each epoch) names an index as the ledger's epoch had it; any other names it
+    alike in every epoch."""
+    try:
+        takes_epoch = "epoch" in inspect.signature(describe).parameters
+    except (TypeError, ValueError):  # a builtin without a signature (str)
+        takes_epoch = False
+    if takes_epoch:
+        return lambda index, epoch: describe(index, epoch=epoch)
+    return lambda index, epoch: describe(index)
+
+
+def _listed(indices: np.ndarray, limit: int, describe: Callable[[int, int], str], epoch: int) -> str:
+    shown = ", ".join(describe(i, epoch) for i in indices[:limit].tolist())
     return shown + (f", ... ({len(indices)} in all)" if len(indices) > limit else "")
 
 
@@ -153,8 +167,9 @@ EXIT_STATUSES = f"""exit statuses:
   {UNFINISHED}: an epoch unfinished, nothing duplicated so far (the job stopped mid-epoch, or is still running)"""
 
 
-def main(run_dir: str, limit: int = 20, describe: Callable[[int], str] = str, grouping: Grouping | None = None) -> int:
-    """Print the audit; `describe` names a sample (e.g. by its shard and key), `grouping` adds a row per group (e.g.
+def main(run_dir: str, limit: int = 20, describe: Callable[..., str] = str, grouping: Grouping | None = None) -> int:
+    """Print the audit; `describe` names a sample (e.g. by its shard and key; with an `epoch` parameter, as the
+    sample was in that epoch, e.g. a packed row: see `by_epoch`), `grouping` adds a row per group (e.g.
     per source of a mixture) under each epoch's. Returns the exit status: EXACTLY_ONCE (every epoch finished, every
     sample once), FAILED (a sample skipped or duplicated), NO_LEDGER (nothing to audit), or UNFINISHED (an epoch in
     progress, nothing duplicated so far: a crashed job never restarted, or one still running)."""
@@ -163,6 +178,7 @@ def main(run_dir: str, limit: int = 20, describe: Callable[[int], str] = str, gr
     except (OSError, ValueError) as err:
         print(f"audit: {err}", file=sys.stderr)
         return NO_LEDGER
+    name = by_epoch(describe)
     for note in () if grouping is None else grouping.notes:
         print(note)
     print(f"{'epoch':>5} {'state':>11} {'expected':>9} {'seen once':>10} {'skipped':>8} {'duplicated':>11} "
@@ -175,15 +191,15 @@ def main(run_dir: str, limit: int = 20, describe: Callable[[int], str] = str, gr
             print(f"{'':>5} {g.name:>11} {g.expected:>9} {g.seen_once:>10} {g.skipped if e.finished else '-':>8} "
                   f"{g.duplicated:>11} {g.dropped:>18} {g.failed:>15} {g.requested:>19}")
         if len(e.skipped):
-            print(f"      skipped indices: {_listed(e.skipped, limit, describe)}")
+            print(f"      skipped indices: {_listed(e.skipped, limit, name, e.epoch)}")
         if len(e.duplicated):
-            print(f"      duplicated indices: {_listed(e.duplicated, limit, describe)}")
+            print(f"      duplicated indices: {_listed(e.duplicated, limit, name, e.epoch)}")
         if len(e.failed):
-            print(f"      failed to load (consumed, not trained): {_listed(e.failed, limit, describe)}")
+            print(f"      failed to load (consumed, not trained): {_listed(e.failed, limit, name, e.epoch)}")
         if len(e.requested):
-            print(f"      skipped on request (never served, not trained): {_listed(e.requested, limit, describe)}")
+            print(f"      skipped on request (never served, not trained): {_listed(e.requested, limit, name, e.epoch)}")
         if len(e.served_anyway):
-            print(f"      served although skipped on request: {_listed(e.served_anyway, limit, describe)}")
+            print(f"      served although skipped on request: {_listed(e.served_anyway, limit, name, e.epoch)}")
     if not all(e.clean for e in report):
         print("audit: FAILED (samples skipped or duplicated, or served although skipped on request)")
         return FAILED

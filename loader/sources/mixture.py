@@ -543,6 +543,11 @@ class Mixture(torch.utils.data.Dataset):
     def __len__(self) -> int:
         return self.plan.num_samples
 
+    @property
+    def epoch_aware(self) -> bool:
+        """The loader's epoch reaches the sources (on each index) when one of them takes it (a PackedSource)."""
+        return any(getattr(source, "epoch_aware", False) for source in self.sources)
+
     def _block_table(self, block: int) -> np.ndarray:
         """Rows (source, index) of a whole block of positions, kept for the next batches (two blocks per process):
         one array, so that a batch is looked up by one fancy index."""
@@ -630,11 +635,11 @@ class Mixture(torch.utils.data.Dataset):
         when they take batches, and their samples put back in position order."""
         if self._span is not None:
             return Rows(self._tokens(positions))
-        seeds = len(positions) and hasattr(positions[0], "seed")  # the loader's sample_seeds
+        carried = len(positions) and hasattr(positions[0], "carried_to")  # the loader's SampleIndex
         out: list = [None] * len(positions)
         for s, rows, indices in self._shares(positions):
-            if seeds:  # a source index carries its position's seed
-                indices = list(map(type(positions[0]), indices, (positions[r].seed for r in rows)))
+            if carried:  # a source index carries its position's seed and epoch
+                indices = [positions[r].carried_to(i) for r, i in zip(rows, indices)]
             for row, sample in zip(rows, _fetch(self.sources[s], indices)):
                 out[row] = sample
         return out

@@ -12,6 +12,12 @@ into the first (first fit) or fullest (best fit) row with room, and a piece that
 rows with the most room (counted). So len = windows * R, row p is (window p // R, row p % R) at O(window) work,
 cached per process, padding is about 1 - fill by construction, and the loader's state stays a set of positions.
 
+Why the epoch rides on the row index: the loader hands an epoch-aware dataset (`epoch_aware = True`) indices that
+carry the epoch of the batch they belong to (`loader.SampleIndex.epoch`), as Grain's MapDataset reads the epoch
+from the index itself. Every worker then packs a row with its batch's epoch, whatever the worker saw before
+(persistent workers, prefetching, a superseded iterator, a resume): a `set_epoch` on the dataset, as Hugging Face
+datasets and WebDataset take it, reaches only the process it is called in, and nothing tells which batch it is for.
+
 Sample: {"tokens", "segment_ids", "positions", "cu_seqlens"}; see `PackedSource`.
 """
 
@@ -29,6 +35,7 @@ import torch.utils.data
 
 from loader.core.checks import check_positive_int
 from loader.core.order import sample_seed, window_arrangements
+from loader.core.state import StateError, progress_of
 
 __all__ = ["MODES", "ArrowDocuments", "Documents", "PackedSource", "label_mask", "pack", "row_metadata"]
 
@@ -223,15 +230,17 @@ class PackedSource(torch.utils.data.Dataset):
         rows_per_window: R, the rows each window packs into (bin modes): more rows, fewer splits, more work per
             window (O(window tokens) per process, cached).
         fill: T / (R * (seq_len + 1)), the share of a window's rows its tokens fill: padding is about 1 - fill.
-        seed, epoch: key the window shift and the order of pieces in each window: build with another epoch for
-            other rows (the loader shuffles the rows themselves in any case).
+        seed: keys the window shift and the order of pieces in each window, with the epoch.
+        epoch: the default epoch, for rows asked by plain ints (torch's DataLoader, `source[p]`, `describe(p)`).
+            Under a ResumableDataLoader every row index carries the epoch of its batch, which is used instead: each
+            epoch of the loader packs its own rows, with no rebuild.
         pad_id: the token of padding columns.
 
     Sample p: {"tokens": int64 [seq_len + 1], "segment_ids": int64 [seq_len + 1] (0, 1, ... per document piece,
     -1 for padding), "positions": int64 [seq_len + 1] (restart at 0 at each piece), "cu_seqlens": int32
     [seq_len + 1] (the pieces' boundaries over the seq_len inputs, padded with seq_len)}. `label_mask` gives the
-    targets that count. Identity: `pieces(p)`, `sample_key(p)` and `describe(p)` name the documents and token
-    ranges of a row.
+    targets that count. Identity: `pieces(p, epoch)`, `sample_key(p, epoch)` and `describe(p, epoch)` name the
+    documents and token ranges of a row in an epoch.
     """
 
     def __init__(
@@ -277,29 +286,39 @@ class PackedSource(torch.utils.data.Dataset):
             last = tokens - (self.windows - 1) * self.window_tokens
             self._last_rows = -(-last // self.capacity)
             self._len = (self.windows - 1) * rows_per_window + self._last_rows
-            self._shift = int(sample_seed(seed, epoch, _SHIFT)) % tokens
-            self._arrange = int(sample_seed(seed, epoch, _ARRANGE))
-        self._cache: OrderedDict[int, tuple[np.ndarray, np.ndarray]] = OrderedDict()
+        self._cache: OrderedDict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = OrderedDict()
 
     def __len__(self) -> int:
         return self._len
+
+    @property
+    def epoch_aware(self) -> bool:
+        """Whether the loader hands this dataset indices that carry their batch's epoch (`_epoch_of`): the bin
+        modes pack each epoch their own way; a concat row is the same tokens in every epoch."""
+        return self.mode != "concat"
 
     def _check(self, row: int) -> int:
         if not 0 <= row < self._len:
             raise IndexError(f"row {row} out of range for {self._len} packed rows")
         return int(row)
 
-    def window_span(self, window: int) -> list[tuple[int, int]]:
-        """The token ranges of window `window` in the concatenation: one, or two where it wraps past the end."""
+    def _epoch_of(self, epoch: int | None, row: int | None = None) -> int:
+        """The epoch to pack with: `epoch` if given, else the one the row's index carries, else the default."""
+        return getattr(row, "epoch", self.epoch) if epoch is None else epoch
+
+    def window_span(self, window: int, epoch: int | None = None) -> list[tuple[int, int]]:
+        """The token ranges of window `window` of `epoch` (default: the default epoch) in the concatenation: one, or
+        two where it wraps past the end."""
         tokens, size = self.documents.tokens, self.window_tokens
-        start = (self._shift + window * size) % tokens
+        shift = int(sample_seed(self.seed, self._epoch_of(epoch), _SHIFT)) % tokens
+        start = (shift + window * size) % tokens
         end = start + (size if window < self.windows - 1 else tokens - (self.windows - 1) * size)
         return [(start, min(end, tokens))] + ([(0, end - tokens)] if end > tokens else [])
 
-    def _pieces(self, window: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def _pieces(self, window: int, epoch: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """The window's pieces in data order: (start token, length, start of its document)."""
         starts, lengths, documents = [], [], []
-        for low, high in self.window_span(window):
+        for low, high in self.window_span(window, epoch):
             inner = self.documents.document_starts(low + 1, high)
             bounds = np.unique(np.concatenate(([low], inner, [high]))).astype(np.int64)
             piece_start, piece_length = _cut(bounds, self.capacity)
@@ -310,15 +329,18 @@ class PackedSource(torch.utils.data.Dataset):
             starts.append(piece_start), lengths.append(piece_length), documents.append(doc)
         return np.concatenate(starts), np.concatenate(lengths), np.concatenate(documents)
 
-    def layout(self, window: int) -> tuple[np.ndarray, np.ndarray]:
-        """Window `window`'s parts, one per (row, column) run: (row, column, start token, length, document start),
-        sorted by row then column, and where each row's parts begin (R + 1 entries). Kept per process for the
-        next rows of the same window."""
-        if window in self._cache:
-            self._cache.move_to_end(window)
-            return self._cache[window]
-        starts, lengths, documents = self._pieces(window)
-        order = window_arrangements(self._arrange, np.array([window]), len(lengths))[0]
+    def layout(self, window: int, epoch: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """Window `window`'s parts in `epoch` (default: the default epoch), one per (row, column) run: (row, column,
+        start token, length, document start), sorted by row then column, and where each row's parts begin (R + 1
+        entries). Kept per process for the next rows of the same window."""
+        epoch = self._epoch_of(epoch)
+        key = (epoch, window)
+        if key in self._cache:
+            self._cache.move_to_end(key)
+            return self._cache[key]
+        starts, lengths, documents = self._pieces(window, epoch)
+        arrange = int(sample_seed(self.seed, epoch, _ARRANGE))
+        order = window_arrangements(arrange, np.array([window]), len(lengths))[0]
         order = order[np.argsort(-lengths[order], kind="stable")]  # decreasing length, ties in the keyed order
         rows = self.rows_per_window if window < self.windows - 1 else self._last_rows
         parts = pack(lengths[order].tolist(), self.capacity, rows, self.mode == "best_fit")
@@ -326,13 +348,13 @@ class PackedSource(torch.utils.data.Dataset):
         table = np.stack([parts[:, 3], parts[:, 4], starts[piece] + parts[:, 1], parts[:, 2], documents[piece]], 1)
         table = table[np.lexsort((table[:, 1], table[:, 0]))]
         begins = np.searchsorted(table[:, 0], np.arange(rows + 1))
-        self._cache[window] = table, begins
+        self._cache[key] = table, begins
         while len(self._cache) > CACHED_WINDOWS:
             self._cache.popitem(last=False)
         return table, begins
 
-    def _row_parts(self, row: int) -> np.ndarray:
-        """(column, start token, length, document start) of each segment of the row, in column order."""
+    def _row_parts(self, row: int, epoch: int) -> np.ndarray:
+        """(column, start token, length, document start) of each segment of the row in `epoch`, in column order."""
         if self.mode == "concat":
             low, high = row * self.seq_len, row * self.seq_len + self.capacity
             bounds = np.unique(np.concatenate(([low], self.documents.document_starts(low + 1, high), [high])))
@@ -340,30 +362,32 @@ class PackedSource(torch.utils.data.Dataset):
             docs[0] = self.documents.document_start(low)
             return np.stack([bounds[:-1] - low, bounds[:-1], np.diff(bounds), docs], 1)
         window, at = divmod(row, self.rows_per_window)
-        table, begins = self.layout(window)
+        table, begins = self.layout(window, epoch)
         return table[begins[at]:begins[at + 1], 1:]
 
-    def pieces(self, row: int) -> list[tuple[int, int, int, int]]:
-        """What row `row` trains: (document start token, offset in the document, length, column) per segment,
-        the document named by where it starts in the concatenation. A concat row owns its first seq_len tokens
-        (its last one is the next row's first), so that the rows of an epoch own every token once."""
-        parts = self._row_parts(self._check(row)).tolist()
+    def pieces(self, row: int, epoch: int | None = None) -> list[tuple[int, int, int, int]]:
+        """What row `row` trains in `epoch` (default: the one its index carries, else the default epoch): (document
+        start token, offset in the document, length, column) per segment, the document named by where it starts
+        in the concatenation. A concat row owns its first seq_len tokens (its last one is the next row's first),
+        so that the rows of an epoch own every token once."""
+        parts = self._row_parts(self._check(row), self._epoch_of(epoch, row)).tolist()
         if self.mode == "concat":
             parts = [[c, s, min(n, self.seq_len - c), d] for c, s, n, d in parts if c < self.seq_len]
         return [(d, s - d, n, c) for c, s, n, d in parts]
 
-    def sample_key(self, row: int) -> tuple[str, ...]:
-        """The identity of row `row`: each piece's first token (as the documents name it) and length."""
-        return tuple(f"{self.documents.describe_token(d + o)}+{n}" for d, o, n, _ in self.pieces(row))
+    def sample_key(self, row: int, epoch: int | None = None) -> tuple[str, ...]:
+        """The identity of row `row` in `epoch`: each piece's first token (as the documents name it) and length."""
+        return tuple(f"{self.documents.describe_token(d + o)}+{n}" for d, o, n, _ in self.pieces(row, epoch))
 
-    def describe(self, row: int) -> str:
-        """Row `row` and the documents and token ranges it holds, as the audit prints a sample."""
-        return f"{row} ({', '.join(self.sample_key(row))})"
+    def describe(self, row: int, epoch: int | None = None) -> str:
+        """Row `row` and the documents and token ranges it holds in `epoch`, as the audit prints a sample (the
+        audit passes the epoch of the ledger it names the row from)."""
+        return f"{row} ({', '.join(self.sample_key(row, epoch))})"
 
     def __getitems__(self, rows: Sequence[int]) -> list[dict[str, torch.Tensor]]:
         samples = []
         for row in rows:
-            parts = self._row_parts(self._check(row))
+            parts = self._row_parts(self._check(row), self._epoch_of(None, row))
             tokens = np.full(self.capacity, self.pad_id, np.int64)
             for column, start, length, _ in parts.tolist():
                 tokens[column:column + length] = self.documents.read_tokens(start, start + length)
@@ -373,31 +397,54 @@ class PackedSource(torch.utils.data.Dataset):
     def __getitem__(self, row: int) -> dict[str, torch.Tensor]:
         return self.__getitems__([row])[0]
 
-    def stats(self, windows: Sequence[int] | None = None) -> dict[str, float]:
-        """Padding and splits over these windows (default all; bin modes): the padding fraction of their rows, and
+    def stats(self, windows: Sequence[int] | None = None, epoch: int | None = None) -> dict[str, float]:
+        """Padding and splits over these windows of `epoch` (default all, the default epoch; bin modes): the
+        padding fraction of their rows, and
         as fractions of their documents (counted per window): those cut at a window's edge, those in more than one
         row of a window (longer than a row, or split to fit), and the splits made to fit a piece."""
         windows = range(self.windows) if windows is None else windows
         rows = tokens = documents = edges = long = split = 0
         for window in windows:
-            table, begins = self.layout(window)
+            table, begins = self.layout(window, epoch)
             rows, tokens = rows + len(begins) - 1, tokens + int(table[:, 3].sum())
             docs, counts = np.unique(table[:, 4], return_counts=True)
             documents += len(docs)
-            edges += sum(self.documents.document_start(low) != low for low, _ in self.window_span(window))
+            edges += sum(self.documents.document_start(low) != low for low, _ in self.window_span(window, epoch))
             long += int((counts > 1).sum())
-            pieces = len(self._pieces(window)[1])
+            pieces = len(self._pieces(window, self._epoch_of(epoch))[1])
             split += len(table) - pieces
         return {"padding": 1 - tokens / (rows * self.capacity), "documents": documents,
                 "cut_at_window_edges": edges / documents, "cut_in_rows": long / documents,
                 "split_to_fit": split / documents}
 
-    def fingerprint(self) -> str:
-        """Digest of the documents' fingerprint and the packing's parameters, for the checkpoint manifest."""
+    def _digest(self, **legacy: int) -> str:
         layout = {"documents": self.documents.fingerprint(), "seq_len": self.seq_len, "mode": self.mode,
-                  "rows_per_window": self.rows_per_window, "fill": self.fill, "seed": self.seed,
-                  "epoch": self.epoch, "pad_id": self.pad_id}
+                  "rows_per_window": self.rows_per_window, "fill": self.fill, "seed": self.seed, **legacy,
+                  "pad_id": self.pad_id}
         return hashlib.sha256(json.dumps(layout).encode()).hexdigest()[:16]
+
+    def fingerprint(self) -> str:
+        """Digest of the documents' fingerprint and the packing's parameters, for the checkpoint manifest: the
+        same in every epoch (the rows of each epoch are a function of these and the epoch the loader saves)."""
+        return self._digest()
+
+    def fingerprint_before_change(self) -> str:
+        """The fingerprint a checkpoint of a release that packed every epoch with `epoch=` holds (it had the epoch
+        in it): such a checkpoint resumes here when its progress fits (`check_change`)."""
+        return self._digest(epoch=self.epoch)
+
+    def check_change(self, progress: dict) -> None:
+        """A checkpoint of an earlier release packed every epoch of the loader with `epoch=` E; this release packs
+        loader epoch k with k. Its positions name the same rows only in epoch E: progress committed in another
+        epoch would name other rows here (tokens trained twice or never), so it is refused."""
+        saved = progress_of(progress)
+        moved = sorted(e for e, spans in saved.committed.items() if e != self.epoch and len(spans))
+        if moved:
+            raise StateError(
+                f"the checkpoint was saved by a release that packed every epoch with PackedSource(epoch="
+                f"{self.epoch}), and its epoch {moved[0]} is part trained: this release packs epoch {moved[0]} "
+                f"with epoch {moved[0]}, so its saved positions would name other rows. Finish that epoch with the "
+                f"release that saved the checkpoint, then resume here (or start the data anew)")
 
     def __getstate__(self) -> dict:
         return {**self.__dict__, "_cache": OrderedDict()}
