@@ -103,12 +103,12 @@ class Ledger:
     def record_finished(self, progress: dict, loader) -> None:
         """Store the indices dropped by policy of the epochs a merged progress reports finished, and those skipped
         on request (`loader.skip`) of the epochs it holds, as that progress has them (rank 0, with the
-        checkpoint: a skip lost with a later checkpoint is no longer recorded either)."""
+        checkpoint: a drop or skip lost with a later checkpoint is no longer recorded either)."""
         order = loader.resumable_sampler.order
-        for record in progress.get("finished", []):
+        for record in progress.get("finished", []):  # rewritten: a record of a save that was lost (failed, torn,
+            # damaged, so the run resumed before the epoch's end) may drop other positions than the run that counts
             target = _ledger_dir(self.run_dir) / "dropped" / f"epoch-{record['epoch']:06d}.npy"
-            if not target.exists():
-                _save_indices(target, order, record["epoch"], record["dropped"])
+            _save_indices(target, order, record["epoch"], record["dropped"])
         skipped = dict(progress.get("skipped", []))
         held = {e for e, _ in progress.get("committed", [])} | {r["epoch"] for r in progress.get("finished", [])}
         for epoch in sorted(held | set(skipped)):
