@@ -1,7 +1,7 @@
 """Edges of checkpointing found by an adversarial review: a restart from an older checkpoint than the newest save,
 and what it must leave coherent (the ledger's record of what each epoch dropped, the checkpoints kept)."""
 
-import warnings
+import itertools
 
 import pytest
 import torch
@@ -21,25 +21,22 @@ def damage(checkpoint) -> None:
     data.write_bytes(content)
 
 
-def launch(run_dir, n: int, batch_size: int, every: int = 1, **save_options) -> int:
-    """A launch that resumes, trains the rest of epoch 0 with drop_last and a checkpoint every `every` steps and
-    after the last, each batch in the identity ledger. Returns the step it resumed from."""
+def launch(run_dir, n: int, batch_size: int, every: int = 1, steps: int | None = None) -> int:
+    """A launch that resumes, trains the rest of epoch 0 (or `steps` steps) with drop_last and a checkpoint every
+    `every` steps and after the last, each batch in the identity ledger. Returns the step it resumed from."""
     torch.manual_seed(0)
     model = torch.nn.Linear(1, 1)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     dl = ResumableDataLoader(IndexDataset(n), batch_size=batch_size, shuffle=True, seed=0, drop_last=True)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", CheckpointWarning)  # the damaged checkpoints skipped, then set aside
-        step = resumed = resume(run_dir, model=model, optimizer=optimizer, loader=dl)
-        dl.ledger = Ledger.open(run_dir, step, n)
-        for batch in dl:
-            model(batch.float()[:, None]).sum().backward()
-            optimizer.step()
-            optimizer.zero_grad()
-            step += 1
-            if step % every == 0 or dl.exhausted:
-                    save_checkpoint(run_dir, step, model=model, optimizer=optimizer, loader=dl, ledger=dl.ledger,
-                                **save_options)
+    step = resumed = resume(run_dir, model=model, optimizer=optimizer, loader=dl)
+    dl.ledger = Ledger.open(run_dir, step, n)
+    for batch in itertools.islice(dl, steps):
+        model(batch.float()[:, None]).sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        step += 1
+        if step % every == 0 or dl.exhausted or step - resumed == steps:
+            save_checkpoint(run_dir, step, model=model, optimizer=optimizer, loader=dl, ledger=dl.ledger)
     dl.ledger.close()
     return resumed
 
@@ -50,7 +47,26 @@ def test_the_audit_judges_an_epoch_by_the_drops_of_the_launch_that_counts(tmp_pa
     ledger kept launch 1's record of the epoch's drops, so the audit called the 2 skipped: a false failure."""
     assert launch(tmp_path, 12, 3, every=2) == 0
     damage(tmp_path / "step-000000004")
-    assert launch(tmp_path, 12, 4) == 2
+    with pytest.warns(CheckpointWarning) as warned:
+        assert launch(tmp_path, 12, 4) == 2
+    assert "step-000000004: checksum mismatch" in str(warned[0].message)
     (epoch,) = audit(tmp_path)
     assert epoch.finished and epoch.clean
     assert (epoch.seen_once, epoch.dropped, len(epoch.skipped), len(epoch.duplicated)) == (10, 2, 0, 0)
+
+
+def test_a_restart_resumes_the_runs_present_not_a_later_checkpoint_it_had_gone_back_from(tmp_path):
+    """Launch 1 saves steps 2 and 4; step 4 cannot be read for a moment (its manifest away: a network filesystem's
+    hiccup), so launch 2 resumes from step 2 and saves step 3. Launch 3, with step 4 readable again, resumed from
+    it: launch 2's step 3 lost, and the audit, which counts launch 1 up to step 2 and launch 2's step 3, found step
+    4's samples skipped. Step 4 is now set aside when step 3 is published, with a warning."""
+    assert launch(tmp_path, 12, 3, every=2) == 0
+    (tmp_path / "step-000000004" / "manifest.json").rename(tmp_path / "away.json")
+    with pytest.warns(CheckpointWarning) as warned:
+        assert launch(tmp_path, 12, 3, steps=1) == 2
+    (aside,) = tmp_path.glob("step-000000004*")  # where step 4 is now
+    (tmp_path / "away.json").rename(aside / "manifest.json")
+    assert launch(tmp_path, 12, 3) == 3
+    (epoch,) = audit(tmp_path)
+    assert epoch.finished and epoch.clean and epoch.seen_once == 12
+    assert aside.name.startswith("step-000000004.quarantine-") and "the run went back from" in str(warned[-1].message)
