@@ -253,6 +253,18 @@ def test_failed_prune_warns_but_publishes(tmp_path):
     assert latest(tmp_path) == path == tmp_path / "step-000000002"
 
 
+def test_a_checkpoint_directory_that_is_a_symbolic_link_is_skipped_with_a_warning(tmp_path):
+    """Not silently (a restart from an older step, or from scratch, without a word), and never pruned through."""
+    run_dir = tmp_path / "run"
+    publish_steps(run_dir, 1, 2)
+    (run_dir / "step-000000002").rename(tmp_path / "elsewhere")
+    (run_dir / "step-000000002").symlink_to(tmp_path / "elsewhere")
+    with pytest.warns(CheckpointWarning, match="step-000000002: a symbolic link .* never follows"):
+        assert latest(run_dir) == run_dir / "step-000000001"
+    publish_steps(run_dir, 3, keep_last=1)
+    assert verify(tmp_path / "elsewhere").step == 2
+
+
 def test_keep_last_none_keeps_all(tmp_path):
     publish_steps(tmp_path, 1, 2, 3, 4, keep_last=None)
     assert len(list_checkpoints(tmp_path)) == 4

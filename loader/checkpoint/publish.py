@@ -258,9 +258,17 @@ def _later_than(run_dir: Path, step: int) -> list[Path]:
 def latest(run_dir: str | os.PathLike, *, check_checksums: bool = True) -> Path | None:
     """The newest checkpoint in ``run_dir`` that verifies, or None (also for a missing ``run_dir``: a fresh run).
 
-    Newer directories that are torn (``.tmp-*``, no manifest) or corrupted are skipped with a
+    Newer directories that are torn (``.tmp-*``, no manifest) or corrupted, and symbolic links, are skipped with a
     :class:`CheckpointWarning` naming them and the reason; older ones are not inspected."""
-    for step, path, tmp in reversed(_scan(Path(run_dir))):
+    for step, path, tmp in reversed(_scan(Path(run_dir), links=True)):
+        if path.is_symlink():
+            warnings.warn(
+                f"skipping {path}: a symbolic link (to {os.readlink(path)!r}), which this loader never follows: a "
+                f"checkpoint's files must be its own; move the checkpoint directory itself into {run_dir}",
+                CheckpointWarning,
+                stacklevel=2,
+            )
+            continue
         if tmp:
             warnings.warn(
                 f"skipping {path}: unfinished write of step {step} (crashed writer, or one still running)",
@@ -445,11 +453,12 @@ def _make_run_dir(run_dir: Path) -> None:
     _fsync(run_dir.parent)
 
 
-def _scan(run_dir: Path) -> list[tuple[int, Path, bool]]:
-    """(step, path, is_tmp) for every checkpoint-named directory, by step; at equal steps tmp ones come first."""
+def _scan(run_dir: Path, links: bool = False) -> list[tuple[int, Path, bool]]:
+    """(step, path, is_tmp) for every checkpoint-named directory, by step; at equal steps tmp ones come first.
+    `links`: symbolic links so named too (only `latest` lists them, to say that it skips them)."""
     try:
         with os.scandir(run_dir) as it:
-            entries = [(e.name, e.is_dir(follow_symlinks=False)) for e in it]
+            entries = [(e.name, e.is_dir(follow_symlinks=False) or links and e.is_symlink()) for e in it]
     except FileNotFoundError:
         return []
     except NotADirectoryError:
