@@ -11,6 +11,7 @@ from loader.checkpoint import Ledger, resume, save_checkpoint
 from loader.checkpoint.audit import audit
 from loader.checkpoint.publish import CheckpointWarning
 from tests.conftest import IndexDataset
+from tests.distributed import run_group
 
 
 def damage(checkpoint) -> None:
@@ -70,3 +71,33 @@ def test_a_restart_resumes_the_runs_present_not_a_later_checkpoint_it_had_gone_b
     (epoch,) = audit(tmp_path)
     assert epoch.finished and epoch.clean and epoch.seen_once == 12
     assert aside.name.startswith("step-000000004.quarantine-") and "the run went back from" in str(warned[-1].message)
+
+
+def _open_an_unreadable_run_dir(rank: int, world_size: int, run_dir: str) -> list[str]:
+    torch.manual_seed(0)
+    model = torch.nn.Linear(1, 1)
+    objects = dict(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                   loader=ResumableDataLoader(IndexDataset(8), batch_size=2, rank=rank, world_size=world_size))
+    outcomes = []
+    for call in (lambda: resume(run_dir, **objects), lambda: Ledger.open(run_dir, 0, 8)):
+        try:
+            call()
+            outcomes.append("returned")
+        except OSError as err:
+            outcomes.append(f"{type(err).__name__}: {err}")
+    return outcomes
+
+
+@pytest.mark.slow
+def test_a_run_directory_that_rank_0_cannot_read_fails_every_rank_at_once(tmp_path):
+    """resume and Ledger.open look at the run directory on rank 0 alone: its error was raised there alone, while the
+    other ranks waited in the broadcast, never told why: until the group's timeout (gloo's 30 min), a connection
+    error once rank 0's process ended, or, where rank 0 went on, matched with its next collective (here Ledger.open's
+    broadcast, whose directory rank 1 took for the checkpoint to load). Now every rank raises rank 0's error."""
+    run_dir = tmp_path / "run"
+    run_dir.write_text("a file where the run directory should be")
+    first, second = run_group(_open_an_unreadable_run_dir, 2, str(run_dir))
+    assert first == second and len(first) == 2
+    assert first[0] == (f"NotADirectoryError: run_dir {run_dir} is not a directory (or one of its parents is a "
+                        f"file); pass the checkpoint directory")
+    assert first[1].startswith(("FileExistsError", "NotADirectoryError"))

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
-from loader.core.collectives import broadcast, rank, world_size
+from loader.core.collectives import from_rank0, rank, world_size
 _HEADER = struct.Struct("<qqIB")  # step, epoch, number of indices, flags:
 COMPLETE, FAILED = 1, 2  # the batch completed its update; its loading raised (consumed, never trained)
 ATTEMPT, VERDICT = 4, 8  # an attempt's start, payload its key; its verdict, payload its key and 1 if it committed
@@ -56,12 +56,10 @@ class Ledger:
 
     @classmethod
     def open(cls, run_dir, resumed_step: int, num_samples: int, group=None) -> "Ledger":
-        """Start a new generation (rank 0 creates it, every rank learns its number); a collective when
+        """Start a new generation (rank 0 creates it, every rank learns its number, or its error); a collective when
         torch.distributed is initialised."""
-        made = None
-        if rank(group) == 0:
-            made = str(_new_generation(run_dir, resumed_step, world_size(group), num_samples))
-        return cls(run_dir, Path(broadcast(made, group)) / f"rank-{rank(group):05d}.bin", resumed_step)
+        made = from_rank0(lambda: _new_generation(run_dir, resumed_step, world_size(group), num_samples), group)
+        return cls(run_dir, made / f"rank-{rank(group):05d}.bin", resumed_step)
 
     @classmethod
     def open_attempts(cls, run_dir, num_samples: int, name: str) -> "Ledger":
