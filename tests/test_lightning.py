@@ -4,6 +4,7 @@ the training step itself (tests/framework_jobs.py) and by the loader's ledger (`
 
 import pytest
 import torch
+from torch.utils.data import DataLoader
 
 pytest.importorskip("lightning", reason="lightning is not installed: pip install -e '.[lightning]'")
 
@@ -68,6 +69,9 @@ class Counted(LightningModule):
         self.trained.append((self.trainer.global_step + 1, index.tolist()))
         return torch.nn.functional.mse_loss(self.net(x).squeeze(1), y)
 
+    def validation_step(self, batch, batch_idx):
+        pass
+
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=0.01)
 
@@ -76,36 +80,44 @@ class Died(Exception):
     """The job's end right after a checkpoint."""
 
 
-class CheckpointMidUpdate(Callback):
-    """Saves, as ModelCheckpoint(train_time_interval=...) may, after the first micro-batch of update `step` + 1,
-    then the process dies."""
+class CheckpointAtBatch(Callback):
+    """Saves at the end of micro-batch `batch` (counted in the epoch from 1), after its training (as
+    ModelCheckpoint(train_time_interval=...) may) or after the validation that follows it, then the job dies."""
 
-    def __init__(self, path, step: int):
-        self.path, self.step, self.seen = path, step, 0
+    def __init__(self, path, batch: int, hook: str):
+        self.path, self.batch, self.hook = path, batch, hook
 
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        self.seen += trainer.global_step == self.step  # the first: the batch that stepped to it
-        if self.seen == 2:
+    def _save(self, trainer, hook: str) -> None:
+        if hook == self.hook and trainer.fit_loop.epoch_loop.batch_progress.current.ready == self.batch:
             trainer.save_checkpoint(self.path)
             raise Died
 
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self._save(trainer, "train batch")
 
-def test_a_checkpoint_between_micro_batches_resumes_at_the_update_boundary(tmp_path):
+    def on_validation_end(self, trainer, pl_module) -> None:
+        self._save(trainer, "validation")
+
+
+@pytest.mark.parametrize("hook", ["train batch", "validation"])
+def test_a_checkpoint_between_micro_batches_resumes_at_the_update_boundary(tmp_path, hook):
     """Lightning counts the micro-batches of an unfinished update as done; the loader and the model do not. Resumed
-    from such a checkpoint, Lightning stepped a micro-batch early (and the callback refused it, at every restart):
-    now the update is trained again whole, and every sample of the epoch once, in the uninterrupted run's steps."""
+    from such a checkpoint (here after micro-batch 10, the first of update 4), Lightning stepped a micro-batch early
+    and the callback refused it, at every restart: now the update is trained again whole, every sample of the epoch
+    once, in the uninterrupted run's steps, with Lightning's counters as that run's."""
     def fit(callbacks, trained, **options):
         dl = ResumableDataLoader(Indexed(48), batch_size=2, shuffle=True, seed=0, grad_accum=3)
         trainer = Trainer(accelerator="cpu", devices=1, use_distributed_sampler=False, max_epochs=1, logger=False,
-                          accumulate_grad_batches=3, enable_checkpointing=False, enable_progress_bar=False,
-                          enable_model_summary=False, callbacks=[ResumableLoaderCallback(), *callbacks])
-        trainer.fit(Counted(trained), train_dataloaders=dl, **options)
+                          accumulate_grad_batches=3, val_check_interval=5, num_sanity_val_steps=0,
+                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                          callbacks=[ResumableLoaderCallback(), *callbacks])
+        trainer.fit(Counted(trained), train_dataloaders=dl, val_dataloaders=DataLoader(Indexed(2)), **options)
         return trainer
 
     uninterrupted, before, after = [], [], []
     fit([], uninterrupted)
     with pytest.raises(Died):
-        fit([CheckpointMidUpdate(tmp_path / "mid.ckpt", 3)], before)
+        fit([CheckpointAtBatch(tmp_path / "mid.ckpt", 10, hook)], before)
     assert [step for step, _ in before][-2:] == [3, 4]  # saved after a micro-batch of step 4
     trainer = fit([], after, ckpt_path=tmp_path / "mid.ckpt")
     trained = [entry for entry in before if entry[0] <= 3] + after
