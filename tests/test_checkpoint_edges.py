@@ -56,6 +56,18 @@ def test_the_audit_judges_an_epoch_by_the_drops_of_the_launch_that_counts(tmp_pa
     assert (epoch.seen_once, epoch.dropped, len(epoch.skipped), len(epoch.duplicated)) == (10, 2, 0, 0)
 
 
+def test_an_epoch_finished_by_a_lost_checkpoint_is_unfinished_again_once_the_run_saves_before_its_end(tmp_path):
+    """Launch 1 ends epoch 0 at step 4 and records it finished; step 4 is damaged, so launch 2 resumes from step 2,
+    saves step 3 and stops. The audit took the epoch for finished and its last step's samples for skipped (a
+    failed audit); it is unfinished, nothing skipped or duplicated so far."""
+    assert launch(tmp_path, 12, 3, every=2) == 0
+    damage(tmp_path / "step-000000004")
+    with pytest.warns(CheckpointWarning):
+        assert launch(tmp_path, 12, 3, steps=1) == 2
+    (epoch,) = audit(tmp_path)
+    assert not epoch.finished and epoch.clean and (epoch.seen_once, epoch.not_yet_seen) == (9, 3)
+
+
 def test_a_restart_resumes_the_runs_present_not_a_later_checkpoint_it_had_gone_back_from(tmp_path):
     """Launch 1 saves steps 2 and 4; step 4 cannot be read for a moment (its manifest away: a network filesystem's
     hiccup), so launch 2 resumes from step 2 and saves step 3. Launch 3, with step 4 readable again, resumed from

@@ -101,12 +101,18 @@ class Ledger:
     def record_finished(self, progress: dict, loader) -> None:
         """Store the indices dropped by policy of the epochs a merged progress reports finished, and those skipped
         on request (`loader.skip`) of the epochs it holds, as that progress has them (rank 0, with the
-        checkpoint: a drop or skip lost with a later checkpoint is no longer recorded either)."""
+        checkpoint: a drop or skip lost with a later checkpoint is no longer recorded either). A save that was lost
+        (failed, torn, damaged: the run resumed before the epoch's end) may have recorded an epoch finished that
+        the run that counts has not finished yet, or finishes dropping other positions: so the records of epochs
+        not finished are removed, and those of finished ones rewritten."""
         order = loader.resumable_sampler.order
-        for record in progress.get("finished", []):  # rewritten: a record of a save that was lost (failed, torn,
-            # damaged, so the run resumed before the epoch's end) may drop other positions than the run that counts
-            target = _ledger_dir(self.run_dir) / "dropped" / f"epoch-{record['epoch']:06d}.npy"
-            _save_indices(target, order, record["epoch"], record["dropped"])
+        dropped = _ledger_dir(self.run_dir) / "dropped"
+        if "epoch" in progress:  # every epoch from it on is unfinished
+            for stale in dropped.glob("epoch-[0-9]*[0-9].npy"):
+                if int(stale.stem[6:]) >= progress["epoch"]:
+                    stale.unlink()
+        for record in progress.get("finished", []):
+            _save_indices(dropped / f"epoch-{record['epoch']:06d}.npy", order, record["epoch"], record["dropped"])
         skipped = dict(progress.get("skipped", []))
         held = {e for e, _ in progress.get("committed", [])} | {r["epoch"] for r in progress.get("finished", [])}
         for epoch in sorted(held | set(skipped)):
