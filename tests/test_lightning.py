@@ -4,10 +4,12 @@ the training step itself (tests/framework_jobs.py) and by the loader's ledger (`
 
 import pytest
 import torch
+from torch.utils.data import DataLoader
 
 pytest.importorskip("lightning", reason="lightning is not installed: pip install -e '.[lightning]'")
 
 from lightning.pytorch import Trainer  # noqa: E402
+from lightning.pytorch import Callback, LightningModule  # noqa: E402
 from lightning.pytorch.callbacks import GradientAccumulationScheduler  # noqa: E402
 
 from loader import ResumableDataLoader  # noqa: E402
@@ -53,6 +55,75 @@ def test_lightning_stepping_where_the_loader_has_no_complete_update_is_refused(t
     schedule = GradientAccumulationScheduler({0: 2, 1: 1})  # epoch 1 steps after every batch, the loader after 2
     with pytest.raises(RuntimeError, match="Lightning stepped the optimizer after batch 0 of epoch 1"):
         fit_in_process(tmp_path, 2, callbacks=[ResumableLoaderCallback(), schedule])
+
+
+class Counted(LightningModule):
+    """Notes the sample indices of each micro-batch with the optimizer step they feed."""
+
+    def __init__(self, trained: list):
+        super().__init__()
+        self.net, self.trained = torch.nn.Linear(4, 1), trained
+
+    def training_step(self, batch, batch_idx):
+        x, y, index = batch
+        self.trained.append((self.trainer.global_step + 1, index.tolist()))
+        return torch.nn.functional.mse_loss(self.net(x).squeeze(1), y)
+
+    def validation_step(self, batch, batch_idx):
+        pass
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+class Died(Exception):
+    """The job's end right after a checkpoint."""
+
+
+class CheckpointAtBatch(Callback):
+    """Saves at the end of micro-batch `batch` (counted in the epoch from 1), after its training (as
+    ModelCheckpoint(train_time_interval=...) may) or after the validation that follows it, then the job dies."""
+
+    def __init__(self, path, batch: int, hook: str):
+        self.path, self.batch, self.hook = path, batch, hook
+
+    def _save(self, trainer, hook: str) -> None:
+        if hook == self.hook and trainer.fit_loop.epoch_loop.batch_progress.current.ready == self.batch:
+            trainer.save_checkpoint(self.path)
+            raise Died
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self._save(trainer, "train batch")
+
+    def on_validation_end(self, trainer, pl_module) -> None:
+        self._save(trainer, "validation")
+
+
+@pytest.mark.parametrize("hook", ["train batch", "validation"])
+def test_a_checkpoint_between_micro_batches_resumes_at_the_update_boundary(tmp_path, hook):
+    """Lightning counts the micro-batches of an unfinished update as done; the loader and the model do not. Resumed
+    from such a checkpoint (here after micro-batch 10, the first of update 4), Lightning stepped a micro-batch early
+    and the callback refused it, at every restart: now the update is trained again whole, every sample of the epoch
+    once, in the uninterrupted run's steps, with Lightning's counters as that run's."""
+    def fit(callbacks, trained, **options):
+        dl = ResumableDataLoader(Indexed(48), batch_size=2, shuffle=True, seed=0, grad_accum=3)
+        trainer = Trainer(accelerator="cpu", devices=1, use_distributed_sampler=False, max_epochs=1, logger=False,
+                          accumulate_grad_batches=3, val_check_interval=5, num_sanity_val_steps=0,
+                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                          callbacks=[ResumableLoaderCallback(), *callbacks])
+        trainer.fit(Counted(trained), train_dataloaders=dl, val_dataloaders=DataLoader(Indexed(2)), **options)
+        return trainer
+
+    uninterrupted, before, after = [], [], []
+    fit([], uninterrupted)
+    with pytest.raises(Died):
+        fit([CheckpointAtBatch(tmp_path / "mid.ckpt", 10, hook)], before)
+    assert [step for step, _ in before][-2:] == [3, 4]  # saved after a micro-batch of step 4
+    trainer = fit([], after, ckpt_path=tmp_path / "mid.ckpt")
+    trained = [entry for entry in before if entry[0] <= 3] + after
+    assert trained == uninterrupted  # each step's micro-batches, in order
+    assert sorted(i for _, indices in trained for i in indices) == list(range(48))
+    assert trainer.global_step == 8 and trainer.fit_loop.epoch_loop._batches_that_stepped == 8
 
 
 @pytest.mark.slow

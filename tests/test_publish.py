@@ -237,9 +237,10 @@ def test_keep_last_prunes_only_old_checkpoints(tmp_path):
     assert (tmp_path / "notes.txt").read_text() == "mine"
     assert (tmp_path / "step-000000001.bak").is_dir() and (tmp_path / "step-000000002").is_file()
 
-    publish_steps(tmp_path, 0, keep_last=1)  # an older step written after newer ones is still kept
-    assert [p.name for p in list_checkpoints(tmp_path)] == ["step-000000000", "step-000000005"]
-    assert latest(tmp_path) == tmp_path / "step-000000005"
+    with pytest.warns(CheckpointWarning, match="the run went back from"):  # the later steps are set aside
+        publish_steps(tmp_path, 0, keep_last=1)  # an older step written after newer ones is kept
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["step-000000000"]
+    assert latest(tmp_path) == tmp_path / "step-000000000"
 
 
 def test_failed_prune_warns_but_publishes(tmp_path):
@@ -250,6 +251,18 @@ def test_failed_prune_warns_but_publishes(tmp_path):
     with pytest.warns(CheckpointWarning, match=f"could not prune old checkpoint {tmp_path / 'step-000000001'}"):
         path = publish(tmp_path, 2, write(FILES), manifest_extra=EXTRA, keep_last=1)
     assert latest(tmp_path) == path == tmp_path / "step-000000002"
+
+
+def test_a_checkpoint_directory_that_is_a_symbolic_link_is_skipped_with_a_warning(tmp_path):
+    """Not silently (a restart from an older step, or from scratch, without a word), and never pruned through."""
+    run_dir = tmp_path / "run"
+    publish_steps(run_dir, 1, 2)
+    (run_dir / "step-000000002").rename(tmp_path / "elsewhere")
+    (run_dir / "step-000000002").symlink_to(tmp_path / "elsewhere")
+    with pytest.warns(CheckpointWarning, match="step-000000002: a symbolic link .* never follows"):
+        assert latest(run_dir) == run_dir / "step-000000001"
+    publish_steps(run_dir, 3, keep_last=1)
+    assert verify(tmp_path / "elsewhere").step == 2
 
 
 def test_keep_last_none_keeps_all(tmp_path):
@@ -289,13 +302,12 @@ def test_a_step_published_again_sets_the_earlier_one_aside_and_the_newest_public
         assert latest(tmp_path) == tmp_path / "step-000000001"
 
 
-def _republish(run_dir: Path, step: int, **kwargs) -> Path | None:
-    """Publish `step` (again); returns the directory it moved aside, if any, as its warning names it."""
+def _republish(run_dir: Path, step: int, **kwargs) -> list[Path]:
+    """Publish `step` (again); returns the directories it moved aside, oldest first, as its warnings name them."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", CheckpointWarning)
         publish(run_dir, step, write(FILES), manifest_extra=EXTRA, keep_last=None, **kwargs)
-    moved = [str(w.message).split(" was moved aside to ")[1].split(", which")[0] for w in caught]
-    return Path(moved[0]) if moved else None
+    return [Path(str(w.message).split(" was moved aside to ")[1].split(", which")[0]) for w in caught]
 
 
 def test_every_republication_is_kept_aside(tmp_path):
@@ -306,10 +318,11 @@ def test_every_republication_is_kept_aside(tmp_path):
 
 @pytest.mark.parametrize("keep, kept", [({}, 3), ({"keep_quarantined": 1}, 1), ({"keep_quarantined": None}, 6)])
 def test_only_the_newest_directories_set_aside_are_kept(tmp_path, keep, kept):
-    """6 rounds of a run that steps back and saves again (steps 4 and 5 in turn): the newest few are kept, of any
-    step, and the published steps are untouched."""
+    """3 rounds of a run that steps back from step 5 and saves steps 4 and 5 again (each sets both earlier ones
+    aside): the newest few are kept, of any step, and the published steps are untouched."""
     moved = [_republish(tmp_path, 4 + i % 2, **keep) for i in range(8)]
-    assert moved[:2] == [None, None] and None not in moved[2:]
+    assert [len(paths) for paths in moved] == [0, 0, 2, 0, 2, 0, 2, 0]
+    moved = [path for paths in moved for path in paths]
     assert sorted(tmp_path.glob("step-*.quarantine-*")) == sorted(moved[len(moved) - kept :])
     assert list_checkpoints(tmp_path) == [tmp_path / "step-000000004", tmp_path / "step-000000005"]
     assert latest(tmp_path) == tmp_path / "step-000000005"

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
-from loader.core.collectives import broadcast, rank, world_size
+from loader.core.collectives import from_rank0, rank, world_size
 _HEADER = struct.Struct("<qqIB")  # step, epoch, number of indices, flags:
 COMPLETE, FAILED = 1, 2  # the batch completed its update; its loading raised (consumed, never trained)
 ATTEMPT, VERDICT = 4, 8  # an attempt's start, payload its key; its verdict, payload its key and 1 if it committed
@@ -56,12 +56,10 @@ class Ledger:
 
     @classmethod
     def open(cls, run_dir, resumed_step: int, num_samples: int, group=None) -> "Ledger":
-        """Start a new generation (rank 0 creates it, every rank learns its number); a collective when
+        """Start a new generation (rank 0 creates it, every rank learns its number, or its error); a collective when
         torch.distributed is initialised."""
-        made = None
-        if rank(group) == 0:
-            made = str(_new_generation(run_dir, resumed_step, world_size(group), num_samples))
-        return cls(run_dir, Path(broadcast(made, group)) / f"rank-{rank(group):05d}.bin", resumed_step)
+        made = from_rank0(lambda: _new_generation(run_dir, resumed_step, world_size(group), num_samples), group)
+        return cls(run_dir, made / f"rank-{rank(group):05d}.bin", resumed_step)
 
     @classmethod
     def open_attempts(cls, run_dir, num_samples: int, name: str) -> "Ledger":
@@ -103,12 +101,18 @@ class Ledger:
     def record_finished(self, progress: dict, loader) -> None:
         """Store the indices dropped by policy of the epochs a merged progress reports finished, and those skipped
         on request (`loader.skip`) of the epochs it holds, as that progress has them (rank 0, with the
-        checkpoint: a skip lost with a later checkpoint is no longer recorded either)."""
+        checkpoint: a drop or skip lost with a later checkpoint is no longer recorded either). A save that was lost
+        (failed, torn, damaged: the run resumed before the epoch's end) may have recorded an epoch finished that
+        the run that counts has not finished yet, or finishes dropping other positions: so the records of epochs
+        not finished are removed, and those of finished ones rewritten."""
         order = loader.resumable_sampler.order
+        dropped = _ledger_dir(self.run_dir) / "dropped"
+        if "epoch" in progress:  # every epoch from it on is unfinished
+            for stale in dropped.glob("epoch-[0-9]*[0-9].npy"):
+                if int(stale.stem[6:]) >= progress["epoch"]:
+                    stale.unlink()
         for record in progress.get("finished", []):
-            target = _ledger_dir(self.run_dir) / "dropped" / f"epoch-{record['epoch']:06d}.npy"
-            if not target.exists():
-                _save_indices(target, order, record["epoch"], record["dropped"])
+            _save_indices(dropped / f"epoch-{record['epoch']:06d}.npy", order, record["epoch"], record["dropped"])
         skipped = dict(progress.get("skipped", []))
         held = {e for e, _ in progress.get("committed", [])} | {r["epoch"] for r in progress.get("finished", [])}
         for epoch in sorted(held | set(skipped)):

@@ -9,8 +9,11 @@ whose size or checksum no longer matches) is skipped by :func:`latest` with a :c
 
 A step published again (the run resumed from an older checkpoint, because :func:`latest` skipped this one as corrupt
 or on purpose) moves the earlier ``step-NNNNNNNNN`` aside as ``step-NNNNNNNNN.quarantine-<UTC time>``, with a
-warning: kept for inspection, never loaded, so the name always holds the newest publication of its step. The newest
-``keep_quarantined`` (3 by default) of those are kept, the older ones deleted once the new one is in place.
+warning: kept for inspection, never loaded, so the name always holds the newest publication of its step. Checkpoints
+of later steps that were published before this save began are moved aside the same way once it is published: they
+belong to the run's abandoned past (skipped as unreadable, perhaps only for a moment, or left on purpose), and a
+restart must resume the run's present, not jump back into them. The newest ``keep_quarantined`` (3 by default) of
+those are kept, the older ones deleted once the new one is in place.
 
 A checkpoint's files must be its own: :func:`verify` refuses a directory holding a symbolic link (or a FIFO, socket or
 device), which would make it read a file outside the checkpoint.
@@ -97,6 +100,8 @@ def publish(
     run_dir = Path(run_dir)
     _make_run_dir(run_dir)
     final = run_dir / f"step-{step:09d}"
+    superseded = _later_than(run_dir, step)  # before this save began: not an async save of a later step that
+    # finishes first
     tmp = run_dir / f"{final.name}.tmp-{_host()}-{os.getpid()}-{secrets.token_hex(4)}"
     tmp.mkdir()
     _IN_FLIGHT.add(tmp)
@@ -127,15 +132,27 @@ def publish(
         raise
     finally:
         _IN_FLIGHT.discard(tmp)
-    _after_publication(run_dir, final, step, keep_last, keep_quarantined)
+    _after_publication(run_dir, final, step, keep_last, keep_quarantined, superseded)
     return final
 
 
 def _after_publication(
-    run_dir: Path, final: Path, step: int, keep_last: int | None, keep_quarantined: int | None
+    run_dir: Path, final: Path, step: int, keep_last: int | None, keep_quarantined: int | None,
+    superseded: list[Path],
 ) -> None:
-    """Make the rename durable and tidy up. The step is published once renamed, so a failure here warns: raising
-    would tell the caller that the save failed while its checkpoint is complete and loadable."""
+    """Make the rename durable, set aside the checkpoints it supersedes, and tidy up. The step is published once
+    renamed, so a failure here warns: raising would tell the caller that the save failed while its checkpoint is
+    complete and loadable."""
+    try:
+        for path in superseded:
+            _set_aside(path, replaced_by=final)
+    except OSError as e:
+        warnings.warn(
+            f"published {final}, but could not move a checkpoint of a later step aside ({e}): a restart would "
+            f"resume from that one, not from {final}; move or delete it",
+            CheckpointWarning,
+            stacklevel=3,
+        )
     try:
         _fsync(run_dir)
     except OSError as e:
@@ -229,12 +246,29 @@ def list_checkpoints(run_dir: str | os.PathLike) -> list[Path]:
     return [p for step, p, tmp in _scan(Path(run_dir)) if not tmp]
 
 
+def _later_than(run_dir: Path, step: int) -> list[Path]:
+    """Published checkpoints of later steps than `step`; none when the directory cannot be listed (publishing
+    needs only to write into it: the tidying after it warns)."""
+    try:
+        return [path for later, path, tmp in _scan(run_dir) if later > step and not tmp]
+    except OSError:
+        return []
+
+
 def latest(run_dir: str | os.PathLike, *, check_checksums: bool = True) -> Path | None:
     """The newest checkpoint in ``run_dir`` that verifies, or None (also for a missing ``run_dir``: a fresh run).
 
-    Newer directories that are torn (``.tmp-*``, no manifest) or corrupted are skipped with a
+    Newer directories that are torn (``.tmp-*``, no manifest) or corrupted, and symbolic links, are skipped with a
     :class:`CheckpointWarning` naming them and the reason; older ones are not inspected."""
-    for step, path, tmp in reversed(_scan(Path(run_dir))):
+    for step, path, tmp in reversed(_scan(Path(run_dir), links=True)):
+        if path.is_symlink():
+            warnings.warn(
+                f"skipping {path}: a symbolic link (to {os.readlink(path)!r}), which this loader never follows: a "
+                f"checkpoint's files must be its own; move the checkpoint directory itself into {run_dir}",
+                CheckpointWarning,
+                stacklevel=2,
+            )
+            continue
         if tmp:
             warnings.warn(
                 f"skipping {path}: unfinished write of step {step} (crashed writer, or one still running)",
@@ -251,8 +285,9 @@ def latest(run_dir: str | os.PathLike, *, check_checksums: bool = True) -> Path 
     return None
 
 
-def _set_aside(final: Path) -> None:
-    """Move an earlier publication of this step out of the way, kept for inspection and never loaded again.
+def _set_aside(final: Path, replaced_by: Path | None = None) -> None:
+    """Move an earlier publication of this step, or a checkpoint of a later step that `replaced_by` supersedes, out
+    of the way, kept for inspection and never loaded again.
 
     Why: a run that is publishing step S again has resumed from an older checkpoint, because `latest` skipped this
     one as corrupt or the run went back on purpose; refusing would fail every save of S, on every restart."""
@@ -266,9 +301,10 @@ def _set_aside(final: Path) -> None:
     stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S.%fZ")
     aside = final.with_name(f"{final.name}.quarantine-{stamp}")
     os.rename(final, aside)
+    what = (f"step {int(final.name[5:])} is published again: the earlier {final}" if replaced_by is None else
+            f"the run went back from {final} to an earlier step, now published as {replaced_by.name}: {final.name}")
     warnings.warn(
-        f"step {int(final.name[5:])} is published again: the earlier {final} ({state}) was moved aside to {aside}, "
-        f"which is never loaded; inspect it, then delete it",
+        f"{what} ({state}) was moved aside to {aside}, which is never loaded; inspect it, then delete it",
         CheckpointWarning,
         stacklevel=4,
     )
@@ -417,11 +453,12 @@ def _make_run_dir(run_dir: Path) -> None:
     _fsync(run_dir.parent)
 
 
-def _scan(run_dir: Path) -> list[tuple[int, Path, bool]]:
-    """(step, path, is_tmp) for every checkpoint-named directory, by step; at equal steps tmp ones come first."""
+def _scan(run_dir: Path, links: bool = False) -> list[tuple[int, Path, bool]]:
+    """(step, path, is_tmp) for every checkpoint-named directory, by step; at equal steps tmp ones come first.
+    `links`: symbolic links so named too (only `latest` lists them, to say that it skips them)."""
     try:
         with os.scandir(run_dir) as it:
-            entries = [(e.name, e.is_dir(follow_symlinks=False)) for e in it]
+            entries = [(e.name, e.is_dir(follow_symlinks=False) or links and e.is_symlink()) for e in it]
     except FileNotFoundError:
         return []
     except NotADirectoryError:

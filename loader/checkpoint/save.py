@@ -40,7 +40,7 @@ from torch.utils._pytree import tree_map_only
 
 from loader.checkpoint.merge import merge_states, one_per_data_rank
 from loader.checkpoint.publish import CheckpointError, check_arguments, latest, publish, verify
-from loader.core.collectives import all_gather, broadcast, distributed, global_ranks, rank, world_size
+from loader.core.collectives import all_gather, broadcast, distributed, from_rank0, global_ranks, rank, world_size
 from loader.core.sampler import ResumableSampler
 from loader.core.state import FORMAT, VERSION, StateError, attach_base, check_fingerprint, detach_base
 from loader.streams.rng import rng_state, set_rng_state
@@ -583,7 +583,8 @@ def _read_weights(path: Path, model, optimizer, group) -> dict:
 def resume(run_dir: str | Path, **objects) -> int:
     """Load the newest checkpoint of `run_dir` that verifies, if any; returns its step (0 for a fresh run).
 
-    Rank 0 chooses (torn or corrupted checkpoints are skipped with a warning) and every rank loads that one."""
+    Rank 0 chooses (torn or corrupted checkpoints are skipped with a warning) and every rank loads that one; a
+    run directory rank 0 cannot read fails every rank."""
     group = objects.get("group")
-    found = broadcast(latest(run_dir) if rank(group) == 0 else None, group)
+    found = from_rank0(lambda: latest(run_dir), group)
     return 0 if found is None else load_checkpoint(found, **objects)

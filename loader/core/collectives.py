@@ -6,7 +6,7 @@ tests, offline tools) must run the same code unchanged.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch.distributed as dist
 
@@ -52,3 +52,18 @@ def broadcast(value: Any, group=None) -> Any:
     box = [value]
     dist.broadcast_object_list(box, src=0 if group is None else dist.get_global_rank(group, 0), group=group)
     return box[0]
+
+
+def from_rank0(compute: Callable[[], Any], group=None) -> Any:
+    """compute() run on rank 0, its value on every rank of the group. An exception it raises is raised on every
+    rank: raised on rank 0 alone, it would leave the others waiting in the broadcast until the group's timeout."""
+    outcome = None
+    if rank(group) == 0:
+        try:
+            outcome = (True, compute())
+        except Exception as err:  # noqa: BLE001 - handed to every rank, raised there
+            outcome = (False, err)
+    ok, value = broadcast(outcome, group)
+    if not ok:
+        raise value
+    return value

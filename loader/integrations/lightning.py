@@ -14,12 +14,20 @@ things Lightning does need this callback:
 - Its accumulation counts batches on its own. The callback checks after every batch that Lightning stepped the
   optimizer exactly when the loader completed an update (`grad_accum` = `accumulate_grad_batches`), before a
   checkpoint could record a half-accumulated update as done or a done one as pending.
+- It checkpoints between micro-batches of an update too (`ModelCheckpoint(train_time_interval=...)`, or
+  `every_n_train_steps` at the first batch after a resume), counting the micro-batches of the unfinished update
+  as done, while the loader counts completed updates only (their gradients are not saved). Resumed, Lightning
+  would step K - j batches after the loader's update boundary: the check above refuses it, at every restart. The
+  callback records such a checkpoint as of its last completed update, so it resumes like one taken right after
+  that step.
 
 Lightning's batch limits live in private attributes (`fit_loop.max_batches`, the CombinedLoader's `limits`); should
 a release move them, the epoch-end check refuses to go on rather than skip samples.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 from lightning.pytorch import Callback, LightningModule, Trainer
 
@@ -71,6 +79,21 @@ class ResumableLoaderCallback(Callback):
             iter(trainer.fit_loop._data_fetcher)  # the next epoch's iterators (and length)
         else:
             trainer.fit_loop._data_fetcher.reset()  # its length was taken under the cap
+
+    def on_save_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
+        """A checkpoint between micro-batches of an update records Lightning's loop at the update's start, where the
+        loader's progress (completed updates) and the model (stepped at its end) stand."""
+        loaders = _loaders(trainer)
+        if not loaders or all(dl.update_complete for dl in loaders) or "loops" not in checkpoint:
+            return
+        loop = checkpoint["loops"]["fit_loop"]
+        batches = loop["epoch_loop.batch_progress"]
+        pending = batches["current"]["ready"] % trainer.accumulate_grad_batches
+        for counts in (batches["total"], batches["current"]):
+            for name in ("ready", "started", "processed", "completed"):
+                counts[name] -= pending
+        if batches["total"]["completed"] == batches["total"]["processed"] - 1:  # saved in on_train_batch_end:
+            loop["epoch_loop.state_dict"]["_batches_that_stepped"] -= 1  # the restart counts that batch's step again
 
     def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         """The last line of defence: an epoch that Lightning ended, unasked, before the loader's end skips samples."""

@@ -1,0 +1,115 @@
+"""Edges of checkpointing found by an adversarial review: a restart from an older checkpoint than the newest save,
+and what it must leave coherent (the ledger's record of what each epoch dropped, the checkpoints kept)."""
+
+import itertools
+
+import pytest
+import torch
+
+from loader import ResumableDataLoader
+from loader.checkpoint import Ledger, resume, save_checkpoint
+from loader.checkpoint.audit import audit
+from loader.checkpoint.publish import CheckpointWarning
+from tests.conftest import IndexDataset
+from tests.distributed import run_group
+
+
+def damage(checkpoint) -> None:
+    """One flipped bit in a checkpoint's data: `resume` skips it for the one before."""
+    data = next(checkpoint.glob("*.distcp"))
+    content = bytearray(data.read_bytes())
+    content[10] ^= 1
+    data.write_bytes(content)
+
+
+def launch(run_dir, n: int, batch_size: int, every: int = 1, steps: int | None = None) -> int:
+    """A launch that resumes, trains the rest of epoch 0 (or `steps` steps) with drop_last and a checkpoint every
+    `every` steps and after the last, each batch in the identity ledger. Returns the step it resumed from."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(1, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    dl = ResumableDataLoader(IndexDataset(n), batch_size=batch_size, shuffle=True, seed=0, drop_last=True)
+    step = resumed = resume(run_dir, model=model, optimizer=optimizer, loader=dl)
+    dl.ledger = Ledger.open(run_dir, step, n)
+    for batch in itertools.islice(dl, steps):
+        model(batch.float()[:, None]).sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        step += 1
+        if step % every == 0 or dl.exhausted or step - resumed == steps:
+            save_checkpoint(run_dir, step, model=model, optimizer=optimizer, loader=dl, ledger=dl.ledger)
+    dl.ledger.close()
+    return resumed
+
+
+def test_the_audit_judges_an_epoch_by_the_drops_of_the_launch_that_counts(tmp_path):
+    """Launch 1 ends epoch 0 in 4 steps of 3, dropping nothing, and records so. Its last checkpoint is damaged;
+    launch 2 resumes from step 2 at batches of 4: the 6 positions left are one step and 2 dropped by policy. The
+    ledger kept launch 1's record of the epoch's drops, so the audit called the 2 skipped: a false failure."""
+    assert launch(tmp_path, 12, 3, every=2) == 0
+    damage(tmp_path / "step-000000004")
+    with pytest.warns(CheckpointWarning) as warned:
+        assert launch(tmp_path, 12, 4) == 2
+    assert "step-000000004: checksum mismatch" in str(warned[0].message)
+    (epoch,) = audit(tmp_path)
+    assert epoch.finished and epoch.clean
+    assert (epoch.seen_once, epoch.dropped, len(epoch.skipped), len(epoch.duplicated)) == (10, 2, 0, 0)
+
+
+def test_an_epoch_finished_by_a_lost_checkpoint_is_unfinished_again_once_the_run_saves_before_its_end(tmp_path):
+    """Launch 1 ends epoch 0 at step 4 and records it finished; step 4 is damaged, so launch 2 resumes from step 2,
+    saves step 3 and stops. The audit took the epoch for finished and its last step's samples for skipped (a
+    failed audit); it is unfinished, nothing skipped or duplicated so far."""
+    assert launch(tmp_path, 12, 3, every=2) == 0
+    damage(tmp_path / "step-000000004")
+    with pytest.warns(CheckpointWarning):
+        assert launch(tmp_path, 12, 3, steps=1) == 2
+    (epoch,) = audit(tmp_path)
+    assert not epoch.finished and epoch.clean and (epoch.seen_once, epoch.not_yet_seen) == (9, 3)
+
+
+def test_a_restart_resumes_the_runs_present_not_a_later_checkpoint_it_had_gone_back_from(tmp_path):
+    """Launch 1 saves steps 2 and 4; step 4 cannot be read for a moment (its manifest away: a network filesystem's
+    hiccup), so launch 2 resumes from step 2 and saves step 3. Launch 3, with step 4 readable again, resumed from
+    it: launch 2's step 3 lost, and the audit, which counts launch 1 up to step 2 and launch 2's step 3, found step
+    4's samples skipped. Step 4 is now set aside when step 3 is published, with a warning."""
+    assert launch(tmp_path, 12, 3, every=2) == 0
+    (tmp_path / "step-000000004" / "manifest.json").rename(tmp_path / "away.json")
+    with pytest.warns(CheckpointWarning) as warned:
+        assert launch(tmp_path, 12, 3, steps=1) == 2
+    (aside,) = tmp_path.glob("step-000000004*")  # where step 4 is now
+    (tmp_path / "away.json").rename(aside / "manifest.json")
+    assert launch(tmp_path, 12, 3) == 3
+    (epoch,) = audit(tmp_path)
+    assert epoch.finished and epoch.clean and epoch.seen_once == 12
+    assert aside.name.startswith("step-000000004.quarantine-") and "the run went back from" in str(warned[-1].message)
+
+
+def _open_an_unreadable_run_dir(rank: int, world_size: int, run_dir: str) -> list[str]:
+    torch.manual_seed(0)
+    model = torch.nn.Linear(1, 1)
+    objects = dict(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                   loader=ResumableDataLoader(IndexDataset(8), batch_size=2, rank=rank, world_size=world_size))
+    outcomes = []
+    for call in (lambda: resume(run_dir, **objects), lambda: Ledger.open(run_dir, 0, 8)):
+        try:
+            call()
+            outcomes.append("returned")
+        except OSError as err:
+            outcomes.append(f"{type(err).__name__}: {err}")
+    return outcomes
+
+
+@pytest.mark.slow
+def test_a_run_directory_that_rank_0_cannot_read_fails_every_rank_at_once(tmp_path):
+    """resume and Ledger.open look at the run directory on rank 0 alone: its error was raised there alone, while the
+    other ranks waited in the broadcast, never told why: until the group's timeout (gloo's 30 min), a connection
+    error once rank 0's process ended, or, where rank 0 went on, matched with its next collective (here Ledger.open's
+    broadcast, whose directory rank 1 took for the checkpoint to load). Now every rank raises rank 0's error."""
+    run_dir = tmp_path / "run"
+    run_dir.write_text("a file where the run directory should be")
+    first, second = run_group(_open_an_unreadable_run_dir, 2, str(run_dir))
+    assert first == second and len(first) == 2
+    assert first[0] == (f"NotADirectoryError: run_dir {run_dir} is not a directory (or one of its parents is a "
+                        f"file); pass the checkpoint directory")
+    assert first[1].startswith(("FileExistsError", "NotADirectoryError"))
