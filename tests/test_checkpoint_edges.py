@@ -113,3 +113,16 @@ def test_a_run_directory_that_rank_0_cannot_read_fails_every_rank_at_once(tmp_pa
     assert first[0] == (f"NotADirectoryError: run_dir {run_dir} is not a directory (or one of its parents is a "
                         f"file); pass the checkpoint directory")
     assert first[1].startswith(("FileExistsError", "NotADirectoryError"))
+
+
+def test_an_error_that_would_not_survive_the_broadcast_reaches_the_other_ranks_as_its_type_and_message():
+    """from_rank0 hands rank 0's error to the others through a pickle: an exception whose constructor takes more
+    than its message (SaveError) would fail to unpickle there, so its type and message travel as a RuntimeError;
+    one that round-trips (OSError with its errno and path) travels as itself."""
+    from loader.checkpoint.save import SaveError
+    from loader.core.collectives import _portable
+
+    refused = _portable(SaveError(3, "writing", {1: "ENOSPC"}, None))
+    assert type(refused) is RuntimeError and str(refused).startswith("on rank 0: SaveError: the checkpoint of step 3")
+    missing = NotADirectoryError(20, "Not a directory", "/run")
+    assert _portable(missing) is missing

@@ -6,6 +6,7 @@ tests, offline tools) must run the same code unchanged.
 
 from __future__ import annotations
 
+import pickle
 from typing import Any, Callable
 
 import torch.distributed as dist
@@ -57,13 +58,25 @@ def broadcast(value: Any, group=None) -> Any:
 def from_rank0(compute: Callable[[], Any], group=None) -> Any:
     """compute() run on rank 0, its value on every rank of the group. An exception it raises is raised on every
     rank: raised on rank 0 alone, it would leave the others waiting in the broadcast until the group's timeout."""
-    outcome = None
+    outcome, error = None, None
     if rank(group) == 0:
         try:
             outcome = (True, compute())
         except Exception as err:  # noqa: BLE001 - handed to every rank, raised there
-            outcome = (False, err)
+            outcome, error = (False, _portable(err)), err
     ok, value = broadcast(outcome, group)
     if not ok:
-        raise value
+        raise error or value
     return value
+
+
+def _portable(err: Exception) -> Exception:
+    """`err` if it survives the broadcast's pickling as itself, else a RuntimeError with its type and message: an
+    exception whose constructor takes other arguments than its message would fail to unpickle on the other ranks
+    (or to pickle on rank 0, leaving them waiting), and they must raise rank 0's error, not that one."""
+    try:
+        if type(pickle.loads(pickle.dumps(err))) is type(err):
+            return err
+    except Exception:  # noqa: BLE001 - any failure of the round trip: send the text instead
+        pass
+    return RuntimeError(f"on rank 0: {type(err).__name__}: {err}")
