@@ -126,3 +126,31 @@ def test_an_error_that_would_not_survive_the_broadcast_reaches_the_other_ranks_a
     assert type(refused) is RuntimeError and str(refused).startswith("on rank 0: SaveError: the checkpoint of step 3")
     missing = NotADirectoryError(20, "Not a directory", "/run")
     assert _portable(missing) is missing
+
+
+def test_a_checkpoint_is_published_only_after_the_ledger_records_it_counts_are_on_stable_storage(tmp_path, monkeypatch):
+    """A power loss keeps what was fsynced: a published checkpoint whose ledger records were only flushed could count
+    steps the ledger lost, and the audit would call their samples skipped. So every rank's ledger file, and the
+    record of the epoch's drops, are fsynced before the checkpoint directory is renamed into place."""
+    import os
+
+    synced = []
+    real_fsync, real_rename = os.fsync, os.rename
+
+    def fsync(fd):
+        synced.append(os.fstat(fd).st_ino)
+        real_fsync(fd)
+
+    def rename(src, dst):
+        if ".tmp-" in os.fspath(src) and ".tmp-" not in os.fspath(dst):  # the publication itself
+            published.append(set(synced))
+        real_rename(src, dst)
+
+    published = []
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "rename", rename)
+    launch(tmp_path, 12, 4, every=3)  # 3 steps: one checkpoint, at the epoch's end (12 = 3 x 4, nothing dropped)
+    ledger_file = next((tmp_path / "ledger").rglob("rank-00000.bin"))
+    dropped = tmp_path / "ledger" / "dropped" / "epoch-000000.npy"
+    assert len(published) == 1
+    assert {ledger_file.stat().st_ino, dropped.stat().st_ino} <= published[0]

@@ -27,6 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
+from loader.checkpoint.publish import fsync
 from loader.core.collectives import from_rank0, rank, world_size
 _HEADER = struct.Struct("<qqIB")  # step, epoch, number of indices, flags:
 COMPLETE, FAILED = 1, 2  # the batch completed its update; its loading raised (consumed, never trained)
@@ -122,6 +123,12 @@ class Ledger:
             elif target.exists():
                 target.unlink()
 
+    def sync(self) -> None:
+        """Make this rank's records durable, as the checkpoint about to be published will be: else a power loss
+        could keep a checkpoint that counts steps whose records were lost, and the audit would call them skipped."""
+        self._file.flush()
+        os.fsync(self._file.fileno())
+
     def close(self) -> None:
         self._file.close()
 
@@ -133,7 +140,9 @@ def _save_indices(target: Path, order, epoch: int, flat_spans: list) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.with_suffix(f".{os.getpid()}.tmp.npy")  # writers may race (torchft)
     np.save(tmp, order.for_epoch(epoch)(positions))
+    fsync(tmp)  # durable before the checkpoint that reports it is published
     os.replace(tmp, target)
+    fsync(target.parent)
 
 
 def _new_generation(run_dir, resumed_step: int, world_size: int, num_samples: int, attempts: str | None = None) -> Path:

@@ -119,7 +119,7 @@ def publish(
             f.write(_sealed(manifest))
             f.flush()
             os.fsync(f.fileno())
-        _fsync(tmp)
+        fsync(tmp)
         _set_aside(final)
         try:
             os.rename(tmp, final)
@@ -154,7 +154,7 @@ def _after_publication(
             stacklevel=3,
         )
     try:
-        _fsync(run_dir)
+        fsync(run_dir)
     except OSError as e:
         warnings.warn(
             f"published {final}, but syncing {run_dir} failed ({e}): the checkpoint is complete, but a machine crash "
@@ -401,18 +401,18 @@ def _seal(root: Path) -> dict[str, dict[str, Any]]:
     for entry in _walk(root):
         rel = Path(entry.path).relative_to(root).as_posix()
         if entry.is_dir(follow_symlinks=False):
-            _fsync(Path(entry.path))
+            fsync(Path(entry.path))
         elif entry.is_file(follow_symlinks=False):
             if rel == MANIFEST_NAME:
                 raise ValueError(f"write_files must not create {MANIFEST_NAME}: publish() writes it")
             files[rel] = {"size": entry.stat(follow_symlinks=False).st_size, "sha256": _sha256(Path(entry.path))}
-            _fsync(Path(entry.path))
+            fsync(Path(entry.path))
         else:
             raise ValueError(
                 f"write_files created {rel!r}, which is not a regular file or directory (a symlink?); "
                 f"a checkpoint must be self-contained, so copy the data in instead"
             )
-    _fsync(root)
+    fsync(root)
     return files
 
 
@@ -435,7 +435,7 @@ def _sha256(file: Path) -> str:
     return digest.hexdigest()
 
 
-def _fsync(path: Path) -> None:
+def fsync(path: Path) -> None:
     """Flush a file's data, or a directory's entries, to stable storage (Linux accepts a read-only fd for both)."""
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -450,7 +450,7 @@ def _make_run_dir(run_dir: Path) -> None:
     if run_dir.exists():
         raise NotADirectoryError(f"run_dir {run_dir} exists but is not a directory; pass a directory for checkpoints")
     run_dir.mkdir(parents=True, exist_ok=True)
-    _fsync(run_dir.parent)
+    fsync(run_dir.parent)
 
 
 def _scan(run_dir: Path, links: bool = False) -> list[tuple[int, Path, bool]]:
@@ -531,7 +531,7 @@ def _prune(run_dir: Path, *, keep: int, just_written: Path) -> None:
             # Manifest first: a crash mid-delete then leaves a directory that latest() rejects as torn, not one that
             # still claims to be complete.
             (path / MANIFEST_NAME).unlink(missing_ok=True)
-            _fsync(path)
+            fsync(path)
             shutil.rmtree(path)
         except OSError as e:
             warnings.warn(f"could not prune old checkpoint {path}: {e}", CheckpointWarning, stacklevel=4)

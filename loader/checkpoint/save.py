@@ -360,6 +360,8 @@ def save_checkpoint(
         "scaler": None if scaler is None else scaler.state_dict(),
     }
     _check_plain({"model": model_sd, "optimizer": optim_sd, **extras})
+    if ledger is not None:
+        ledger.sync()
     progress = global_progress(loader, group)
     state = {
         "model": model_sd,
