@@ -7,6 +7,7 @@ import pytest
 
 from loader import ResumableDataLoader, merge_states
 from loader.sources.sharded import FileShards
+from tests.streams import FORK
 from tests.test_sharded_streams import every_record, read_lines, take, write_shards
 from tests.test_streams import train_skipping_errors
 
@@ -79,3 +80,23 @@ def test_a_rank_dealt_no_shard_saved_before_its_first_batch_resumes_at_another_w
         seen += take(resumed, 10)
     assert sorted(r for batch in seen for r in batch) == every_record([5, 4])
 
+
+@pytest.mark.parametrize("new_world, new_workers", [(1, 0), (2, 0), (1, 2)])
+def test_a_state_after_the_last_record_before_the_end_of_the_pass_ends_that_epoch_at_any_layout(
+        tmp_path, new_world, new_workers):
+    paths = write_shards(tmp_path, [5, 4])  # 9 records: the last batch is short, its snapshot says the reader ended
+
+    def loader(rank=0, world_size=1, num_workers=0):
+        return ResumableDataLoader(FileShards(paths, read_lines), batch_size=2, collate_fn=list, rank=rank,
+                                   world_size=world_size, num_workers=num_workers, **(FORK if num_workers else {}))
+
+    first = loader()
+    assert len(take(first, 5)) == 5  # every record, and no StopIteration yet: the pass of epoch 0 has not ended
+    for rank in range(new_world):
+        resumed = loader(rank, new_world, new_workers)
+        resumed.load_state_dict(first.state_dict())
+        assert list(resumed) == [] and resumed.epoch == 0  # the rest of epoch 0: nothing, as if never stopped
+        epoch_1 = [record for batch in resumed for record in batch]
+        assert resumed.epoch == 1
+        seen = seen + epoch_1 if rank else epoch_1
+    assert sorted(seen) == every_record([5, 4])

@@ -55,10 +55,12 @@ class Case:
         """The records `state` says were delivered, in the epoch its resumed pass serves."""
         ranks = rank_streams(state)
         if ranks[0].shards is not None:
-            progress, _, over = regathered(ranks)
-            epoch = progress.of(progress.epoch)
+            progress, serves, over = regathered(ranks)
+            if serves < progress.epoch:  # every record of the epoch it serves was read: a pass with nothing left
+                return [] if over else self.records()
+            epoch = progress.of(serves)
             reads = {**{s: SHARD_SIZES[s] for s in epoch.done}, **epoch.offsets}  # an offset may pass the end
-            return [] if over else [f"{s}:{r}\n" for s, count in reads.items() for r in range(min(count, SHARD_SIZES[s]))]
+            return [f"{s}:{r}\n" for s, count in reads.items() for r in range(min(count, SHARD_SIZES[s]))]
         mine = ranks[self.ranks[0]]
         if mine.ended:
             return []

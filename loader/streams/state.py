@@ -368,7 +368,9 @@ def rank_streams(state) -> list[RankStream]:
 
 def regathered(ranks: list[RankStream]) -> tuple[ShardProgress, int, bool]:
     """The global shard progress of all ranks' committed positions, to deal again at another layout; with the epoch
-    a restored rank stands in and whether that epoch is over for every rank (each had handed out its end)."""
+    a restored rank stands in and whether that epoch is over for every rank (each had handed out its end). An epoch
+    whose every record was read but whose end some rank had not handed out is the one a restored rank stands in (its
+    pass ends empty), as at the same layout: not the next one, which would start in the pass that ends this one."""
     first = ranks[0]
     for r in ranks:
         if r.shards is None or r.shards != first.shards or r.num_workers != first.num_workers:
@@ -379,5 +381,5 @@ def regathered(ranks: list[RankStream]) -> tuple[ShardProgress, int, bool]:
     deal = first.shards.deal(first.world_size, max(first.num_workers, 1))
     progress = merge(deal, [r.shard_positions() for r in ranks])
     last = max(r.epoch for r in ranks)
-    all_ended = all(r.epoch == last and r.ended for r in ranks) and progress.epoch == last + 1
-    return progress, last if all_ended else progress.epoch, all_ended
+    consumed = progress.epoch == last + 1
+    return progress, last if consumed else progress.epoch, consumed and all(r.epoch == last and r.ended for r in ranks)
