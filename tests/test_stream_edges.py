@@ -3,9 +3,13 @@ a pass, and ranks dealt no shard. Every test counts every record: delivered exac
 batch that failed, the same whether or not the run was resumed.
 """
 
-import pytest
+from collections import Counter
 
-from loader import ResumableDataLoader, merge_states
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from loader import ResumableDataLoader, ShardedStream, merge_states
 from loader.sources.sharded import FileShards
 from tests.streams import FORK
 from tests.test_sharded_streams import every_record, read_lines, take, write_shards
@@ -100,3 +104,112 @@ def test_a_state_after_the_last_record_before_the_end_of_the_pass_ends_that_epoc
         assert resumed.epoch == 1
         seen = seen + epoch_1 if rank else epoch_1
     assert sorted(seen) == every_record([5, 4])
+
+
+# -- a training loop of sharded-stream passes, stopped and resumed at other world sizes, with shards that fail -------
+
+
+class Shards(ShardedStream):
+    """Shard s holds records (s, 0) ... (s, lengths[s] - 1); `bad[s]` is None, "open" (iter_shard raises on the
+    call) or the record that raises."""
+
+    def __init__(self, lengths, bad):
+        self.lengths, self.bad = lengths, bad
+
+    def shards(self):
+        return [f"shard {s}" for s in range(len(self.lengths))]
+
+    def iter_shard(self, index, start):
+        if self.bad[index] == "open":
+            raise ValueError(f"shard {index} cannot be opened")
+        return self._records(index, start)
+
+    def _records(self, index, start):
+        for r in range(start, self.lengths[index]):
+            if r == self.bad[index]:
+                raise ValueError(f"shard {index} is corrupt at record {r}")
+            yield index, r
+
+
+class Run:
+    """Every rank of one world size over the shards, as a training loop drives them: passes one after another, each
+    record noted with the epoch the loader was in; every failed batch noted with its epoch and shard."""
+
+    def __init__(self, stream, world_size, seed, shuffle, state):
+        self.loaders = [ResumableDataLoader(stream, batch_size=2, collate_fn=list, rank=rank, world_size=world_size,
+                                            seed=seed, shuffle=shuffle) for rank in range(world_size)]
+        for dl in self.loaders:
+            if state is not None:
+                dl.load_state_dict(state)
+        self.iterators = [None] * world_size
+
+    def step(self, rank, delivered, failed) -> bool:
+        """One next() of the rank; False when it ended a pass."""
+        dl = self.loaders[rank]
+        if self.iterators[rank] is None:
+            self.iterators[rank] = iter(dl)
+        try:
+            delivered.extend((dl.epoch, record) for record in next(self.iterators[rank]))
+        except StopIteration:
+            self.iterators[rank] = None
+            return False
+        except ValueError as err:
+            failed[(dl.epoch, int(str(err).split()[1]))] += 1
+        return True
+
+    def state(self):
+        return merge_states([dl.state_dict() for dl in self.loaders])
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 5), st.sampled_from([None, None, None, "open", 0, 1, 3])), min_size=1,
+                max_size=6), st.integers(0, 9), st.booleans(), st.data())
+def test_a_loop_of_passes_stopped_and_resumed_at_any_world_size_reads_each_epoch_once(shards, seed, shuffle, data):
+    lengths, bad = [n for n, _ in shards], [b for _, b in shards]
+    stream, delivered, failed, state = Shards(lengths, bad), [], Counter(), None
+    for _ in range(data.draw(st.integers(1, 3))):  # stop after some steps of each rank, resume at a world size
+        run = Run(stream, data.draw(st.integers(1, 3)), seed, shuffle, state)
+        if state is not None:  # a resumed rank stands in an epoch some rank of the state stood in
+            saved = [r["epoch"] for r in state["ranks"]]
+            assert all(min(saved) <= dl.epoch <= max(saved) for dl in run.loaders)
+        for rank in range(len(run.loaders)):
+            for _ in range(data.draw(st.integers(0, 12))):
+                run.step(rank, delivered, failed)
+            if run.iterators[rank] is None and data.draw(st.booleans()):  # a pass begun, its first batch not drawn
+                run.iterators[rank] = iter(run.loaders[rank])
+        state = run.state()
+    last = max([epoch for epoch, _ in delivered], default=0)
+    run = Run(stream, data.draw(st.integers(1, 3)), seed, shuffle, state)
+    for rank, dl in enumerate(run.loaders):  # every rank to the end of epoch `last`
+        for _ in range(4 * sum(lengths) + 20):  # bounded: a rank stuck failing every batch never gets there
+            if dl.epoch > last or (dl.epoch == last and run.iterators[rank] is None and dl.exhausted):
+                break
+            run.step(rank, delivered, failed)
+        else:
+            raise AssertionError(f"rank {rank} did not reach the end of epoch {last}")
+    assert max(failed.values(), default=1) == 1, "a shard failed twice in one epoch"
+    for epoch in range(last + 1):
+        records = Counter(record for e, record in delivered if e == epoch)
+        assert max(records.values(), default=1) == 1, f"a record delivered twice in epoch {epoch}"
+        lost = {(s, r) for s, n in enumerate(lengths) for r in range(n)} - set(records)
+        errors = sum(count for (e, _), count in failed.items() if e == epoch)
+        broken = {(s, r) for s, r in lost if (epoch, s) in failed and (bad[s] == "open" or r >= bad[s])}
+        assert len(lost - broken) <= errors, f"epoch {epoch}: more lost than the failed batches had drawn"
+
+
+def test_a_state_whose_base_has_finished_shards_loads_again(tmp_path):
+    paths = write_shards(tmp_path, [2, 5, 5])
+
+    def loader(rank=0, world_size=1):
+        return ResumableDataLoader(FileShards(paths, read_lines), batch_size=2, collate_fn=list, rank=rank,
+                                   world_size=world_size)
+
+    first = [loader(rank, 2) for rank in range(2)]
+    seen = take(first[0], 2) + take(first[1], 1)  # rank 0 reads shard 0, then shard 2: shard 0 is done
+    resized = loader()
+    resized.load_state_dict(merge_states([dl.state_dict() for dl in first]))
+    seen += take(resized, 1)
+    again = loader()
+    again.load_state_dict(resized.state_dict())  # its base lists shard 0 as done
+    seen += list(again)
+    assert sorted(r for batch in seen for r in batch) == every_record([2, 5, 5])

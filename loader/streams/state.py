@@ -170,7 +170,7 @@ def _progress_from_dict(value, count: int, where: str) -> ShardProgress:
         e = _get(entry, "epoch", int, at)
         if e < epoch or e in epochs or e - epoch > MAX_EPOCHS_AHEAD:
             raise StateError(f"{at}.epoch is {e}: epochs must be distinct and from {epoch} on")
-        spans = intervals_from_json(_get(entry, "done", list, at), count, f"{at}.done")
+        (spans,) = intervals_from_json([_get(entry, "done", list, at)], count, lambda _: f"{at}.done")
         done = set(np.concatenate([np.arange(a, b) for a, b in spans]).tolist()) if len(spans) else set()
         offsets = {}
         for pair in _get(entry, "offsets", list, at):
