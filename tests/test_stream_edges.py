@@ -3,6 +3,7 @@ a pass, and ranks dealt no shard. Every test counts every record: delivered exac
 batch that failed, the same whether or not the run was resumed.
 """
 
+import re
 from collections import Counter
 
 import pytest
@@ -154,7 +155,7 @@ class Run:
             self.iterators[rank] = None
             return False
         except ValueError as err:
-            failed[(dl.epoch, int(str(err).split()[1]))] += 1
+            failed[(dl.epoch, int(re.search(r"shard (\d+)", str(err)).group(1)))] += 1
         return True
 
     def state(self):
