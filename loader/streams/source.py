@@ -167,9 +167,9 @@ def _set_rng(snapshot: dict | None) -> None:
 
 class _ShardReader:
     """A worker's records: its tasks (shard, first record) in order, from task `task` at record `offset`, keeping
-    (task, next record) current as records are drawn. An error while reading a shard fails the batch being made and
-    consumes the rest of that shard (a shard that cannot be read would otherwise fail every batch after it); the
-    worker goes on with its next shard."""
+    (task, next record) current as records are drawn. An error while opening or reading a shard fails the batch
+    being made and consumes the rest of that shard (a shard that cannot be read would otherwise fail every batch
+    after it); the worker goes on with its next shard."""
 
     def __init__(self, dataset, tasks: list, task: int, offset: int):
         self.dataset, self.tasks, self.task, self.offset = dataset, tasks, task, offset
