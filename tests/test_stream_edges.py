@@ -214,3 +214,26 @@ def test_a_state_whose_base_has_finished_shards_loads_again(tmp_path):
     again.load_state_dict(resized.state_dict())  # its base lists shard 0 as done
     seen += list(again)
     assert sorted(r for batch in seen for r in batch) == every_record([2, 5, 5])
+
+
+def test_set_epoch_back_to_an_epoch_before_a_resize_reads_it_whole_and_its_state_loads(tmp_path):
+    paths = write_shards(tmp_path, [3, 4, 2])
+
+    def loader(rank=0, world_size=1):
+        return ResumableDataLoader(FileShards(paths, read_lines), batch_size=2, collate_fn=list, rank=rank,
+                                   world_size=world_size)
+
+    first = loader()
+    list(first), list(first)  # epochs 0 and 1
+    resized = [loader(rank, 2) for rank in range(2)]
+    for dl in resized:
+        dl.load_state_dict(first.state_dict())  # its base starts at epoch 2
+        dl.set_epoch(0)  # as a loader of the same layout does: epoch 0 again, from its start
+    seen = take(resized[0], 1)
+    state = merge_states([dl.state_dict() for dl in resized])
+    for rank in range(2):
+        resumed = loader(rank, 2)
+        resumed.load_state_dict(state)
+        assert resumed.epoch == 0
+        seen += list(resumed)
+    assert sorted(r for batch in seen for r in batch) == every_record([3, 4, 2])

@@ -142,6 +142,8 @@ class StreamProgress:
             self._advance()
         else:
             self._reusable = self._origins_live = False
+            if self.shards is not None:
+                self._rebase(self.shards.from_epoch(epoch))
             self._start(epoch, (None,) * self.workers)
         return True
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import base64
 import binascii
 import inspect
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property
 
 import numpy as np
@@ -211,6 +211,14 @@ class Shards:
 
     def deal(self, world_size: int, workers: int) -> ShardDeal:
         return ShardDeal(self.base, world_size, workers, self.seed, self.shuffle)
+
+    def from_epoch(self, epoch: int) -> "Shards":
+        """These shards with no progress from `epoch` on, which set_epoch() starts from its start: a base of a
+        resize past it would otherwise deal none of its shards (or only the rest), as no loader of the same layout
+        does."""
+        base = self.base
+        kept = {e: s for e, s in base.epochs.items() if e < epoch}
+        return replace(self, base=ShardProgress(base.count, min(base.epoch, epoch), kept))
 
 
 @dataclass(frozen=True)
