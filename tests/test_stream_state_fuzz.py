@@ -55,10 +55,12 @@ class Case:
         """The records `state` says were delivered, in the epoch its resumed pass serves."""
         ranks = rank_streams(state)
         if ranks[0].shards is not None:
-            progress, _, over = regathered(ranks)
-            epoch = progress.of(progress.epoch)
+            progress, serves, over = regathered(ranks)
+            if serves < progress.epoch:  # every record of the epoch it serves was read: a pass with nothing left
+                return [] if over else self.records()
+            epoch = progress.of(serves)
             reads = {**{s: SHARD_SIZES[s] for s in epoch.done}, **epoch.offsets}  # an offset may pass the end
-            return [] if over else [f"{s}:{r}\n" for s, count in reads.items() for r in range(min(count, SHARD_SIZES[s]))]
+            return [f"{s}:{r}\n" for s, count in reads.items() for r in range(min(count, SHARD_SIZES[s]))]
         mine = ranks[self.ranks[0]]
         if mine.ended:
             return []
@@ -101,6 +103,14 @@ def cases(tmp_path_factory):
     def case(kind, loaders, steps, fresh, ranks=(0,), passes_before=0):
         return Case(run(loaders, steps, passes_before), fresh, list(ranks), kind is IteratorState)
 
+    def resized():
+        """A state whose base lists finished shards: saved at 2 ranks after a resume of 3 ranks' state."""
+        state = run([sharded(paths, r, 3) for r in range(3)], [2, 1, 0])  # rank 0 reads past its first shard
+        again = [sharded(paths, r, 2) for r in range(2)]
+        for dl in again:
+            dl.load_state_dict(state)
+        return run(again, [1, 1])
+
     workers = dict(num_workers=2, **FORK)
     return {
         "no state, main process, second epoch": case(Plain, [plain(Plain)], [3], lambda r: plain(Plain),
@@ -116,6 +126,7 @@ def cases(tmp_path_factory):
             None, [sharded(paths, r, 2, **workers) for r in range(2)], [2, 1],
             lambda r: sharded(paths, r, 3), ranks=[0, 1, 2],  # another world size: the shards are dealt again
         ),
+        "sharded, resized once": Case(resized(), lambda r: sharded(paths, r, 3), [0, 1, 2], False),  # and again
     }
 
 
@@ -177,7 +188,8 @@ def mutations(draw, case):
 
 @pytest.mark.parametrize("name", ["no state, main process, second epoch", "no state, 2 workers",
                                   "iterator state, main process", "iterator state, 2 workers",
-                                  "iterator state, 2 ranks", "sharded, 2 ranks, 2 workers"])
+                                  "iterator state, 2 ranks", "sharded, 2 ranks, 2 workers",
+                                  "sharded, resized once"])
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
                                                                  HealthCheck.too_slow])
 @given(data=st.data())

@@ -142,6 +142,8 @@ class StreamProgress:
             self._advance()
         else:
             self._reusable = self._origins_live = False
+            if self.shards is not None:
+                self._rebase(self.shards.from_epoch(epoch))
             self._start(epoch, (None,) * self.workers)
         return True
 
@@ -222,8 +224,9 @@ class StreamProgress:
         progress, epoch, over = regathered(ranks)
         self._rebase(Shards(self.shards.count, self.shards.digest, self.shards.seed, self.shards.shuffle, progress))
         self._reusable = self._origins_live = False
-        ends = (dict(_ENDED_ELSEWHERE),) * self.workers if over else None
-        self._start(epoch, (None,) * self.workers, latest=ends, exhausted=over, ended=over)
+        consumed = epoch < progress.epoch  # every record of the epoch read: the pass ends without a batch
+        ends = (dict(_ENDED_ELSEWHERE),) * self.workers if consumed else None
+        self._start(epoch, (None,) * self.workers, latest=ends, exhausted=consumed, ended=over)
 
     def _rebase(self, shards: Shards) -> None:
         self.shards = shards

@@ -119,11 +119,10 @@ def merge(deal: ShardDeal, ranks: list[RankShards]) -> ShardProgress:
                 tasks = deal.tasks(epoch, r.rank, worker)
                 if r.epoch > epoch or position == "ended":
                     read_to = len(tasks)
-                else:
+                else:  # (0, 0) names no task for a worker dealt none (a snapshot before its first batch)
                     read_to, offset = position
-                    shard, start = tasks[read_to]
-                    if offset > start:
-                        offsets[shard] = offset
+                    if read_to < len(tasks) and offset > tasks[read_to][1]:
+                        offsets[tasks[read_to][0]] = offset
                 for shard, _ in tasks[:read_to]:
                     done.add(shard)
                     offsets.pop(shard, None)

@@ -167,22 +167,22 @@ def _set_rng(snapshot: dict | None) -> None:
 
 class _ShardReader:
     """A worker's records: its tasks (shard, first record) in order, from task `task` at record `offset`, keeping
-    (task, next record) current as records are drawn. An error while reading a shard fails the batch being made and
-    consumes the rest of that shard (a shard that cannot be read would otherwise fail every batch after it); the
-    worker goes on with its next shard."""
+    (task, next record) current as records are drawn. An error while opening or reading a shard fails the batch
+    being made and consumes the rest of that shard (a shard that cannot be read would otherwise fail every batch
+    after it); the worker goes on with its next shard."""
 
     def __init__(self, dataset, tasks: list, task: int, offset: int):
         self.dataset, self.tasks, self.task, self.offset = dataset, tasks, task, offset
-        self._records, self._done = None, not tasks
+        self._records, self.done = None, not tasks
 
     def __iter__(self) -> "_ShardReader":
         return self
 
     def __next__(self):
-        while not self._done:
-            if self._records is None:
-                self._records = iter(self.dataset.iter_shard(self.tasks[self.task][0], self.offset))
-            try:
+        while not self.done:
+            try:  # opening a shard may raise too (an iter_shard that opens its file at once): that shard failed
+                if self._records is None:
+                    self._records = iter(self.dataset.iter_shard(self.tasks[self.task][0], self.offset))
                 record = next(self._records)
             except StopIteration:
                 self._next_task()
@@ -200,7 +200,7 @@ class _ShardReader:
             self.task += 1
             self.offset = self.tasks[self.task][1]
         else:
-            self._done = True
+            self.done = True
 
 
 class _Batches:
@@ -261,6 +261,9 @@ class _Batches:
                 return source._worker, self.snapshot(ended=True), None, True, None, 0
             batch = source.collate_fn(items if source.batch_size is not None else items[0])
         except Exception as err:  # noqa: BLE001 - whatever the user's code raised fails this batch only
+            # a shard reader whose last shard failed has nothing left: its snapshot must say so, or a resume would
+            # read the rest of that shard, which this pass consumed
+            self.exhausted = self.exhausted or (self.reader is not None and self.reader.done)
             return self._made(_wrap(err), None, 0)  # returned from here: no local keeps `err` (a cycle)
         return self._made(None, batch, len(items))
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import base64
 import binascii
 import inspect
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property
 
 import numpy as np
@@ -170,7 +170,7 @@ def _progress_from_dict(value, count: int, where: str) -> ShardProgress:
         e = _get(entry, "epoch", int, at)
         if e < epoch or e in epochs or e - epoch > MAX_EPOCHS_AHEAD:
             raise StateError(f"{at}.epoch is {e}: epochs must be distinct and from {epoch} on")
-        spans = intervals_from_json(_get(entry, "done", list, at), count, f"{at}.done")
+        (spans,) = intervals_from_json([_get(entry, "done", list, at)], count, lambda _: f"{at}.done")
         done = set(np.concatenate([np.arange(a, b) for a, b in spans]).tolist()) if len(spans) else set()
         offsets = {}
         for pair in _get(entry, "offsets", list, at):
@@ -211,6 +211,14 @@ class Shards:
 
     def deal(self, world_size: int, workers: int) -> ShardDeal:
         return ShardDeal(self.base, world_size, workers, self.seed, self.shuffle)
+
+    def from_epoch(self, epoch: int) -> "Shards":
+        """These shards with no progress from `epoch` on, which set_epoch() starts from its start: a base of a
+        resize past it would otherwise deal none of its shards (or only the rest), as no loader of the same layout
+        does."""
+        base = self.base
+        kept = {e: s for e, s in base.epochs.items() if e < epoch}
+        return replace(self, base=ShardProgress(base.count, min(base.epoch, epoch), kept))
 
 
 @dataclass(frozen=True)
@@ -368,7 +376,9 @@ def rank_streams(state) -> list[RankStream]:
 
 def regathered(ranks: list[RankStream]) -> tuple[ShardProgress, int, bool]:
     """The global shard progress of all ranks' committed positions, to deal again at another layout; with the epoch
-    a restored rank stands in and whether that epoch is over for every rank (each had handed out its end)."""
+    a restored rank stands in and whether that epoch is over for every rank (each had handed out its end). An epoch
+    whose every record was read but whose end some rank had not handed out is the one a restored rank stands in (its
+    pass ends empty), as at the same layout: not the next one, which would start in the pass that ends this one."""
     first = ranks[0]
     for r in ranks:
         if r.shards is None or r.shards != first.shards or r.num_workers != first.num_workers:
@@ -379,5 +389,5 @@ def regathered(ranks: list[RankStream]) -> tuple[ShardProgress, int, bool]:
     deal = first.shards.deal(first.world_size, max(first.num_workers, 1))
     progress = merge(deal, [r.shard_positions() for r in ranks])
     last = max(r.epoch for r in ranks)
-    all_ended = all(r.epoch == last and r.ended for r in ranks) and progress.epoch == last + 1
-    return progress, last if all_ended else progress.epoch, all_ended
+    consumed = progress.epoch == last + 1
+    return progress, last if consumed else progress.epoch, consumed and all(r.epoch == last and r.ended for r in ranks)
