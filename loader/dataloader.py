@@ -487,6 +487,7 @@ class ResumableDataLoader(DataLoader[T_co]):
             )
         self._settle()
         self._supersede()
+        self._drop_dead_workers()
         if self._stream is not None:
             return self._stream_iter()
         sampler = self.resumable_sampler
@@ -494,6 +495,15 @@ class ResumableDataLoader(DataLoader[T_co]):
         self._follow_length(sampler)
         self.monitor.begin(sampler.view().plan, sampler.rank, sampler.handed_out)
         return _Delivery(super().__iter__(), self, self._iterations)
+
+    def _drop_dead_workers(self) -> None:
+        """Persistent workers of which one died (killed, out of memory) are started anew: torch would reset them,
+        and the dead one never acknowledges, so every later iter() raised (or waited out `timeout`) for good. Nothing
+        is lost: the new pass continues after the last delivered batch."""
+        iterator = self._iterator
+        if iterator is not None and not all(worker.is_alive() for worker in iterator._workers):
+            iterator._shutdown_workers()
+            self._iterator = None
 
     def _follow_length(self, sampler: ResumableSampler) -> None:
         """The dataset's length, read when an epoch starts as torch's samplers read it: a dataset that grew (or
