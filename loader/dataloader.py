@@ -182,7 +182,7 @@ class _Delivery:
             received_before = getattr(self._inner, "_rcvd_idx", None)
             batch = self._next()
         except StopIteration:
-            loader._end_pass()
+            loader._end_map_pass()
             raise
         except Exception:
             for _ in range(self._slots_taken(received_before)):
@@ -655,6 +655,22 @@ class ResumableDataLoader(DataLoader[T_co]):
     def _end_pass(self) -> None:
         (self._stream or self.resumable_sampler).end_pass()
         self._settle()
+
+    def _end_map_pass(self) -> None:
+        """The end of a map-style pass, which must come after this rank's whole share: index lists that ended short
+        (their iteration raised, e.g. in the dataset's `planned` hook, and a generator that raised is over) would
+        otherwise end the pass as if the share were done, and the next pass would start the next epoch, skipping
+        the rest of this one. Refused instead; a new iter() continues after the last delivered batch."""
+        sampler = self.resumable_sampler
+        if not sampler.exhausted:
+            left = sampler.view().plan.batches_per_rank - sampler.handed_out
+            raise RuntimeError(
+                f"this pass's index lists ended with {left} micro-batch(es) of epoch {sampler.epoch} left on rank "
+                f"{sampler.rank}: their iteration raised earlier (e.g. in the dataset's planned() hook), so this "
+                f"iterator cannot go on. Nothing is skipped: take a new iter(), which continues after the last "
+                f"delivered batch"
+            ) from None
+        self._end_pass()
 
     def peek(self) -> Any:
         """The batch the next delivery will hand out, loaded here in this process and not counted: for looking at
