@@ -8,11 +8,15 @@ Every test counts each index of the epoch: delivered exactly once, or refused lo
 import itertools
 import os
 import signal
+import warnings
 from collections import Counter
 
+import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from loader import ContinuedPassWarning, ResumableDataLoader
+from loader import ContinuedPassWarning, ResumableDataLoader, merge_states
 from tests.conftest import IndexDataset
 
 
@@ -85,3 +89,115 @@ def test_index_lists_that_end_short_are_refused_and_a_new_iter_serves_the_rest(w
                 it = iter(dl)
     assert_each_once(n, delivered + failed)
     assert refused == 1 and len(failed) == 1 and dl.epoch == 0 and dl.exhausted
+
+
+# -- operation sequences -------------------------------------------------------------------------------------------
+
+
+class LockstepJob:
+    """W ranks stepping together, as under DDP: each op is one a training script performs alike on every rank. The
+    model is the test's own: what each epoch committed (delivered in completed updates), as of now and as of each
+    checkpoint, so that a rewind to a checkpoint forgets exactly what came after it."""
+
+    def __init__(self, n, kw, world):
+        self.n, self.kw = n, kw
+        self.start(world, None)
+
+    def start(self, world, state):
+        self.loaders = [ResumableDataLoader(IndexDataset(self.n), rank=r, world_size=world, **self.kw)
+                        for r in range(world)]
+        self.pending = [[] for _ in self.loaders]  # delivered micro-batches of an update not completed yet
+        if state is not None:
+            for dl in self.loaders:
+                dl.load_state_dict(state)
+        self.iterators = [None] * world
+
+    def step(self, committed, dropped, micro_batches=None):
+        """Micro-batches on every rank, up to the end of the update (the epoch's last may be short) or of the pass:
+        `micro_batches` of them at most. Those of a completed update are committed; the others wait."""
+        ends = set()
+        for r, dl in enumerate(self.loaders):
+            if self.iterators[r] is None:
+                self.iterators[r] = iter(dl)
+            for _ in itertools.count() if micro_batches is None else range(micro_batches):
+                upcoming = dl.peek().tolist() if dl.batches_left else None
+                try:
+                    batch = next(self.iterators[r]).tolist()
+                except StopIteration:
+                    self.iterators[r] = None
+                    break
+                assert batch == upcoming == dl.last_indices().tolist()
+                self.pending[r].append((dl.epoch, batch))
+                if dl.update_complete:
+                    for epoch, done in self.pending[r]:
+                        committed.setdefault(epoch, Counter()).update(done)
+                    self.pending[r] = []
+                    break
+            ends.add(self.iterators[r] is None)
+        assert len(ends) == 1, "ranks in lockstep end their pass together"
+        self.record_dropped(dropped)
+
+    def record_dropped(self, dropped):
+        """The positions dropped by the tail rule, per finished epoch: a merge lists the epochs it finished, or
+        (finishing none) those its base lists, which loading a state at an epoch's end finished."""
+        states = [dl.state_dict() for dl in self.loaders]
+        for record in states[0]["base"]["finished"] + merge_states(states)["finished"]:
+            dropped[record["epoch"]] = record["dropped"]
+
+    def new_iterators(self):
+        """A new iter() on every rank: within a pass it continues it, so a state taken before its first next()
+        is the state before it (after an ended pass, the next epoch's start, which the final check covers)."""
+        before = [None if dl.resumable_sampler.ended else dl.state_dict() for dl in self.loaders]
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", ContinuedPassWarning)
+            self.iterators = [iter(dl) for dl in self.loaders]
+        assert all(state in (None, dl.state_dict()) for state, dl in zip(before, self.loaders))
+
+
+@settings(max_examples=100, deadline=None)
+@given(data=st.data(), n=st.integers(1, 40), batch_size=st.integers(1, 4), grad_accum=st.integers(1, 3),
+       shuffle=st.booleans(), drop_last=st.booleans(), world=st.integers(1, 3))
+def test_operation_sequences_commit_every_index_exactly_once(data, n, batch_size, grad_accum, shuffle, drop_last,
+                                                              world):
+    """Updates and single micro-batches (a checkpoint may fall inside an update), new iterators, peeks, set_epoch
+    (the current epoch, or the next after a whole share), states taken between iter() and next(), and rewinds to a
+    checkpoint (into the live loaders, or at a new world size), interleaved at random: at the end each epoch holds
+    every index once, committed or dropped by the tail rule."""
+    kw = dict(batch_size=batch_size, grad_accum=grad_accum, shuffle=shuffle, drop_last=drop_last, seed=n)
+    job = LockstepJob(n, kw, world)
+    committed, dropped = {}, {}
+    checkpoint = (job.loaders[0].state_dict(), {})
+    ops = st.sampled_from(["step", "step", "micro", "micro", "iter", "set_epoch", "save", "rewind", "restart"])
+    for op in data.draw(st.lists(ops, max_size=30), label="ops"):
+        if op in ("step", "micro"):
+            job.step(committed, dropped, 1 if op == "micro" else None)
+        elif op == "iter":
+            job.new_iterators()
+        elif op == "set_epoch":  # the current epoch (a resumed loop's first call), or the next after a whole share
+            advance = job.loaders[0].exhausted
+            for dl in job.loaders:
+                dl.set_epoch(dl.epoch + advance)
+            if advance:  # a new epoch supersedes the iterators
+                job.iterators = [None] * len(job.loaders)
+        elif op == "save":  # rank 0's state stands for every rank in lockstep
+            checkpoint = (job.loaders[0].state_dict(), {e: Counter(c) for e, c in committed.items()})
+        else:
+            state, snapshot = checkpoint
+            committed = {e: Counter(c) for e, c in snapshot.items()}
+            if op == "rewind":
+                for dl in job.loaders:
+                    dl.load_state_dict(state)
+                job.iterators, job.pending = [None] * len(job.loaders), [[] for _ in job.loaders]
+            else:
+                job.start(data.draw(st.integers(1, 3), label="new world"), state)
+    last = job.loaders[0].epoch
+    while job.loaders[0].epoch == last:
+        job.step(committed, dropped)
+    for epoch in range(last + 1):
+        counts = committed.get(epoch, Counter())
+        assert max(counts.values(), default=1) == 1, f"epoch {epoch}: repeated {[i for i, c in counts.items() if c > 1]}"
+        spans = np.asarray(dropped[epoch], dtype=np.int64).reshape(-1, 2)
+        positions = np.concatenate([np.arange(a, b) for a, b in spans] + [np.zeros(0, np.int64)])
+        dropped_ids = set(job.loaders[0].resumable_sampler.order.for_epoch(epoch)(positions).tolist())
+        assert not dropped_ids & set(counts), f"epoch {epoch}: a sample recorded as dropped was delivered"
+        assert dropped_ids | set(counts) == set(range(n)), f"epoch {epoch}: skipped"
