@@ -114,6 +114,13 @@ class ContinuedPassWarning(UserWarning):
     consumed, so a batch that was only looked at (`next(iter(loader))`) is never trained."""
 
 
+_INTERRUPTED = ("this iterator was interrupted inside next(): take a new iter(), which serves the interrupted batch "
+                "again")
+_WORKER_DIED = ("a worker process of this iterator died (torch raised it above): torch would go on past the batches "
+                "that worker held, so the batches out would no longer be the index lists counted. Take a new iter(), "
+                "which starts new workers and serves every batch not delivered")
+
+
 class _Delivery:
     """The iterator handed to the training loop: counts a batch at the moment it is returned.
 
@@ -125,7 +132,7 @@ class _Delivery:
 
     def __init__(self, inner, loader: "ResumableDataLoader", iteration: int):
         self._inner, self._loader, self._iteration = inner, loader, iteration
-        self._interrupted = False
+        self._stopped: str | None = None  # why this iterator may not go on, if it may not
         self._in_process = type(inner) is _SingleProcessDataLoaderIter  # num_workers=0: see _next
         self._read = None  # the dataset's reader of whole batches, where torch would call the loader's collate
         if self._in_process and inner._auto_collation and inner._collate_fn is collate:
@@ -170,9 +177,8 @@ class _Delivery:
                 "ResumableDataLoader): progress counts what one iterator delivers, so iterate a new one, which "
                 "continues where this one stopped"
             )
-        if self._interrupted:
-            raise RuntimeError("this iterator was interrupted inside next(): take a new iter(), which serves the "
-                               "interrupted batch again")
+        if self._stopped is not None:
+            raise RuntimeError(self._stopped)
 
     def __next__(self):
         loader = self._loader
@@ -188,9 +194,11 @@ class _Delivery:
             for _ in range(self._slots_taken(received_before)):
                 loader._fail(started)
                 started = None  # the wait was the first one's
+            if not all(worker.is_alive() for worker in getattr(self._inner, "_workers", ())):
+                self._stopped = _WORKER_DIED
             raise
         except BaseException:  # KeyboardInterrupt and the like: nothing is counted, a new iter() serves it again
-            self._interrupted = True
+            self._stopped = _INTERRUPTED
             raise
         loader._deliver(started, batch)
         return batch
@@ -219,7 +227,7 @@ class _StreamDelivery(_Delivery):
             except Exception:  # torch's own (a worker that died, a timeout): nothing counted
                 raise
             except BaseException:  # as for map-style: nothing counted, a new iter() serves the batch again
-                self._interrupted = True
+                self._stopped = _INTERRUPTED
                 raise
             loader._stream.receive(worker, snapshot)
             if not end:
