@@ -63,8 +63,11 @@ class _WithSampleSeeds:
         self.sampler.begin_pass()  # the epoch of the pass about to start, whose seeds these are
         epoch = self.sampler.epoch
         for batch in self.sampler:
-            seeds = sample_seed(self.seed, epoch, np.asarray(batch, dtype=np.int64)).tolist()
-            yield list(map(SampleIndex, batch, seeds))
+            yield self.seeded(epoch, batch)
+
+    def seeded(self, epoch: int, batch: list[int]) -> list[SampleIndex]:
+        seeds = sample_seed(self.seed, epoch, np.asarray(batch, dtype=np.int64)).tolist()
+        return list(map(SampleIndex, batch, seeds))
 
     def __len__(self) -> int:
         return len(self.sampler)
@@ -426,6 +429,7 @@ class ResumableDataLoader(DataLoader[T_co]):
         self.resumable_sampler = ResumableSampler(order, layout, rank)
         self._lockstep = LockstepWatch(_identity(order, layout))
         indices = _WithSampleSeeds(self.resumable_sampler, seed) if sample_seeds else self.resumable_sampler
+        self._seeds = indices if sample_seeds else None  # peek() hands the dataset the same SampleIndex ints
         dispatched = indices
         if callable(planned := getattr(dataset, "planned", None)):
             in_flight = num_workers * (2 if prefetch_factor is None else prefetch_factor) if num_workers else 1
@@ -685,12 +689,16 @@ class ResumableDataLoader(DataLoader[T_co]):
         data (shapes, an example to log) where `next(iter(loader))` would consume a batch that is never trained."""
         if self._stream is not None:
             raise TypeError("an IterableDataset cannot be peeked without consuming it")
-        ids = self.resumable_sampler.next_indices()
+        sampler = self.resumable_sampler
+        ids = sampler.next_indices()
         if ids is None:
             raise StopIteration("the next pass is empty: this rank's share of the epoch is delivered")
+        ids = ids.tolist()
+        if self._seeds is not None:  # of the next epoch when this one's share is all handed out, as next_indices
+            ids = self._seeds.seeded(sampler.epoch + sampler.exhausted, ids)
         batched = self.batch_size is not None
         fetcher = _MapDatasetFetcher(self.dataset, batched, self.collate_fn, self.drop_last)
-        return fetcher.fetch(ids.tolist() if batched else int(ids[0]))
+        return fetcher.fetch(ids if batched else ids[0])
 
     def __len__(self) -> int:
         self._resolve_rank_and_world()

@@ -13,6 +13,7 @@ from collections import Counter
 
 import numpy as np
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -122,6 +123,29 @@ def test_index_lists_that_end_short_are_refused_and_a_new_iter_serves_the_rest(w
                 it = iter(dl)
     assert_each_once(n, delivered + failed)
     assert refused == 1 and len(failed) == 1 and dl.epoch == 0 and dl.exhausted
+
+
+class Seeded(IndexDataset):
+    def __getitem__(self, index):
+        return torch.tensor([int(index), index.seed % 2**31])
+
+
+@pytest.mark.parametrize("batch_size", [3, None])
+def test_peek_hands_the_dataset_the_sample_seeds_a_delivery_would(batch_size):
+    """peek() fetched plain ints, so a dataset with sample_seeds=True (augmentations seeded by `index.seed`)
+    failed, or showed another batch than the one delivered next."""
+    dl = ResumableDataLoader(Seeded(7), batch_size=batch_size, shuffle=True, seed=3, sample_seeds=True)
+    it, delivered = iter(dl), []
+    for _ in range(2 * len(dl)):  # past the epoch's end: peeked there, the next epoch's first batch and seeds
+        peeked = dl.peek()
+        try:
+            batch = next(it)
+        except StopIteration:
+            batch = next(it := iter(dl))
+        assert torch.equal(peeked, batch)
+        delivered.append(batch.reshape(-1, 2)[:, 0].tolist())
+    assert_each_once(7, delivered[:len(dl)])
+    assert_each_once(7, delivered[len(dl):])
 
 
 # -- operation sequences -------------------------------------------------------------------------------------------
