@@ -499,32 +499,34 @@ class ResumableDataLoader(DataLoader[T_co]):
             )
         self._settle()
         self._supersede()
-        self._drop_dead_workers()
         if self._stream is not None:
+            self._drop_stale_workers()
             return self._stream_iter()
         sampler = self.resumable_sampler
         sampler.begin_pass()
-        self._follow_length(sampler)
+        self._drop_stale_workers(dataset_changed=self._follow_length(sampler))
         self.monitor.begin(sampler.view().plan, sampler.rank, sampler.handed_out)
         return _Delivery(super().__iter__(), self, self._iterations)
 
-    def _drop_dead_workers(self) -> None:
-        """Persistent workers of which one died (killed, out of memory) are started anew: torch would reset them,
-        and the dead one never acknowledges, so every later iter() raised (or waited out `timeout`) for good. Nothing
+    def _drop_stale_workers(self, dataset_changed: bool = False) -> None:
+        """Persistent workers are started anew when one of them died (killed, out of memory: torch would reset them,
+        and the dead one never acknowledges, so every later iter() raised, or waited out `timeout`, for good) or the
+        dataset changed length (each holds its copy from when it started, where the new indices would fail). Nothing
         is lost: the new pass continues after the last delivered batch."""
         iterator = self._iterator
-        if iterator is not None and not all(worker.is_alive() for worker in iterator._workers):
+        if iterator is not None and (dataset_changed or not all(worker.is_alive() for worker in iterator._workers)):
             iterator._shutdown_workers()
             self._iterator = None
 
-    def _follow_length(self, sampler: ResumableSampler) -> None:
+    def _follow_length(self, sampler: ResumableSampler) -> bool:
         """The dataset's length, read when an epoch starts as torch's samplers read it: a dataset that grew (or
-        shrank) between passes is dealt whole from this epoch on. One len() per epoch start, none per batch."""
+        shrank) between passes is dealt whole from this epoch on. One len() per epoch start, none per batch.
+        Returns whether the length changed."""
         if not sampler.at_epoch_start:
-            return
+            return False
         old, new = sampler.order.num_samples, len(self.dataset)
         if new == old:
-            return
+            return False
         if self._shuffle_blocks is not None and not is_int(self._shuffle_blocks):
             raise ValueError(
                 f"the dataset's length changed from {old} to {new} before epoch {sampler.epoch} started, but "
@@ -533,6 +535,7 @@ class ResumableDataLoader(DataLoader[T_co]):
             )
         sampler.follow_length(_order_for(new, sampler.order.shuffle != "none", self.seed, self._shuffle_blocks,
                                          self._lanes))
+        return True
 
     def _next_pass(self) -> ResumableSampler:
         """The sampler as the next pass will find it, which `len()` describes: when that pass starts an epoch and

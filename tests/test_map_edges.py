@@ -14,6 +14,7 @@ from collections import Counter
 import numpy as np
 import pytest
 import torch
+from torch.utils.data import Dataset
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -123,6 +124,33 @@ def test_index_lists_that_end_short_are_refused_and_a_new_iter_serves_the_rest(w
                 it = iter(dl)
     assert_each_once(n, delivered + failed)
     assert refused == 1 and len(failed) == 1 and dl.epoch == 0 and dl.exhausted
+
+
+class Growing(Dataset):
+    """A dataset of a list that grows: an index past its length raises, as a real one does."""
+
+    def __init__(self, n: int):
+        self.items = list(range(n))
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, index):
+        return self.items[index]
+
+
+@pytest.mark.slow  # starts worker processes
+def test_persistent_workers_start_anew_when_the_dataset_grew_between_epochs():
+    """Persistent workers hold the dataset as it was when they started: the next epoch was dealt at the new length,
+    and every batch holding a new index failed in them (consumed, never trained)."""
+    dataset = Growing(12)
+    dl = ResumableDataLoader(dataset, batch_size=3, shuffle=True, seed=1, num_workers=2,
+                             multiprocessing_context="fork", persistent_workers=True)
+    assert_each_once(12, [batch.tolist() for batch in dl])
+    dataset.items += range(12, 20)
+    assert_each_once(20, [batch.tolist() for batch in dl])
+    assert dl.epoch == 1
+    dl._iterator._shutdown_workers()
 
 
 class Seeded(IndexDataset):
