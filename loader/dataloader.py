@@ -123,6 +123,29 @@ _WORKER_DIED = ("a worker process of this iterator died (torch raised it above):
                 "that worker held, so the batches out would no longer be the index lists counted. Take a new iter(), "
                 "which starts new workers and serves every batch not delivered")
 
+_WORKER_INIT_FAILED = ("a worker's worker_init_fn raised (above): no batch failed, nothing was counted, and this "
+                       "iterator's workers are shut down. Take a new iter(), which starts new workers (running "
+                       "worker_init_fn again) and serves every batch not delivered")
+
+
+class WorkerInitError(RuntimeError):
+    """A map-style loader's worker_init_fn raised in a worker. torch would hand that worker's first batch the
+    error and each later one an UnboundLocalError (it has no fetcher), so batches whose data was never read would
+    count as failed: a worker's start failing is the iterator's failure instead, and no batch is consumed."""
+
+
+class _GuardedInit:
+    """The user's worker_init_fn, its exception raised as a WorkerInitError (picklable for spawn workers)."""
+
+    def __init__(self, init: Callable[[int], None]):
+        self.init = init
+
+    def __call__(self, worker_id: int) -> None:
+        try:
+            self.init(worker_id)
+        except Exception as err:
+            raise WorkerInitError(f"worker_init_fn raised in worker {worker_id}: {err!r}") from err
+
 
 class _Delivery:
     """The iterator handed to the training loop: counts a batch at the moment it is returned.
@@ -192,6 +215,12 @@ class _Delivery:
             batch = self._next()
         except StopIteration:
             loader._end_map_pass()
+            raise
+        except WorkerInitError:  # no batch failed: a worker could not start. Nothing counted, new workers retry
+            self._stopped = _WORKER_INIT_FAILED
+            self._inner._shutdown_workers()
+            if loader._iterator is self._inner:  # persistent: torch would reset them without running the init again
+                loader._iterator = None
             raise
         except Exception:
             for _ in range(self._slots_taken(received_before)):
@@ -580,6 +609,8 @@ class ResumableDataLoader(DataLoader[T_co]):
         if self._stream is not None:
             view.__dict__.update(dataset=self._stream.source, batch_sampler=None, collate_fn=_as_is, drop_last=False,
                                  worker_init_fn=self._stream.source.init_worker)
+        elif self.worker_init_fn is not None:
+            view.__dict__["worker_init_fn"] = _GuardedInit(self.worker_init_fn)
         return DataLoader._get_iterator(view)
 
     def _supersede(self) -> None:

@@ -19,6 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from loader import ContinuedPassWarning, ResumableDataLoader, merge_states
+from loader.dataloader import WorkerInitError
 from tests.conftest import IndexDataset
 
 
@@ -124,6 +125,44 @@ def test_index_lists_that_end_short_are_refused_and_a_new_iter_serves_the_rest(w
                 it = iter(dl)
     assert_each_once(n, delivered + failed)
     assert refused == 1 and len(failed) == 1 and dl.epoch == 0 and dl.exhausted
+
+
+class InitFailingOnce:
+    """A worker_init_fn that raises in worker 1 the first time (a file marks it: workers are processes)."""
+
+    def __init__(self, mark):
+        self.mark = mark
+
+    def __call__(self, worker_id):
+        if worker_id == 1 and not self.mark.exists():
+            self.mark.touch()
+            raise ConnectionError("could not open the database")
+
+
+@pytest.mark.slow  # starts worker processes
+@pytest.mark.parametrize("persistent", [False, True])
+def test_a_worker_init_fn_that_raises_consumes_no_batch(tmp_path, persistent):
+    """torch hands a worker whose init raised its first batch as that error and every later one as an
+    UnboundLocalError: half the epoch counted as failed batches, whose data was never read."""
+    n = 30
+    dl = ResumableDataLoader(IndexDataset(n), batch_size=3, num_workers=2, multiprocessing_context="fork",
+                             worker_init_fn=InitFailingOnce(tmp_path / "failed"), persistent_workers=persistent)
+    delivered, errors, it = [], [], iter(dl)
+    while len(errors) < 5:
+        try:
+            delivered.append(next(it).tolist())
+        except StopIteration:
+            break
+        except Exception as err:  # the loop that skips a bad batch
+            errors.append(err)
+            if "new iter()" in str(err):
+                with pytest.warns(ContinuedPassWarning):
+                    it = iter(dl)
+    assert_each_once(n, delivered)
+    assert isinstance(errors[0], WorkerInitError) and "could not open the database" in str(errors[0])
+    assert len(errors) == 2 and dl.metrics()["total/failed_batches"] == 0
+    if persistent:
+        dl._iterator._shutdown_workers()
 
 
 class Growing(Dataset):
