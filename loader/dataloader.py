@@ -133,6 +133,35 @@ class ContinuedPassWarning(UserWarning):
     consumed, so a batch that was only looked at (`next(iter(loader))`) is never trained."""
 
 
+_INTERRUPTED = ("this iterator was interrupted inside next(): take a new iter(), which serves the interrupted batch "
+                "again")
+_WORKER_DIED = ("a worker process of this iterator died (torch raised it above): torch would go on past the batches "
+                "that worker held, so the batches out would no longer be the index lists counted. Take a new iter(), "
+                "which starts new workers and serves every batch not delivered")
+_WORKER_INIT_FAILED = ("a worker's worker_init_fn raised (above): no batch failed, nothing was counted, and this "
+                       "iterator's workers are shut down. Take a new iter(), which starts new workers (running "
+                       "worker_init_fn again) and serves every batch not delivered")
+
+
+class WorkerInitError(RuntimeError):
+    """A map-style loader's worker_init_fn raised in a worker. torch would hand that worker's first batch the
+    error and each later one an UnboundLocalError (it has no fetcher), so batches whose data was never read would
+    count as failed: a worker's start failing is the iterator's failure instead, and no batch is consumed."""
+
+
+class _GuardedInit:
+    """The user's worker_init_fn, its exception raised as a WorkerInitError (picklable for spawn workers)."""
+
+    def __init__(self, init: Callable[[int], None]):
+        self.init = init
+
+    def __call__(self, worker_id: int) -> None:
+        try:
+            self.init(worker_id)
+        except Exception as err:
+            raise WorkerInitError(f"worker_init_fn raised in worker {worker_id}: {err!r}") from err
+
+
 class _Delivery:
     """The iterator handed to the training loop: counts a batch at the moment it is returned.
 
@@ -144,7 +173,7 @@ class _Delivery:
 
     def __init__(self, inner, loader: "ResumableDataLoader", iteration: int):
         self._inner, self._loader, self._iteration = inner, loader, iteration
-        self._interrupted = False
+        self._stopped: str | None = None  # why this iterator may not go on, if it may not
         self._in_process = type(inner) is _SingleProcessDataLoaderIter  # num_workers=0: see _next
         self._read = None  # the dataset's reader of whole batches, where torch would call the loader's collate
         if self._in_process and inner._auto_collation and inner._collate_fn is collate:
@@ -189,9 +218,8 @@ class _Delivery:
                 "ResumableDataLoader): progress counts what one iterator delivers, so iterate a new one, which "
                 "continues where this one stopped"
             )
-        if self._interrupted:
-            raise RuntimeError("this iterator was interrupted inside next(): take a new iter(), which serves the "
-                               "interrupted batch again")
+        if self._stopped is not None:
+            raise RuntimeError(self._stopped)
 
     def __next__(self):
         loader = self._loader
@@ -201,15 +229,23 @@ class _Delivery:
             received_before = getattr(self._inner, "_rcvd_idx", None)
             batch = self._next()
         except StopIteration:
-            loader._end_pass()
+            loader._end_map_pass()
+            raise
+        except WorkerInitError:  # no batch failed: a worker could not start. Nothing counted, new workers retry
+            self._stopped = _WORKER_INIT_FAILED
+            self._inner._shutdown_workers()
+            if loader._iterator is self._inner:  # persistent: torch would reset them without running the init again
+                loader._iterator = None
             raise
         except Exception:
             for _ in range(self._slots_taken(received_before)):
                 loader._fail(started)
                 started = None  # the wait was the first one's
+            if not all(worker.is_alive() for worker in getattr(self._inner, "_workers", ())):
+                self._stopped = _WORKER_DIED
             raise
         except BaseException:  # KeyboardInterrupt and the like: nothing is counted, a new iter() serves it again
-            self._interrupted = True
+            self._stopped = _INTERRUPTED
             raise
         loader._deliver(started, batch)
         return batch
@@ -238,7 +274,7 @@ class _StreamDelivery(_Delivery):
             except Exception:  # torch's own (a worker that died, a timeout): nothing counted
                 raise
             except BaseException:  # as for map-style: nothing counted, a new iter() serves the batch again
-                self._interrupted = True
+                self._stopped = _INTERRUPTED
                 raise
             loader._stream.receive(worker, snapshot)
             if not end:
@@ -510,21 +546,33 @@ class ResumableDataLoader(DataLoader[T_co]):
         self._settle()
         self._supersede()
         if self._stream is not None:
+            self._drop_stale_workers()
             return self._stream_iter()
         sampler = self.resumable_sampler
         sampler.begin_pass()
-        self._follow_length(sampler)
+        self._drop_stale_workers(dataset_changed=self._follow_length(sampler))
         self.monitor.begin(sampler.view().plan, sampler.rank, sampler.handed_out)
         return _Delivery(super().__iter__(), self, self._iterations)
 
-    def _follow_length(self, sampler: ResumableSampler) -> None:
+    def _drop_stale_workers(self, dataset_changed: bool = False) -> None:
+        """Persistent workers are started anew when one of them died (killed, out of memory: torch would reset them,
+        and the dead one never acknowledges, so every later iter() raised, or waited out `timeout`, for good) or the
+        dataset changed length (each holds its copy from when it started, where the new indices would fail). Nothing
+        is lost: the new pass continues after the last delivered batch."""
+        iterator = self._iterator
+        if iterator is not None and (dataset_changed or not all(worker.is_alive() for worker in iterator._workers)):
+            iterator._shutdown_workers()
+            self._iterator = None
+
+    def _follow_length(self, sampler: ResumableSampler) -> bool:
         """The dataset's length, read when an epoch starts as torch's samplers read it: a dataset that grew (or
-        shrank) between passes is dealt whole from this epoch on. One len() per epoch start, none per batch."""
+        shrank) between passes is dealt whole from this epoch on. One len() per epoch start, none per batch.
+        Returns whether the length changed."""
         if not sampler.at_epoch_start:
-            return
+            return False
         old, new = sampler.order.num_samples, len(self.dataset)
         if new == old:
-            return
+            return False
         if self._shuffle_blocks is not None and not is_int(self._shuffle_blocks):
             raise ValueError(
                 f"the dataset's length changed from {old} to {new} before epoch {sampler.epoch} started, but "
@@ -533,6 +581,7 @@ class ResumableDataLoader(DataLoader[T_co]):
             )
         sampler.follow_length(_order_for(new, sampler.order.shuffle != "none", self.seed, self._shuffle_blocks,
                                          self._lanes))
+        return True
 
     def _next_pass(self) -> ResumableSampler:
         """The sampler as the next pass will find it, which `len()` describes: when that pass starts an epoch and
@@ -577,6 +626,8 @@ class ResumableDataLoader(DataLoader[T_co]):
         if self._stream is not None:
             view.__dict__.update(dataset=self._stream.source, batch_sampler=None, collate_fn=_as_is, drop_last=False,
                                  worker_init_fn=self._stream.source.init_worker)
+        elif self.worker_init_fn is not None:
+            view.__dict__["worker_init_fn"] = _GuardedInit(self.worker_init_fn)
         return DataLoader._get_iterator(view)
 
     def _supersede(self) -> None:
@@ -667,6 +718,22 @@ class ResumableDataLoader(DataLoader[T_co]):
     def _end_pass(self) -> None:
         (self._stream or self.resumable_sampler).end_pass()
         self._settle()
+
+    def _end_map_pass(self) -> None:
+        """The end of a map-style pass, which must come after this rank's whole share: index lists that ended short
+        (their iteration raised, e.g. in the dataset's `planned` hook, and a generator that raised is over) would
+        otherwise end the pass as if the share were done, and the next pass would start the next epoch, skipping
+        the rest of this one. Refused instead; a new iter() continues after the last delivered batch."""
+        sampler = self.resumable_sampler
+        if not sampler.exhausted:
+            left = sampler.view().plan.batches_per_rank - sampler.handed_out
+            raise RuntimeError(
+                f"this pass's index lists ended with {left} micro-batch(es) of epoch {sampler.epoch} left on rank "
+                f"{sampler.rank}: their iteration raised earlier (e.g. in the dataset's planned() hook), so this "
+                f"iterator cannot go on. Nothing is skipped: take a new iter(), which continues after the last "
+                f"delivered batch"
+            ) from None
+        self._end_pass()
 
     def peek(self) -> Any:
         """The batch the next delivery will hand out, loaded here in this process and not counted: for looking at
