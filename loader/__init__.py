@@ -17,13 +17,14 @@ from loader.checkpoint.merge import merge_states
 from loader.core.order import Order, sample_seed
 from loader.core.partition import EpochPlan, Layout
 from loader.core.rows import Rows
-from loader.core.sampler import ResumableSampler
+from loader.core.sampler import AbandonedEpochWarning, ResumableSampler
 from loader.core.state import StateError
-from loader.dataloader import ContinuedPassWarning, ResumableDataLoader, SampleIndex
+from loader.dataloader import ContinuedPassWarning, ResumableDataLoader, SampleIndex, WorkerInitError
 from loader.metrics import DataStallWarning
 from loader.streams.shards import ShardedStream
 
 __all__ = [
+    "AbandonedEpochWarning",
     "ContinuedPassWarning",
     "DataStallWarning",
     "EpochPlan",
@@ -35,6 +36,7 @@ __all__ = [
     "SampleIndex",
     "ShardedStream",
     "StateError",
+    "WorkerInitError",
     "merge_states",
     "sample_seed",
 ]

@@ -770,7 +770,8 @@ class ResumableDataLoader(DataLoader[T_co]):
 
     def set_epoch(self, epoch: int) -> None:
         """Same epoch: no change (safe to call after a resume). The next epoch after an exhausted pass: the natural
-        advance. Another epoch: start it from its beginning. A change supersedes the active iterator."""
+        advance. Another epoch: start it from its beginning (an AbandonedEpochWarning when that leaves the current
+        one part way). A change supersedes the active iterator."""
         self._settle()
         if (self._stream or self.resumable_sampler).set_epoch(epoch):
             self._supersede()

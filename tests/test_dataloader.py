@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset
 
-from loader import ContinuedPassWarning, ResumableDataLoader, SampleIndex, StateError, merge_states, sample_seed
+from loader import AbandonedEpochWarning, ContinuedPassWarning, ResumableDataLoader, SampleIndex, StateError, merge_states, sample_seed
 import loader.core.sampler as sampler_module
 from tests.conftest import IndexDataset
 
@@ -211,7 +211,8 @@ def test_set_epoch():
     resumed.load_state_dict(state)
     resumed.set_epoch(0)  # the usual call at the top of an epoch loop keeps the resumed progress
     assert len(resumed) == 10 and resumed.batches_left == 8
-    resumed.set_epoch(4)
+    with pytest.warns(AbandonedEpochWarning, match=r"set_epoch\(4\) abandons epoch 0 part way: 8 micro-batch"):
+        resumed.set_epoch(4)  # leaving the resumed epoch 0 part way is said: an off-by-one epoch loop would skip
     assert resumed.epoch == 4 and len(resumed) == resumed.batches_left == 10
     first = as_lists(batches(resumed))
     other = ResumableDataLoader(IndexDataset(30), batch_size=3, shuffle=True)

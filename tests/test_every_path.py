@@ -20,7 +20,7 @@ import torch
 
 import torch.distributed as dist
 
-from loader import ContinuedPassWarning, ResumableDataLoader, StateError, merge_states
+from loader import AbandonedEpochWarning, ContinuedPassWarning, ResumableDataLoader, StateError, merge_states
 from loader.checkpoint.audit import audit
 from loader.checkpoint.ledger import Ledger
 from loader.checkpoint.lockstep import LockstepWarning
@@ -190,7 +190,8 @@ def test_set_epoch_to_another_epoch_supersedes_the_active_iterator(workers):
     dl = ResumableDataLoader(IndexDataset(n), **kw)
     active = iter(dl)
     next(active)
-    dl.sampler.set_epoch(2)  # through the DistributedSampler idiom, too
+    with pytest.warns(AbandonedEpochWarning):
+        dl.sampler.set_epoch(2)  # through the DistributedSampler idiom, too
     with pytest.raises(RuntimeError, match="superseded"):
         next(active)
     epoch_two = [b.tolist() for b in dl]

@@ -9,6 +9,7 @@ delivered batch, whatever was prefetched before.
 from __future__ import annotations
 
 import copy
+import warnings
 from collections import deque
 from dataclasses import dataclass, replace
 from typing import Iterator
@@ -21,6 +22,11 @@ from loader.core.partition import EpochPlan, Layout
 from loader.core.progress import EMPTY, Remaining, difference, spans_of, union, whole
 from loader.core.state import (MAX_EPOCHS_AHEAD, Progress, RankProgress, base_digest, check_fingerprint, merge,
                                 progress_of, rank_state, short)
+
+class AbandonedEpochWarning(UserWarning):
+    """set_epoch() left an epoch part way through: the rest of it is never trained in this run. Said because an
+    epoch counter that is off by one after a resume would otherwise skip data silently."""
+
 
 CHUNK_SAMPLES = 8192  # ids computed per vectorised call: amortises numpy's per-call cost (~40 us a chunk), keeps
 # the first batch fast (< 1 ms) and the working set small (~0.3 MB)
@@ -113,8 +119,18 @@ class ResumableSampler:
             return changed
         if epoch == self._epoch + 1 and self.exhausted:
             self._enter(epoch)
-        else:
-            self._start_epoch(epoch)
+            return True
+        if (self._position > 0 or self._after_committed) and not self.exhausted:
+            left = self.view().plan.batches_per_rank - self._position
+            warnings.warn(
+                f"set_epoch({epoch}) abandons epoch {self._epoch} part way: {left} micro-batch(es) of rank "
+                f"{self.rank}'s share were not delivered and are never trained in this run. To finish the epoch, "
+                f"call set_epoch({self._epoch}) (a loader resumed by load_state_dict is already in its epoch: loop "
+                f"from loader.epoch); to abandon it on purpose, silence {AbandonedEpochWarning.__name__}",
+                AbandonedEpochWarning,
+                stacklevel=3,
+            )
+        self._start_epoch(epoch)
         return True
 
     def begin_pass(self) -> None:

@@ -27,10 +27,12 @@ a release move them, the epoch-end check refuses to go on rather than skip sampl
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 from lightning.pytorch import Callback, LightningModule, Trainer
 
+from loader.core.sampler import AbandonedEpochWarning
 from loader.dataloader import ResumableDataLoader
 
 
@@ -96,9 +98,18 @@ class ResumableLoaderCallback(Callback):
             loop["epoch_loop.state_dict"]["_batches_that_stepped"] -= 1  # the restart counts that batch's step again
 
     def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        """The last line of defence: an epoch that Lightning ended, unasked, before the loader's end skips samples."""
+        """The last line of defence: an epoch that Lightning ended, unasked, before the loader's end skips samples.
+        One the user limited (`limit_train_batches`) moves on here, so that Lightning's set_epoch of the next epoch
+        does not warn that it abandons the rest: the user asked for that."""
         stopped = trainer.should_stop or 0 <= trainer.max_steps <= trainer.global_step
-        if not _whole_epoch(trainer) or stopped:
+        if stopped:
+            return
+        if not _whole_epoch(trainer):
+            for dl in _loaders(trainer):
+                if not dl.exhausted:
+                    with warnings.catch_warnings():
+                        warnings.simplefilter("ignore", AbandonedEpochWarning)
+                        dl.set_epoch(dl.epoch + 1)
             return
         for dl in _loaders(trainer):
             if not dl.exhausted:
