@@ -357,7 +357,11 @@ class BlockRunner:
         """The exit code of the block in `directory`, or None when it ran past `timeout` (it is killed then)."""
         self.process.stdin.write(f"{directory}\n")
         self.process.stdin.flush()
-        pid = self._answer(120)  # the first block waits for the server's imports
+        try:
+            pid = self._answer(120)  # the first block waits for the server's imports
+        except queue.Empty:  # its answers would go to the next block: no next block here
+            self.process.kill()
+            raise AssertionError("the block runner started no block within 120 s") from None
         try:
             return self._answer(timeout)
         except queue.Empty:
