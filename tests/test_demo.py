@@ -3,16 +3,32 @@
 import re
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
 pytestmark = pytest.mark.slow
 
 
-def run_demo(directory, *flags: str) -> str:
-    """`python -m loader demo` with these flags, checked for what every demo prints; its output."""
-    done = subprocess.run([sys.executable, "-m", "loader", "demo", "--dir", str(directory), *flags],
-                          capture_output=True, text=True, timeout=400)
+@pytest.fixture(scope="module")
+def demos(tmp_path_factory):
+    """Both demos at once, each in a directory of its own: a demo mostly waits (for its agents' rendezvous rounds, for
+    a dozen interpreters started launch after launch), so two take little longer than one on two cores. Keyed by
+    the flags; each gives its directory and `python -m loader demo` running."""
+    with ThreadPoolExecutor(2) as pool:
+        running = {}
+        for flags in ((), ("--lm",)):
+            directory = tmp_path_factory.mktemp("demo")
+            command = [sys.executable, "-m", "loader", "demo", "--dir", str(directory), *flags]
+            done = pool.submit(subprocess.run, command, capture_output=True, text=True, timeout=400)
+            running[flags] = directory, done
+        yield running
+
+
+def demo_output(demos, *flags: str) -> str:
+    """The output of `python -m loader demo` with these flags, checked for what every demo prints."""
+    directory, running = demos[flags]
+    done = running.result()  # the finished process
     out = done.stdout
     assert done.returncode == 0, out + done.stderr
     assert f"run directory: {directory}\n" in out
@@ -32,14 +48,14 @@ def run_demo(directory, *flags: str) -> str:
     return out
 
 
-def test_demo_loses_a_node_and_finishes_exactly_once(tmp_path):
-    run_demo(tmp_path)
+def test_demo_loses_a_node_and_finishes_exactly_once(demos):
+    demo_output(demos)
 
 
-def test_the_lm_demo_loses_a_node_and_audits_each_source_exactly_once(tmp_path):
+def test_the_lm_demo_loses_a_node_and_audits_each_source_exactly_once(demos):
     """The packed rows of examples/train_lm.py, mixed by its schedule (web alone, a ramp, 70/30): the demo shows the
     packing and the schedule's change points once, and the audit's rows per source are whole and exact."""
-    out = run_demo(tmp_path, "--lm")
+    out = demo_output(demos, "--lm")
     assert len(re.findall(r"^  web packed best fit into \d+ rows of 33 tokens: padding", out, re.MULTILINE)) == 1
     assert "by position: 0-59 10/0, 60-179 10/0 -> 7/3, 180-479 7/3" in out
     assert re.search(r"web\s+369\s+369\s+0\s+0\s+0\s+0", out) and re.search(r"code\s+111\s+111\s+0\s+0\s+0\s+0", out)

@@ -1,8 +1,9 @@
 """The docs run: every ```python block of README.md and docs/*.md is executed, and every relative link resolves, so
 the docs cannot rot.
 
-Each block runs in a fresh interpreter, in an empty temporary directory, within a time bound, with the project's
-own warnings as errors (pyproject's `error::` filters). A block that is complete runs as it is. A block that is a
+Each block runs in a process of its own (forked from an interpreter that has imported torch and the project,
+nothing else), in an empty temporary directory, within a time bound, with the project's own warnings as errors
+(pyproject's `error::` filters). A block that is complete runs as it is. A block that is a
 fragment of a training script says so in an HTML comment on the line before it (GitHub shows none of it):
 
 - `<!-- doc-test: setup=NAME -->`: the setup `NAME` below runs first, in the same interpreter and directory, and
@@ -18,9 +19,12 @@ from __future__ import annotations
 import atexit
 import contextlib
 import os
+import queue
 import re
+import signal
 import subprocess
 import sys
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -300,15 +304,79 @@ def directive_of(block: Block) -> tuple[str, str] | None:
                          f"'<!-- doc-test: setup=NAME -->' or '<!-- doc-test: skip (REASON) -->'")
 
 
-# Runs block.py with the project's own warnings as errors (the categories, given as arguments, are the project's
-# modules: `python -W` would import them before the path is set up, and refuses)
-RUNNER = """
-import importlib, runpy, sys, warnings
+# One interpreter imports torch and the project once (most of a block's time), then forks a child per block that
+# runs it as `python -c` would: in the block's directory, stdout and stderr to files beside it, the project's own
+# warnings as errors (the categories, given as arguments, are the project's modules: `python -W` would import them
+# before the path is set up, and refuses), and the interpreter's own exit (atexit handlers, the traceback, the exit
+# code). For each directory it reads, the server answers the child's pid, then its exit code.
+SERVER = """
+import importlib, os, runpy, sys, warnings
+import torch, loader  # what nearly every block imports: once, before the forks
+
+def serve():
+    for request in sys.stdin:
+        pid = os.fork()
+        if pid == 0:
+            return request.rstrip("\\n")
+        print(pid, flush=True)
+        print(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]), flush=True)
+    sys.exit(0)
+
+os.chdir(serve())  # the block's process from here on
+os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
+for fd, name in ((1, "../stdout"), (2, "../stderr")):
+    os.dup2(os.open(name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), fd)
 for category in sys.argv[1:]:
     module, _, name = category.rpartition(".")
     warnings.simplefilter("error", getattr(importlib.import_module(module), name))
 runpy.run_path("block.py", run_name="__main__")
 """
+
+
+class BlockRunner:
+    """The SERVER process; a thread reads its answers, so that every wait for one is bounded."""
+
+    def __init__(self, categories: list[str], directory: Path):
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+        self.process = subprocess.Popen([sys.executable, "-c", SERVER, *categories], cwd=directory, env=env,
+                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self.answers: queue.Queue = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.process.stdout:
+            self.answers.put(int(line))
+        self.answers.put(None)  # the server is gone
+
+    def _answer(self, timeout: float) -> int:
+        answer = self.answers.get(timeout=timeout)
+        assert answer is not None, f"the block runner exited with {self.process.wait(timeout=30)}"
+        return answer
+
+    def run(self, directory: Path, timeout: float) -> int | None:
+        """The exit code of the block in `directory`, or None when it ran past `timeout` (it is killed then)."""
+        self.process.stdin.write(f"{directory}\n")
+        self.process.stdin.flush()
+        try:
+            pid = self._answer(120)  # the first block waits for the server's imports
+        except queue.Empty:  # its answers would go to the next block: no next block here
+            self.process.kill()
+            raise AssertionError("the block runner started no block within 120 s") from None
+        try:
+            return self._answer(timeout)
+        except queue.Empty:
+            os.kill(pid, signal.SIGKILL)
+            self._answer(30)
+            return None
+
+    def close(self) -> None:
+        self.process.stdin.close()
+        try:
+            self.process.wait(timeout=30)
+        finally:
+            if self.process.poll() is None:
+                self.process.kill()
+                self.process.wait(timeout=30)
 
 
 def project_warnings(config: pytest.Config) -> list[str]:
@@ -330,7 +398,7 @@ def script_of(block: Block) -> str:
 
 
 def marks_of(block: Block) -> list:
-    """Every block is slow (an interpreter of its own, torch imported anew: 2-10 s); a skipped one says why."""
+    """Every block is slow (a process of its own: 1-10 s); a skipped one says why."""
     try:
         directive = directive_of(block)
     except AssertionError:
@@ -340,16 +408,22 @@ def marks_of(block: Block) -> list:
     return [pytest.mark.slow]
 
 
+@pytest.fixture(scope="module")
+def runner(pytestconfig, tmp_path_factory):
+    runner = BlockRunner(project_warnings(pytestconfig), tmp_path_factory.mktemp("runner"))
+    yield runner
+    runner.close()
+
+
 @pytest.mark.parametrize("block", [pytest.param(b, id=b.name, marks=marks_of(b)) for b in BLOCKS])
-def test_the_block_runs(block: Block, tmp_path, pytestconfig):
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-    (tmp_path / "block.py").write_text(script_of(block))
-    try:
-        done = subprocess.run([sys.executable, "-c", RUNNER, *project_warnings(pytestconfig)], cwd=tmp_path, env=env,
-                              capture_output=True, text=True, timeout=BLOCK_TIMEOUT_S)
-    except subprocess.TimeoutExpired as late:
-        pytest.fail(f"{block.name} ran past {BLOCK_TIMEOUT_S} s:\n{late.stderr or ''}")
-    assert done.returncode == 0, f"{block.name} failed (exit {done.returncode}):\n{done.stderr[-4000:]}"
+def test_the_block_runs(block: Block, tmp_path, runner):
+    directory = tmp_path / "block"
+    directory.mkdir()
+    (directory / "block.py").write_text(script_of(block))
+    code = runner.run(directory, BLOCK_TIMEOUT_S)
+    stderr = (tmp_path / "stderr").read_text()[-4000:]
+    assert code is not None, f"{block.name} ran past {BLOCK_TIMEOUT_S} s:\n{stderr}"
+    assert code == 0, f"{block.name} failed (exit {code}):\n{stderr}"
 
 
 def test_every_block_is_run_or_skipped_with_a_reason_that_names_its_test():

@@ -2,6 +2,8 @@
 another device count, with and without gradient accumulation, across epochs. Every trained sample is counted by
 the training step itself (tests/framework_jobs.py) and by the loader's ledger (`loader.checkpoint.audit`)."""
 
+from concurrent.futures import ThreadPoolExecutor
+
 import pytest
 import torch
 from torch.utils.data import DataLoader
@@ -126,28 +128,53 @@ def test_a_checkpoint_between_micro_batches_resumes_at_the_update_boundary(tmp_p
     assert trainer.global_step == 8 and trainer.fit_loop.epoch_loop._batches_that_stepped == 8
 
 
+# The slow tests' jobs: the options of every launch, then each launch's device count and fault
+SAME_DEVICE_COUNT = (("--epochs", 2, "--every", 13),
+                     [(2, ("--fail-at-step", 20, "--fail-rank", 0)), (2, ("--fail-at-step", 27, "--fail-rank", 1)),
+                      (2, ())])
+RESIZE_2_3_2 = (("--epochs", 3, "--every", 2, "--accumulate", 2),
+                [(2, ("--fail-at-step", 5, "--fail-rank", 1)), (3, ("--fail-at-step", 15, "--fail-rank", 0)), (2, ())])
+
+
+def launches(run_dir, job) -> list[int]:
+    """The job's launches, one after the other; their exit codes."""
+    options, plan = job
+    return [run(run_dir, number, devices, *options, *fault) for number, (devices, fault) in enumerate(plan, 1)]
+
+
+@pytest.fixture(scope="module")
+def jobs(tmp_path_factory):
+    """Both jobs at once (each one's launches one after the other): a launch is mostly one rank importing Lightning
+    while the other waits for it, so two jobs take little longer than one on two cores. A test gets its job's run
+    directory and the job, whose result() is its launches' exit codes (or raises the job's error)."""
+    with ThreadPoolExecutor(2) as pool:
+        running = {}
+        for name, job in (("same device count", SAME_DEVICE_COUNT), ("resize", RESIZE_2_3_2)):
+            run_dir = tmp_path_factory.mktemp("lightning") / "run"
+            running[name] = run_dir, pool.submit(launches, run_dir, job)
+        yield running
+
+
 @pytest.mark.slow
-def test_same_device_count_after_sigkill_mid_epoch_and_after_an_epoch_end_checkpoint(tmp_path):
+def test_same_device_count_after_sigkill_mid_epoch_and_after_an_epoch_end_checkpoint(jobs):
     """26 steps per epoch at 2 devices, a checkpoint every 13: launch 2 resumes mid-epoch, launch 3 from the
     checkpoint of epoch 0's last step (Lightning goes on with epoch 1 through the iterator it made before)."""
-    run_dir = tmp_path / "run"
-    job = ("--epochs", 2, "--every", 13)
-    assert run(run_dir, 1, 2, *job, "--fail-at-step", 20, "--fail-rank", 0) == -9
-    assert run(run_dir, 2, 2, *job, "--fail-at-step", 27, "--fail-rank", 1) != 0
-    assert run(run_dir, 3, 2, *job) == 0, log(run_dir, 3)
+    run_dir, job = jobs["same device count"]
+    first, second, third = job.result()
+    assert first == -9 and second != 0
+    assert third == 0, log(run_dir, 3)
     assert (resumed_step(run_dir, 2), resumed_step(run_dir, 3)) == (13, 26)
     assert_exactly_once(run_dir, epochs=2)
 
 
 @pytest.mark.slow
-def test_resize_2_3_2_with_accumulation(tmp_path):
+def test_resize_2_3_2_with_accumulation(jobs):
     """26 micro-batches of 4 per rank and epoch at 2 devices, 17 at 3, in updates of 2. Launch 2 resumes mid-epoch
     at more devices (Lightning's own cap would end the epoch early), launch 3 mid-epoch at fewer, then trains a
     whole further epoch (whose length differs from the resumed one's)."""
-    run_dir = tmp_path / "run"
-    job = ("--epochs", 3, "--every", 2, "--accumulate", 2)
-    assert run(run_dir, 1, 2, *job, "--fail-at-step", 5, "--fail-rank", 1) != 0
-    assert run(run_dir, 2, 3, *job, "--fail-at-step", 15, "--fail-rank", 0) == -9
-    assert run(run_dir, 3, 2, *job) == 0, log(run_dir, 3)
+    run_dir, job = jobs["resize"]
+    first, second, third = job.result()
+    assert first != 0 and second == -9
+    assert third == 0, log(run_dir, 3)
     assert (resumed_step(run_dir, 2), resumed_step(run_dir, 3)) == (4, 14)
     assert_exactly_once(run_dir, epochs=3)

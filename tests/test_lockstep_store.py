@@ -27,7 +27,9 @@ from tests.distributed import free_port
 
 pytestmark = pytest.mark.slow
 
-GROUP_TIMEOUT = 30  # seconds: the process group's timeout, so where plain torch would fail on the stopped host
+# seconds: the process group's timeout, so where plain torch would fail on the stopped host. The loader gives a store
+# round trip a quarter of it (lockstep.round_trip_bound), which each test waits out once or twice.
+GROUP_TIMEOUT = 12
 N, KW = 60, dict(batch_size=2, shuffle=True, seed=5)  # 2 ranks: 15 updates an epoch
 CONTEXT = mp.get_context("fork")
 

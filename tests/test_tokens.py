@@ -1,11 +1,13 @@
 """TokenSource: packed sequences over token files, checked against slicing the concatenated stream by hand."""
 
 import json
+import multiprocessing
 import os
 import pickle
 import signal
 import struct
 import time
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -17,7 +19,6 @@ from loader.core.rows import Rows, collate
 from loader.sources import TokenFileError, TokenSource
 from loader.sources.tokens import GATHER_ROWS
 from tests.conftest import assert_batches_match_torch, outcomes
-from tests.launch import launch
 
 
 def write_bin(path, tokens, dtype="uint16"):
@@ -339,6 +340,27 @@ def read_while_truncating(directory: str, workers: int, truncated: str) -> None:
     Path(directory, "result.json").write_text(json.dumps(batches))
 
 
+def _logged(log: str, fn, args) -> None:
+    with open(log, "ab") as out:
+        os.dup2(out.fileno(), 1)
+        os.dup2(out.fileno(), 2)
+    torch.set_num_threads(1)  # the intra-op pool of the parent is not the child's
+    warnings.resetwarnings()  # warnings as a script has them, not the suite's errors the fork inherited
+    fn(*args)
+
+
+def in_a_fork(log: Path, fn, *args, timeout: float = 300) -> int | None:
+    """fn(*args) in a forked process (no new interpreter to import torch), its output in `log`; its exit status
+    (negative: the signal that ended it), SIGKILLed after `timeout` seconds."""
+    process = multiprocessing.get_context("fork").Process(target=_logged, args=(str(log), fn, args))
+    process.start()
+    process.join(timeout)
+    if process.exitcode is None:
+        os.kill(process.pid, signal.SIGKILL)
+        process.join(30)
+    return process.exitcode
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("truncated, workers", [("part-001.bin", 0), ("part-001.bin", 2), ("part-001.npy", 0)])
 def test_a_file_truncated_while_mapped_fails_its_batches_never_the_process(tmp_path, truncated, workers):
@@ -348,10 +370,8 @@ def test_a_file_truncated_while_mapped_fails_its_batches_never_the_process(tmp_p
     _, stream = stream_files(tmp_path, TRUNCATED_SIZES)
     for number, size in enumerate(TRUNCATED_SIZES):  # part-001.npy: 1000 int64 offsets, two pages
         np.save(tmp_path / f"part-{number:03d}.npy", np.arange(0, size, 5, dtype=np.int64))
-    code = f"from tests.test_tokens import read_while_truncating; read_while_truncating({str(tmp_path)!r}, " \
-           f"{workers}, {truncated!r})"
     log = tmp_path / "run.log"
-    rc = launch(["-c", code], log, timeout=300)
+    rc = in_a_fork(log, read_while_truncating, str(tmp_path), workers, truncated)
     assert rc == 0, f"exit status {rc} (-7: SIGBUS):\n{log.read_text()[-3000:]}"
     batches = json.loads((tmp_path / "result.json").read_text())
     samples = (len(stream) - 1) // 16
