@@ -22,15 +22,18 @@ def pytest_collection_modifyitems(config, items):
     examples. Hypothesis reads this attribute at call time and has no public hook for it."""
     if PROFILE != "explore":
         return
-    kept = []
+    kept, done = [], set()
     for item in items:
         test = getattr(item, "function", None)
-        own = getattr(test, "_hypothesis_internal_use_settings", None)
-        if own is not None and getattr(test, "is_hypothesis_test", False):
+        if not getattr(test, "is_hypothesis_test", False):
+            continue
+        kept.append(item)
+        if test not in done:  # the items of a parametrized test share one function: multiply once
+            done.add(test)
+            own = test._hypothesis_internal_use_settings
             test._hypothesis_internal_use_settings = settings(
                 own, max_examples=own.max_examples * EXPLORE_FACTOR, derandomize=False, database=None,
                 deadline=None, print_blob=True)
-            kept.append(item)
     config.hook.pytest_deselected(items=[item for item in items if item not in kept])
     items[:] = kept
 
