@@ -1,3 +1,5 @@
+import os
+
 import numpy as np
 import pytest
 from hypothesis import settings
@@ -5,7 +7,35 @@ from torch.utils.data import Dataset
 
 # The same examples on every run: a property test that fails once fails every time, and CI never flakes.
 settings.register_profile("deterministic", derandomize=True, database=None)
-settings.load_profile("deterministic")
+# For hunting (`HYPOTHESIS_PROFILE=explore pytest --hypothesis-seed=N tests/test_x.py`): new examples each seed, no
+# deadline, and a failure prints the @reproduce_failure blob that replays it.
+settings.register_profile("explore", derandomize=False, database=None, deadline=None, print_blob=True)
+PROFILE = os.environ.get("HYPOTHESIS_PROFILE", "deterministic")
+settings.load_profile(PROFILE)
+# How many times each test's own max_examples the explore profile runs.
+EXPLORE_FACTOR = int(os.environ.get("HYPOTHESIS_EXPLORE_FACTOR", "20"))
+
+
+def pytest_collection_modifyitems(config, items):
+    """Under the explore profile only the property tests run, and a test's own @settings (max_examples sized for CI,
+    some derandomize=True) would override the profile: re-parent each onto it, with EXPLORE_FACTOR times the
+    examples. Hypothesis reads this attribute at call time and has no public hook for it."""
+    if PROFILE != "explore":
+        return
+    kept, done = [], set()
+    for item in items:
+        test = getattr(item, "function", None)
+        if not getattr(test, "is_hypothesis_test", False):
+            continue
+        kept.append(item)
+        if test not in done:  # the items of a parametrized test share one function: multiply once
+            done.add(test)
+            own = test._hypothesis_internal_use_settings
+            test._hypothesis_internal_use_settings = settings(
+                own, max_examples=own.max_examples * EXPLORE_FACTOR, derandomize=False, database=None,
+                deadline=None, print_blob=True)
+    config.hook.pytest_deselected(items=[item for item in items if item not in kept])
+    items[:] = kept
 
 
 class IndexDataset(Dataset):
