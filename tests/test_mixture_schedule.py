@@ -188,10 +188,10 @@ def test_a_change_keeps_the_past_and_continues_every_source_without_repeats(sour
     window = data.draw(st.integers(3, 12), label="window")
     lengths = data.draw(st.lists(st.integers(1, 15), min_size=sources, max_size=sources), label="lengths")
     num_samples = data.draw(st.integers(window + 1, 400), label="num_samples")
-    change_at = data.draw(st.integers(0, num_samples - 1), label="change_at")
+    change_at = data.draw(st.integers(0, (num_samples - 1) // window * window), label="change_at")  # see below
     old, new = changed(lengths, data.draw(schedules(sources)), data.draw(schedules(sources)), num_samples, change_at,
                        seed=data.draw(st.integers(0, 2**40)), window=window)
-    at = min(-(-change_at // window) * window, num_samples)
+    at = -(-change_at // window) * window
     before, after = old.locate(list(range(num_samples))), new.locate(list(range(num_samples)))
     assert all(np.array_equal(a[:at], b[:at]) for a, b in zip(before, after))  # the past as it was trained
     source, index = after
@@ -200,7 +200,7 @@ def test_a_change_keeps_the_past_and_continues_every_source_without_repeats(sour
         for run in range(0, len(drawn), n):
             chunk = drawn[run:run + n].tolist()
             assert sorted(chunk) == sorted(set(chunk))
-    assert new.plan.changes in ((), (-(-change_at // window),))  # past the last window when change_at is in it
+    assert new.plan.changes in ((), (-(-change_at // window),))
     assert MixturePlan.from_dict(json.loads(json.dumps(new.plan.to_dict()))) == new.plan
 
 
@@ -228,6 +228,13 @@ def test_changes_accumulate_and_anything_but_the_weights_is_refused_naming_the_f
         scheduled([9, 5], first, 120, amends=old.plan, change_at=17)
     with pytest.raises(ValueError, match=r"change_at must be a position in \[0, 120\)"):
         scheduled([9, 4], first, 120, amends=old.plan, change_at=120)
+    # found by the explore profile: a change_at inside the last window was accepted and never applied
+    window = old.plan.window
+    last = 119 // window * window
+    assert scheduled([9, 4], [{"weights": [1, 3]}], 120, amends=old.plan, change_at=last).plan.changes == (last // window,)
+    with pytest.raises(ValueError, match=rf"change_at={last + 1} is inside the mixture's last window .* pass "
+                                         rf"change_at <= {last}"):
+        scheduled([9, 4], first, 120, amends=old.plan, change_at=last + 1)
     with pytest.raises(ValueError, match="go together"):
         scheduled([9, 4], first, 120, amends=old.plan)
 

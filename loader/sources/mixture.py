@@ -456,7 +456,13 @@ def _amend(old: MixturePlan, new: MixturePlan, change_at: int) -> MixturePlan:
                              f"mixture with the {field} of the run it continues")
     if not is_int(change_at) or not 0 <= change_at < new.num_samples:
         raise ValueError(f"change_at must be a position in [0, {new.num_samples}), got {change_at!r}")
-    return old.amended(new._pieces, -(-change_at // new.window))
+    first = -(-change_at // new.window)
+    if first * new.window >= new.num_samples:  # else the change, accepted, would never apply
+        last = (new.num_samples - 1) // new.window * new.window
+        raise ValueError(f"change_at={change_at} is inside the mixture's last window ({last} to "
+                         f"{new.num_samples - 1}): a change applies from the first whole window at or after change_at, "
+                         f"and none follows, so it would never apply; pass change_at <= {last}")
+    return old.amended(new._pieces, first)
 
 
 class Mixture(torch.utils.data.Dataset):
@@ -479,8 +485,8 @@ class Mixture(torch.utils.data.Dataset):
             "windows": n} a linear ramp.
         amends, change_at: change the schedule (or weights) of a running job: `amends` is the plan it trained with
             (`MixturePlan.load` of the saved mixture.json), `change_at` a position at or after everything it
-            committed. Windows before the first whole window from `change_at` keep the old plan, the rest follow
-            the new one, each source's draws running on; the plan records the change (`plan.changes`), and a
+            committed. Windows before the first whole window from `change_at` keep the old plan (refused when
+            none follows), the rest follow the new one, each source's draws running on; the plan records the change (`plan.changes`), and a
             checkpoint saved under the old plan resumes (anything else about the mixture must stay the same).
     """
 
