@@ -614,7 +614,7 @@ class ResumableDataLoader(DataLoader[T_co]):
         stream = self._stream
         if stream.exhausted and not stream.ended:  # set_epoch() named the epoch whose stream is over: empty pass
             return _StreamDelivery(iter(()), self, self._iterations)
-        plan = stream.begin_pass()
+        plan = stream.begin_pass(workers_standing=self._iterator is not None)
         if plan is not None and self._iterator is not None:  # persistent workers stand elsewhere: start anew
             self._iterator._shutdown_workers()
             self._iterator = None

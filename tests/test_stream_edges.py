@@ -18,8 +18,8 @@ from hypothesis import strategies as st
 from loader import ContinuedPassWarning, ResumableDataLoader, ShardedStream, merge_states
 from loader.dataloader import WorkerInitError
 from loader.sources.sharded import FileShards
-from tests.streams import FORK, Plain
-from tests.test_map_edges import InitFailingOnce
+from tests.streams import FORK, DatasetState, Plain, record_id
+from tests.test_map_edges import InitFailingOnce, kill
 from tests.test_sharded_streams import every_record, read_lines, take, write_shards
 from tests.test_streams import train_skipping_errors
 
@@ -373,3 +373,20 @@ def test_a_stream_worker_init_fn_that_raises_consumes_no_batch(tmp_path, kind, p
     assert Counter(records) == Counter(make.expected)
     assert isinstance(errors[0], WorkerInitError) and "could not open the database" in str(errors[0])
     assert len(errors) == 2 and make.loader.metrics()["total/failed_batches"] == 0
+
+
+@pytest.mark.slow  # starts worker processes
+def test_a_persistent_worker_that_died_between_passes_is_started_as_it_ended():
+    """New workers started in place of persistent ones (one died between passes) went on to the next pass from fresh
+    copies of the dataset: its own state (here its epoch counter) and random state were not the ones the epoch's end
+    left, which an uninterrupted run and a resume from a state saved there both have."""
+    runs = []
+    for killed in (False, True):
+        dl = ResumableDataLoader(DatasetState(12, random_draws=True), batch_size=2, collate_fn=list, num_workers=2,
+                                 persistent_workers=True, **FORK)
+        first = [r for batch in dl for r in batch]
+        if killed:
+            kill(dl._iterator._workers[0])
+        runs.append((first, [r for batch in dl for r in batch]))
+        dl._iterator._shutdown_workers()
+    assert runs[0] == runs[1] and sorted(record_id(r) for r in runs[1][1]) == list(range(12))
