@@ -136,8 +136,9 @@ class ContinuedPassWarning(UserWarning):
 _INTERRUPTED = ("this iterator was interrupted inside next(): take a new iter(), which serves the interrupted batch "
                 "again")
 _WORKER_DIED = ("a worker process of this iterator died (torch raised it above): torch would go on past the batches "
-                "that worker held, so the batches out would no longer be the index lists counted. Take a new iter(), "
-                "which starts new workers and serves every batch not delivered")
+                "that worker held, so the batches out would no longer be the index lists counted (a stream's pass "
+                "would end without that worker's records). Take a new iter(), which starts new workers and serves "
+                "every batch not delivered")
 _WORKER_INIT_FAILED = ("a worker's worker_init_fn raised (above): no batch failed, nothing was counted, and this "
                        "iterator's workers are shut down. Take a new iter(), which starts new workers (running "
                        "worker_init_fn again) and serves every batch not delivered")
