@@ -136,17 +136,19 @@ class ContinuedPassWarning(UserWarning):
 _INTERRUPTED = ("this iterator was interrupted inside next(): take a new iter(), which serves the interrupted batch "
                 "again")
 _WORKER_DIED = ("a worker process of this iterator died (torch raised it above): torch would go on past the batches "
-                "that worker held, so the batches out would no longer be the index lists counted. Take a new iter(), "
-                "which starts new workers and serves every batch not delivered")
+                "that worker held, so the batches out would no longer be the index lists counted (a stream's pass "
+                "would end without that worker's records). Take a new iter(), which starts new workers and serves "
+                "every batch not delivered")
 _WORKER_INIT_FAILED = ("a worker's worker_init_fn raised (above): no batch failed, nothing was counted, and this "
                        "iterator's workers are shut down. Take a new iter(), which starts new workers (running "
                        "worker_init_fn again) and serves every batch not delivered")
 
 
 class WorkerInitError(RuntimeError):
-    """A map-style loader's worker_init_fn raised in a worker. torch would hand that worker's first batch the
-    error and each later one an UnboundLocalError (it has no fetcher), so batches whose data was never read would
-    count as failed: a worker's start failing is the iterator's failure instead, and no batch is consumed."""
+    """A loader's worker_init_fn raised in a worker. torch would hand that worker's first batch the error and each
+    later one an UnboundLocalError (it has no fetcher), so batches whose data was never read would count as failed
+    (a stream's worker would fail forever): a worker's start failing is the iterator's failure instead, and no batch
+    is consumed."""
 
 
 class _GuardedInit:
@@ -221,6 +223,18 @@ class _Delivery:
         if self._stopped is not None:
             raise RuntimeError(self._stopped)
 
+    def _stop_workers(self, why: str) -> None:
+        """This iterator may not go on, and its workers are shut down: the next iter() starts new ones."""
+        self._stopped = why
+        self._inner._shutdown_workers()
+        if self._loader._iterator is self._inner:  # persistent: torch would reset them without running the init again
+            self._loader._iterator = None
+
+    def _stop_if_a_worker_died(self) -> None:
+        """torch goes on past a dead worker's tasks: stop here instead (a new iter() serves what it held)."""
+        if not all(worker.is_alive() for worker in getattr(self._inner, "_workers", ())):
+            self._stopped = _WORKER_DIED
+
     def __next__(self):
         loader = self._loader
         self._check_active()
@@ -232,17 +246,13 @@ class _Delivery:
             loader._end_map_pass()
             raise
         except WorkerInitError:  # no batch failed: a worker could not start. Nothing counted, new workers retry
-            self._stopped = _WORKER_INIT_FAILED
-            self._inner._shutdown_workers()
-            if loader._iterator is self._inner:  # persistent: torch would reset them without running the init again
-                loader._iterator = None
+            self._stop_workers(_WORKER_INIT_FAILED)
             raise
         except Exception:
             for _ in range(self._slots_taken(received_before)):
                 loader._fail(started)
                 started = None  # the wait was the first one's
-            if not all(worker.is_alive() for worker in getattr(self._inner, "_workers", ())):
-                self._stopped = _WORKER_DIED
+            self._stop_if_a_worker_died()
             raise
         except BaseException:  # KeyboardInterrupt and the like: nothing is counted, a new iter() serves it again
             self._stopped = _INTERRUPTED
@@ -271,7 +281,11 @@ class _StreamDelivery(_Delivery):
             except StopIteration:
                 loader._end_pass()
                 raise
+            except WorkerInitError:  # as for map-style: a worker could not start, new workers retry
+                self._stop_workers(_WORKER_INIT_FAILED)
+                raise
             except Exception:  # torch's own (a worker that died, a timeout): nothing counted
+                self._stop_if_a_worker_died()
                 raise
             except BaseException:  # as for map-style: nothing counted, a new iter() serves the batch again
                 self._stopped = _INTERRUPTED
@@ -465,7 +479,8 @@ class ResumableDataLoader(DataLoader[T_co]):
                                           seed, bool(shuffle) and sharded)
             super().__init__(dataset, batch_size=batch_size, shuffle=None if sharded else shuffle,
                              drop_last=drop_last, **common)
-            self._stream.attach(batch_size, drop_last, self.collate_fn, worker_init_fn)
+            self._stream.attach(batch_size, drop_last, self.collate_fn,
+                                worker_init_fn and _GuardedInit(worker_init_fn))
             return
         self._stream = None
         if batch_size is not None and (collate_fn is None or collate_fn is default_collate):
@@ -600,7 +615,7 @@ class ResumableDataLoader(DataLoader[T_co]):
         stream = self._stream
         if stream.exhausted and not stream.ended:  # set_epoch() named the epoch whose stream is over: empty pass
             return _StreamDelivery(iter(()), self, self._iterations)
-        plan = stream.begin_pass()
+        plan = stream.begin_pass(workers_standing=self._iterator is not None)
         if plan is not None and self._iterator is not None:  # persistent workers stand elsewhere: start anew
             self._iterator._shutdown_workers()
             self._iterator = None

@@ -1,18 +1,25 @@
 """Edges of streams that the other stream tests do not reach: shards that fail as they are opened or at the end of
-a pass, and ranks dealt no shard. Every test counts every record: delivered exactly once, or lost loudly with the
+a pass, ranks dealt no shard, a worker process that dies and a worker_init_fn that raises. Every test counts every record: delivered exactly once, or lost loudly with the
 batch that failed, the same whether or not the run was resumed.
 """
 
+import os
 import re
+import signal
+import sys
+import threading
+import time
 from collections import Counter
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from loader import ResumableDataLoader, ShardedStream, merge_states
+from loader import ContinuedPassWarning, ResumableDataLoader, ShardedStream, merge_states
+from loader.dataloader import WorkerInitError
 from loader.sources.sharded import FileShards
-from tests.streams import FORK
+from tests.streams import FORK, DatasetState, Plain, record_id
+from tests.test_map_edges import InitFailingOnce, kill
 from tests.test_sharded_streams import every_record, read_lines, take, write_shards
 from tests.test_streams import train_skipping_errors
 
@@ -237,3 +244,149 @@ def test_set_epoch_back_to_an_epoch_before_a_resize_reads_it_whole_and_its_state
         assert resumed.epoch == 0
         seen += list(resumed)
     assert sorted(r for batch in seen for r in batch) == every_record([3, 4, 2])
+
+
+
+class StallOnce:
+    """Wraps a stream: the worker that reaches record `at` first writes its pid to `mark` and stops there (bounded),
+    to be killed while the main process waits for its batch. Later passes read on."""
+
+    def __init__(self, records, at, mark):
+        self.records, self.at, self.mark = records, at, mark
+
+    def __call__(self, *args):
+        for record in self.records(*args):
+            if record == self.at and not self.mark.exists():
+                self.mark.write_text(str(os.getpid()))
+                time.sleep(30)
+            yield record
+
+
+class PlainStallingOnce(Plain):
+    def __init__(self, n, stall):
+        super().__init__(n)
+        self.stall = stall
+
+    def __iter__(self):
+        return self.stall(super().__iter__)()
+
+
+def stream_loader(kind, tmp_path, stall_at=None, **kw):
+    """A plain stream of 24 records, or a sharded one of 18, at 2 fork workers (its reader stalling once at
+    `stall_at`, see StallOnce); and every record of its epoch."""
+    kw.update(batch_size=2, collate_fn=list, num_workers=2, **FORK)
+    stall = lambda read: StallOnce(read, stall_at, tmp_path / "stalled")  # noqa: E731
+    if kind == "plain":
+        return ResumableDataLoader(PlainStallingOnce(24, stall), **kw), list(range(24))
+    paths = write_shards(tmp_path, [5, 4, 6, 3])
+    return ResumableDataLoader(FileShards(paths, stall(read_lines)), **kw), every_record([5, 4, 6, 3])
+
+
+def kill_when_awaited(it, mark):
+    """SIGKILL the stalled worker once the main thread waits inside next() for its batch: torch's SIGCHLD handler
+    then raises there (a worker killed at another moment is noticed after torch's 5 s status check)."""
+    main = threading.main_thread().ident
+    inner = it._inner
+    for _ in range(2000):  # bounded: 20 s
+        frame = sys._current_frames()[main]
+        while frame is not None and frame.f_code.co_name != "_try_get_data":
+            frame = frame.f_back
+        if frame is not None and mark.exists() and mark.read_text():
+            pid = int(mark.read_text())
+            awaited = inner._task_info.get(inner._rcvd_idx, (None,))[0]
+            if awaited is not None and inner._workers[awaited].pid == pid:
+                os.kill(pid, signal.SIGKILL)
+                return
+        time.sleep(0.01)
+    raise TimeoutError("the stalled worker was never awaited")
+
+
+def going_on(loader, it, error):
+    """The iterator a loop that skips a bad batch goes on with after `error`: a new one where the loader says so."""
+    if "new iter()" not in str(error):
+        return it
+    with pytest.warns(ContinuedPassWarning):
+        return iter(loader)
+
+
+def through_a_stop_then_resumed(make, it, delivered):
+    """Go on with `it` past the errors, save a state after the second error's next batch (or at the end), and read
+    the rest of the epoch from it in a new loader: the records up to the state, then the rest."""
+    errors = []
+    while len(errors) < 5:
+        try:
+            delivered += next(it)
+        except StopIteration:
+            break
+        except Exception as err:  # noqa: BLE001 - any error a training loop would skip
+            errors.append(err)
+            it = going_on(make.loader, it, err)
+            continue
+        if len(errors) == 2 and make.state is None:
+            make.state, make.upto = make.loader.state_dict(), len(delivered)
+    if make.state is None:
+        make.state, make.upto = make.loader.state_dict(), len(delivered)
+    resumed, _ = make()
+    resumed.load_state_dict(make.state)
+    records = delivered[:make.upto] + [r for batch in resumed for r in batch]
+    for dl in (make.loader, resumed):  # persistent workers, shut down here: at garbage collection, torch waits 5 s
+        if dl._iterator is not None:  # for each of them
+            dl._iterator._shutdown_workers()
+    return errors, records
+
+
+class Maker:
+    """The same loader again (for the resume), and the one under test with the state it saved."""
+
+    def __init__(self, kind, tmp_path, **kw):
+        self.args, self.state, self.upto = (kind, tmp_path, kw), None, 0
+        self.loader, self.expected = self()
+
+    def __call__(self):
+        kind, tmp_path, kw = self.args
+        return stream_loader(kind, tmp_path, **kw)
+
+
+@pytest.mark.slow  # starts worker processes
+@pytest.mark.parametrize("kind, persistent, at", [("plain", False, 9), ("sharded", True, "2:3")])
+def test_a_stream_whose_worker_died_stops_and_a_new_iter_reads_each_record_once(tmp_path, kind, persistent, at):
+    """torch went on with the other worker and ended the pass: the loader marked the epoch read, the dead worker's
+    records after its last delivered batch were skipped without a word, and a state saved then was refused as
+    corrupted (its snapshots did not add up to an ended pass)."""
+    make = Maker(kind, tmp_path, stall_at=at, persistent_workers=persistent)
+    it = iter(make.loader)
+    killer = threading.Thread(target=kill_when_awaited, args=(it, tmp_path / "stalled"), daemon=True)
+    killer.start()
+    errors, records = through_a_stop_then_resumed(make, it, [])
+    killer.join(20)
+    assert Counter(records) == Counter(make.expected)
+    assert len(errors) == 2 and "worker process of this iterator died" in str(errors[1])
+
+
+@pytest.mark.slow  # starts worker processes
+@pytest.mark.parametrize("kind, persistent", [("plain", True), ("sharded", False)])
+def test_a_stream_worker_init_fn_that_raises_consumes_no_batch(tmp_path, kind, persistent):
+    """torch raised the worker's init error, then an UnboundLocalError for each of its batches, forever: a loop
+    that skips a bad batch never ended that iterator, nor read that worker's records in it."""
+    make = Maker(kind, tmp_path, persistent_workers=persistent, worker_init_fn=InitFailingOnce(tmp_path / "failed"))
+    errors, records = through_a_stop_then_resumed(make, iter(make.loader), [])
+    assert Counter(records) == Counter(make.expected)
+    assert isinstance(errors[0], WorkerInitError) and "could not open the database" in str(errors[0])
+    assert len(errors) == 2 and make.loader.metrics()["total/failed_batches"] == 0
+
+
+@pytest.mark.slow  # starts worker processes
+def test_a_persistent_worker_that_died_between_passes_is_started_as_it_ended():
+    """New workers started in place of persistent ones (one died between passes) went on to the next pass from fresh
+    copies of the dataset: its own state (here its epoch counter) and random state were not the ones the epoch's end
+    left, which an uninterrupted run and a resume from a state saved there both have."""
+    runs = []
+    for killed in (False, True):
+        dl = ResumableDataLoader(DatasetState(12, random_draws=True), batch_size=2, collate_fn=list, num_workers=2,
+                                 persistent_workers=True, **FORK)
+        first = [r for batch in dl for r in batch]
+        if killed:
+            kill(dl._iterator._workers[0])
+        runs.append((first, [r for batch in dl for r in batch]))
+        dl._iterator._shutdown_workers()
+    assert runs[0] == runs[1] and sorted(record_id(r) for r in runs[1][1]) == list(range(12))

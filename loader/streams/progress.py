@@ -82,12 +82,13 @@ class StreamProgress:
         carried = self.num_workers == 0 or self.persistent
         self._start(self.epoch + 1, tuple(self.latest) if carried else (None,) * self.workers)
 
-    def begin_pass(self) -> Plan | None:
+    def begin_pass(self, workers_standing: bool) -> Plan | None:
         """At iter(): the plan every worker of a new torch iterator starts from; None when the persistent workers
-        go on to the next pass as they are."""
+        go on to the next pass as they are (`workers_standing`: none of them died). New workers in their place start
+        from the snapshots the pass's end left, as a resume from there would."""
         if self.ended:
             self._advance()
-        if self._reusable and not self.delivered:
+        if self._reusable and not self.delivered and workers_standing:
             return None
         origins = (None,) * self.workers if self._origins_live and not self.num_workers else self.origins
         return Plan(self._pass_id, self.epoch, self.base_seed, self.next_worker, tuple(zip(origins, self.latest)))
