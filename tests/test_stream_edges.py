@@ -15,7 +15,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from loader import ContinuedPassWarning, ResumableDataLoader, ShardedStream, merge_states
+from loader import AbandonedEpochWarning, ContinuedPassWarning, ResumableDataLoader, ShardedStream, merge_states
 from loader.dataloader import WorkerInitError
 from loader.sources.sharded import FileShards
 from tests.streams import FORK, DatasetState, Plain, record_id
@@ -390,3 +390,19 @@ def test_a_persistent_worker_that_died_between_passes_is_started_as_it_ended():
         runs.append((first, [r for batch in dl for r in batch]))
         dl._iterator._shutdown_workers()
     assert runs[0] == runs[1] and sorted(record_id(r) for r in runs[1][1]) == list(range(12))
+
+
+def test_set_epoch_that_leaves_a_stream_part_way_warns_and_the_natural_calls_do_not():
+    """As for a map-style loader: an epoch loop off by one (set_epoch(e + 1) with epoch e's stream not read to its
+    end) would skip the rest silently. set_epoch of the current epoch, and of the next after the stream's end, say
+    nothing (the project's warnings are errors here)."""
+    dl = ResumableDataLoader(Plain(12), batch_size=2)
+    it = iter(dl)
+    next(it), next(it)
+    dl.set_epoch(0)  # the current epoch: what is left of it
+    with pytest.warns(AbandonedEpochWarning, match=r"set_epoch\(1\) abandons epoch 0 part way: rank 0's stream was "
+                                                   r"not read to its end \(after 2 batch\(es\)\)"):
+        dl.set_epoch(1)
+    assert len(list(dl)) == 6  # epoch 1 whole
+    dl.set_epoch(2)  # the natural advance after its end
+    assert dl.epoch == 2 and len(list(dl)) == 6

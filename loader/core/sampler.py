@@ -28,6 +28,17 @@ class AbandonedEpochWarning(UserWarning):
     epoch counter that is off by one after a resume would otherwise skip data silently."""
 
 
+def warn_abandoned(epoch: int, current: int, left: str) -> None:
+    """set_epoch(epoch) leaves `current` part way, `left` saying what of it this rank never delivers."""
+    warnings.warn(
+        f"set_epoch({epoch}) abandons epoch {current} part way: {left} and are never trained in this run. To "
+        f"finish the epoch, call set_epoch({current}) (a loader resumed by load_state_dict is already in its epoch: "
+        f"loop from loader.epoch); to abandon it on purpose, silence {AbandonedEpochWarning.__name__}",
+        AbandonedEpochWarning,
+        stacklevel=4,
+    )
+
+
 CHUNK_SAMPLES = 8192  # ids computed per vectorised call: amortises numpy's per-call cost (~40 us a chunk), keeps
 # the first batch fast (< 1 ms) and the working set small (~0.3 MB)
 
@@ -122,14 +133,7 @@ class ResumableSampler:
             return True
         if (self._position > 0 or self._after_committed) and not self.exhausted:
             left = self.view().plan.batches_per_rank - self._position
-            warnings.warn(
-                f"set_epoch({epoch}) abandons epoch {self._epoch} part way: {left} micro-batch(es) of rank "
-                f"{self.rank}'s share were not delivered and are never trained in this run. To finish the epoch, "
-                f"call set_epoch({self._epoch}) (a loader resumed by load_state_dict is already in its epoch: loop "
-                f"from loader.epoch); to abandon it on purpose, silence {AbandonedEpochWarning.__name__}",
-                AbandonedEpochWarning,
-                stacklevel=3,
-            )
+            warn_abandoned(epoch, self._epoch, f"{left} micro-batch(es) of rank {self.rank}'s share were not delivered")
         self._start_epoch(epoch)
         return True
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 from functools import cached_property
 
 from loader.core.checks import is_int
+from loader.core.sampler import warn_abandoned
 from loader.core.state import StateError
 from loader.streams.rng import UNCHANGED
 from loader.streams.shards import ShardProgress, is_sharded, shard_digest
@@ -142,6 +143,9 @@ class StreamProgress:
         if epoch == self.epoch + 1 and self.exhausted:
             self._advance()
         else:
+            if self.delivered and not self.exhausted:
+                warn_abandoned(epoch, self.epoch, f"rank {self.rank}'s stream was not read to its end (after "
+                                                  f"{self.delivered} batch(es)): its rest is not delivered")
             self._reusable = self._origins_live = False
             if self.shards is not None:
                 self._rebase(self.shards.from_epoch(epoch))
