@@ -151,6 +151,11 @@ class WorkerInitError(RuntimeError):
     is consumed."""
 
 
+def _workers_alive(iterator) -> bool:
+    """Every worker process of a torch iterator is alive (an in-process iterator has none)."""
+    return all(worker.is_alive() for worker in getattr(iterator, "_workers", ()))
+
+
 class _GuardedInit:
     """The user's worker_init_fn, its exception raised as a WorkerInitError (picklable for spawn workers)."""
 
@@ -232,7 +237,7 @@ class _Delivery:
 
     def _stop_if_a_worker_died(self) -> None:
         """torch goes on past a dead worker's tasks: stop here instead (a new iter() serves what it held)."""
-        if not all(worker.is_alive() for worker in getattr(self._inner, "_workers", ())):
+        if not _workers_alive(self._inner):
             self._stopped = _WORKER_DIED
 
     def __next__(self):
@@ -565,17 +570,18 @@ class ResumableDataLoader(DataLoader[T_co]):
             return self._stream_iter()
         sampler = self.resumable_sampler
         sampler.begin_pass()
-        self._drop_stale_workers(dataset_changed=self._follow_length(sampler))
+        self._drop_stale_workers(stale=self._follow_length(sampler))
         self.monitor.begin(sampler.view().plan, sampler.rank, sampler.handed_out)
         return _Delivery(super().__iter__(), self, self._iterations)
 
-    def _drop_stale_workers(self, dataset_changed: bool = False) -> None:
+    def _drop_stale_workers(self, stale: bool = False) -> None:
         """Persistent workers are started anew when one of them died (killed, out of memory: torch would reset them,
-        and the dead one never acknowledges, so every later iter() raised, or waited out `timeout`, for good) or the
-        dataset changed length (each holds its copy from when it started, where the new indices would fail). Nothing
-        is lost: the new pass continues after the last delivered batch."""
+        and the dead one never acknowledges, so every later iter() raised, or waited out `timeout`, for good) or
+        they are `stale`: the dataset changed length (each holds its copy from when it started, where the new
+        indices would fail), or a stream's pass starts from other snapshots. Nothing is lost: the new pass
+        continues after the last delivered batch."""
         iterator = self._iterator
-        if iterator is not None and (dataset_changed or not all(worker.is_alive() for worker in iterator._workers)):
+        if iterator is not None and (stale or not _workers_alive(iterator)):
             iterator._shutdown_workers()
             self._iterator = None
 
@@ -616,9 +622,7 @@ class ResumableDataLoader(DataLoader[T_co]):
         if stream.exhausted and not stream.ended:  # set_epoch() named the epoch whose stream is over: empty pass
             return _StreamDelivery(iter(()), self, self._iterations)
         plan = stream.begin_pass(workers_standing=self._iterator is not None)
-        if plan is not None and self._iterator is not None:  # persistent workers stand elsewhere: start anew
-            self._iterator._shutdown_workers()
-            self._iterator = None
+        self._drop_stale_workers(stale=plan is not None)  # persistent workers stand elsewhere: start anew
         stream.source.plan = plan
         self.monitor.begin(None)
         inner = super().__iter__()

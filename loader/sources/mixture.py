@@ -486,8 +486,9 @@ class Mixture(torch.utils.data.Dataset):
         amends, change_at: change the schedule (or weights) of a running job: `amends` is the plan it trained with
             (`MixturePlan.load` of the saved mixture.json), `change_at` a position at or after everything it
             committed. Windows before the first whole window from `change_at` keep the old plan (refused when
-            none follows), the rest follow the new one, each source's draws running on; the plan records the change (`plan.changes`), and a
-            checkpoint saved under the old plan resumes (anything else about the mixture must stay the same).
+            none follows), the rest follow the new one, each source's draws running on; the plan records the
+            change (`plan.changes`), and a checkpoint saved under the old plan resumes (anything else about the
+            mixture must stay the same).
     """
 
     def __init__(

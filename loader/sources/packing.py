@@ -399,9 +399,9 @@ class PackedSource(torch.utils.data.Dataset):
 
     def stats(self, windows: Sequence[int] | None = None, epoch: int | None = None) -> dict[str, float]:
         """Padding and splits over these windows of `epoch` (default all, the default epoch; bin modes): the
-        padding fraction of their rows, and
-        as fractions of their documents (counted per window): those cut at a window's edge, those in more than one
-        row of a window (longer than a row, or split to fit), and the splits made to fit a piece."""
+        padding fraction of their rows, and as fractions of their documents (counted per window): those cut at a
+        window's edge, those in more than one row of a window (longer than a row, or split to fit), and the splits
+        made to fit a piece."""
         windows = range(self.windows) if windows is None else windows
         rows = tokens = documents = edges = long = split = 0
         for window in windows:
