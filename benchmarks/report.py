@@ -59,6 +59,7 @@ def markdown(results: dict) -> str:
         if "skipped" in section:
             lines.append(f"Skipped: {section['skipped']}")
             continue
+        lines += [f"Note: {note}" for note in section.get("notes", ())] + ([""] if section.get("notes") else [])
         if section.get("tables"):
             lines += section["tables"] + ["", "### Every measurement", ""]
         lines += _table(section["rows"], graded=results["mode"] != "smoke")

@@ -495,7 +495,8 @@ class ResumableDataLoader(DataLoader[T_co]):
         self.resumable_sampler = ResumableSampler(order, layout, rank)
         self._lockstep = LockstepWatch(_identity(order, layout))
         self._carry = (seed if sample_seeds else None, bool(getattr(dataset, "epoch_aware", False)))
-        indices = _Carrying(self.resumable_sampler, *self._carry) if any(self._carry) else self.resumable_sampler
+        self._carries = self._carry != (None, False)  # seed 0, the default, is a seed too
+        indices = _Carrying(self.resumable_sampler, *self._carry) if self._carries else self.resumable_sampler
         dispatched = indices
         if callable(planned := getattr(dataset, "planned", None)):
             in_flight = num_workers * (2 if prefetch_factor is None else prefetch_factor) if num_workers else 1
@@ -764,7 +765,7 @@ class ResumableDataLoader(DataLoader[T_co]):
         if ids is None:
             raise StopIteration("the next pass is empty: this rank's share of the epoch is delivered")
         ids = ids.tolist()
-        if any(self._carry):  # as a pass dispatches them: next_indices is of the next epoch past an exhausted one
+        if self._carries:  # as a pass dispatches them: next_indices is of the next epoch past an exhausted one
             ids = carrying(ids, sampler.epoch + sampler.exhausted, *self._carry)
         batched = self.batch_size is not None
         fetcher = _MapDatasetFetcher(self.dataset, batched, self.collate_fn, self.drop_last)

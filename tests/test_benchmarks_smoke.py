@@ -210,3 +210,19 @@ def test_the_runner_also_starts_as_a_script(tmp_path):
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "--quick" in done.stdout
+
+
+def test_the_packing_section_runs_without_grain_and_says_so(monkeypatch):
+    """Grain is a peer (the `peers` extra), not in `.[bench]`: without it the packing section skips its packers with
+    a note and measures the rest (it crashed on `import grain`)."""
+    from benchmarks import packing
+    from benchmarks.config import SMOKE
+
+    monkeypatch.setitem(sys.modules, "grain", None)  # `import grain` raises ImportError, as where not installed
+    section = packing.run(SMOKE)
+    assert len(section["notes"]) == 1 and section["notes"][0].startswith("Grain not run (")
+    assert 'pip install -e ".[peers]"' in section["notes"][0]
+    names = [r["what"] for r in section["rows"]]
+    assert not any("grain" in name.lower() for name in names)
+    assert sum(name.startswith("padding: ours") for name in names) == 4
+    assert sum(name.startswith("packed tokens/s") for name in names) == 2 and any("memory" in n for n in names)

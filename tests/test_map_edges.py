@@ -325,3 +325,68 @@ def test_operation_sequences_commit_every_index_exactly_once(data, n, batch_size
         dropped_ids = set(job.loaders[0].resumable_sampler.order.for_epoch(epoch)(positions).tolist())
         assert not dropped_ids & set(counts), f"epoch {epoch}: a sample recorded as dropped was delivered"
         assert dropped_ids | set(counts) == set(range(n)), f"epoch {epoch}: skipped"
+
+
+class Carried(IndexDataset):
+    """Each sample: its index and what the index carries (-1: nothing)."""
+
+    def __getitem__(self, index):
+        seed = getattr(index, "seed", None)
+        return torch.tensor([int(index), -1 if seed is None else seed % 2**31, getattr(index, "epoch", -1)])
+
+
+def _zero_seed_carries_seeds(batch_size):
+    from loader.core.order import sample_seed
+    dl = ResumableDataLoader(Carried(10), batch_size=batch_size, shuffle=True, sample_seeds=True)  # seed=0
+    peeked, batches = dl.peek(), list(dl)
+    assert torch.equal(peeked, batches[0])
+    rows = torch.cat([b.reshape(-1, 3) for b in batches]).tolist()
+    assert sorted(i for i, _, _ in rows) == list(range(10))
+    assert [s for _, s, _ in rows] == [int(sample_seed(0, 0, i)) % 2**31 for i, _, _ in rows]
+
+
+class EpochAware(Carried):
+    epoch_aware = True
+
+
+def _epoch_0_is_carried():
+    rows = torch.cat(list(ResumableDataLoader(EpochAware(10), batch_size=3, shuffle=True))).tolist()
+    assert sorted(i for i, _, _ in rows) == list(range(10)) and {(s, e) for _, s, e in rows} == {(-1, 0)}
+
+
+def _zero_seed_is_a_seed_of_the_fingerprint():
+    from loader.core.state import StateError
+    state = ResumableDataLoader(IndexDataset(10), batch_size=2, shuffle=True, seed=0).state_dict()
+    with pytest.raises(StateError, match="seed"):
+        ResumableDataLoader(IndexDataset(10), batch_size=2, shuffle=True, seed=3).load_state_dict(state)
+
+
+def _rank_0_is_a_rank():
+    batches = [list(ResumableDataLoader(IndexDataset(10), batch_size=2, rank=r, world_size=2)) for r in (0, 1)]
+    assert_each_once(10, [b.tolist() for rank in batches for b in rank])
+
+
+def _change_at_0_changes_from_the_first_window():
+    from torch.utils.data import TensorDataset
+    from loader.sources import Mixture
+    sources = [TensorDataset(torch.arange(100)), TensorDataset(torch.arange(100))]
+    old = Mixture(sources, [0.5, 0.5], 40, window=10)
+    new = Mixture(sources, [0.9, 0.1], 40, window=10, amends=old.plan, change_at=0)
+    assert np.bincount(new.plan.source_of(np.arange(10)), minlength=2).tolist() == [9, 1]
+
+
+ZERO_CASES = {
+    "sample_seeds with seed=0": lambda: _zero_seed_carries_seeds(3),
+    "sample_seeds with seed=0, batch_size=None": lambda: _zero_seed_carries_seeds(None),
+    "epoch 0 of an epoch-aware dataset": _epoch_0_is_carried,
+    "seed=0 in the order's fingerprint": _zero_seed_is_a_seed_of_the_fingerprint,
+    "rank=0 given": _rank_0_is_a_rank,
+    "Mixture change_at=0": _change_at_0_changes_from_the_first_window,
+}
+
+
+@pytest.mark.parametrize("case", ZERO_CASES)
+def test_options_at_zero_are_values_not_off(case):
+    """0 is the default seed and epoch, and a valid rank and change_at: each must act as that value, never as the
+    option left out (`sample_seeds=True` with seed 0 handed the dataset plain ints)."""
+    ZERO_CASES[case]()

@@ -367,3 +367,59 @@ def test_the_audit_names_the_documents_and_token_ranges_of_duplicated_rows(corpu
         assert source.describe(row, epoch) in duplicated and "part-" in source.describe(row, epoch)
     if epoch:
         assert any(source.describe(row, 0) not in duplicated for row in again_rows)
+
+
+def write_offsets_corpus(directory, seed=5, documents=60):
+    """One token file of documents and its .npy of document starts; returns both paths and the token count."""
+    directory.mkdir(exist_ok=True)
+    rng = np.random.default_rng(seed)
+    lengths = rng.integers(1, 40, documents)
+    rng.integers(1, 500, int(lengths.sum())).astype(np.uint16).tofile(directory / "t.bin")
+    np.save(directory / "t.npy", np.cumsum(np.concatenate(([0], lengths[:-1]))))
+    return directory / "t.bin", directory / "t.npy", int(lengths.sum())
+
+
+def packed_run(directory):
+    """A PackedSource over the corpus in `directory`, the loader over it, and a model to checkpoint with."""
+    tokens = TokenSource(directory / "t.bin", seq_len=16, dtype="uint16", doc_offsets=directory / "t.npy")
+    source = PackedSource(tokens, mode="best_fit", rows_per_window=4)
+    model = torch.nn.Linear(2, 1)
+    return source, dict(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                        loader=ResumableDataLoader(source, batch_size=3, shuffle=True, seed=0))
+
+
+def trained_tokens(source, loader, batches=None):
+    """The stream positions of the tokens of each row the loader delivers (all, or the first `batches`)."""
+    found = Counter()
+    for step, _ in enumerate(loader):
+        for row in loader.last_indices().tolist():
+            found.update(d + o + k for d, o, n, _ in source.pieces(row, loader.epoch) for k in range(n))
+        if batches is not None and step + 1 == batches:
+            break
+    return found
+
+
+def test_a_resume_after_the_offsets_were_rewritten_is_refused_naming_the_file(tmp_path):
+    """The document offsets decide every packed row: a checkpoint saved before they were rewritten (the same
+    tokens and document count, other starts) is refused naming the offsets file (it resumed, the rows holding
+    other tokens). The same files copied to another disk (other inodes and mtimes) resume, every token of the
+    epoch trained once."""
+    from loader.checkpoint.publish import CheckpointError
+    from loader.checkpoint.save import resume, save_checkpoint
+
+    _, offsets, count = write_offsets_corpus(tmp_path / "data")
+    source, objects = packed_run(tmp_path / "data")
+    trained = trained_tokens(source, objects["loader"], batches=4)
+    save_checkpoint(tmp_path / "run", 1, **objects)
+    copy = tmp_path / "copy"
+    copy.mkdir()
+    for name in ("t.bin", "t.npy"):
+        (copy / name).write_bytes((tmp_path / "data" / name).read_bytes())
+    lengths = np.diff(np.append(np.load(offsets), count))
+    np.save(offsets, np.cumsum(np.concatenate(([0], lengths[::-1][:-1]))))  # the documents' lengths reversed
+    with pytest.raises(CheckpointError, match=rf"{offsets} changed since the checkpoint was saved"):
+        resume(tmp_path / "run", **packed_run(tmp_path / "data")[1])
+    source, objects = packed_run(copy)
+    assert resume(tmp_path / "run", **objects) == 1
+    trained.update(trained_tokens(source, objects["loader"]))
+    assert trained == Counter(range(count))

@@ -1,5 +1,6 @@
 """TokenSource: packed sequences over token files, checked against slicing the concatenated stream by hand."""
 
+import hashlib
 import json
 import multiprocessing
 import os
@@ -15,6 +16,9 @@ import pytest
 import torch
 
 from loader import ResumableDataLoader
+from loader.checkpoint.publish import CheckpointWarning
+from loader.checkpoint.save import check_change, check_dataset, dataset_fingerprint
+from loader.core.state import StateError
 from loader.core.rows import Rows, collate
 from loader.sources import TokenFileError, TokenSource
 from loader.sources.tokens import GATHER_ROWS
@@ -462,6 +466,80 @@ def test_fingerprint_names_the_stream_and_pickles_without_the_maps(tmp_path):
     assert restored[5].tolist() == src[5].tolist() and restored.fingerprint() == src.fingerprint()
     assert TokenSource(path, seq_len=9, dtype="uint16").fingerprint() != src.fingerprint()
     assert TokenSource(path, seq_len=8, dtype="uint16", eos_id=0).fingerprint() != src.fingerprint()
+
+
+@pytest.mark.parametrize("files", [3, 20])
+def test_token_files_rewritten_in_the_same_size_between_save_and_resume_are_refused_naming_them(tmp_path, files):
+    """Between save and resume nothing checks a stat: a file rewritten in the same size (other tokens) is refused
+    by the fingerprint's content, naming the file (with 20 files, tags cover groups of two: it and its neighbour).
+    Over the files unchanged, a rebuilt source resumes and the epoch trains every sample once."""
+    parts, _ = stream_files(tmp_path, [100] * files)
+    loader = ResumableDataLoader(TokenSource(str(tmp_path / "*.bin"), seq_len=8, dtype="uint16"), batch_size=4,
+                                 shuffle=True, seed=0)
+    it, trained = iter(loader), []
+    for _ in range(5):
+        next(it)
+        trained += loader.last_indices().tolist()
+    saved, state = dataset_fingerprint(loader), loader.state_dict()
+    fresh = ResumableDataLoader(TokenSource(str(tmp_path / "*.bin"), seq_len=8, dtype="uint16"), batch_size=4,
+                                shuffle=True, seed=0)
+    check_dataset(saved, fresh, "the checkpoint")
+    fresh.load_state_dict(state)
+    for _ in fresh:
+        trained += fresh.last_indices().tolist()
+    assert sorted(trained) == list(range(len(fresh.dataset)))
+    changed = sorted(parts)[files // 2]
+    write_bin(changed, parts[changed][::-1])
+    rebuilt = ResumableDataLoader(TokenSource(str(tmp_path / "*.bin"), seq_len=8, dtype="uint16"), batch_size=4)
+    with pytest.raises(StateError, match=rf"the checkpoint: .*{changed}.* changed since the checkpoint was saved"):
+        check_dataset(saved, rebuilt, "the checkpoint")
+
+
+def test_the_fingerprint_reads_a_bounded_sample_of_large_files(tmp_path, monkeypatch):
+    """A 4 GiB offsets or token file costs 64 reads of 4 KiB, its first and last block among them; a small file is
+    read whole."""
+    reads = []
+    real = os.pread
+    monkeypatch.setattr(os, "pread", lambda fd, size, at: reads.append((size, at)) or real(fd, size, at))
+    with open(tmp_path / "big.bin", "wb") as f:
+        f.truncate(1 << 32)  # sparse: costs no disk
+    TokenSource(tmp_path / "big.bin", seq_len=8, dtype="uint16").fingerprint()
+    assert len(reads) == 64 and reads[0] == (4096, 0) and reads[-1] == (4096, (1 << 32) - 4096)
+    reads.clear()
+    TokenSource(write_bin(tmp_path / "small.bin", np.arange(5000)), seq_len=8, dtype="uint16").fingerprint()
+    assert [at for _, at in reads] == [0, 4096, 8192]
+
+
+def legacy_token_fingerprint(source):
+    """The fingerprint releases before content digests recorded for a TokenSource."""
+    layout = {"files": [[os.path.basename(p), n] for p, n in zip(source.files, np.diff(source._starts).tolist())],
+              "dtype": source._files[0].dtype.name, "seq_len": source.seq_len, "eos_id": source.eos_id,
+              "doc_offsets": None}
+    return hashlib.sha256(json.dumps(layout).encode()).hexdigest()[:16]
+
+
+def test_a_checkpoint_of_the_previous_release_resumes_with_a_warning(tmp_path):
+    """Its fingerprint held no content: a TokenSource, a PackedSource or a Mixture over it resumes from it as that
+    release would have, warning that the files were not checked; any other fingerprint is refused."""
+    from loader.sources import Mixture
+    from loader.sources.packing import PackedSource
+
+    tokens = TokenSource(write_bin(tmp_path / "t.bin", np.arange(1, 200) % 7), seq_len=8, dtype="uint16")
+    assert tokens.fingerprint_of_earlier_release() == legacy_token_fingerprint(tokens)
+    eos = TokenSource(tmp_path / "t.bin", seq_len=8, dtype="uint16", eos_id=0)
+    for dataset in (tokens, PackedSource(eos, mode="best_fit", rows_per_window=2), Mixture([tokens, tokens],
+                                                                                           [0.5, 0.5], 40)):
+        loader = ResumableDataLoader(dataset, batch_size=2)
+        earlier = dataset.fingerprint_of_earlier_release()
+        assert earlier != dataset.fingerprint()
+        check_dataset(earlier, loader, "the checkpoint")
+        with pytest.warns(CheckpointWarning, match="fingerprint of an earlier release .* not their content"):
+            check_change(earlier, loader, loader.state_dict())
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            check_change(dataset.fingerprint(), loader, loader.state_dict())
+        with pytest.raises(StateError, match="dataset fingerprint"):
+            check_dataset(earlier[::-1], loader, "the checkpoint")
 
 
 @pytest.mark.parametrize("workers", [0, 2])

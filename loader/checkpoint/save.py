@@ -39,7 +39,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.utils._pytree import tree_map_only
 
 from loader.checkpoint.merge import merge_states, one_per_data_rank
-from loader.checkpoint.publish import CheckpointError, check_arguments, latest, publish, verify
+from loader.checkpoint.publish import CheckpointError, CheckpointWarning, check_arguments, latest, publish, verify
 from loader.core.collectives import all_gather, broadcast, distributed, from_rank0, global_ranks, rank, world_size
 from loader.core.sampler import ResumableSampler
 from loader.core.state import FORMAT, VERSION, StateError, attach_base, check_fingerprint, detach_base
@@ -227,25 +227,43 @@ def dataset_fingerprint(loader) -> str | None:
     return fingerprint() if callable(fingerprint) else None
 
 
+def _of_earlier_release(loader) -> str | None:
+    """The dataset's fingerprint as the previous release recorded it, where it offers one that differs (a
+    TokenSource's then held no file content): a checkpoint of that release resumes as it would have there."""
+    earlier = getattr(loader.dataset, "fingerprint_of_earlier_release", None)
+    return earlier() if callable(earlier) else None
+
+
 def check_dataset(saved: str | None, loader, where: str) -> None:
-    """A checkpoint's dataset fingerprint against this loader's: the same, or the one before a change the dataset
-    declares (then `check_change` checks the progress). A StateError names `where` and both otherwise: the same
+    """A checkpoint's dataset fingerprint against this loader's: the same, the one before a change the dataset
+    declares (then `check_change` checks the progress), or the previous release's (`check_change` warns). A
+    StateError names `where`, both, and the files that changed where the dataset tells, otherwise: the same
     positions would name other samples."""
     current = dataset_fingerprint(loader)
-    if None not in (saved, current) and saved not in (current, _before_change(loader)):
+    if None not in (saved, current) and saved not in (current, _before_change(loader), _of_earlier_release(loader)):
+        explain = getattr(loader.dataset, "explain_fingerprint", None)
+        changed = (explain(saved) if callable(explain) else None) or (
+            "the source's shards (names, sample counts or sample keys), token files (names, sizes or content) or "
+            "a Mixture's sources, weights or schedule changed")
         raise StateError(
-            f"{where}: dataset fingerprint is {saved!r} in the checkpoint but {current!r} here: the source's shards "
-            f"(names, sample counts or sample keys) or a Mixture's sources, weights or schedule changed; resume with "
-            f"the dataset of the saved run, or change a Mixture's schedule explicitly (amends=, change_at=)"
+            f"{where}: dataset fingerprint is {saved!r} in the checkpoint but {current!r} here: {changed}; resume "
+            f"with the dataset of the saved run, or change a Mixture's schedule explicitly (amends=, change_at=)"
         )
 
 
 def check_change(saved: str | None, loader, progress: dict) -> None:
     """A progress saved under the plan before the dataset's declared change (`saved`: its dataset fingerprint) must
-    have committed nothing the change moves (the dataset's `check_change`, a StateError otherwise)."""
+    have committed nothing the change moves (the dataset's `check_change`, a StateError otherwise); one saved with
+    the previous release's fingerprint resumes with a warning that says what was not checked."""
     before = _before_change(loader)
     if before is not None and saved == before:
         loader.dataset.check_change(progress)
+    elif saved is not None and saved == _of_earlier_release(loader) != dataset_fingerprint(loader):
+        warnings.warn(
+            f"the checkpoint holds the dataset fingerprint of an earlier release ({saved}), which covered the token "
+            f"files' names and token counts but not their content or that of document offsets files: resumed as "
+            f"that release would have, without checking that the files are unchanged since; the next checkpoint "
+            f"saved records them (fingerprint {dataset_fingerprint(loader)})", CheckpointWarning, stacklevel=3)
 
 
 # What a failed save or load raises: DCP's CheckpointException is a BaseException, which `except Exception` misses.

@@ -662,9 +662,22 @@ class Mixture(torch.utils.data.Dataset):
     def fingerprint(self, plan: MixturePlan | None = None) -> str:
         """Digest of the plan (this mixture's, or another of these sources) and of the sources' own fingerprints,
         for the checkpoint manifest."""
-        plan = self.plan if plan is None else plan
-        layout = {"plan": plan.to_dict(), "sources": [_source_fingerprint(s) for s in self.sources]}
+        return self._digest(self.plan if plan is None else plan, [_source_fingerprint(s) for s in self.sources])
+
+    @staticmethod
+    def _digest(plan: MixturePlan, sources: list[str | None]) -> str:
+        layout = {"plan": plan.to_dict(), "sources": sources}
         return hashlib.sha256(json.dumps(layout, sort_keys=True).encode()).hexdigest()[:16]
+
+    def fingerprint_of_earlier_release(self) -> str | None:
+        """The fingerprint the previous release recorded, where a source's differs (a TokenSource's held no file
+        content then): such a checkpoint resumes as it would have there, with a warning."""
+        earlier = [getattr(s, "fingerprint_of_earlier_release", None) for s in self.sources]
+        earlier = [e() if callable(e) else None for e in earlier]
+        if all(e is None for e in earlier):
+            return None
+        return self._digest(self.plan, [_source_fingerprint(s) if e is None else e
+                                        for e, s in zip(earlier, self.sources)])
 
     def fingerprint_before_change(self) -> str | None:
         """The fingerprint a checkpoint saved before this mixture's change of schedule holds (None: no change)."""

@@ -417,21 +417,41 @@ class PackedSource(torch.utils.data.Dataset):
                 "cut_at_window_edges": edges / documents, "cut_in_rows": long / documents,
                 "split_to_fit": split / documents}
 
-    def _digest(self, **legacy: int) -> str:
-        layout = {"documents": self.documents.fingerprint(), "seq_len": self.seq_len, "mode": self.mode,
+    def _digest(self, documents: str, **legacy: int) -> str:
+        layout = {"documents": documents, "seq_len": self.seq_len, "mode": self.mode,
                   "rows_per_window": self.rows_per_window, "fill": self.fill, "seed": self.seed, **legacy,
                   "pad_id": self.pad_id}
         return hashlib.sha256(json.dumps(layout).encode()).hexdigest()[:16]
 
+    def _documents_of_earlier_release(self) -> str | None:
+        earlier = getattr(self.documents, "fingerprint_of_earlier_release", None)
+        return earlier() if callable(earlier) else None
+
     def fingerprint(self) -> str:
         """Digest of the documents' fingerprint and the packing's parameters, for the checkpoint manifest: the
-        same in every epoch (the rows of each epoch are a function of these and the epoch the loader saves)."""
-        return self._digest()
+        same in every epoch (the rows of each epoch are a function of these and the epoch the loader saves).
+        Documents that name their changed files (a TokenSource's tags) lend it their tags, to name them here too."""
+        documents = self.documents.fingerprint()
+        tags = documents.partition("-")[2] if hasattr(self.documents, "explain_fingerprint") else ""
+        return self._digest(documents) + (f"-{tags}" if tags else "")
+
+    def explain_fingerprint(self, saved: str) -> str | None:
+        """Which document files changed since a checkpoint of fingerprint `saved`, where the documents tell."""
+        explain = getattr(self.documents, "explain_fingerprint", None)
+        return explain(saved) if callable(explain) else None
+
+    def fingerprint_of_earlier_release(self) -> str | None:
+        """The fingerprint the previous release recorded, where the documents' differs (a TokenSource's held no
+        content then): such a checkpoint resumes as it would have there, with a warning."""
+        documents = self._documents_of_earlier_release()
+        return None if documents is None else self._digest(documents)
 
     def fingerprint_before_change(self) -> str:
         """The fingerprint a checkpoint of a release that packed every epoch with `epoch=` holds (it had the epoch
-        in it): such a checkpoint resumes here when its progress fits (`check_change`)."""
-        return self._digest(epoch=self.epoch)
+        in it, and the documents' fingerprint of then): such a checkpoint resumes here when its progress fits
+        (`check_change`)."""
+        documents = self._documents_of_earlier_release()
+        return self._digest(self.documents.fingerprint() if documents is None else documents, epoch=self.epoch)
 
     def check_change(self, progress: dict) -> None:
         """A checkpoint of an earlier release packed every epoch of the loader with `epoch=` E; this release packs

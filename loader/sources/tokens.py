@@ -42,6 +42,9 @@ _MEGATRON_DTYPES = {4: "int32", 8: "uint16"}  # megatron.core.datasets.indexed_d
 
 Files = str | os.PathLike | Sequence[str | os.PathLike]
 GATHER_ROWS = 8  # from this many samples of one file on, one strided gather beats a copy per sample
+DIGEST_BLOCK = 4096  # bytes per block a file's content digest reads
+DIGEST_BLOCKS = 1024  # blocks a fingerprint reads over all its files (4 MiB): 2 to 64 per file
+NAMED_GROUPS = 16  # a fingerprint carries a 4-hex tag per group of files (one file each up to 16), to name them
 
 
 class TokenFileError(ValueError):
@@ -53,6 +56,40 @@ def _file_state(path: str) -> tuple[int, int, int, int]:
     and a new hard link, refused too: nothing tells them apart without reading the whole file)."""
     st = os.stat(path)
     return (*file_state(st), st.st_ino, st.st_ctime_ns)
+
+
+def _content_digest(path: str, size: int, blocks: int) -> str:
+    """Digest of `blocks` evenly spaced blocks of a file, its first and last included (the whole file when that
+    is smaller): what a rewrite of the same size (other tokens, other document starts) changes, at a cost bounded
+    whatever the file's size: 64 reads of 4 KiB for the 8 GB offsets of 1e9 documents. A change confined to the
+    bytes between the blocks goes unseen (a stat would see it, but a copy of the files to another disk changes
+    every stat and must resume)."""
+    digest = hashlib.blake2b(digest_size=16)
+    positions = range(0, size, DIGEST_BLOCK) if size <= blocks * DIGEST_BLOCK else \
+        [k * (size - DIGEST_BLOCK) // (blocks - 1) for k in range(blocks)]
+    with open(path, "rb") as f:
+        for position in positions:
+            digest.update(os.pread(f.fileno(), DIGEST_BLOCK, position))
+    return digest.hexdigest()
+
+
+def _digest(layout: Any) -> str:
+    return hashlib.sha256(json.dumps(layout).encode("utf-8", "surrogateescape")).hexdigest()[:16]
+
+
+def _changed_files(saved: str, current: str, groups: Sequence[Sequence[str]]) -> str | None:
+    """The files of each group whose tag differs between two fingerprints of the form DIGEST-TAGS (`groups`: the
+    paths each tag of `current` covers), as a refusal names them; None where the tags do not tell."""
+    tags, mine = saved.partition("-")[2], current.partition("-")[2]
+    if len(tags) != len(mine) or len(mine) != 4 * len(groups):
+        return None
+    changed = [path for k, group in enumerate(groups) if tags[4 * k:4 * k + 4] != mine[4 * k:4 * k + 4]
+               for path in group]
+    if not changed:
+        return None
+    more = f" and {len(changed) - 3} more" if len(changed) > 3 else ""
+    return (f"{', '.join(changed[:3])}{more} changed since the checkpoint was saved (size or content: the tokens or "
+            "document offsets were rewritten), so its positions would name other samples")
 
 
 def _map_limit() -> int:
@@ -392,7 +429,7 @@ class TokenSource(torch.utils.data.Dataset):
             raise ValueError(f"{len(self._files)} token file(s) hold {self.tokens} tokens: too few for one sample of "
                              f"seq_len + 1 = {seq_len + 1}")
         _check_named_ids(self._files, eos_id, vocab_size)
-        self._documents = None
+        self._documents, self._fingerprint, self._groups = None, None, []
         if doc_offsets is not None:
             paths = _expand(doc_offsets, "offsets files")
             if len(paths) != len(self._files):
@@ -589,15 +626,41 @@ class TokenSource(torch.utils.data.Dataset):
     def __getitem__(self, index: int):
         return self.__getitems__([index])[0]
 
-    def fingerprint(self) -> str:
-        """Digest of the files' names and token counts, dtype, seq_len and document boundaries: a checkpoint of
-        another token stream is refused instead of resumed at the wrong samples."""
-        layout = {
+    def _layout(self) -> dict[str, Any]:
+        return {
             "files": [[os.path.basename(f.path), f.count] for f in self._files],
             "dtype": self._files[0].dtype.name, "seq_len": self.seq_len, "eos_id": self.eos_id,
             "doc_offsets": None if self._documents is None else [os.path.basename(d.path) for d in self._documents],
         }
-        return hashlib.sha256(json.dumps(layout).encode("utf-8", "surrogateescape")).hexdigest()[:16]
+
+    def fingerprint(self) -> str:
+        """DIGEST-TAGS: a digest of the files' names, token counts, sizes and sampled content (`_content_digest`:
+        at most 4 MiB read over all files), dtype, seq_len and document boundaries, and a 4-hex tag per group of
+        files (`NAMED_GROUPS`), so that a checkpoint of another token stream, or of files rewritten since, even in
+        the same size, is refused naming the files, instead of resumed at other samples. Computed once, after
+        checking that the files read are still the ones the source measured (never per batch)."""
+        if self._fingerprint is None:
+            mapped = [*self._files, *(d.starts for d in self._documents or ())]
+            blocks = max(2, min(64, DIGEST_BLOCKS // len(mapped)))
+            content = []
+            for file in mapped:
+                content.append([os.path.basename(file.path), file.state[0],
+                                _content_digest(file.path, file.state[0], blocks)])
+                file.check_unchanged()  # the content read is that of the file measured
+            groups = [g.tolist() for g in np.array_split(np.arange(len(mapped)), min(len(mapped), NAMED_GROUPS))]
+            tags = "".join(_digest([content[k] for k in group])[:4] for group in groups)
+            self._groups = [[mapped[k].path for k in group] for group in groups]
+            self._fingerprint = f"{_digest({**self._layout(), 'content': content})}-{tags}"
+        return self._fingerprint
+
+    def explain_fingerprint(self, saved: str) -> str | None:
+        """Which files changed since a checkpoint of fingerprint `saved` was taken, where its tags tell."""
+        return _changed_files(saved, self.fingerprint(), self._groups)
+
+    def fingerprint_of_earlier_release(self) -> str:
+        """The fingerprint releases before this one recorded (names, token counts, dtype, seq_len, document
+        boundaries; no content): their checkpoints resume as they would have there, with a warning."""
+        return _digest(self._layout())
 
     def __repr__(self) -> str:
         return (f"TokenSource({len(self._files)} files, {self.tokens} tokens, seq_len={self.seq_len}, {len(self)} "
