@@ -242,10 +242,11 @@ def check_dataset(saved: str | None, loader, where: str) -> None:
 
 def check_change(saved: str | None, loader, progress: dict) -> None:
     """A progress saved under the plan before the dataset's declared change (`saved`: its dataset fingerprint) must
-    have committed nothing the change moves (the dataset's `check_change`, a StateError otherwise)."""
+    have committed nothing the change moves (the dataset's `check_change`, given the loader's order, through which
+    committed positions name dataset indices; a StateError otherwise)."""
     before = _before_change(loader)
     if before is not None and saved == before:
-        loader.dataset.check_change(progress)
+        loader.dataset.check_change(progress, loader.resumable_sampler.order)
 
 
 # What a failed save or load raises: DCP's CheckpointException is a BaseException, which `except Exception` misses.
