@@ -484,8 +484,8 @@ class Mixture(torch.utils.data.Dataset):
             `schedule_pieces`): {"weights": [...], "windows": n} constant, {"from": [...], "to": [...],
             "windows": n} a linear ramp.
         amends, change_at: change the schedule (or weights) of a running job: `amends` is the plan it trained with
-            (`MixturePlan.load` of the saved mixture.json), `change_at` a position at or after everything it
-            committed. Windows before the first whole window from `change_at` keep the old plan (refused when
+            (`MixturePlan.load` of the saved mixture.json), `change_at` a position after every mixture position it
+            trained (under a shuffled loader order those are spread over the whole epoch: `check_change`). Windows before the first whole window from `change_at` keep the old plan (refused when
             none follows), the rest follow the new one, each source's draws running on; the plan records the
             change (`plan.changes`), and a checkpoint saved under the old plan resumes (anything else about the
             mixture must stay the same).
