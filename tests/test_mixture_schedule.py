@@ -3,6 +3,8 @@ explicit change of schedule in a running job that keeps the past and repeats or 
 
 import json
 import math
+import re
+from collections import Counter
 from fractions import Fraction
 
 import numpy as np
@@ -11,12 +13,13 @@ import torch
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from loader import ResumableDataLoader
+from loader import ResumableDataLoader, merge_states
 from loader.checkpoint.publish import CheckpointError
-from loader.checkpoint.save import load_checkpoint, save_checkpoint
+from loader.checkpoint.save import check_change, load_checkpoint, save_checkpoint
+from loader.core.state import StateError
 from loader.sources import Mixture, MixturePlan
 from loader.sources import mixture as mixture_module
-from tests.test_mixture import Tagged
+from tests.test_mixture import Tagged, mixture
 
 
 def scheduled(lengths, schedule, num_samples, seed=0, **kw):
@@ -295,3 +298,123 @@ def test_the_audit_shows_the_change_and_every_sample_once_across_it_at_another_w
     assert cli(["audit", str(tmp_path), "--mixture", str(tmp_path / "mixture.json")]) == 0
     out = capsys.readouterr().out
     assert "mixture schedule changed at position 30 (window 3)" in out and "every sample exactly once" in out
+
+
+def shuffled_run(mix):
+    model = torch.nn.Linear(1, 1)
+    return dict(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                loader=ResumableDataLoader(mix, batch_size=10, shuffle=True, seed=0))
+
+
+def serve(loader, batches=None):
+    """The samples (their values) of the next `batches` batches, or to the end of the epoch."""
+    it = iter(loader)
+    return [int(v) for _, (batch,) in zip(range(batches or len(loader.dataset)), it) for v in batch]
+
+
+def test_a_change_under_a_shuffled_loader_order_is_refused_where_it_would_rename_trained_positions(tmp_path):
+    """Issue 29's repro: 20 batches of a shuffled order commit positions spread over the whole mixture, so a change
+    from position 200 renamed trained ones (101 of 2,000 samples served twice, silently). Refused, naming why and
+    the change_at that fits; that one, and a change from the checkpoint at the epoch's end, serve every sample
+    once."""
+    src = [torch.utils.data.TensorDataset(torch.arange(10000) + 100000 * k) for k in range(2)]
+    old = Mixture(src, [0.5, 0.5], 2000, seed=0, window=10)
+    run = shuffled_run(old)
+    served = serve(run["loader"], 20)
+    path = save_checkpoint(tmp_path / "mid", 20, **run)
+    with pytest.raises(CheckpointError, match=r"the schedule change begins at position 200 \(window 20\), but epoch "
+                                              r"0 committed positions of the loader's shuffled order that hold "
+                                              r"mixture positions up to 1989 under the old plan: pass change_at >= "
+                                              r"1990. A Mixture interleaves .* shuffle=False"):
+        load_checkpoint(path, **shuffled_run(Mixture(src, [0.9, 0.1], 2000, seed=0, window=10, amends=old.plan,
+                                                     change_at=200)))
+    late = Mixture(src, [0.9, 0.1], 2000, seed=0, window=10, amends=old.plan, change_at=1990)
+    resumed = shuffled_run(late)
+    assert load_checkpoint(path, **resumed) == 20
+    served += serve(resumed["loader"])
+    assert sorted(served) == sorted(int(late[p][0]) for p in range(2000)) and len(set(served)) == 2000
+    assert late[1995] != old[1995]  # the change applied where nothing was trained
+    end = save_checkpoint(tmp_path / "end", 200, **resumed)
+    new = Mixture(src, [0.9, 0.1], 2000, seed=0, window=10, amends=late.plan, change_at=200)
+    changed = shuffled_run(new)
+    assert load_checkpoint(end, **changed) == 200  # at an epoch's end, any change_at fits
+    epoch_1 = serve(changed["loader"])
+    assert sorted(epoch_1) == sorted(int(new[p][0]) for p in range(2000)) and len(set(epoch_1)) == 2000
+    assert sum(v < 100000 for v in epoch_1) == 200 // 2 + 1800 * 9 // 10  # the new weights from position 200
+
+
+def ranks_of(mix, world, shuffle=True, batch_size=10):
+    return [ResumableDataLoader(mix, batch_size=batch_size, shuffle=shuffle, seed=3, rank=r, world_size=world,
+                                collate_fn=list) for r in range(world)]
+
+
+def deliver(loader, batches=None):
+    """(mixture position, sample) of the next `batches` batches of `loader`, or to the end of its epoch."""
+    out = []
+    for _, batch in zip(range(len(loader.dataset) if batches is None else batches), loader):
+        out += zip(loader.last_indices().tolist(), batch)
+    return out
+
+
+def resumed_or_refused(old, new, state, world, shuffle, batch_size):
+    """What `resume` does with a state saved under `old` (check_change, then each rank's load_state_dict): None
+    when refused, else what the `world` ranks of `new` deliver to the end of the epoch."""
+    ranks = ranks_of(new, world, shuffle, batch_size)
+    check_change(old.fingerprint(), ranks[0], state)
+    for loader in ranks:
+        loader.load_state_dict(state)
+    return [pair for loader in ranks for pair in deliver(loader)]
+
+
+def test_a_change_after_a_shuffled_resize_with_unequal_consumption_is_refused_or_serves_every_sample_once():
+    """Issue 29's repro after a 2 -> 3 resize (78 samples served twice): two ranks that consumed different amounts,
+    merged; the change at 200 is refused naming the change_at that fits (one past the last trained mixture
+    position), which three ranks then finish with every position once and every sample of the new plan once."""
+    src = [torch.utils.data.TensorDataset(torch.arange(10000) + 100000 * k) for k in range(2)]
+    old = Mixture(src, [0.5, 0.5], 2000, seed=0, window=10)
+    two = ranks_of(old, 2)
+    trained = deliver(two[0], 10) + deliver(two[1], 7)
+    state = merge_states([loader.state_dict() for loader in two], uneven=True)
+    last = max(p for p, _ in trained)
+    new = Mixture(src, [0.9, 0.1], 2000, seed=0, window=10, amends=old.plan, change_at=200)
+    with pytest.raises(StateError, match=r"begins at position 200 .* epoch 0 committed positions of the loader's "
+                                         rf"shuffled order that hold mixture positions up to {last} under the old "
+                                         rf"plan: pass change_at >= {last + 1}\."):
+        resumed_or_refused(old, new, state, 3, True, 10)
+    late = Mixture(src, [0.9, 0.1], 2000, seed=0, window=10, amends=old.plan, change_at=last + 1)
+    served = trained + resumed_or_refused(old, late, state, 3, True, 10)
+    assert sorted(p for p, _ in served) == list(range(2000))
+    values = [int(sample[0]) for _, sample in served]
+    assert sorted(values) == sorted(int(late[p][0]) for p in range(2000)) and len(set(values)) == 2000
+
+
+@settings(max_examples=25, deadline=None)
+@given(data=st.data())
+def test_a_change_is_exact_or_refused_under_any_order_and_world_sizes(data):
+    """The model counts every sample: ranks at one world size consume unequal amounts under the old weights, the
+    weights change at change_at, ranks at another world size finish the epoch. Refused exactly when a trained
+    mixture position lies at or after the change's first window, naming one past the last as the change_at that
+    fits (or none, when no whole window follows it); else every position is served once, and the samples are
+    those of the changed plan, each once (a source epoch that runs out continues in its next)."""
+    shuffle = data.draw(st.booleans(), label="shuffle")
+    before, after = data.draw(st.integers(1, 3), label="before"), data.draw(st.integers(1, 3), label="after")
+    window = data.draw(st.integers(3, 6), label="window")
+    n = data.draw(st.integers(window + 1, 90), label="num_samples")
+    lengths = data.draw(st.lists(st.integers(3, 40), min_size=2, max_size=2), label="lengths")
+    old = mixture(lengths, [1, 2], n, window=window)
+    ranks = ranks_of(old, before, shuffle, batch_size=2)
+    batches = st.one_of(st.integers(0, 2), st.integers(0, n // (2 * before)))  # few: a shuffled order can fit
+    trained = [pair for loader in ranks for pair in deliver(loader, data.draw(batches, label="batches"))]
+    state = merge_states([loader.state_dict() for loader in ranks], uneven=True)
+    last, latest = max((p for p, _ in trained), default=-1), (n - 1) // window * window
+    change_at = data.draw(st.integers(0, latest) | st.integers(min(last + 1, latest), latest), label="change_at")
+    new = mixture(lengths, [2, 1], n, window=window, amends=old.plan, change_at=change_at)
+    if last >= -(-change_at // window) * window:
+        fits = -(-(last + 1) // window) * window < n
+        with pytest.raises(StateError, match=rf"up to {last} under the old plan: " + (
+                rf"pass change_at >= {last + 1}" if fits else r"no change_at fits before epoch 0 ends")):
+            resumed_or_refused(old, new, state, after, shuffle, 2)
+        return
+    served = trained + resumed_or_refused(old, new, state, after, shuffle, 2)
+    assert sorted(p for p, _ in served) == list(range(n))
+    assert Counter(sample for _, sample in served) == Counter(new[p] for p in range(n))

@@ -9,9 +9,12 @@ from hypothesis import strategies as st
 
 from loader import ResumableDataLoader
 from loader.core.checks import MAX_SAMPLES
+from loader.core import order as order_module
 from loader.core.order import (
-    Lanes, Order, _halves, block_sizes_for_window, epoch_round_keys, permute, sample_seed, window_arrangements,
+    SHUFFLE_MODES, Lanes, Order, _halves, block_sizes_for_window, epoch_round_keys, permute, sample_seed,
+    window_arrangements,
 )
+from loader.core.progress import spans_of
 from tests.conftest import IndexDataset
 
 
@@ -235,3 +238,24 @@ def test_a_state_saved_with_lanes_needs_the_same_lanes():
     ResumableDataLoader(IndexDataset(40), lanes=4, **kw).load_state_dict(state)
     with pytest.raises(ValueError, match="lane_chunk needs lanes="):
         ResumableDataLoader(IndexDataset(40), lane_chunk=2, **kw)
+
+
+@settings(max_examples=60, deadline=None)
+@given(n=st.integers(1, 400), shuffle=st.sampled_from(SHUFFLE_MODES), lanes=st.none() | st.integers(1, 4),
+       seed=st.integers(0, 2**40), epoch=st.integers(0, 3), scan=st.integers(1, 50), data=st.data())
+def test_last_index_of_positions_is_the_largest_index_they_hold_from_at(n, shuffle, lanes, seed, epoch, scan, data):
+    """Both ways of finding it (the positions forward when they are fewer, the indices from the end backwards
+    otherwise), over several SCAN steps, against the largest index of the positions mapped one by one."""
+    blocks = block_sizes_for_window(n, data.draw(st.integers(1, n), label="block")) if shuffle == "blocks" else None
+    order = Order(n, seed, shuffle, blocks, None if lanes is None else Lanes(lanes, 2)).for_epoch(epoch)
+    positions = data.draw(st.lists(st.integers(0, n - 1), max_size=n), label="positions")
+    at = data.draw(st.integers(0, n - 1), label="at")
+    spans = spans_of(positions)
+    held = [int(order(np.array([p]))[0]) for p in positions]
+    expected = max((i for i in held if i >= at), default=None)
+    original = order_module.SCAN
+    order_module.SCAN = scan
+    try:
+        assert order.last_index(spans, at) == expected
+    finally:
+        order_module.SCAN = original

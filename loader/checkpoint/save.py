@@ -253,11 +253,12 @@ def check_dataset(saved: str | None, loader, where: str) -> None:
 
 def check_change(saved: str | None, loader, progress: dict) -> None:
     """A progress saved under the plan before the dataset's declared change (`saved`: its dataset fingerprint) must
-    have committed nothing the change moves (the dataset's `check_change`, a StateError otherwise); one saved with
-    the previous release's fingerprint resumes with a warning that says what was not checked."""
+    have committed nothing the change moves (the dataset's `check_change`, given the loader's order, through which
+    committed positions name dataset indices; a StateError otherwise); one saved with the previous release's
+    fingerprint resumes with a warning that says what was not checked."""
     before = _before_change(loader)
     if before is not None and saved == before:
-        loader.dataset.check_change(progress)
+        loader.dataset.check_change(progress, loader.resumable_sampler.order)
     elif saved is not None and saved == _of_earlier_release(loader) != dataset_fingerprint(loader):
         warnings.warn(
             f"the checkpoint holds the dataset fingerprint of an earlier release ({saved}), which covered the token "

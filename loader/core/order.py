@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from loader.core.checks import check_num_samples, check_positive_int
+from loader.core.progress import contains, total
 
 ROUNDS = 6
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
@@ -33,6 +34,7 @@ _SALT_WINDOWS = 0x77696E646F7773
 _SALT_WORKERS = 0x776F726B657273
 
 SHUFFLE_MODES = ("none", "global", "blocks")
+SCAN = 1 << 16  # positions mapped per step of `EpochOrder.last_index`: its memory stays bounded at any N
 ORDER_VERSION = 2  # bumped whenever the same (seed, epoch, position) would give another index: saved positions
 # mean the same samples only under the version that saved them (1: halves of ceil(sqrt N); 2: best-fitting halves)
 
@@ -367,3 +369,32 @@ class EpochOrder:
                             keys, inverse=True).astype(np.int64)
             positions = self._block_offsets[slot[block]] + inner
         return positions if order.lanes is None else order.lanes.outer(positions, order.num_samples)
+
+    def last_index(self, spans: np.ndarray, at: int = 0) -> int | None:
+        """The largest dataset index >= `at` at the positions `spans` (normalized intervals) hold; None: none.
+
+        Why not O(#intervals): a shuffled order spreads an interval of positions over the whole dataset, and only
+        mapping them bounds its largest index. Two scans take turns, SCAN evaluations of the order a turn (bounded
+        memory): the positions forward (done: their largest index), and the indices from N - 1 down, backwards
+        (the first one found at a position inside `spans` is the answer; none down to `at`: None). So at most
+        2 min(positions in spans, N - at) evaluations, and when the answer is not None, ~N / (positions in spans)
+        under a keyed shuffle. O(1) for the identity order."""
+        n = self.order.num_samples
+        if not len(spans):
+            return None
+        if self.order.shuffle == "none" and self.order.lanes is None:
+            return int(spans[-1, 1]) - 1 if spans[-1, 1] > at else None
+        forward = ((low, min(low + SCAN, high)) for start, high in spans.tolist() for low in range(start, high, SCAN))
+        backward = ((max(at, top - SCAN), top) for top in range(n, at, -SCAN))
+        last = -1
+        while True:
+            step = next(forward, None)
+            if step is None:
+                return last if last >= at else None
+            last = max(last, int(self(np.arange(*step)).max()))
+            step = next(backward, None)
+            if step is None:
+                return None
+            inside = np.nonzero(contains(spans, self.positions_of(np.arange(*step))))[0]
+            if len(inside):
+                return step[0] + int(inside[-1])

@@ -53,6 +53,14 @@ def difference(intervals: np.ndarray, other: np.ndarray, n: int) -> np.ndarray:
     return complement(union(complement(intervals, n), other), n)
 
 
+def contains(intervals: np.ndarray, positions: np.ndarray) -> np.ndarray:
+    """Per position, whether a normalized interval set holds it: a binary search each, O(log #intervals)."""
+    after = np.searchsorted(intervals[:, 1], positions, side="right")  # the first interval ending after it
+    inside = after < len(intervals)
+    inside[inside] = positions[inside] >= intervals[after[inside], 0]
+    return inside
+
+
 def spans_of(positions) -> np.ndarray:
     """Positions as intervals: a range of step 1 in O(1) (range(0, 10**12) is one interval), else any integers."""
     if isinstance(positions, range) and positions.step == 1:

@@ -19,7 +19,7 @@ import numpy as np
 from loader.core.checks import check_rank, is_int
 from loader.core.order import EpochOrder, Order
 from loader.core.partition import EpochPlan, Layout
-from loader.core.progress import EMPTY, Remaining, difference, spans_of, union, whole
+from loader.core.progress import EMPTY, Remaining, contains, difference, spans_of, union, whole
 from loader.core.state import (MAX_EPOCHS_AHEAD, Progress, RankProgress, base_digest, check_fingerprint, merge,
                                 progress_of, rank_state, short)
 
@@ -364,10 +364,7 @@ def _positions_of(order: EpochOrder, committed: np.ndarray, indices) -> np.ndarr
         raise ValueError(f"skip(indices=...): dataset indices must be in [0, {n}) (epoch {order.epoch}'s dataset), "
                          f"got {short(indices)}")
     positions = order.positions_of(ids)
-    after = np.searchsorted(committed[:, 1], positions, side="right")  # the first committed interval ending after
-    inside = after < len(committed)
-    inside[inside] = positions[inside] >= committed[after[inside], 0]
-    taken = ids[inside]
+    taken = ids[contains(committed, positions)]
     if len(taken):
         raise ValueError(f"skip(indices=...): dataset indices {short(taken.tolist())} of epoch {order.epoch} are "
                          f"already committed (trained, or skipped before): skip indices not committed yet")

@@ -39,9 +39,9 @@ import torch
 import torch.utils.data
 
 from loader.core.checks import MAX_SAMPLES, check_num_samples, check_positive_int, is_int
-from loader.core.order import ORDER_VERSION, epoch_round_keys, permute, window_arrangements
+from loader.core.order import ORDER_VERSION, Order, epoch_round_keys, permute, window_arrangements
 from loader.core.rows import Rows
-from loader.core.state import StateError, progress_of
+from loader.core.state import StateError, check_fingerprint, progress_of
 from loader.sources.tokens import TokenSource
 
 __all__ = ["MAX_WINDOW", "Mixture", "MixturePlan", "Piece", "schedule_pieces", "window_counts"]
@@ -484,8 +484,8 @@ class Mixture(torch.utils.data.Dataset):
             `schedule_pieces`): {"weights": [...], "windows": n} constant, {"from": [...], "to": [...],
             "windows": n} a linear ramp.
         amends, change_at: change the schedule (or weights) of a running job: `amends` is the plan it trained with
-            (`MixturePlan.load` of the saved mixture.json), `change_at` a position at or after everything it
-            committed. Windows before the first whole window from `change_at` keep the old plan (refused when
+            (`MixturePlan.load` of the saved mixture.json), `change_at` a position after every mixture position it
+            trained (under a shuffled loader order those are spread over the whole epoch: `check_change`). Windows before the first whole window from `change_at` keep the old plan (refused when
             none follows), the rest follow the new one, each source's draws running on; the plan records the
             change (`plan.changes`), and a checkpoint saved under the old plan resumes (anything else about the
             mixture must stay the same).
@@ -683,19 +683,34 @@ class Mixture(torch.utils.data.Dataset):
         """The fingerprint a checkpoint saved before this mixture's change of schedule holds (None: no change)."""
         return None if self.amends is None else self.fingerprint(self.amends)
 
-    def check_change(self, progress: dict) -> None:
-        """A progress saved before the change must have committed nothing at or after the change's first window:
-        those positions were trained under the old plan, and the new one would name other samples there."""
+    def check_change(self, progress: dict, order: Order) -> None:
+        """A progress saved before the change must have trained nothing at or after the change's first window:
+        those positions were trained under the old plan, and the new one names other samples there. It commits
+        positions of the loader's `order`, which hold mixture positions through it: under a shuffled order, spread
+        over the whole mixture (`EpochOrder.last_index` finds the last one, in bounded memory)."""
         if self.amends is None or not self.plan.changes or self.plan.changes[-1] in self.amends.changes:
             return
         at = self.plan.changes[-1] * self.window
         saved = progress_of(progress)
+        check_fingerprint(saved.fingerprint, order.fingerprint(), "the loader progress")
+        shuffled = order.shuffle != "none" or order.lanes is not None
         for epoch, spans in sorted(saved.committed.items()):  # epochs finished before it served the old plan whole
-            if spans[-1, 1] > at:
-                raise StateError(
-                    f"the schedule change begins at position {at} (window {at // self.window}), but epoch {epoch} "
-                    f"committed positions up to {int(spans[-1, 1]) - 1} under the old plan: pass change_at >= "
-                    f"{int(spans[-1, 1])}")
+            last = order.for_epoch(epoch).last_index(spans, at)
+            if last is None:
+                continue
+            held = f"positions of the loader's shuffled order that hold mixture positions up to {last}" if shuffled \
+                else f"positions up to {last}"
+            if -(-(last + 1) // self.window) * self.window < len(self):
+                advice = f"pass change_at >= {last + 1}"
+            else:
+                advice = (f"no change_at fits before epoch {epoch} ends: finish it under the old plan (resume with the "
+                          f"mixture it trained with) and change from a checkpoint saved at its end, where any "
+                          f"change_at fits")
+            if shuffled:
+                advice += (". A Mixture interleaves its sources by itself: in a loader with shuffle=False (and no "
+                           "lanes) a change from just after what was committed fits")
+            raise StateError(f"the schedule change begins at position {at} (window {at // self.window}), but epoch "
+                             f"{epoch} committed {held} under the old plan: {advice}")
 
     def __getstate__(self) -> dict:
         return {**self.__dict__, "_cache": OrderedDict(), "_lists": _NO_LISTS}

@@ -34,7 +34,7 @@ import torch
 import torch.utils.data
 
 from loader.core.checks import check_positive_int
-from loader.core.order import sample_seed, window_arrangements
+from loader.core.order import Order, sample_seed, window_arrangements
 from loader.core.state import StateError, progress_of
 
 __all__ = ["MODES", "ArrowDocuments", "Documents", "PackedSource", "label_mask", "pack", "row_metadata"]
@@ -453,10 +453,11 @@ class PackedSource(torch.utils.data.Dataset):
         documents = self._documents_of_earlier_release()
         return self._digest(self.documents.fingerprint() if documents is None else documents, epoch=self.epoch)
 
-    def check_change(self, progress: dict) -> None:
+    def check_change(self, progress: dict, order: Order) -> None:
         """A checkpoint of an earlier release packed every epoch of the loader with `epoch=` E; this release packs
         loader epoch k with k. Its positions name the same rows only in epoch E: progress committed in another
-        epoch would name other rows here (tokens trained twice or never), so it is refused."""
+        epoch would name other rows here (tokens trained twice or never), so it is refused, whatever the loader's
+        `order` (any committed position of another epoch holds a row that moved)."""
         saved = progress_of(progress)
         moved = sorted(e for e, spans in saved.committed.items() if e != self.epoch and len(spans))
         if moved:
