@@ -666,6 +666,7 @@ class ResumableDataLoader(DataLoader[T_co]):
                 self._publish_update()
             if self.ledger is not None:
                 self.ledger.record(self.epoch, self.last_indices(), self.update_complete)
+                self._record_end()
         monitor = self.monitor
         if monitor.count_bytes:
             monitor.bytes += batch_nbytes(batch)
@@ -689,6 +690,7 @@ class ResumableDataLoader(DataLoader[T_co]):
                 self._publish_update()
             if self.ledger is not None:
                 self.ledger.record_failed(self.epoch, failed, self.update_complete)
+                self._record_end()
         now = perf_counter()
         if self.monitor.failed(now if started is None else started, now, samples):
             self._stalled()
@@ -753,7 +755,15 @@ class ResumableDataLoader(DataLoader[T_co]):
                 f"iterator cannot go on. Nothing is skipped: take a new iter(), which continues after the last "
                 f"delivered batch"
             ) from None
+        if self.ledger is not None:  # a pass with nothing left (fewer samples than ranks, a resumed end) ends it too
+            self._record_end()
         self._end_pass()
+
+    def _record_end(self) -> None:
+        """Tell the ledger when this rank's share of the epoch is all handed out: the audit learns the epoch's end
+        from the loader, in every flow, without a call of the training loop's."""
+        if self.resumable_sampler.exhausted:
+            self.ledger.record_end(self)
 
     def peek(self) -> Any:
         """The batch the next delivery will hand out, loaded here in this process and not counted: for looking at

@@ -1,8 +1,13 @@
 """`python -m loader audit RUN_DIR`: per epoch, was every sample seen exactly once across all restarts?
 
 Reads the identity ledger (`loader.checkpoint.ledger`) of a run, across generations and world sizes. An epoch is finished
-when its dropped-by-policy record exists; for an epoch still in progress only duplicates can be judged. With a
-`Grouping` (e.g. the sources of a mixture), each epoch also gets one row per group.
+when the ledger records its end (`read_run`), or when nothing of it is left unseen; for an epoch still in progress
+only duplicates can be judged. With a `Grouping` (e.g. the sources of a mixture), each epoch also gets one row per
+group.
+
+Memory follows what the ledger recorded, not the dataset's length N: the records (8 bytes an index, as on disk), the
+sorted distinct indices of one epoch at a time, and the samples never seen kept as intervals. A ledger of a few
+records of an N = 10**9 dataset is audited in a few MB; a whole epoch of N = 10**9 needs about 3 x 8 GB.
 """
 
 from __future__ import annotations
@@ -15,7 +20,8 @@ from typing import Callable, Iterator, Sequence
 
 import numpy as np
 
-from loader.checkpoint.ledger import Record, read_dropped, read_ledger
+from loader.checkpoint.ledger import LedgerError, Record, read_run
+from loader.core.progress import EMPTY, complement, spans_of, total
 
 GROUP_CHUNK = 1 << 18  # indices grouped per call: bounds the memory a grouping function may take
 
@@ -45,12 +51,60 @@ class GroupAudit:
 
 
 @dataclass(frozen=True)
+class Unseen:
+    """Indices no counted step delivered, as intervals: a finished epoch's skipped samples may be most of a dataset
+    of billions, which an array of them would hold in memory."""
+
+    spans: np.ndarray  # sorted, disjoint [start, stop) intervals
+
+    def __len__(self) -> int:
+        return total(self.spans)
+
+    def chunks(self, size: int) -> Iterator[np.ndarray]:
+        """The indices in increasing order, at most `size` at a time."""
+        for start, stop in self.spans.tolist():
+            for low in range(start, stop, size):
+                yield np.arange(low, min(low + size, stop), dtype=np.int64)
+
+    def head(self, count: int) -> np.ndarray:
+        """The first `count` indices."""
+        taken = []
+        for chunk in self.chunks(max(count, 1)):
+            if count <= 0:
+                break
+            taken.append(chunk[:count])
+            count -= len(taken[-1])
+        return np.concatenate(taken + [np.zeros(0, np.int64)])
+
+    def tolist(self) -> list[int]:
+        return [i for chunk in self.chunks(GROUP_CHUNK) for i in chunk.tolist()]
+
+
+@dataclass(frozen=True)
+class EpochTally:
+    """What the counted records of one epoch delivered: each distinct index and how often, and the failed ones."""
+
+    epoch: int
+    delivered: np.ndarray  # sorted distinct indices of the delivered batches
+    times: np.ndarray  # how often each was delivered
+    failed: np.ndarray  # sorted distinct indices of the batches that failed to load
+
+    @property
+    def once(self) -> np.ndarray:
+        return self.delivered[self.times == 1]
+
+    @property
+    def duplicated(self) -> np.ndarray:
+        return self.delivered[self.times > 1]
+
+
+@dataclass(frozen=True)
 class EpochAudit:
     epoch: int
     expected: int
     finished: bool
     seen_once: int
-    skipped: np.ndarray
+    skipped: Unseen  # of a finished epoch; an unfinished one's unseen are not yet seen, not skipped
     duplicated: np.ndarray
     dropped: int
     failed: np.ndarray  # samples of batches whose loading raised: consumed, never trained, never served again
@@ -70,72 +124,74 @@ class EpochAudit:
                 - len(self.requested) + len(self.served_anyway))
 
 
-def _by_group(grouping: Grouping, counts: np.ndarray, **offending: np.ndarray) -> tuple[GroupAudit, ...]:
-    """Each group's expected and seen-once counts (all indices, in chunks) and its share of the offending ones."""
+def _by_group(grouping: Grouping, num_samples: int, once: np.ndarray, skipped: Unseen,
+              **offending: np.ndarray) -> tuple[GroupAudit, ...]:
+    """Each group's expected count (all indices, in chunks), and its share of those seen once and the offending."""
     size = len(grouping.names)
 
-    def tally(indices: np.ndarray) -> np.ndarray:
+    def tally_of(indices: np.ndarray) -> np.ndarray:
         return np.bincount(grouping.of(indices), minlength=size) if len(indices) else np.zeros(size, np.int64)
 
-    expected, seen_once = np.zeros(size, np.int64), np.zeros(size, np.int64)
-    for low in range(0, len(counts), GROUP_CHUNK):
-        indices = np.arange(low, min(low + GROUP_CHUNK, len(counts)))
-        expected += tally(indices)
-        seen_once += tally(indices[counts[indices] == 1])
-    kinds = ("skipped", "duplicated", "dropped", "failed", "requested")
-    columns = zip(expected, seen_once, *(tally(offending[k]) for k in kinds))
+    def chunked(chunks: Iterator[np.ndarray]) -> np.ndarray:
+        return sum((tally_of(chunk) for chunk in chunks), np.zeros(size, np.int64))
+
+    expected = chunked(Unseen(np.array([[0, num_samples]], np.int64)).chunks(GROUP_CHUNK))
+    seen_once = chunked(np.array_split(once, max(1, -(-len(once) // GROUP_CHUNK))))
+    columns = zip(expected, seen_once, chunked(skipped.chunks(GROUP_CHUNK)),
+                  *(tally_of(offending[k]) for k in ("duplicated", "dropped", "failed", "requested")))
     return tuple(GroupAudit(name, *map(int, row)) for name, row in zip(grouping.names, columns))
 
 
-def tally(records: list[Record], epochs, num_samples: int) -> Iterator[tuple[int, np.ndarray, np.ndarray]]:
-    """Per epoch (those of the records and `epochs`, in order): how many times the records delivered each index, and
-    the indices of the batches that failed to load."""
+def tally(records: list[Record], epochs) -> Iterator[EpochTally]:
+    """Per epoch (those of the records and `epochs`, in order): the distinct indices the records delivered and how
+    often, and the indices of the batches that failed to load. One epoch's indices in memory at a time."""
     per_epoch: dict[int, list[np.ndarray]] = defaultdict(list)
     failed_per_epoch: dict[int, list[np.ndarray]] = defaultdict(list)
     for record in records:
         (failed_per_epoch if record.failed else per_epoch)[record.epoch].append(record.indices)
     for epoch in sorted(set(per_epoch) | set(epochs) | set(failed_per_epoch)):
-        counts = np.bincount(np.concatenate(per_epoch[epoch] + [np.zeros(0, np.int64)]), minlength=num_samples)
-        yield epoch, counts, np.unique(np.concatenate(failed_per_epoch[epoch] + [np.zeros(0, np.int64)]))
+        delivered, times = np.unique(np.concatenate(per_epoch.pop(epoch, []) + [np.zeros(0, np.int64)]),
+                                     return_counts=True)
+        failed = np.unique(np.concatenate(failed_per_epoch.pop(epoch, []) + [np.zeros(0, np.int64)]))
+        yield EpochTally(epoch, delivered, times, failed)
 
 
 def audit(run_dir, grouping: Grouping | None = None) -> list[EpochAudit]:
-    records, dropped, num_samples = read_ledger(run_dir)
-    if grouping is not None and grouping.num_samples != num_samples:
-        raise ValueError(f"the grouping describes a dataset of {grouping.num_samples} samples, the ledger of {run_dir} "
-                         f"one of {num_samples}: pass the one this run trained on")
-    return audit_records(records, dropped, num_samples, grouping, read_dropped(run_dir, "skipped"))
+    """The audit of a run's ledger; raises FileNotFoundError (no ledger) or LedgerError (a file unreadable or
+    inconsistent, named with its field) before judging anything."""
+    run = read_run(run_dir)
+    if grouping is not None and grouping.num_samples != run.num_samples:
+        raise LedgerError(f"the grouping describes a dataset of {grouping.num_samples} samples, the ledger of {run_dir} "
+                         f"one of {run.num_samples}: pass the one this run trained on")
+    return audit_records([r for r in run.records if r.counted], run.dropped, run.num_samples, grouping, run.requested)
 
 
 def audit_records(records: list[Record], dropped: dict[int, np.ndarray], num_samples: int,
                   grouping: Grouping | None = None, requested: dict[int, np.ndarray] | None = None) -> list[EpochAudit]:
-    """The audit of the records that count (`read_ledger`'s), with the indices skipped on request per epoch."""
+    """The audit of the records that count (`read_ledger`'s), with the indices skipped on request per epoch. An
+    epoch is finished when `dropped` lists it, or when nothing of it is left unseen (none can be skipped then)."""
     report, requested = [], requested or {}
-    for epoch, counts, failed in tally(records, set(dropped) | set(requested), num_samples):
-        finished = epoch in dropped
-        asked = np.unique(requested.get(epoch, np.zeros(0, np.int64)))
-        unseen = np.ones(num_samples, dtype=bool)
-        unseen[counts > 0] = False
-        unseen[failed] = False
-        unseen[asked] = False
-        if finished:
-            unseen[dropped[epoch]] = False
-        skipped = np.nonzero(unseen)[0] if finished else np.zeros(0, np.int64)
-        duplicated, dropped_here = np.nonzero(counts > 1)[0], dropped.get(epoch, np.zeros(0, np.int64))
-        groups = () if grouping is None else _by_group(grouping, counts, skipped=skipped, duplicated=duplicated,
-                                                       dropped=dropped_here, failed=failed, requested=asked)
+    for t in tally(records, set(dropped) | set(requested)):
+        asked = np.unique(requested.get(t.epoch, np.zeros(0, np.int64)))
+        dropped_here = np.unique(dropped.get(t.epoch, np.zeros(0, np.int64)))
+        unseen = complement(spans_of(np.concatenate((t.delivered, t.failed, asked, dropped_here))), num_samples)
+        finished = t.epoch in dropped or not len(unseen)
+        skipped = Unseen(unseen if finished else EMPTY)
+        once, duplicated = t.once, t.duplicated
+        groups = () if grouping is None else _by_group(grouping, num_samples, once, skipped, duplicated=duplicated,
+                                                       dropped=dropped_here, failed=t.failed, requested=asked)
         report.append(EpochAudit(
-            epoch=epoch,
+            epoch=t.epoch,
             expected=num_samples,
             finished=finished,
-            seen_once=int((counts == 1).sum()),
+            seen_once=len(once),
             skipped=skipped,
             duplicated=duplicated,
             dropped=len(dropped_here),
-            failed=failed,
+            failed=t.failed,
             groups=groups,
             requested=asked,
-            served_anyway=asked[counts[asked] > 0],
+            served_anyway=np.intersect1d(asked, t.delivered, assume_unique=True),
         ))
     return report
 
@@ -153,8 +209,9 @@ def by_epoch(describe: Callable[..., str]) -> Callable[[int, int], str]:
     return lambda index, epoch: describe(index)
 
 
-def _listed(indices: np.ndarray, limit: int, describe: Callable[[int, int], str], epoch: int) -> str:
-    shown = ", ".join(describe(i, epoch) for i in indices[:limit].tolist())
+def _listed(indices: np.ndarray | Unseen, limit: int, describe: Callable[[int, int], str], epoch: int) -> str:
+    first = indices.head(limit) if isinstance(indices, Unseen) else indices[:limit]
+    shown = ", ".join(describe(i, epoch) for i in first.tolist())
     return shown + (f", ... ({len(indices)} in all)" if len(indices) > limit else "")
 
 
@@ -163,7 +220,8 @@ EXIT_STATUSES = f"""exit statuses:
   {EXACTLY_ONCE}: every epoch finished, every sample exactly once (failed-to-load and skipped-on-request samples
      listed, not trained)
   {FAILED}: a sample was skipped or duplicated
-  {NO_LEDGER}: no ledger to audit (no such directory, or a run without a Ledger attached)
+  {NO_LEDGER}: no ledger to audit (no such directory, a run without a Ledger attached), or an input that cannot
+     be read or contradicts the rest (the file and field named on stderr)
   {UNFINISHED}: an epoch unfinished, nothing duplicated so far (the job stopped mid-epoch, or is still running)"""
 
 
@@ -171,11 +229,12 @@ def main(run_dir: str, limit: int = 20, describe: Callable[..., str] = str, grou
     """Print the audit; `describe` names a sample (e.g. by its shard and key; with an `epoch` parameter, as the
     sample was in that epoch, e.g. a packed row: see `by_epoch`), `grouping` adds a row per group (e.g.
     per source of a mixture) under each epoch's. Returns the exit status: EXACTLY_ONCE (every epoch finished, every
-    sample once), FAILED (a sample skipped or duplicated), NO_LEDGER (nothing to audit), or UNFINISHED (an epoch in
+    sample once), FAILED (a sample skipped or duplicated), NO_LEDGER (nothing to audit, or a ledger file unreadable or
+    inconsistent), or UNFINISHED (an epoch in
     progress, nothing duplicated so far: a crashed job never restarted, or one still running)."""
     try:
         report = audit(run_dir, grouping)
-    except (OSError, ValueError) as err:
+    except (OSError, LedgerError) as err:
         print(f"audit: {err}", file=sys.stderr)
         return NO_LEDGER
     name = by_epoch(describe)

@@ -9,6 +9,16 @@ Layout under RUN_DIR/ledger/: gen-NNNNNN/meta.json and gen-NNNNNN/rank-NNNNN.bin
 dropped/epoch-NNNNNN.npy (indices dropped by policy when an epoch finished) and skipped/epoch-NNNNNN.npy (indices
 skipped on request, `ResumableDataLoader.skip`, as the newest checkpoint's progress holds them).
 
+An epoch's end is a record too (END), which the loader writes itself when a rank's share of an epoch is all handed
+out, labelled with the step of the epoch's last update: so it is discarded like the batches when a later
+generation replays that step, and every flow that iterates the loader (DCP, Lightning, Accelerate, a loop of one's
+own) records it without a call of its own. Rank 0's carries the indices dropped by policy and skipped on request,
+as the progress its state stands for holds them; an epoch is finished when every rank of one generation recorded
+its end. `save_checkpoint` still writes dropped/ and skipped/ (skips are known between epochs' ends only there).
+
+Reading validates every file in one place (`read_run`): a file that cannot be read, or that contradicts the
+others, raises a `LedgerError` naming the file and the field, never an IndexError or a MemoryError later.
+
 Jobs that keep training through membership changes (torchft) never restart as a whole, so no generation supersedes
 another: each process opens an *attempts* generation of its own (`Ledger.open_attempts`), and a step counts by the
 vote of the processes that tried it. Each try of a step is an attempt with a key every process of it shares (the
@@ -21,17 +31,31 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import struct
+from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from loader.checkpoint.publish import fsync
+from loader.core.checks import MAX_SAMPLES, is_int
 from loader.core.collectives import from_rank0, rank, world_size
+from loader.core.progress import EMPTY
+
 _HEADER = struct.Struct("<qqIB")  # step, epoch, number of indices, flags:
 COMPLETE, FAILED = 1, 2  # the batch completed its update; its loading raised (consumed, never trained)
 ATTEMPT, VERDICT = 4, 8  # an attempt's start, payload its key; its verdict, payload its key and 1 if it committed
+END = 16  # this rank's share of the epoch is all handed out; rank 0's payload: [number dropped, dropped...,
+# skipped on request...] (dataset indices)
+_FLAGS = COMPLETE | FAILED | ATTEMPT | VERDICT | END
+_RANK_FILE = re.compile(r"rank-(\d{5,})\.bin")
+
+
+class LedgerError(ValueError):
+    """A ledger file that cannot be read, or that contradicts the rest of the ledger: the message names the file and
+    the field."""
 
 
 def _ledger_dir(run_dir) -> Path:
@@ -48,6 +72,9 @@ class Ledger:
 
     def __init__(self, run_dir, path: Path, resumed_step: int):
         self.run_dir, self.path, self.step = Path(run_dir), path, resumed_step
+        self.rank = int(path.stem[5:])
+        self.attempts = False  # an attempts generation's (torchft): ends are recorded by the caller, who deals
+        self._ended: set[tuple[int, int]] = set()  # (epoch, step) of the ends recorded
         self._file = open(path, "ab")
 
     @property
@@ -67,7 +94,9 @@ class Ledger:
         """This process's own generation of attempts (no collective: the processes of a torchft job share no
         group that outlives a membership change); `name` says whose it is (e.g. its replica group and rank)."""
         path = _new_generation(run_dir, 0, 1, num_samples, attempts=name)
-        return cls(run_dir, path / "rank-00000.bin", 0)
+        ledger = cls(run_dir, path / "rank-00000.bin", 0)
+        ledger.attempts = True
+        return ledger
 
     def begin_attempt(self, step: int, key: tuple[int, int]) -> None:
         """The batches recorded next feed step `step` + 1 in the attempt `key` (shared by every process of it)."""
@@ -94,6 +123,28 @@ class Ledger:
         if update_complete:
             self.step += 1
             self._file.flush()
+
+    def record_end(self, loader) -> None:
+        """The loader handed out this rank's whole share of its epoch, whose last update is the step just completed
+        (or, in a pass that had nothing left, the step it resumed from). Rank 0 records what the epoch dropped by
+        policy and skipped on request, as the global progress its state stands for at this point holds them (every
+        rank's share is then done: in lockstep, or later by ranks that lag). Once per epoch and step."""
+        sampler = loader.resumable_sampler
+        epoch = sampler.epoch
+        if self.attempts or (epoch, self.step) in self._ended:
+            return
+        payload = np.zeros(0, np.int64)
+        if self.rank == 0:
+            progress = sampler.standing()
+            dropped = dict(progress.finished).get(epoch)
+            if dropped is None:  # not finished as its state stands (a share's end always is): no claim made
+                return
+            order = sampler.order.for_epoch(epoch)
+            dropped = order(_positions(dropped))
+            payload = np.concatenate(([len(dropped)], dropped, order(_positions(progress.skipped.get(epoch, EMPTY)))))
+        self._ended.add((epoch, self.step))
+        self._write(epoch, payload, END, self.step)
+        self._file.flush()
 
     def _write(self, epoch: int, indices: np.ndarray, flags: int, step: int | None = None) -> None:
         ids = np.ascontiguousarray(indices, dtype="<i8")
@@ -133,13 +184,17 @@ class Ledger:
         self._file.close()
 
 
+def _positions(spans) -> np.ndarray:
+    """Every position of a set of intervals (flat [a, b, ...] or shape (k, 2))."""
+    spans = np.asarray(spans, dtype=np.int64).reshape(-1, 2)
+    return np.concatenate([np.arange(a, b) for a, b in spans] + [np.zeros(0, np.int64)])
+
+
 def _save_indices(target: Path, order, epoch: int, flat_spans: list) -> None:
     """The dataset indices at these positions of the epoch, written atomically."""
-    spans = np.asarray(flat_spans, dtype=np.int64).reshape(-1, 2)
-    positions = np.concatenate([np.arange(a, b) for a, b in spans] + [np.zeros(0, np.int64)])
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.with_suffix(f".{os.getpid()}.tmp.npy")  # writers may race (torchft)
-    np.save(tmp, order.for_epoch(epoch)(positions))
+    np.save(tmp, order.for_epoch(epoch)(_positions(flat_spans)))
     fsync(tmp)  # durable before the checkpoint that reports it is published
     os.replace(tmp, target)
     fsync(target.parent)
@@ -187,74 +242,197 @@ class Generation:
     attempts: str | None = None  # whose attempts generation it is (see the module), None for a launch
 
 
-def _read_file(path: Path) -> list[tuple[int, int, np.ndarray, int]]:
-    data, records, at = path.read_bytes(), [], 0
+@dataclass(frozen=True)
+class RunLedger:
+    """What the ledger of a run holds, read and checked (`read_run`)."""
+
+    generations: list[Generation]
+    records: list[Record]  # every batch record, each marked whether it counts
+    dropped: dict[int, np.ndarray]  # per finished epoch: the indices it dropped by policy
+    requested: dict[int, np.ndarray]  # per epoch: the indices skipped on request
+    num_samples: int  # the last generation's: every index recorded must be below it
+
+
+_META = {"resumed_step": 0, "world_size": 1, "num_samples": 0}  # meta.json's fields and their least values
+
+
+def _read_meta(path: Path) -> Generation:
+    file = path / "meta.json"
+    try:
+        meta = json.loads(file.read_bytes())
+    except (OSError, ValueError) as err:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+        raise LedgerError(f"{file}: unreadable ({err}); a launch that died while opening its ledger leaves this: "
+                          f"remove {path} if it holds no rank-*.bin") from None
+    if not isinstance(meta, dict):
+        raise LedgerError(f"{file}: holds a JSON {type(meta).__name__}, not an object with the fields {list(_META)}")
+    for field, least in _META.items():
+        value = meta.get(field)
+        if not is_int(value) or not least <= value <= MAX_SAMPLES:
+            raise LedgerError(f"{file}: field {field!r} must be an int in [{least}, {MAX_SAMPLES}], got {value!r}")
+    attempts = meta.get("attempts")
+    if attempts is not None and not isinstance(attempts, str):
+        raise LedgerError(f"{file}: field 'attempts' must be a string (whose attempts they are), got {attempts!r}")
+    return Generation(int(path.name[4:]), meta["resumed_step"], meta["world_size"], meta["num_samples"], attempts)
+
+
+def _rank_files(path: Path) -> list[tuple[Path, int]]:
+    found = []
+    for file in sorted(path.glob("rank-*.bin")):
+        match = _RANK_FILE.fullmatch(file.name)
+        if match is None:
+            raise LedgerError(f"{file}: not a rank file's name (rank-NNNNN.bin, the rank in decimal): move it out of "
+                              f"the ledger")
+        found.append((file, int(match[1])))
+    return found
+
+
+def _payload_error(step: int, epoch: int, ids: np.ndarray, flags: int) -> str | None:
+    """What is wrong with a record's header or payload length, besides its indices' range (None: nothing)."""
+    if flags & ~_FLAGS:
+        return f"flags {flags:#x} has bits this reader does not know"
+    if flags & ATTEMPT:
+        return None if len(ids) == 2 else f"an attempt's key must be 2 ints, got {len(ids)}"
+    if flags & VERDICT:
+        return None if len(ids) == 3 and ids[2] in (0, 1) else "a verdict must be a key of 2 ints and 0 or 1"
+    if epoch < 0:
+        return f"epoch {epoch} is negative"
+    if flags & END and len(ids) and not 0 <= ids[0] < len(ids):
+        return f"an epoch's end counts {ids[0]} dropped indices of the {len(ids) - 1} it holds"
+    return None
+
+
+def _read_file(path: Path, num_samples: int, where: str) -> list[tuple[int, int, np.ndarray, int]]:
+    """A rank file's records (step, epoch, payload, flags), checked: every index of a batch or an epoch's end in
+    [0, num_samples) (`where` says whose num_samples)."""
+    try:
+        data = path.read_bytes()
+    except OSError as err:
+        raise LedgerError(f"{path}: unreadable ({err})") from None
+    records, at = [], 0
     while at + _HEADER.size <= len(data):
         step, epoch, count, flags = _HEADER.unpack_from(data, at)
         end = at + _HEADER.size + 8 * count
         if end > len(data):
             break  # a record torn by a crash: its update never completed, so it is replayed anyway
-        records.append((step, epoch, np.frombuffer(data, dtype="<i8", count=count, offset=at + _HEADER.size), flags))
+        ids = np.frombuffer(data, dtype="<i8", count=count, offset=at + _HEADER.size)
+        wrong = _payload_error(step, epoch, ids, flags)
+        if wrong is not None:
+            raise LedgerError(f"{path}: the record at byte {at} (step {step}): {wrong}; the file is damaged")
+        records.append((step, epoch, ids, flags))
         at = end
+    indexed = [ids[1:] if flags & END else ids for _, _, ids, flags in records if not flags & (ATTEMPT | VERDICT)]
+    every = np.concatenate(indexed + [np.zeros(0, np.int64)])
+    if len(every) and (every.min() < 0 or every.max() >= num_samples):
+        step, epoch, ids, _ = next(r for r in records if not r[3] & (ATTEMPT | VERDICT) and len(r[2]) and
+                                   (r[2].min() < 0 or r[2].max() >= num_samples))
+        bad = ids[(ids < 0) | (ids >= num_samples)][0]
+        raise LedgerError(f"{path}: a record of step {step}, epoch {epoch} holds index {bad}, outside [0, "
+                          f"{num_samples}) ({where}): the file is damaged, or the run's meta.json is another run's")
     return records
 
 
-def read_generations(run_dir) -> tuple[list[Generation], list[Record]]:
-    """Every generation of the run, and every record each wrote, marked whether it counts.
+def _load_indices(path: Path, num_samples: int, where: str) -> np.ndarray:
+    """A dropped/ or skipped/ file's indices: a 1-d integer array in [0, num_samples), its size checked against the
+    file before anything is allocated."""
+    try:
+        with open(path, "rb") as f:
+            version = np.lib.format.read_magic(f)
+            read_header = np.lib.format.read_array_header_1_0 if version == (1, 0) else \
+                np.lib.format.read_array_header_2_0
+            shape, _, dtype = read_header(f)
+            room = os.fstat(f.fileno()).st_size - f.tell()
+        if dtype.kind not in "iu" or len(shape) != 1 or shape[0] * dtype.itemsize > room:
+            raise ValueError(f"holds an array of {dtype} and shape {shape}, not a 1-d integer array of what the file "
+                             f"holds")
+        values = np.load(path).astype(np.int64)
+    except (OSError, ValueError, EOFError) as err:
+        raise LedgerError(f"{path}: unreadable ({err}); the file is damaged") from None
+    if len(values) and (values.min() < 0 or values.max() >= num_samples):
+        bad = values[(values < 0) | (values >= num_samples)][0]
+        raise LedgerError(f"{path}: holds index {bad}, outside [0, {num_samples}) ({where})")
+    return values
+
+
+def _read_epochs(run_dir, kind: str, num_samples: int, where: str) -> dict[int, np.ndarray]:
+    """The indices dropped by policy (kind "dropped") or skipped on request ("skipped") per epoch, as
+    `Ledger.record_finished` wrote them (a writer's leftover temporary files are not read)."""
+    found = {}
+    for path in sorted((_ledger_dir(run_dir) / kind).glob("epoch-*.npy")):
+        match = re.fullmatch(r"epoch-(\d+)\.npy", path.name)
+        if match is not None:
+            found[int(match[1])] = _load_indices(path, num_samples, where)
+    return found
+
+
+def read_run(run_dir) -> RunLedger:
+    """Every generation of the run, every record each wrote, and what finished epochs dropped and skips skipped.
 
     A record of generation g counts when its step is at most the step every later generation resumed from, and
-    at most the last step its rank completed in generation g."""
+    at most the last step its rank completed in generation g. An epoch is finished when its dropped/ file exists,
+    or when every rank of a generation (its world size, and any other that wrote) recorded a counted end of it;
+    the latest such generation's rank 0 says what it dropped and skipped. Raises FileNotFoundError when there is
+    no ledger, LedgerError when a file is unreadable or inconsistent."""
     if not Path(run_dir).is_dir():
         raise FileNotFoundError(f"{run_dir}: no such directory (the run directory whose ledger/ to read)")
     paths = _generations(run_dir)
     if not paths:
         raise FileNotFoundError(f"{_ledger_dir(run_dir)} holds no ledger: run the job with a Ledger attached")
-    metas = [json.loads((g / "meta.json").read_text()) for g in paths]
-    generations = [Generation(int(g.name[4:]), m["resumed_step"], m["world_size"], m["num_samples"],
-                              m.get("attempts")) for g, m in zip(paths, metas)]
-    records = []
+    generations = [_read_meta(g) for g in paths]
+    n = generations[-1].num_samples
+    where = f"the field 'num_samples' of {paths[-1] / 'meta.json'}"
+    records, ended = [], {}
     launches = [g for g in generations if g.attempts is None]
-    for i, (path, generation) in enumerate(zip(paths, generations)):
+    for path, generation in zip(paths, generations):
         if generation.attempts is not None:
             continue
         cutoff = min((g.resumed_step for g in launches if g.number > generation.number), default=float("inf"))
-        for file in sorted(path.glob("rank-*.bin")):
-            raw = _read_file(file)
+        ranks, ends = set(range(generation.world_size)), defaultdict(dict)
+        for file, rank_number in _rank_files(path):
+            ranks.add(rank_number)
+            raw = _read_file(file, n, where)
             completed = max((step for step, _, _, flags in raw if flags & COMPLETE), default=generation.resumed_step)
-            records += [Record(generation.number, int(file.stem[5:]), step, epoch, ids, bool(flags & COMPLETE),
-                               bool(flags & FAILED), step <= min(cutoff, completed))
-                        for step, epoch, ids, flags in raw]
-    return generations, records + _attempt_records([(g, p) for g, p in zip(generations, paths) if g.attempts])
+            for step, epoch, ids, flags in raw:
+                counted = step <= min(cutoff, completed)
+                if not flags & END:
+                    records.append(Record(generation.number, rank_number, step, epoch, ids, bool(flags & COMPLETE),
+                                          bool(flags & FAILED), counted))
+                elif counted:
+                    ends[epoch][rank_number] = ids
+        ended.update({e: by_rank[0] for e, by_rank in ends.items() if ranks <= by_rank.keys()})
+    records += _attempt_records([(g, p) for g, p in zip(generations, paths) if g.attempts], n, where)
+    dropped = {**_read_epochs(run_dir, "dropped", n, where), **{e: ids[1:1 + ids[0]] for e, ids in ended.items()}}
+    requested = _read_epochs(run_dir, "skipped", n, where)
+    for e, ids in ended.items():
+        requested[e] = np.union1d(requested.get(e, np.zeros(0, np.int64)), ids[1 + ids[0]:])
+    return RunLedger(generations, records, dropped, requested, n)
 
 
-def _attempt_records(generations: list[tuple[Generation, Path]]) -> list[Record]:
+def read_generations(run_dir) -> tuple[list[Generation], list[Record]]:
+    """Every generation of the run, and every record each wrote, marked whether it counts (see `read_run`)."""
+    run = read_run(run_dir)
+    return run.generations, run.records
+
+
+def _attempt_records(generations: list[tuple[Generation, Path]], num_samples: int, where: str) -> list[Record]:
     """The records of attempts generations, each counted when its attempt is its step's committed attempt with
     the largest key (see the module); a process's records before its first ATTEMPT belong to none."""
     tried, committed = [], {}
     for generation, path in generations:
         key = None
-        for step, epoch, payload, flags in _read_file(path / "rank-00000.bin"):
+        for step, epoch, payload, flags in _read_file(path / "rank-00000.bin", num_samples, where):
             if flags & ATTEMPT:
                 key = tuple(payload.tolist())
             elif flags & VERDICT:
                 if payload[-1]:
                     committed[step] = max(committed.get(step, ()), tuple(payload[:-1].tolist()))
-            else:
+            elif not flags & END:
                 tried.append((generation.number, step, epoch, payload, flags, key))
     return [Record(number, 0, step, epoch, ids, bool(flags & COMPLETE), bool(flags & FAILED),
                    key is not None and committed.get(step) == key)
             for number, step, epoch, ids, flags, key in tried]
 
 
-def read_dropped(run_dir, kind: str = "dropped") -> dict[int, np.ndarray]:
-    """The indices dropped by policy, per finished epoch (an epoch is finished when its record exists); with
-    kind="skipped", those skipped on request, per epoch."""
-    return {
-        int(p.stem[6:]): np.load(p) for p in sorted((_ledger_dir(run_dir) / kind).glob("epoch-[0-9]*[0-9].npy"))
-    }
-
-
 def read_ledger(run_dir) -> tuple[list[Record], dict[int, np.ndarray], int]:
     """The records that count (completed steps not replayed later), the dropped indices per finished epoch, and N."""
-    generations, records = read_generations(run_dir)
-    return [r for r in records if r.counted], read_dropped(run_dir), generations[-1].num_samples
+    run = read_run(run_dir)
+    return [r for r in run.records if r.counted], run.dropped, run.num_samples

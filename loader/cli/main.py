@@ -3,8 +3,11 @@
 
 import argparse
 import json
+import sys
+from pathlib import Path
 
 from loader.checkpoint import audit
+from loader.checkpoint.ledger import LedgerError
 from loader.cli import demo
 from loader.cli.names import by_source, describe_by_key
 
@@ -22,7 +25,7 @@ def main(argv: list[str] | None = None) -> int:
     check = commands.add_parser("audit", help="per epoch: samples seen once, skipped, duplicated, dropped by policy",
                                 epilog=audit.EXIT_STATUSES, formatter_class=argparse.RawDescriptionHelpFormatter)
     check.add_argument("run_dir", help="the run directory whose ledger/ to read")
-    check.add_argument("--limit", type=int, default=20, help="offending indices to print per epoch")
+    check.add_argument("--limit", type=_count, default=20, help="offending indices to print per epoch")
     check.add_argument("--shards", help="the run's WebDataset shards: name samples by shard and key")
     check.add_argument("--mixture", help="the run's mixture plan (Mixture.plan.save): a row per source, samples "
                                          "named by source and index")
@@ -48,25 +51,48 @@ def main(argv: list[str] | None = None) -> int:
               f"{counts['shards'] - counts['built']} already current")
         return 0
     if args.command == "audit":
-        if args.plot:
-            from loader.cli.plot import require_matplotlib
-
-            try:
-                require_matplotlib()
-            except ImportError as err:
-                parser.error(str(err))
-        if args.mixture and args.shards:
-            parser.error("audit: --shards names the samples of a WebDataset run, --mixture those of a mixture run: "
-                         "pass one")
-        if args.mixture:
-            grouping, describe = by_source(args.mixture)
-            status = audit.main(args.run_dir, args.limit, describe, grouping)
-        else:
-            status = audit.main(args.run_dir, args.limit, describe_by_key(args.shards) if args.shards else str)
-        if args.plot and status != audit.NO_LEDGER:
-            from loader.cli.plot import plot
-
-            plot(args.run_dir, args.plot)
-            print(f"audit: the run drawn in {args.plot}")
-        return status
+        return _audit(parser, args)
     return demo.main(args.lm, args.dir)
+
+
+def _count(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be a count, 0 or more, got {value}")
+    return value
+
+
+def _audit(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    """`audit`: every input checked where it is read (arguments here, the ledger by `read_run`, the mixture plan by
+    `MixturePlan.load`), so that what cannot be read exits NO_LEDGER with the file and field named, never a
+    traceback; exit FAILED stays "a sample skipped or duplicated"."""
+    if args.plot:
+        from loader.cli.plot import require_matplotlib
+
+        try:
+            require_matplotlib()
+        except ImportError as err:
+            parser.error(str(err))
+        if not Path(args.plot).parent.is_dir():
+            parser.error(f"--plot {args.plot}: the folder {Path(args.plot).parent} does not exist; create it first")
+    if args.mixture and args.shards:
+        parser.error("audit: --shards names the samples of a WebDataset run, --mixture those of a mixture run: "
+                     "pass one")
+    try:
+        grouping, describe = by_source(args.mixture) if args.mixture else (None, str)
+    except LedgerError as err:
+        print(f"audit: {err}", file=sys.stderr)
+        return audit.NO_LEDGER
+    if args.shards:
+        describe = describe_by_key(args.shards)
+    status = audit.main(args.run_dir, args.limit, describe, grouping)
+    if args.plot and status != audit.NO_LEDGER:
+        from loader.cli.plot import plot
+
+        try:
+            plot(args.run_dir, args.plot)
+        except OSError as err:  # the picture's file: a folder removed meanwhile, no room, no permission
+            print(f"audit: --plot {args.plot}: not written ({err})", file=sys.stderr)
+            return audit.NO_LEDGER
+        print(f"audit: the run drawn in {args.plot}")
+    return status

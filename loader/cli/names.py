@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 
 from loader.checkpoint import audit
+from loader.checkpoint.ledger import LedgerError
 
 
 def describe_by_key(shards: str):
@@ -20,10 +21,15 @@ def describe_by_key(shards: str):
 
 
 def by_source(plan_path: str) -> tuple[audit.Grouping, object]:
-    """The run's mixture plan as the audit's grouping (a row per source) and a describer (position, source, index)."""
+    """The run's mixture plan as the audit's grouping (a row per source) and a describer (position, source, index);
+    a LedgerError names the plan file and what is wrong with it."""
     from loader.sources import MixturePlan
 
-    plan = MixturePlan.load(plan_path)
+    try:
+        plan = MixturePlan.load(plan_path)
+    except (OSError, ValueError) as err:  # the plan file checks itself as it is read; JSON errors are ValueErrors
+        said = str(err) if os.fspath(plan_path) in str(err) else f"{plan_path}: {err}"
+        raise LedgerError(f"--mixture {said}") from None
 
     def describe(position: int) -> str:
         (source,), (index,) = plan.locate([position])

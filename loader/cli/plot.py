@@ -17,8 +17,8 @@ from pathlib import Path
 
 import numpy as np
 
-from loader.checkpoint.audit import EpochAudit, audit_records, tally
-from loader.checkpoint.ledger import Generation, Record, read_dropped, read_generations
+from loader.checkpoint.audit import EpochAudit, EpochTally, audit_records, tally
+from loader.checkpoint.ledger import Generation, Record, read_run
 
 # what an index of an epoch was, by severity: a bin of many indices shows the most severe one it holds
 ONCE, NOT_YET, DROPPED, REQUESTED, FAILED, SKIPPED, DUPLICATED = range(7)
@@ -54,16 +54,34 @@ class Picture:
     categories: dict[int, dict[str, int]] = field(default_factory=dict)
 
 
-def statuses(counts: np.ndarray, failed: np.ndarray, dropped: np.ndarray | None, requested: np.ndarray) -> np.ndarray:
-    """Each index's category (codes above) from how often it was delivered, whether its batch failed, what the
-    finished epoch dropped by policy (None: the epoch is unfinished, so what was not seen is not yet seen) and what
-    was skipped on request (one served anyway is drawn as it was served, as the audit counts it)."""
-    status = np.where(counts == 1, ONCE, np.where(counts > 1, DUPLICATED, SKIPPED if dropped is not None else NOT_YET))
-    if dropped is not None:
-        status[dropped[counts[dropped] == 0]] = DROPPED
-    status[requested[counts[requested] == 0]] = REQUESTED
-    status[failed[counts[failed] <= 1]] = FAILED
-    return status.astype(np.int8)
+def categories_of(t: EpochTally, dropped: np.ndarray | None, requested: np.ndarray, num_samples: int,
+                  columns: int) -> tuple[np.ndarray, np.ndarray]:
+    """How many indices of the epoch fall in each category (codes above), and its strip: `columns` bins of
+    near-equal width, each the most severe category among its indices. From the tally's distinct indices and the
+    rest as what none of them covers (O(indices recorded + columns) memory, never O(N)). An index is duplicated
+    when delivered twice or more; else failed when its batch failed; else seen once when delivered; else skipped on
+    request, dropped by policy (`dropped`: None when the epoch is unfinished), or what is left: skipped, or not yet
+    seen in an unfinished epoch."""
+    empty = np.zeros(0, np.int64)
+    failed = np.setdiff1d(t.failed, t.duplicated, assume_unique=True)
+    once = np.setdiff1d(t.once, failed, assume_unique=True)
+    asked = np.setdiff1d(np.setdiff1d(requested, t.delivered, assume_unique=True), failed, assume_unique=True)
+    lost = empty if dropped is None else np.setdiff1d(np.unique(dropped), np.union1d(t.delivered, t.failed))
+    lost = np.setdiff1d(lost, asked, assume_unique=True)
+    members = {ONCE: once, DROPPED: lost, REQUESTED: asked, FAILED: failed, DUPLICATED: t.duplicated}
+    accounted = np.concatenate(list(members.values()))
+    rest = SKIPPED if dropped is not None else NOT_YET
+    counts = np.zeros(len(CATEGORIES), np.int64)
+    for code, indices in members.items():
+        counts[code] = len(indices)
+    counts[rest] = num_samples - len(accounted)
+    edges = np.linspace(0, num_samples, columns + 1).astype(np.int64)
+    strip = np.full(columns, ONCE, np.int8)
+    for code, indices in sorted(members.items()):
+        np.maximum.at(strip, np.searchsorted(edges, indices, side="right") - 1, code)
+    covered = np.bincount(np.searchsorted(edges, accounted, side="right") - 1, minlength=columns)
+    strip[covered < np.diff(edges)] = np.maximum(strip[covered < np.diff(edges)], rest)
+    return counts, strip
 
 
 def _lines(generations: list[Generation], records: list[Record]) -> list[Line]:
@@ -116,12 +134,6 @@ def _shown(report: list[EpochAudit]) -> list[EpochAudit]:
     return [e for e in report if e.epoch in chosen]
 
 
-def _binned(status: np.ndarray) -> np.ndarray:
-    columns = min(len(status), MAX_COLUMNS)
-    edges = np.linspace(0, len(status), columns + 1).astype(np.int64)
-    return np.maximum.reduceat(status, edges[:-1])
-
-
 def require_matplotlib() -> None:
     """Raise ImportError, saying what to install, where matplotlib is missing."""
     try:
@@ -144,19 +156,20 @@ def _figure(width: float, height: float):
 def plot(run_dir, out) -> Picture:
     """Draw the run's picture (see the module docstring) into the PNG `out`; returns what was drawn."""
     require_matplotlib()
-    generations, records = read_generations(run_dir)
+    run = read_run(run_dir)
+    generations, records, dropped, requested = run.generations, run.records, run.dropped, run.requested
     counted = [r for r in records if r.counted]
-    dropped, requested = read_dropped(run_dir), read_dropped(run_dir, "skipped")
-    num_samples = generations[-1].num_samples
+    num_samples = run.num_samples
     report = audit_records(counted, dropped, num_samples, requested=requested)
+    finished = {e.epoch for e in report if e.finished}
     lines = _lines(generations, records)
     failed_at, duplicated_at = _marks(lines, counted, report)
     strips, categories = {}, {}
-    for epoch, counts, failed in tally(counted, set(dropped) | set(requested), num_samples):
-        status = statuses(counts, failed, dropped.get(epoch), np.unique(requested.get(epoch, np.zeros(0, np.int64))))
-        found = np.bincount(status, minlength=len(CATEGORIES))
-        categories[epoch] = {name: int(n) for name, n in zip(CATEGORIES, found)}
-        strips[epoch] = _binned(status)
+    for t in tally(counted, set(dropped) | set(requested)):
+        found, strips[t.epoch] = categories_of(
+            t, dropped.get(t.epoch, np.zeros(0, np.int64)) if t.epoch in finished else None,
+            np.unique(requested.get(t.epoch, np.zeros(0, np.int64))), num_samples, min(num_samples, MAX_COLUMNS))
+        categories[t.epoch] = {name: int(n) for name, n in zip(CATEGORIES, found)}
     wrote = defaultdict(set)
     for r in records:
         wrote[r.generation].add(r.rank)

@@ -274,6 +274,11 @@ class ResumableSampler:
 
     # -- state -----------------------------------------------------------------------------------------------------
 
+    def standing(self) -> Progress:
+        """The global progress this rank's state stands for, every rank in lockstep: exact at an update's end, and
+        at the end of this rank's share of an epoch, which every rank's share reaches (`Ledger.record_end`)."""
+        return merge([RankProgress.from_dict(self.state_dict())])
+
     def state_dict(self) -> dict:
         completed = self.view().plan.completed(self._position)
         ended = self._ended and completed == self._position
@@ -305,7 +310,7 @@ class ResumableSampler:
         if self.view().plan.completed(self._position) != self._position:
             raise ValueError("skip() in the middle of an optimizer update: call it after the update's last "
                              "micro-batch (loader.update_complete) and the optimizer step")
-        current = merge([RankProgress.from_dict(self.state_dict())])
+        current = self.standing()
         epoch = current.epoch if epoch is None else epoch
         if not is_int(epoch) or not current.epoch <= epoch <= current.epoch + MAX_EPOCHS_AHEAD:
             raise ValueError(f"skip(epoch={epoch!r}): epochs before {current.epoch} are finished; pass an epoch in "

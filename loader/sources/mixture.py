@@ -237,6 +237,8 @@ class MixturePlan:
                     what = "is empty" if field == "lengths" else "has no slot in a window: raise its weight or window="
                     raise ValueError(f"source {name!r} {what} ({field} {value!r})")
         check_num_samples("num_samples", self.num_samples, least=1)
+        if self.window > LARGEST_WINDOW:  # a plan file is data: its slot table must fit as a Mixture's would
+            raise ValueError(f"counts: a window of {self.window} slots, more than the {LARGEST_WINDOW} a mixture has")
         if not is_int(self.seed):
             raise ValueError(f"seed must be an int, got {self.seed!r}")
         if self.schedule:
@@ -391,6 +393,8 @@ class MixturePlan:
 
     @classmethod
     def from_dict(cls, data: dict, where: str = "mixture plan") -> MixturePlan:
+        if not isinstance(data, dict):
+            raise ValueError(f"{where}: holds a JSON {type(data).__name__}, not a mixture plan's object")
         found = tuple(data.get(k) for k in ("kind", "version", "order_version"))
         readable = [(PLAN_KIND, v, ORDER_VERSION) for v in (PLAN_VERSION, SCHEDULED_VERSION)]
         if found not in readable:
