@@ -10,6 +10,8 @@ exact.
 from __future__ import annotations
 
 import copy
+import copyreg
+import pickle
 import warnings
 import weakref
 from time import perf_counter
@@ -150,7 +152,51 @@ class WorkerInitError(RuntimeError):
     """A loader's worker_init_fn raised in a worker. torch would hand that worker's first batch the error and each
     later one an UnboundLocalError (it has no fetcher), so batches whose data was never read would count as failed
     (a stream's worker would fail forever): a worker's start failing is the iterator's failure instead, and no batch
-    is consumed."""
+    is consumed.
+
+    The error raised is also of the init's own exception type, as torch re-raises it (a class made of both, e.g.
+    `WorkerInitError[ValueError]`): `except ValueError:` written for torch's DataLoader still catches it. Where
+    that type cannot be one class with this one, cannot be made from a message, or cannot be imported by name in
+    the main process (a local class), it is a WorkerInitError alone, as torch would make it a RuntimeError."""
+
+
+class _InitErrorType(type):
+    """The class of a WorkerInitError that is also the init's exception type (`original`). torch sends the worker's
+    exception type to the main process by pickle, which finds a class by its name: this one travels as the original
+    type, and the main process makes the same class of it."""
+
+    original: type
+
+
+_INIT_ERROR_TYPES: dict[type, _InitErrorType] = {}  # one class per original type, in each process
+
+
+def _init_error_type(original: type) -> _InitErrorType:
+    made = _INIT_ERROR_TYPES.get(original)
+    if made is None:
+        name = f"WorkerInitError[{original.__qualname__}]"
+        made = _InitErrorType(name, (WorkerInitError, original), dict(
+            __module__=__name__, __qualname__=name, original=original,
+            __str__=BaseException.__str__,  # the message: the original's own may read fields a message does not set
+        ))
+        _INIT_ERROR_TYPES[original] = made
+    return made
+
+
+copyreg.pickle(_InitErrorType, lambda made: (_init_error_type, (made.original,)))
+
+
+def _init_error(original: type, message: str) -> WorkerInitError:
+    """A WorkerInitError that is also an `original`, made the way torch will make it again in the main process
+    (from the message alone), or a WorkerInitError alone where that cannot be done."""
+    if issubclass(original, WorkerInitError):
+        return WorkerInitError(message)
+    try:
+        made = _init_error_type(original)
+        pickle.dumps(original)  # found by its name in the main process (a local class is not)
+        return made(message=message) if getattr(made, "message", None) else made(message)
+    except Exception:  # noqa: BLE001 - any type that cannot be one class with ours or made from a message
+        return WorkerInitError(message)
 
 
 def _dead_workers(iterator) -> list[int]:
@@ -198,7 +244,8 @@ class _WatchedWorkers(_MultiProcessingDataLoaderIter):
 
 
 class _GuardedInit:
-    """The user's worker_init_fn, its exception raised as a WorkerInitError (picklable for spawn workers)."""
+    """The user's worker_init_fn, its exception raised as a WorkerInitError of its own type too (picklable for spawn
+    workers)."""
 
     def __init__(self, init: Callable[[int], None]):
         self.init = init
@@ -207,7 +254,7 @@ class _GuardedInit:
         try:
             self.init(worker_id)
         except Exception as err:
-            raise WorkerInitError(f"worker_init_fn raised in worker {worker_id}: {err!r}") from err
+            raise _init_error(type(err), f"worker_init_fn raised in worker {worker_id}: {err!r}") from err
 
 
 class _Delivery:
