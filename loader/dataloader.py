@@ -685,7 +685,7 @@ class ResumableDataLoader(DataLoader[T_co]):
         try:
             return super().__iter__()
         except Exception as error:
-            if not _reports_a_death(error):
+            if not self.num_workers or not _reports_a_death(error):  # in-process: the dataset's own error
                 raise
         self._drop_stale_workers(stale=True)
         anew()
