@@ -10,6 +10,8 @@ exact.
 from __future__ import annotations
 
 import copy
+import copyreg
+import pickle
 import warnings
 import weakref
 from time import perf_counter
@@ -21,9 +23,11 @@ import torch.distributed as dist
 import torch.utils.data
 from torch._utils import ExceptionWrapper
 from torch.utils.data import DataLoader, IterableDataset, default_collate
+from torch.utils.data._utils import MP_STATUS_CHECK_INTERVAL
 from torch.utils.data._utils.fetch import _MapDatasetFetcher
 from torch.utils.data._utils.pin_memory import pin_memory
-from torch.utils.data.dataloader import _SingleProcessDataLoaderIter
+from torch.utils.data._utils.signal_handling import _remove_worker_pids, _set_worker_pids
+from torch.utils.data.dataloader import _MultiProcessingDataLoaderIter, _SingleProcessDataLoaderIter
 
 from loader.checkpoint.lockstep import LockstepWatch, warn_out_of_step
 from loader.core.checks import check_positive_int, check_rank, is_int
@@ -148,16 +152,100 @@ class WorkerInitError(RuntimeError):
     """A loader's worker_init_fn raised in a worker. torch would hand that worker's first batch the error and each
     later one an UnboundLocalError (it has no fetcher), so batches whose data was never read would count as failed
     (a stream's worker would fail forever): a worker's start failing is the iterator's failure instead, and no batch
-    is consumed."""
+    is consumed.
+
+    The error raised is also of the init's own exception type, as torch re-raises it (a class made of both, e.g.
+    `WorkerInitError[ValueError]`): `except ValueError:` written for torch's DataLoader still catches it. Where
+    that type cannot be one class with this one, cannot be made from a message, or cannot be imported by name in
+    the main process (a local class), it is a WorkerInitError alone, as torch would make it a RuntimeError."""
 
 
-def _workers_alive(iterator) -> bool:
-    """Every worker process of a torch iterator is alive (an in-process iterator has none)."""
-    return all(worker.is_alive() for worker in getattr(iterator, "_workers", ()))
+class _InitErrorType(type):
+    """The class of a WorkerInitError that is also the init's exception type (`original`). torch sends the worker's
+    exception type to the main process by pickle, which finds a class by its name: this one travels as the original
+    type, and the main process makes the same class of it."""
+
+    original: type
+
+
+_INIT_ERROR_TYPES: dict[type, _InitErrorType] = {}  # one class per original type, in each process
+
+
+def _init_error_type(original: type) -> _InitErrorType:
+    made = _INIT_ERROR_TYPES.get(original)
+    if made is None:
+        name = f"WorkerInitError[{original.__qualname__}]"
+        made = _InitErrorType(name, (WorkerInitError, original), dict(
+            __module__=__name__, __qualname__=name, original=original,
+            __str__=BaseException.__str__,  # the message: the original's own may read fields a message does not set
+        ))
+        _INIT_ERROR_TYPES[original] = made
+    return made
+
+
+copyreg.pickle(_InitErrorType, lambda made: (_init_error_type, (made.original,)))
+
+
+def _init_error(original: type, message: str) -> WorkerInitError:
+    """A WorkerInitError that is also an `original`, made the way torch will make it again in the main process
+    (from the message alone), or a WorkerInitError alone where that cannot be done."""
+    if issubclass(original, WorkerInitError):
+        return WorkerInitError(message)
+    try:
+        made = _init_error_type(original)
+        pickle.dumps(original)  # found by its name in the main process (a local class is not)
+        return made(message=message) if getattr(made, "message", None) else made(message)
+    except Exception:  # noqa: BLE001 - any type that cannot be one class with ours or made from a message
+        return WorkerInitError(message)
+
+
+def _dead_workers(iterator) -> list[int]:
+    """The pids of a torch iterator's worker processes that died (an in-process iterator has none); a stream's worker
+    that ended its stream exits, with status 0, and did not die."""
+    return [worker.pid for worker in getattr(iterator, "_workers", ()) if worker.exitcode not in (None, 0)]
+
+
+def _reports_a_death(error: BaseException) -> bool:
+    """torch's ways of telling that a worker process died, by timing: it exited unexpectedly (noticed while waiting,
+    or by torch's SIGCHLD handler: "DataLoader worker (pid ...)"), or its batch was cut off on the way (the
+    connection to it reset or closed mid-message). Only for errors torch raised itself, never a batch's own."""
+    return isinstance(error, (ConnectionError, EOFError)) or (
+        isinstance(error, RuntimeError) and "DataLoader worker (pid" in str(error)
+    )
+
+
+class _WatchedWorkers(_MultiProcessingDataLoaderIter):
+    """torch's iterator over worker processes, watched by torch's SIGCHLD handler only while this process waits for
+    them. torch registers the workers' pids for their whole life, so the handler raised a worker's death wherever
+    the main thread happened to be when the signal came: in the loader's own counting (a batch counted and never
+    handed out), in the training step, in another loader's sampler, at interpreter exit. Waiting is where torch
+    turns the death into its "exited unexpectedly" error, so that is the only place it can surface now; a worker
+    that died meanwhile is found as the next wait starts."""
+
+    def _reset(self, loader, first_iter: bool = False) -> None:
+        self._unwatch()  # registered by torch's __init__ (first_iter) just before this
+        super()._reset(loader, first_iter)
+
+    def _try_get_data(self, timeout: float = MP_STATUS_CHECK_INTERVAL):
+        dead = _dead_workers(self)
+        if dead:  # torch's message for it
+            raise RuntimeError(f"DataLoader worker (pid(s) {', '.join(map(str, dead))}) exited unexpectedly")
+        self._worker_pids_set = True  # first: torch's _shutdown_workers removes them while it is set
+        _set_worker_pids(id(self), tuple(worker.pid for worker in self._workers))
+        try:
+            return super()._try_get_data(timeout)
+        finally:
+            self._unwatch()
+
+    def _unwatch(self) -> None:
+        if self._worker_pids_set:
+            self._worker_pids_set = False
+            _remove_worker_pids(id(self))
 
 
 class _GuardedInit:
-    """The user's worker_init_fn, its exception raised as a WorkerInitError (picklable for spawn workers)."""
+    """The user's worker_init_fn, its exception raised as a WorkerInitError of its own type too (picklable for spawn
+    workers)."""
 
     def __init__(self, init: Callable[[int], None]):
         self.init = init
@@ -166,7 +254,7 @@ class _GuardedInit:
         try:
             self.init(worker_id)
         except Exception as err:
-            raise WorkerInitError(f"worker_init_fn raised in worker {worker_id}: {err!r}") from err
+            raise _init_error(type(err), f"worker_init_fn raised in worker {worker_id}: {err!r}") from err
 
 
 class _Delivery:
@@ -182,6 +270,7 @@ class _Delivery:
         self._inner, self._loader, self._iteration = inner, loader, iteration
         self._stopped: str | None = None  # why this iterator may not go on, if it may not
         self._in_process = type(inner) is _SingleProcessDataLoaderIter  # num_workers=0: see _next
+        self._in_workers = isinstance(inner, _MultiProcessingDataLoaderIter)
         self._read = None  # the dataset's reader of whole batches, where torch would call the loader's collate
         if self._in_process and inner._auto_collation and inner._collate_fn is collate:
             self._read = batch_reader(inner._dataset)
@@ -235,10 +324,12 @@ class _Delivery:
         if self._loader._iterator is self._inner:  # persistent: torch would reset them without running the init again
             self._loader._iterator = None
 
-    def _stop_if_a_worker_died(self) -> None:
-        """torch goes on past a dead worker's tasks: stop here instead (a new iter() serves what it held)."""
-        if not _workers_alive(self._inner):
-            self._stopped = _WORKER_DIED
+    def _stop_if_a_worker_died(self, error: Exception | None) -> None:
+        """torch goes on past a dead worker's tasks: stop here instead, its workers shut down so that nothing of
+        theirs is watched any more (a new iter() starts new ones and serves what they held). `error`: one torch
+        raised itself, which may tell the death before the worker's exit shows."""
+        if _dead_workers(self._inner) or (error is not None and self._in_workers and _reports_a_death(error)):
+            self._stop_workers(_WORKER_DIED)
 
     def __next__(self):
         loader = self._loader
@@ -253,11 +344,12 @@ class _Delivery:
         except WorkerInitError:  # no batch failed: a worker could not start. Nothing counted, new workers retry
             self._stop_workers(_WORKER_INIT_FAILED)
             raise
-        except Exception:
-            for _ in range(self._slots_taken(received_before)):
+        except Exception as error:
+            taken = self._slots_taken(received_before)
+            for _ in range(taken):
                 loader._fail(started)
                 started = None  # the wait was the first one's
-            self._stop_if_a_worker_died()
+            self._stop_if_a_worker_died(None if taken else error)  # a batch's own error tells nothing of workers
             raise
         except BaseException:  # KeyboardInterrupt and the like: nothing is counted, a new iter() serves it again
             self._stopped = _INTERRUPTED
@@ -289,8 +381,8 @@ class _StreamDelivery(_Delivery):
             except WorkerInitError:  # as for map-style: a worker could not start, new workers retry
                 self._stop_workers(_WORKER_INIT_FAILED)
                 raise
-            except Exception:  # torch's own (a worker that died, a timeout): nothing counted
-                self._stop_if_a_worker_died()
+            except Exception as error:  # torch's own (a worker that died, a timeout): nothing counted
+                self._stop_if_a_worker_died(error)
                 raise
             except BaseException:  # as for map-style: nothing counted, a new iter() serves the batch again
                 self._stopped = _INTERRUPTED
@@ -573,7 +665,7 @@ class ResumableDataLoader(DataLoader[T_co]):
         sampler.begin_pass()
         self._drop_stale_workers(stale=self._follow_length(sampler))
         self.monitor.begin(sampler.view().plan, sampler.rank, sampler.handed_out)
-        return _Delivery(super().__iter__(), self, self._iterations)
+        return _Delivery(self._torch_iter(), self, self._iterations)
 
     def _drop_stale_workers(self, stale: bool = False) -> None:
         """Persistent workers are started anew when one of them died (killed, out of memory: torch would reset them,
@@ -582,9 +674,23 @@ class ResumableDataLoader(DataLoader[T_co]):
         indices would fail), or a stream's pass starts from other snapshots. Nothing is lost: the new pass
         continues after the last delivered batch."""
         iterator = self._iterator
-        if iterator is not None and (stale or not _workers_alive(iterator)):
+        if iterator is not None and (stale or _dead_workers(iterator)):
             iterator._shutdown_workers()
             self._iterator = None
+
+    def _torch_iter(self, anew: Callable[[], None] = lambda: None):
+        """torch's iterator. A worker that died as it was made fails it: persistent workers are reset by it, which
+        waits for each of them (one may have died since `_drop_stale_workers` looked, its death not yet visible
+        then), and torch watches new workers from their start. New workers are started instead, after `anew()` (a
+        stream plans where they start)."""
+        try:
+            return super().__iter__()
+        except Exception as error:
+            if not self.num_workers or not _reports_a_death(error):  # in-process: the dataset's own error
+                raise
+        self._drop_stale_workers(stale=True)
+        anew()
+        return super().__iter__()
 
     def _follow_length(self, sampler: ResumableSampler) -> bool:
         """The dataset's length, read when an epoch starts as torch's samplers read it: a dataset that grew (or
@@ -626,7 +732,12 @@ class ResumableDataLoader(DataLoader[T_co]):
         self._drop_stale_workers(stale=plan is not None)  # persistent workers stand elsewhere: start anew
         stream.source.plan = plan
         self.monitor.begin(None)
-        inner = super().__iter__()
+
+        def anew() -> None:  # persistent workers that were to go on as they stood died: new ones start from a plan
+            nonlocal plan
+            plan = stream.source.plan = stream.begin_pass(workers_standing=False)
+
+        inner = self._torch_iter(anew)
         if inner._IterableDataset_len_called is not None:  # torch warns past len(dataset) items; each worker's end
             inner._IterableDataset_len_called += stream.workers  # comes as one more item
         stream.started(inner, plan)
@@ -648,7 +759,10 @@ class ResumableDataLoader(DataLoader[T_co]):
                                  worker_init_fn=self._stream.source.init_worker)
         elif self.worker_init_fn is not None:
             view.__dict__["worker_init_fn"] = _GuardedInit(self.worker_init_fn)
-        return DataLoader._get_iterator(view)
+        if not self.num_workers:
+            return DataLoader._get_iterator(view)
+        view.check_worker_number_rationality()
+        return _WatchedWorkers(view)
 
     def _supersede(self) -> None:
         """From now on, only an iterator made after this call delivers."""

@@ -128,15 +128,15 @@ def test_index_lists_that_end_short_are_refused_and_a_new_iter_serves_the_rest(w
 
 
 class InitFailingOnce:
-    """A worker_init_fn that raises in worker 1 the first time (a file marks it: workers are processes)."""
+    """A worker_init_fn that raises `error` in worker 1 the first time (a file marks it: workers are processes)."""
 
-    def __init__(self, mark):
-        self.mark = mark
+    def __init__(self, mark, error=ConnectionError):
+        self.mark, self.error = mark, error
 
     def __call__(self, worker_id):
         if worker_id == 1 and not self.mark.exists():
             self.mark.touch()
-            raise ConnectionError("could not open the database")
+            raise self.error("could not open the database")
 
 
 @pytest.mark.slow  # starts worker processes
@@ -160,9 +160,35 @@ def test_a_worker_init_fn_that_raises_consumes_no_batch(tmp_path, persistent):
                     it = iter(dl)
     assert_each_once(n, delivered)
     assert isinstance(errors[0], WorkerInitError) and "could not open the database" in str(errors[0])
+    assert isinstance(errors[0], ConnectionError)  # its own type too, as torch re-raises it
     assert len(errors) == 2 and dl.metrics()["total/failed_batches"] == 0
     if persistent:
         dl._iterator._shutdown_workers()
+
+
+@pytest.mark.slow  # starts worker processes
+@pytest.mark.parametrize("caught", [ValueError, WorkerInitError])
+def test_a_worker_init_fn_error_is_caught_as_its_own_type_too(tmp_path, caught):
+    """torch's DataLoader re-raises a worker_init_fn's exception as its own type: a loop written for it (`except
+    ValueError:`) let the loader's WorkerInitError, a RuntimeError only, through."""
+    n = 30
+    dl = ResumableDataLoader(IndexDataset(n), batch_size=3, num_workers=2, multiprocessing_context="fork",
+                             worker_init_fn=InitFailingOnce(tmp_path / "failed", ValueError))
+    delivered, errors, it = [], [], iter(dl)
+    while len(errors) < 3:
+        try:
+            delivered.append(next(it).tolist())
+        except StopIteration:
+            break
+        except caught as err:
+            errors.append(err)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", ContinuedPassWarning)  # worker 0 may have delivered a batch
+                it = iter(dl)
+    assert_each_once(n, delivered)
+    (error,) = errors
+    assert isinstance(error, ValueError) and isinstance(error, WorkerInitError)
+    assert type(error).__name__ == "WorkerInitError[ValueError]" and "could not open the database" in str(error)
 
 
 class Growing(Dataset):

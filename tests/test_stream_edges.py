@@ -372,6 +372,7 @@ def test_a_stream_worker_init_fn_that_raises_consumes_no_batch(tmp_path, kind, p
     errors, records = through_a_stop_then_resumed(make, iter(make.loader), [])
     assert Counter(records) == Counter(make.expected)
     assert isinstance(errors[0], WorkerInitError) and "could not open the database" in str(errors[0])
+    assert isinstance(errors[0], ConnectionError)  # its own type too, as torch re-raises it
     assert len(errors) == 2 and make.loader.metrics()["total/failed_batches"] == 0
 
 
