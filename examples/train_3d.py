@@ -37,7 +37,6 @@ from train_elastic import FEATURES, Regression, _one_gpu_per_rank, log  # noqa: 
 
 from loader import ResumableDataLoader  # noqa: E402
 from loader.checkpoint.ledger import Ledger  # noqa: E402
-from loader.checkpoint.save import global_progress  # noqa: E402
 from loader.integrations.dcp import LoaderState, ModelAndOptimizer  # noqa: E402
 
 HIDDEN = 32
@@ -142,9 +141,6 @@ def train(args) -> None:
             step += 1
             if step % args.every == 0:
                 dcp.save(state, checkpoint_id=args.run_dir / f"step-{step:06d}")
-        progress = global_progress(loader)  # a collective: the epoch's dropped samples, for the ledger's audit
-        if loader.ledger is not None and loader.rank == 0:
-            loader.ledger.record_finished(progress, loader)
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if rank == 0:
         torch.save(full, args.run_dir / "final-model.pt")

@@ -24,7 +24,6 @@ from torch.utils.data import Dataset
 
 from loader import ResumableDataLoader
 from loader.checkpoint.audit import audit
-from loader.checkpoint.save import global_progress
 from loader.core import collectives
 
 SAMPLES = 203  # the framework jobs' dataset: no multiple of their global batches, so every epoch ends short
@@ -73,13 +72,6 @@ def job_loader(grad_accum: int) -> ResumableDataLoader:
     return ResumableDataLoader(Indexed(SAMPLES), batch_size=4, shuffle=True, seed=7, grad_accum=grad_accum)
 
 
-def record_epoch_end(dl: ResumableDataLoader) -> None:
-    """The dropped-by-policy record that tells the audit an epoch is finished; a collective (every rank calls it)."""
-    progress = global_progress(dl)
-    if collectives.rank() == 0:
-        dl.ledger.record_finished(progress, dl)
-
-
 def train_epochs(dl: ResumableDataLoader, optimizer: torch.optim.Optimizer, args: argparse.Namespace,
                  log: "TrainedLog", step: int, backward: Callable[[torch.Tensor, torch.Tensor, bool], None],
                  checkpoint: Callable[[int], None]) -> None:
@@ -99,7 +91,6 @@ def train_epochs(dl: ResumableDataLoader, optimizer: torch.optim.Optimizer, args
             step += 1
             if step % args.every == 0:
                 checkpoint(step)
-        record_epoch_end(dl)
 
 
 def end_process_group() -> None:

@@ -20,7 +20,7 @@ from lightning.pytorch.strategies import DDPStrategy
 from loader import ResumableDataLoader
 from loader.checkpoint.ledger import Ledger
 from loader.integrations.lightning import ResumableLoaderCallback
-from tests.framework_jobs import TrainedLog, end_process_group, job_loader, job_parser, record_epoch_end, strike
+from tests.framework_jobs import TrainedLog, end_process_group, job_loader, job_parser, strike
 
 
 class Regression(L.LightningModule):
@@ -53,9 +53,6 @@ class AttachLedger(Callback):
 
     def on_train_start(self, trainer, pl_module) -> None:
         self.loader.ledger = Ledger.open(self.run_dir, trainer.global_step, len(self.loader.dataset))
-
-    def on_train_epoch_end(self, trainer, pl_module) -> None:
-        record_epoch_end(self.loader)
 
 
 class Fault(Callback):
