@@ -145,6 +145,7 @@ def train(args) -> None:
         progress = global_progress(loader)  # a collective: the epoch's dropped samples, for the ledger's audit
         if loader.ledger is not None and loader.rank == 0:
             loader.ledger.record_finished(progress, loader)
+    loader.close()  # the ledger's file, now: not at the interpreter's exit
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if rank == 0:
         torch.save(full, args.run_dir / "final-model.pt")
