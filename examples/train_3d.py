@@ -141,6 +141,7 @@ def train(args) -> None:
             step += 1
             if step % args.every == 0:
                 dcp.save(state, checkpoint_id=args.run_dir / f"step-{step:06d}")
+    loader.close()  # the ledger's file, now: not at the interpreter's exit
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if rank == 0:
         torch.save(full, args.run_dir / "final-model.pt")

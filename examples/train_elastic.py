@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import os
 import signal
 import sys
@@ -185,7 +186,7 @@ def train(args, make_task: Callable[[argparse.Namespace], Task] = regression_tas
                                  grad_accum=accum, num_workers=args.workers, drop_last=True)
     objects = dict(model=ddp, optimizer=optimizer, loader=loader, scheduler=scheduler)
     started = time.perf_counter()
-    step = resume(args.run_dir, **objects)
+    step = resume(args.run_dir, **objects)  # and loader.step, which counts on from it
     log(f"world size {world}, grad_accum {accum}, resumed at step {step}, epoch {loader.epoch} "
         f"(checkpoint load {time.perf_counter() - started:.3f} s)")
     if args.ledger:
@@ -211,7 +212,7 @@ def train(args, make_task: Callable[[argparse.Namespace], Task] = regression_tas
                 optimizer.step()
                 scheduler.step()
                 optimizer.zero_grad(set_to_none=True)
-                step += 1
+                step = loader.step  # the loader counts the updates, as the ledger labels them
                 log(f"step {step} loss {loss.item() / (args.micro_batch * task.items_per_sample):.6f}")
                 if args.snapshot_dir is not None and rank == 0:
                     args.snapshot_dir.mkdir(parents=True, exist_ok=True)
@@ -220,7 +221,7 @@ def train(args, make_task: Callable[[argparse.Namespace], Task] = regression_tas
                 if step % args.checkpoint_every == 0 and not args.uneven:  # a joined rank takes no collective
                     faults.strike_in_checkpoint(step, rank)
                     started = time.perf_counter()
-                    save_checkpoint(args.run_dir, step, **objects, keep_last=args.keep_last, ledger=loader.ledger)
+                    save_checkpoint(args.run_dir, **objects, keep_last=args.keep_last, ledger=loader.ledger)
                     log(f"checkpoint of step {step} saved in {time.perf_counter() - started:.3f} s")
                     saved = step
                 if args.uneven and loader.batches_left <= rank * args.uneven * accum:
@@ -240,10 +241,9 @@ def train(args, make_task: Callable[[argparse.Namespace], Task] = regression_tas
     done = torch.tensor([step])
     dist.all_reduce(done, op=dist.ReduceOp.MAX)  # a rank that joined early took fewer steps than the job
     step = int(done)
-    if saved != step:
-        save_checkpoint(args.run_dir, step, **objects, keep_last=args.keep_last, ledger=loader.ledger)
-    if loader.ledger is not None:
-        loader.ledger.close()
+    if saved != step:  # the step of the rank that went furthest, which save_checkpoint takes
+        save_checkpoint(args.run_dir, **objects, keep_last=args.keep_last, ledger=loader.ledger)
+    loader.close()  # its workers and the ledger's file, now: not at the interpreter's exit, after the group
     if rank == 0:
         torch.save(model.state_dict(), args.run_dir / "final-model.pt")
     log(f"done at step {step}")
@@ -279,8 +279,18 @@ def run(args, make_task: Callable[[argparse.Namespace], Task] = regression_task)
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
     code = train(args, make_task)  # on an exception, exit at once: the agent restarts the group, peers may be gone
-    dist.destroy_process_group()
+    leave()
     return code
+
+
+def leave() -> None:
+    """Destroy the process group once nothing holds it. DDP's reducer holds it, and DDP sits in reference cycles
+    that only the garbage collector frees: destroyed while the model was alive, the group was freed at the
+    interpreter's exit instead, where gloo's teardown can hang (pytorch#56297). Every rank passed its last collective
+    (the final all_reduce), so no peer waits on this one."""
+    gc.collect()  # the DDP model of train(), and its reducer, go now
+    dist.destroy_process_group()
+    print(f"[rank {int(os.environ.get('RANK', 0))}] left the process group", flush=True)
 
 
 def main(argv=None) -> int:

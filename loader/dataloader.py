@@ -143,6 +143,8 @@ _WORKER_DIED = ("a worker process of this iterator died (torch raised it above):
                 "that worker held, so the batches out would no longer be the index lists counted (a stream's pass "
                 "would end without that worker's records). Take a new iter(), which starts new workers and serves "
                 "every batch not delivered")
+_CLOSED = ("the ResumableDataLoader was closed (close(), or the end of its with block) and this iterator's workers "
+           "shut down: take a new iter(), which starts new workers and serves every batch not delivered")
 _WORKER_INIT_FAILED = ("a worker's worker_init_fn raised (above): no batch failed, nothing was counted, and this "
                        "iterator's workers are shut down. Take a new iter(), which starts new workers (running "
                        "worker_init_fn again) and serves every batch not delivered")
@@ -268,6 +270,7 @@ class _Delivery:
 
     def __init__(self, inner, loader: "ResumableDataLoader", iteration: int):
         self._inner, self._loader, self._iteration = inner, loader, iteration
+        loader.__dict__["_active"] = weakref.ref(self)  # what `close()` stops
         self._stopped: str | None = None  # why this iterator may not go on, if it may not
         self._in_process = type(inner) is _SingleProcessDataLoaderIter  # num_workers=0: see _next
         self._in_workers = isinstance(inner, _MultiProcessingDataLoaderIter)
@@ -320,7 +323,9 @@ class _Delivery:
     def _stop_workers(self, why: str) -> None:
         """This iterator may not go on, and its workers are shut down: the next iter() starts new ones."""
         self._stopped = why
-        self._inner._shutdown_workers()
+        shutdown = getattr(self._inner, "_shutdown_workers", None)  # none in process, or for an empty pass
+        if shutdown is not None:
+            shutdown()
         if self._loader._iterator is self._inner:  # persistent: torch would reset them without running the init again
             self._loader._iterator = None
 
@@ -563,6 +568,8 @@ class ResumableDataLoader(DataLoader[T_co]):
         )
         self.seed, self._rank, self._world_size, self.grad_accum = seed, rank, world_size, grad_accum
         self.ledger = None  # a loader.ledger.Ledger records every delivered batch's indices when attached
+        self._step_base: int | None = 0  # the step resumed from (None: unknown), and the updates completed since:
+        self._updates = 0  # see `step`
         self.monitor = Monitor(grad_accum)  # per-step metrics (`metrics()`), the stall warning (`monitor.configure`)
         self._iterations = 0  # iterators superseded so far: only the newest iterator delivers
         self._delivered_by_iterator = 0  # batches the newest iterator delivered
@@ -781,6 +788,8 @@ class ResumableDataLoader(DataLoader[T_co]):
             if self.ledger is not None:
                 self.ledger.record(self.epoch, self.last_indices(), self.update_complete)
                 self._record_end()
+        if self.update_complete:
+            self.__dict__["_updates"] += 1
         monitor = self.monitor
         if monitor.count_bytes:
             monitor.bytes += batch_nbytes(batch)
@@ -805,6 +814,8 @@ class ResumableDataLoader(DataLoader[T_co]):
             if self.ledger is not None:
                 self.ledger.record_failed(self.epoch, failed, self.update_complete)
                 self._record_end()
+        if self.update_complete:
+            self.__dict__["_updates"] += 1
         now = perf_counter()
         if self.monitor.failed(now if started is None else started, now, samples):
             self._stalled()
@@ -934,6 +945,21 @@ class ResumableDataLoader(DataLoader[T_co]):
             return self._stream.delivered > 0 and self._stream.completed == self._stream.delivered
         return self.resumable_sampler.update_complete
 
+    @property
+    def step(self) -> int | None:
+        """The optimizer step the loop is at, as the loader counts it: the step `resume` loaded (0 for a loader that
+        resumed nothing), plus every update completed since, also one that a failed micro-batch completed (the
+        exception reached the loop, but the update is over: step the optimizer then too). The ledger labels its
+        records with the same count, and `save_checkpoint` saves under it by default. None after a plain
+        `load_state_dict()`, which cannot know the step: set it then (`loader.step = n`)."""
+        return None if self._step_base is None else self._step_base + self._updates
+
+    @step.setter
+    def step(self, value: int) -> None:
+        if not is_int(value) or value < 0:
+            raise ValueError(f"step must be a non-negative int (the optimizer steps completed), got {value!r}")
+        self.__dict__.update(_step_base=int(value), _updates=0)
+
     def last_indices(self) -> np.ndarray:
         """Dataset indices of the batch just delivered: the identity of every sample the training loop saw."""
         if self._stream is not None:
@@ -952,6 +978,25 @@ class ResumableDataLoader(DataLoader[T_co]):
             "load_state() carry its progress, move each batch with batch.to(accelerator.device), and step the "
             "optimizer when loader.update_complete (see docs/frameworks.md, Hugging Face Accelerate)"
         )
+
+    def close(self) -> None:
+        """Release now what the loader holds, rather than at the interpreter's exit, after the process group is gone
+        (see docs/checkpoints.md, teardown): the worker processes (the active iterator's, which stops, and
+        persistent ones) and the attached ledger's file. Nothing delivered is lost: a new iter() continues after the
+        last delivered batch, with new workers. Leaving a `with loader:` block closes it."""
+        active = self.__dict__.get("_active")
+        delivery = None if active is None else active()
+        if delivery is not None and delivery._stopped is None:
+            delivery._stop_workers(_CLOSED)
+        self._drop_stale_workers(stale=True)
+        if self.ledger is not None:
+            self.ledger.close()
+
+    def __enter__(self) -> "ResumableDataLoader":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
 
     # -- state -----------------------------------------------------------------------------------------------------
 
@@ -998,5 +1043,6 @@ class ResumableDataLoader(DataLoader[T_co]):
         Validated in full first: a rejected state raises StateError and leaves the loader unchanged."""
         self._settle()
         (self._stream or self.resumable_sampler).load_state_dict(state)
+        self.__dict__.update(_step_base=None, _updates=0)  # the state holds no step: `resume` sets it
         self._supersede()
         self.monitor.loaded(perf_counter())

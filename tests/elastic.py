@@ -7,6 +7,7 @@ gets its own free port; every wait is bounded.
 """
 
 import contextlib
+import gc
 import importlib.util
 import os
 import signal
@@ -31,12 +32,39 @@ def load_example(path: Path = EXAMPLE):
     return module
 
 
-def _rank_main(rank, world_size, port, argv, log_dir, example):
+def held_at_teardown() -> str:
+    """What this process still holds that the process group's end would leave to the interpreter's exit: DDP
+    models (their reducers hold the group; gloo's teardown at exit can hang, pytorch#56297), ledger files, worker
+    processes."""
+    import multiprocessing
+
+    from torch.nn.parallel import DistributedDataParallel
+
+    models = sum(isinstance(o, DistributedDataParallel) for o in gc.get_objects())
+    ledgers = 0
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):  # the listing's own descriptor is gone
+            ledgers += "/ledger/gen-" in os.readlink(f"/proc/self/fd/{fd}")
+    return f"held at teardown: {models} DDP, {ledgers} ledger files, {len(multiprocessing.active_children())} workers"
+
+
+def _reporting_teardown(destroy):
+    def destroy_process_group(*args, **kwargs):
+        print(held_at_teardown(), flush=True)
+        return destroy(*args, **kwargs)
+    return destroy_process_group
+
+
+def _rank_main(rank, world_size, port, argv, log_dir, example, collector):
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     import torch
+    import torch.distributed as dist
 
     torch.set_num_threads(1)
+    dist.destroy_process_group = _reporting_teardown(dist.destroy_process_group)
+    if not collector:
+        gc.disable()  # what the job leaves to the collector is still there at its teardown, whenever it would run
     warnings.resetwarnings()  # the job's warnings as a job has them, not the suite's errors its fork inherited
     with open(Path(log_dir) / f"rank-{rank}.log", "a", buffering=1) as out:
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
@@ -49,12 +77,13 @@ def _rank_main(rank, world_size, port, argv, log_dir, example):
 
 
 def run_generation(world_size: int, argv: list[str], log_dir: Path, timeout: float = 120.0,
-                   example: Path = EXAMPLE) -> list[int | None]:
-    """Run one launch of the job; returns each rank's exit code (negative: killed by that signal)."""
+                   example: Path = EXAMPLE, collector: bool = True) -> list[int | None]:
+    """Run one launch of the job; returns each rank's exit code (negative: killed by that signal). `collector`:
+    False runs the ranks without the automatic garbage collector."""
     log_dir.mkdir(parents=True, exist_ok=True)
     ctx = mp.get_context("fork")
     port = free_port()
-    procs = [ctx.Process(target=_rank_main, args=(r, world_size, port, argv, str(log_dir), example))
+    procs = [ctx.Process(target=_rank_main, args=(r, world_size, port, argv, str(log_dir), example, collector))
              for r in range(world_size)]
     for p in procs:
         p.start()

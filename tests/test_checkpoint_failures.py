@@ -89,12 +89,12 @@ def test_a_rank_that_cannot_write_fails_the_save_on_every_rank(tmp_path, world_s
 def _save_with_a_broken_ledger(rank: int, world_size: int, run_dir: str) -> dict:
     warnings.simplefilter("ignore")
     objects = _objects(rank, world_size)
-    ledger = Ledger.open(run_dir, 0, 8)
+    ledger = objects["loader"].ledger = Ledger.open(run_dir, 0, 8)
     for _ in objects["loader"]:  # the whole epoch: the save records its finished epoch in the ledger
         pass
     if rank == 0:
         Path(run_dir, "ledger", "dropped").write_text("a file where the ledger needs a directory")
-    return _outcome(lambda: save_checkpoint(run_dir, 1, **objects, ledger=ledger))
+    return _outcome(lambda: save_checkpoint(run_dir, **objects, ledger=ledger))  # step 2, the loader's
 
 
 def test_a_ledger_that_cannot_be_written_fails_the_save_on_every_rank(tmp_path):

@@ -458,3 +458,26 @@ def test_without_workers_torchs_profiler_event_per_batch_is_kept_when_a_profiler
         profiled = epoch()
     assert profiled == plain
     assert sum(e.name == event for e in profile.events()) == len(plain) + 1  # the last one raised StopIteration
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+def test_close_ends_the_workers_and_the_ledger_file_now_and_a_new_iter_serves_the_rest(tmp_path, persistent):
+    """Before the process group goes, nothing of the loader may be left for the interpreter's exit: its workers
+    (the active iterator's, or persistent ones) end and the ledger's file closes at close(), or a with block's end."""
+    from loader.checkpoint import Ledger
+
+    dl = ResumableDataLoader(IndexDataset(40), batch_size=4, shuffle=True, seed=0, num_workers=2,
+                             persistent_workers=persistent, multiprocessing_context="fork")
+    dl.ledger = Ledger.open(tmp_path, 0, 40)
+    batches = iter(dl)
+    trained = [i for batch in itertools.islice(batches, 3) for i in batch.tolist()]
+    workers = list(batches._workers)
+    with dl:
+        pass
+    assert not any(w.is_alive() for w in workers) and dl.ledger._file.closed
+    with pytest.raises(RuntimeError, match="was closed"):
+        next(batches)
+    dl.ledger = None
+    with pytest.warns(ContinuedPassWarning):
+        trained += [i for batch in dl for i in batch.tolist()]
+    assert sorted(trained) == list(range(40))

@@ -291,7 +291,8 @@ def test_a_step_published_again_sets_the_earlier_one_aside_and_the_newest_public
     (aside,) = _aside(tmp_path, 2)
     assert [str(w.message) for w in caught] == [
         f"step 2 is published again: the earlier {path} ({state}) was moved aside to {aside}, which is never "
-        f"loaded; inspect it, then delete it"
+        + ("loaded; inspect it, then delete it (a later save deletes it once it is not among the newest 3 broken "
+           "directories moved aside: keep_quarantined=3)" if broken else "loaded, nor deleted; inspect it, then delete it")
     ]
     assert snapshot(aside) == first  # kept for inspection, byte for byte
     assert latest(tmp_path) == path and set(verify(path).files) == {"model.pt"}  # the newest publication
@@ -302,12 +303,18 @@ def test_a_step_published_again_sets_the_earlier_one_aside_and_the_newest_public
         assert latest(tmp_path) == tmp_path / "step-000000001"
 
 
-def _republish(run_dir: Path, step: int, **kwargs) -> list[Path]:
-    """Publish `step` (again); returns the directories it moved aside, oldest first, as its warnings name them."""
+def _told(caught) -> list[Path | None]:
+    """Each directory moved aside, as its warning names it: where it is now, or None for one deleted."""
+    where = [str(w.message).partition(" was moved aside ")[2] for w in caught]
+    return [None if text.startswith("and deleted") else Path(text[3:].split(", which")[0]) for text in where]
+
+
+def _republish(run_dir: Path, step: int, keep_last: int | None = None, **kwargs) -> list[Path | None]:
+    """Publish `step` (again); returns the directories it moved aside, oldest first, as its warnings tell them."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", CheckpointWarning)
-        publish(run_dir, step, write(FILES), manifest_extra=EXTRA, keep_last=None, **kwargs)
-    return [Path(str(w.message).split(" was moved aside to ")[1].split(", which")[0]) for w in caught]
+        publish(run_dir, step, write(FILES), manifest_extra=EXTRA, keep_last=keep_last, **kwargs)
+    return _told(caught)
 
 
 def test_every_republication_is_kept_aside(tmp_path):
@@ -319,13 +326,35 @@ def test_every_republication_is_kept_aside(tmp_path):
 @pytest.mark.parametrize("keep, kept", [({}, 3), ({"keep_quarantined": 1}, 1), ({"keep_quarantined": None}, 6)])
 def test_only_the_newest_directories_set_aside_are_kept(tmp_path, keep, kept):
     """3 rounds of a run that steps back from step 5 and saves steps 4 and 5 again (each sets both earlier ones
-    aside): the newest few are kept, of any step, and the published steps are untouched."""
-    moved = [_republish(tmp_path, 4 + i % 2, **keep) for i in range(8)]
+    aside): the newest few are kept, of any step, and the published steps are untouched. Each warning says where
+    its directory is, or that it was deleted (all but the last round's, or those of a round before)."""
+    moved = [_republish(tmp_path, 4 + i % 2, keep_last=2, **keep) for i in range(8)]
     assert [len(paths) for paths in moved] == [0, 0, 2, 0, 2, 0, 2, 0]
-    moved = [path for paths in moved for path in paths]
-    assert sorted(tmp_path.glob("step-*.quarantine-*")) == sorted(moved[len(moved) - kept :])
+    told = [path for paths in moved for path in paths]
+    assert set(tmp_path.glob("step-*.quarantine-*")) <= {path for path in told if path is not None}
+    assert len(list(tmp_path.glob("step-*.quarantine-*"))) == kept
     assert list_checkpoints(tmp_path) == [tmp_path / "step-000000004", tmp_path / "step-000000005"]
     assert latest(tmp_path) == tmp_path / "step-000000005"
+
+
+def test_a_rewind_with_keep_last_none_keeps_every_later_checkpoint_where_its_warning_says(tmp_path):
+    """Steps 1 to 5 kept (keep_last=None), then the run went back to step 1 and publishes step 2: the earlier step 2
+    and steps 3, 4 and 5 are moved aside, every one intact, and every one kept where its warning says (keep_quarantined
+    pruned one of the four, whose warning said it was kept for inspection)."""
+    publish_steps(tmp_path, 1, 2, 3, 4, 5, keep_last=None)
+    told = _republish(tmp_path, 2)
+    assert sorted(verify(path).step for path in told) == [2, 3, 4, 5]  # all there, checksums and all
+    assert list_checkpoints(tmp_path) == [tmp_path / "step-000000001", tmp_path / "step-000000002"]
+
+
+@pytest.mark.parametrize("keep_quarantined, deleted", [(1, 3), (3, 1), (None, 0)])
+def test_a_rewind_with_keep_last_says_of_each_checkpoint_moved_aside_what_was_done(tmp_path, keep_quarantined,
+                                                                                   deleted):
+    publish_steps(tmp_path, 1, 2, 3, 4, 5, keep_last=None)
+    told = _republish(tmp_path, 2, keep_last=2, keep_quarantined=keep_quarantined)
+    kept = [path for path in told if path is not None]
+    assert (len(told), len(kept)) == (4, 4 - deleted)
+    assert sorted(tmp_path.glob("step-*.quarantine-*")) == sorted(kept)
 
 
 def test_a_step_published_meanwhile_by_another_writer_is_set_aside_too(tmp_path):

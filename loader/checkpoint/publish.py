@@ -13,7 +13,9 @@ warning: kept for inspection, never loaded, so the name always holds the newest 
 of later steps that were published before this save began are moved aside the same way once it is published: they
 belong to the run's abandoned past (skipped as unreadable, perhaps only for a moment, or left on purpose), and a
 restart must resume the run's present, not jump back into them. The newest ``keep_quarantined`` (3 by default) of
-those are kept, the older ones deleted once the new one is in place.
+those are kept, the older ones deleted once the new one is in place; with ``keep_last=None`` (keep every checkpoint)
+those that still verify are all kept, only broken ones count. Each warning says what was done: where the directory
+is now, or that it was deleted.
 
 A checkpoint's files must be its own: :func:`verify` refuses a directory holding a symbolic link (or a FIFO, socket or
 device), which would make it read a file outside the checkpoint.
@@ -94,7 +96,8 @@ def publish(
     success, published checkpoints beyond the newest ``keep_last`` (``None``: keep all) are pruned, never the one just
     written, and temporary directories of lower steps left by crashed writers are removed (not those of a writer that
     is still alive on this host, e.g. an async save in another thread). Of the directories moved aside, the newest
-    ``keep_quarantined`` (``None``: all) are kept, so that republishing does not fill the disk.
+    ``keep_quarantined`` (``None``: all) are kept, so that republishing does not fill the disk; with ``keep_last=None``
+    every one that still verifies is kept besides.
     """
     check_arguments(step, keep_last, manifest_extra, keep_quarantined)
     run_dir = Path(run_dir)
@@ -105,6 +108,7 @@ def publish(
     tmp = run_dir / f"{final.name}.tmp-{_host()}-{os.getpid()}-{secrets.token_hex(4)}"
     tmp.mkdir()
     _IN_FLIGHT.add(tmp)
+    moved: list[_Aside] = []  # told once their fate is known, after the tidying
     try:
         write_files(tmp)
         files = _seal(tmp)
@@ -120,7 +124,7 @@ def publish(
             f.flush()
             os.fsync(f.fileno())
         fsync(tmp)
-        _set_aside(final)
+        moved += _set_aside(final)
         try:
             os.rename(tmp, final)
         except OSError as e:  # a complete checkpoint appeared under that name meanwhile: never replace it
@@ -129,23 +133,24 @@ def publish(
             raise
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
+        _tell(moved, keep_last, keep_quarantined)
         raise
     finally:
         _IN_FLIGHT.discard(tmp)
-    _after_publication(run_dir, final, step, keep_last, keep_quarantined, superseded)
+    _after_publication(run_dir, final, step, keep_last, keep_quarantined, superseded, moved)
     return final
 
 
 def _after_publication(
     run_dir: Path, final: Path, step: int, keep_last: int | None, keep_quarantined: int | None,
-    superseded: list[Path],
+    superseded: list[Path], moved: list[_Aside],
 ) -> None:
-    """Make the rename durable, set aside the checkpoints it supersedes, and tidy up. The step is published once
-    renamed, so a failure here warns: raising would tell the caller that the save failed while its checkpoint is
-    complete and loadable."""
+    """Make the rename durable, set aside the checkpoints it supersedes, tidy up, and tell what became of each
+    directory moved aside. The step is published once renamed, so a failure here warns: raising would tell the
+    caller that the save failed while its checkpoint is complete and loadable."""
     try:
         for path in superseded:
-            _set_aside(path, replaced_by=final)
+            moved += _set_aside(path, replaced_by=final)
     except OSError as e:
         warnings.warn(
             f"published {final}, but could not move a checkpoint of a later step aside ({e}): a restart would "
@@ -167,9 +172,10 @@ def _after_publication(
         if keep_last is not None:
             _prune(run_dir, keep=keep_last, just_written=final)
         if keep_quarantined is not None:
-            _prune_quarantined(run_dir, keep=keep_quarantined)
+            _prune_quarantined(run_dir, keep=keep_quarantined, spare_intact=keep_last is None)
     except OSError as e:
         warnings.warn(f"published {final}, but could not tidy {run_dir}: {e}", CheckpointWarning, stacklevel=3)
+    _tell(moved, keep_last, keep_quarantined)
 
 
 def check_arguments(
@@ -285,29 +291,55 @@ def latest(run_dir: str | os.PathLike, *, check_checksums: bool = True) -> Path 
     return None
 
 
-def _set_aside(final: Path, replaced_by: Path | None = None) -> None:
+@dataclass(frozen=True)
+class _Aside:
+    """A directory moved aside: what it was, whether it verified, and where it went."""
+
+    what: str
+    intact: bool
+    problem: str
+    path: Path
+
+
+def _set_aside(final: Path, replaced_by: Path | None = None) -> list[_Aside]:
     """Move an earlier publication of this step, or a checkpoint of a later step that `replaced_by` supersedes, out
-    of the way, kept for inspection and never loaded again.
+    of the way, never loaded again; returns it (nothing when there is none), to be told of once its fate is known.
 
     Why: a run that is publishing step S again has resumed from an older checkpoint, because `latest` skipped this
     one as corrupt or the run went back on purpose; refusing would fail every save of S, on every restart."""
     if not final.exists():
-        return
+        return []
     try:
         verify(final, check_checksums=False)
-        state = "its manifest and sizes are intact"
+        intact, problem = True, ""
     except CheckpointError as e:
-        state = f"broken: {e.problem}"
+        intact, problem = False, e.problem
     stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S.%fZ")
     aside = final.with_name(f"{final.name}.quarantine-{stamp}")
     os.rename(final, aside)
     what = (f"step {int(final.name[5:])} is published again: the earlier {final}" if replaced_by is None else
             f"the run went back from {final} to an earlier step, now published as {replaced_by.name}: {final.name}")
-    warnings.warn(
-        f"{what} ({state}) was moved aside to {aside}, which is never loaded; inspect it, then delete it",
-        CheckpointWarning,
-        stacklevel=4,
-    )
+    return [_Aside(what, intact, problem, aside)]
+
+
+def _tell(moved: list[_Aside], keep_last: int | None, keep_quarantined: int | None) -> None:
+    """One warning per directory moved aside, saying what was done with it: kept where it now is (and until when),
+    or deleted by `keep_quarantined`."""
+    for entry in moved:
+        state = "its manifest and sizes are intact" if entry.intact else f"broken: {entry.problem}"
+        k = keep_quarantined
+        if not entry.path.exists():
+            keep_all = ", or keep_last=None to keep every intact checkpoint" if entry.intact else ""
+            done = (f"was moved aside and deleted: keep_quarantined={k} keeps only the newest {k} directories moved "
+                    f"aside (pass keep_quarantined=None to keep them all{keep_all})")
+        elif k is None or entry.intact and keep_last is None:
+            done = f"was moved aside to {entry.path}, which is never loaded, nor deleted; inspect it, then delete it"
+        else:
+            counted = " broken" if keep_last is None else ""
+            done = (f"was moved aside to {entry.path}, which is never loaded; inspect it, then delete it (a later "
+                    f"save deletes it once it is not among the newest {k}{counted} directories moved aside: "
+                    f"keep_quarantined={k})")
+        warnings.warn(f"{entry.what} ({state}) {done}", CheckpointWarning, stacklevel=4)
 
 
 def _already_published(final: Path) -> FileExistsError:
@@ -507,17 +539,29 @@ def _remove_stale_tmp(run_dir: Path, step: int) -> None:
             shutil.rmtree(path, ignore_errors=True)
 
 
-def _prune_quarantined(run_dir: Path, *, keep: int) -> None:
+def _prune_quarantined(run_dir: Path, *, keep: int, spare_intact: bool = False) -> None:
     """Delete all but the newest ``keep`` directories moved aside (by the UTC time in their names, whatever the step);
-    called after a publication, so the one just moved aside is among the kept."""
+    called after a publication, so the one just moved aside is among the kept. `spare_intact` (``keep_last=None``):
+    checkpoints that still verify are kept whatever their number, and do not count among the ``keep``."""
     with os.scandir(run_dir) as it:
         aside = sorted(
             (match.group(1), entry.name)
             for entry in it
             if (match := _QUARANTINED.fullmatch(entry.name)) and entry.is_dir(follow_symlinks=False)
         )
+    if spare_intact:
+        aside = [(stamp, name) for stamp, name in aside if not _verifies(run_dir / name)]
     for _, name in aside[: max(len(aside) - keep, 0)]:
         shutil.rmtree(run_dir / name)
+
+
+def _verifies(path: Path) -> bool:
+    """Whether a directory is a complete checkpoint by its manifest and sizes (no checksums: every byte read)."""
+    try:
+        verify(path, check_checksums=False)
+    except CheckpointError:
+        return False
+    return True
 
 
 def _prune(run_dir: Path, *, keep: int, just_written: Path) -> None:

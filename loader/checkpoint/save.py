@@ -351,7 +351,7 @@ def _raise(step: int, failed: _Failed, cause: BaseException | None) -> NoReturn:
 
 def save_checkpoint(
     run_dir: str | Path,
-    step: int,
+    step: int | None = None,
     *,
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
@@ -366,13 +366,25 @@ def save_checkpoint(
 ) -> Path:
     """Publish the checkpoint of completed optimizer step `step`; every rank calls it, after the step.
 
+    `step` defaults to the loader's count (`loader.step`: the step resumed from plus the updates completed since;
+    under DDP Join, that of the rank that went furthest). With a `ledger`, a `step` that is not the ledger's count
+    is refused with a ValueError on every rank, before anything is written: the ledger labels each record with the
+    step it feeds, so a checkpoint saved under another number would make the audit count the records of the steps
+    between as replayed (skipped) or twice after a resume.
+
     Returns the published directory on every rank. A failure on any rank raises a `SaveError` (an `OSError`) on
     every rank, naming the failing ranks and causes, and leaves every published checkpoint untouched. The states
     of model, optimizer, scheduler and scaler must be plain data (tensors, numbers, strings, lists and dicts of
     them), as resume never unpickles anything else: otherwise a TypeError names the entry, before anything is
     written. `keep_last` and `keep_quarantined`: see `loader.checkpoint.publish.publish`."""
     # On every rank alike, before the first collective:
-    check_arguments(step, keep_last, {} if manifest_extra is None else manifest_extra, keep_quarantined)
+    if step is None and loader.step is None:
+        raise ValueError(
+            "save_checkpoint: no step= given, and the loader does not know its step (its progress was set by "
+            "load_state_dict(), not resume()): pass step=, or set loader.step to the step that progress was saved at"
+        )
+    check_arguments(0 if step is None else step, keep_last, {} if manifest_extra is None else manifest_extra,
+                    keep_quarantined)
     model_sd, optim_sd = get_state_dict(model, optimizer)
     extras = {
         "scheduler": None if scheduler is None else scheduler.state_dict(),
@@ -382,11 +394,13 @@ def save_checkpoint(
     if ledger is not None:
         ledger.sync()
     progress = global_progress(loader, group)
+    gathered = all_gather((_rng_state(), loader.step, None if ledger is None else ledger.step), group)
+    step = _agreed_step(step, [counted for _, counted, _ in gathered], [label for _, _, label in gathered])
     state = {
         "model": model_sd,
         "optim": optim_sd,
         "loader": {"progress": json.dumps(progress)},
-        "rng": {"all": json.dumps(all_gather(_rng_state(), group))},
+        "rng": {"all": json.dumps([rng for rng, _, _ in gathered])},
         "extras": {"blob": _to_bytes(extras)},
     }
     extra = {
@@ -409,6 +423,28 @@ def save_checkpoint(
 
     keep = {"keep_last": keep_last, "keep_quarantined": keep_quarantined}
     return _publish_as_rank0(run_dir, step, state, extra, keep, group, prepare)
+
+
+def _agreed_step(step: int | None, counted: list[int | None], labelled: list[int | None]) -> int:
+    """The checkpoint's step, from every rank's loader count and ledger label (the same lists on every rank, so
+    all of them return or raise alike): `step`, or the largest count (a rank that joined early counted fewer),
+    which must be the ledger's largest label."""
+    if step is None:
+        step = max(c for c in counted if c is not None)
+    labels = [label for label in labelled if label is not None]
+    if labels and max(labels) != step:
+        ledger = max(labels)
+        first, last = sorted((step, ledger))
+        between = f"step {last}" if last == first + 1 else f"steps {first + 1} to {last}"
+        raise ValueError(
+            f"save_checkpoint(step={step}): the loader completed {ledger} optimizer updates, and the ledger labels "
+            f"its records with them (step {ledger} last), so a checkpoint of step {step} would make the audit "
+            f"count the records of {between} wrongly (as skipped, or twice) after a resume. Count steps as the "
+            f"loader does: omit step= (it is loader.step), or also step the optimizer and count when a failed "
+            f"micro-batch completes an update (loader.update_complete after the exception; see docs/checkpoints.md, "
+            f"the loop)"
+        )
+    return step
 
 
 # Two broadcasts from rank 0 keep all ranks in step, whatever fails where: (1) the directory to write into, or a
@@ -484,6 +520,7 @@ def load_checkpoint(
             optimizer.state.clear()  # get_state_dict gave it a state (a step with lr 0) to learn its layout
         raise
     loader.load_state_dict(parts["progress"])
+    loader.step = step  # the loop counts on from it (`ResumableDataLoader.step`)
     weights = parts["weights"]
     set_state_dict(model, optimizer, model_state_dict=weights["model"], optim_state_dict=weights["optim"])
     for name, target in (("scheduler", scheduler), ("scaler", scaler)):
