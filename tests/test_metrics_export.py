@@ -2,6 +2,7 @@
 that the next launch replays from its checkpoint. Each step keeps the last launch's values, and nothing is summed
 twice. Skipped (with the reason) without the extras."""
 
+import contextlib
 import multiprocessing
 import os
 import shutil
@@ -167,3 +168,25 @@ def test_a_log_folder_removed_mid_run_warns_once_and_the_loop_gets_every_batch_a
     events = EventAccumulator(str(log_dir))
     events.Reload()
     assert [event.step for event in events.Scalars("loader/samples")] == list(range(5, N // BATCH + 1))
+
+
+def test_a_failed_prometheus_write_warns_once_and_the_next_counts_all_the_work_since():
+    prometheus_client = pytest.importorskip(
+        "prometheus_client", reason="needs the prometheus extra: pip install 'loader[prometheus]'")
+    from loader.integrations.prometheus import PrometheusMetrics
+    from loader.metrics import MetricsWarning
+
+    registry = prometheus_client.CollectorRegistry()
+    board, labels = PrometheusMetrics(rank=0, launch=1, registry=registry), {"rank": "0", "launch": "1"}
+    dl = ResumableDataLoader(IndexDataset(N), batch_size=BATCH, shuffle=False)
+    for step, _ in enumerate(dl, start=1):
+        metrics = dl.metrics()
+        if step in (2, 3):  # a value its gauge refuses: set() raises inside prometheus_client
+            warned = pytest.warns(MetricsWarning, match=r"PrometheusMetrics.write at step 2 raised ValueError")
+            with warned if step == 2 else contextlib.nullcontext():
+                board.write({**metrics, "samples": "four"}, step)
+            assert registry.get_sample_value("loader_samples_total", labels) == BATCH  # step 1's
+        else:
+            board.write(metrics, step)
+    assert registry.get_sample_value("loader_samples_total", labels) == N
+    assert registry.get_sample_value("loader_last_step", labels) == N // BATCH

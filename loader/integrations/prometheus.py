@@ -16,8 +16,8 @@ the work done, replays included (those batches were loaded twice). Progress comm
 counter's. The source's counters (`loader_source_*`, e.g. the node cache's downloads) are cumulative values read
 from disk: gauges.
 
-A write that fails never stops training: a MetricsWarning says so once, and the next write sets the gauges again and
-adds to the counters all the work since the last write that succeeded.
+A write that fails never stops training: a MetricsWarning says so once, the gauges and counters may hold an earlier
+step's values, and the next write sets the gauges again and adds to the counters all the work since.
 """
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ class PrometheusMetrics:
         new work to the counters."""
         step = metrics.get("step") if step is None else step
         self._retrying.call(f"PrometheusMetrics.write at step {step}", lambda: self._write(metrics, step), None,
-                            "the gauges keep an earlier step's values until a write succeeds")
+                            "gauges and counters may hold an earlier step's values until a write succeeds")
 
     def _write(self, metrics: dict, step: int | None) -> None:
         launch = self.launch if self.launch is not None else metrics.get("launch")
