@@ -37,7 +37,7 @@ from train_elastic import FEATURES, Regression, _one_gpu_per_rank, log  # noqa: 
 
 from loader import ResumableDataLoader  # noqa: E402
 from loader.checkpoint.ledger import Ledger  # noqa: E402
-from loader.integrations.dcp import LoaderState, ModelAndOptimizer  # noqa: E402
+from loader.integrations.dcp import LoaderState, ModelAndOptimizer, dcp_load  # noqa: E402
 
 HIDDEN = 32
 
@@ -111,7 +111,7 @@ def train(args) -> None:
 
     step, found = 0, newest_checkpoint(args.run_dir)
     if found is not None:
-        dcp.load(state, checkpoint_id=found)
+        dcp_load(state, found)
         step = int(found.name[5:])
     rank = dist.get_rank()
     if rank == 0:

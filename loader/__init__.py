@@ -20,7 +20,7 @@ from loader.core.rows import Rows
 from loader.core.sampler import AbandonedEpochWarning, ResumableSampler
 from loader.core.state import StateError
 from loader.dataloader import ContinuedPassWarning, ResumableDataLoader, SampleIndex, WorkerInitError
-from loader.metrics import DataStallWarning
+from loader.metrics import DataStallWarning, MetricsWarning
 from loader.streams.shards import ShardedStream
 
 __all__ = [
@@ -29,6 +29,7 @@ __all__ = [
     "DataStallWarning",
     "EpochPlan",
     "Layout",
+    "MetricsWarning",
     "Order",
     "ResumableDataLoader",
     "ResumableSampler",

@@ -833,7 +833,10 @@ class ResumableDataLoader(DataLoader[T_co]):
     def _source_metrics(self) -> dict:
         """The dataset's own counters (`dataset.metrics()`, e.g. a remote source's cache), if it has any."""
         metrics = getattr(self.dataset, "metrics", None)
-        return dict(metrics()) if callable(metrics) else {}
+        if not callable(metrics):
+            return {}
+        return self.monitor.source.call(f"the dataset's own metrics() ({type(self.dataset).__name__}.metrics)",
+                                        lambda: dict(metrics()), {}, "its source/... counters are left out")
 
     def _stalled(self) -> None:
         """A stall streak began (note the source's counters), or reached the monitor's length (warn)."""

@@ -17,7 +17,10 @@ from __future__ import annotations
 
 import math
 import os
-from typing import Any, NamedTuple
+import warnings
+from typing import Any, Callable, NamedTuple, TypeVar
+
+T = TypeVar("T")
 
 # the keys of dl.metrics(): the last completed step's values, which a restart may emit again for the same step (a
 # consumer keeps the last one), and this launch's totals, which count the work of this process only
@@ -32,6 +35,34 @@ STALL_STEPS = 100  # ...in this many consecutive steps
 class DataStallWarning(UserWarning):
     """The training loop waited for data during most of many consecutive steps: the loader limits training. The
     message names the likely cause from what the loader knows (workers, the shard cache, the shuffle)."""
+
+
+class MetricsWarning(UserWarning):
+    """Metrics could not be read or exported (a dataset's own metrics() raised, an exporter's log folder vanished):
+    training goes on, the loader keeps counting, and the part that failed is tried again at its next call."""
+
+
+class Retrying:
+    """A part of the metrics that must never stop training (an exporter's write, a dataset's metrics()): a failure is
+    caught, the part tried again at its next call, and a MetricsWarning says so once per outage (again only after
+    the part worked in between)."""
+
+    def __init__(self) -> None:
+        self.failing = False
+
+    def call(self, what: str, function: Callable[[], T], default: T, lost: str) -> T:
+        """function(), or `default` when it raises; `what` names the part, `lost` what its failure loses."""
+        try:
+            result = function()
+        except Exception as err:
+            if not self.failing:
+                warnings.warn(f"{what} raised {type(err).__name__}: {err}. Training goes on and the loader keeps "
+                              f"counting, but {lost}; it is tried again at each call (this warning comes again only "
+                              f"if it fails after having worked)", MetricsWarning, stacklevel=3)
+            self.failing = True
+            return default
+        self.failing = False
+        return result
 
 
 class Streak(NamedTuple):
@@ -101,6 +132,7 @@ class Monitor:
         self._last: tuple | None = None  # the last closed step's two marks
         self.streak = Streak()  # the stalled steps in a row, up to the last closed step
         self.streak_source: dict = {}  # the source's counters as the streak began (the loader notes them)
+        self.source = Retrying()  # the dataset's own metrics(), which must not stop the loop (see Retrying)
 
     def configure(self, *, stall_ratio: float = STALL_RATIO, stall_steps: int | None = STALL_STEPS,
                   stall_min_seconds: float = STALL_MIN_SECONDS, count_bytes: bool = False) -> None:

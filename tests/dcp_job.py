@@ -24,7 +24,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 from loader.checkpoint.ledger import Ledger
-from loader.integrations.dcp import LoaderState, ModelAndOptimizer
+from loader.integrations.dcp import LoaderState, ModelAndOptimizer, dcp_load
 from tests.framework_jobs import SAMPLES, TrainedLog, end_process_group, job_loader, job_parser, train_epochs
 
 
@@ -65,7 +65,7 @@ def train(args) -> None:
 
     step, found = 0, newest_committed(args.run_dir)
     if found is not None:
-        dcp.load(state, checkpoint_id=found)
+        dcp_load(state, found)
         step = int(found.name[5:])
         loaded = full_model(model)
         if rank == 0:

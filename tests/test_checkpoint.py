@@ -6,6 +6,8 @@ import os
 import pickle
 import random
 import re
+import shlex
+import shutil
 import warnings
 from collections import Counter
 
@@ -16,7 +18,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from loader import ContinuedPassWarning, ResumableDataLoader
-from loader.checkpoint.publish import CheckpointError, CheckpointWarning, latest, list_checkpoints, publish, verify
+from loader.checkpoint.publish import (MANIFEST_NAME, CheckpointError, CheckpointWarning, latest, list_checkpoints,
+                                      publish, verify)
 from loader.checkpoint.save import load_checkpoint, resume, save_checkpoint
 from tests.conftest import IndexDataset
 from tests.test_dataloader import Stream
@@ -308,6 +311,54 @@ def test_a_crafted_checkpoint_of_plain_data_loads(tmp_path):
     assert resume(tmp_path / "run", **target) == 2
     assert torch.equal(target["model"].weight, objects["model"].weight)
     assert Counter(delivered + _consume(target["loader"])) == Counter(range(60))
+
+
+class RunsCommand:
+    """Unpickled, it runs a shell command that creates the file `marker`."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return os.system, (f"touch {shlex.quote(self.marker)}",)
+
+
+def _with_metadata(tmp_path, objects, value):
+    """Step 2 as save_checkpoint writes it, but its DCP `.metadata` pickle also holding `value` (as the planner data,
+    which DCP keeps as it finds it), published with a manifest that verifies."""
+    genuine = save_checkpoint(tmp_path / "genuine", 2, **objects)
+    metadata = pickle.loads((genuine / ".metadata").read_bytes())  # written just now by this test: trusted
+
+    def write(target):
+        for part in genuine.iterdir():
+            if part.name != MANIFEST_NAME:
+                shutil.copy(part, target / part.name)
+        metadata.planner_data = value
+        (target / ".metadata").write_bytes(pickle.dumps(metadata))
+
+    return publish(tmp_path / "run", 2, write, manifest_extra=dict(verify(genuine).extra))
+
+
+@pytest.mark.parametrize("payload, names", [(RunsCode, "io.open"), (RunsCommand, f"{os.system.__module__}.system")])
+def test_a_crafted_dcp_metadata_is_refused_naming_what_it_names_without_running_it(tmp_path, payload, names):
+    marker = tmp_path / "code-ran"
+    objects = make()
+    delivered = _consume(objects["loader"], 2)
+    save_checkpoint(tmp_path / "run", 1, **objects)
+    _consume(objects["loader"], 1)  # consumed after step 1: step 1 replays it
+    crafted = _with_metadata(tmp_path, objects, payload(marker))
+
+    target = make()
+    before = everything(target)
+    refusal = (f"checkpoint {crafted} was not loaded: rank 0: checkpoint file {crafted / '.metadata'} names {names}, "
+               f"which is not one of DCP's metadata types: the loader never unpickles it")
+    with pytest.raises(CheckpointError, match=re.escape(refusal)):
+        resume(tmp_path / "run", **target)
+    assert not marker.exists() and everything(target) == before
+    assert load_checkpoint(tmp_path / "run" / "step-000000001", **target) == 1
+    assert Counter(delivered + _consume(target["loader"])) == Counter(range(60))
+    pickle.loads((crafted / ".metadata").read_bytes())  # what DCP's own reader does: the payload runs
+    assert marker.exists()
 
 
 def test_a_checkpoint_file_linked_from_outside_is_skipped_for_the_previous_one(tmp_path):

@@ -1,6 +1,10 @@
 """The loader as a DCP Stateful in a real gloo group: saved by 2 ranks, loaded by 3, every sample once."""
 
 import itertools
+import os
+import pickle
+import re
+import shutil
 import warnings
 
 import pytest
@@ -8,7 +12,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from loader import ResumableDataLoader
-from loader.integrations.dcp import LoaderState
+from loader.integrations.dcp import LoaderState, ModelAndOptimizer, dcp_load
 from tests.conftest import IndexDataset
 from tests.distributed import run_group
 
@@ -128,3 +132,63 @@ def test_a_dcp_checkpoint_resumes_under_an_amended_schedule_and_a_silent_edit_is
     assert sorted(positions) == list(range(n))  # every position of the epoch once: trained before + after
     assert trained == [old[p] for p in range(12)] and after == [new[p] for p in range(12, n)]
     assert [old[p] for p in range(12)] == [new[p] for p in range(12)]
+
+
+class Typed(torch.nn.Module):
+    """A model whose state holds tensors of several dtypes, layouts and memory formats, as DCP's metadata names them."""
+
+    def __init__(self, seed):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.linear = torch.nn.Linear(3, 2)
+        self.register_buffer("halves", torch.randn(4, dtype=torch.float16))
+        self.register_buffer("brain", torch.randn(2, 3, dtype=torch.bfloat16))
+        self.register_buffer("count", torch.randint(0, 2**40, (5,)))
+        self.register_buffer("mask", torch.rand(6) > 0.5)
+        self.register_buffer("octets", torch.randint(0, 255, (3,), dtype=torch.uint8))
+        self.register_buffer("phase", torch.randn(2, dtype=torch.complex64))
+        self.register_buffer("image", torch.randn(1, 2, 2, 2).to(memory_format=torch.channels_last))
+
+
+def _dcp_objects(seed):
+    model = Typed(seed)
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.1)
+    dl = ResumableDataLoader(IndexDataset(30), batch_size=4, shuffle=True, seed=3)
+    return model, optimizer, dl, {"train": ModelAndOptimizer(model, optimizer), "loader": LoaderState(dl)}
+
+
+def test_dcp_load_resumes_a_real_dcp_checkpoint_and_refuses_a_crafted_metadata_without_running_it(tmp_path):
+    """What the project's own DCP flow saves (a model of several dtypes, its optimizer, LoaderState) loads through
+    dcp_load, every index of the epoch once; the same checkpoint with a `.metadata` that would run code is refused
+    naming the file and the function, and nothing runs."""
+    from loader.checkpoint.publish import CheckpointError
+    from tests.test_checkpoint import RunsCommand
+
+    model, optimizer, dl, state = _dcp_objects(0)
+    model.linear(torch.ones(1, 3)).sum().backward()
+    optimizer.step()
+    it = iter(dl)
+    delivered = [i for _ in range(3) for i in next(it).tolist()]
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        dcp.save(state, checkpoint_id=tmp_path / "good")
+        shutil.copytree(tmp_path / "good", tmp_path / "crafted")
+        marker = tmp_path / "code-ran"
+        metadata = pickle.loads((tmp_path / "good" / ".metadata").read_bytes())  # written just now: trusted
+        metadata.planner_data = RunsCommand(marker)
+        (tmp_path / "crafted" / ".metadata").write_bytes(pickle.dumps(metadata))
+
+        fresh, fresh_optimizer, resumed, loaded = _dcp_objects(1)
+        before = {k: v.clone() for k, v in fresh.state_dict().items()}
+        refusal = f"checkpoint file {tmp_path / 'crafted' / '.metadata'} names {os.system.__module__}.system, which"
+        with pytest.raises(CheckpointError, match=re.escape(refusal)):
+            dcp_load(loaded, tmp_path / "crafted")
+        assert not marker.exists() and resumed.state_dict()["epoch"] == 0
+        assert all(torch.equal(v, before[k]) for k, v in fresh.state_dict().items())
+
+        dcp_load(loaded, tmp_path / "good")
+    for key, value in model.state_dict().items():
+        restored = fresh.state_dict()[key]
+        assert restored.dtype == value.dtype and torch.equal(restored, value), key
+    assert str(fresh_optimizer.state_dict()) == str(optimizer.state_dict())
+    assert sorted(delivered + [i for b in resumed for i in b.tolist()]) == list(range(30))

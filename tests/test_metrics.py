@@ -12,7 +12,7 @@ from torch.utils.data import Dataset
 
 from loader import AbandonedEpochWarning, DataStallWarning, ResumableDataLoader, merge_states
 from loader.checkpoint.ledger import Ledger
-from loader.metrics import Monitor, Streak, stall_causes
+from loader.metrics import MetricsWarning, Monitor, Streak, stall_causes
 from loader.sources.cache import ShardCache
 from tests.conftest import IndexDataset, outcomes
 from tests.streams import FORK, Failing
@@ -276,3 +276,34 @@ def test_with_a_ledger_the_metrics_carry_the_launch_and_its_step(tmp_path):
         next(it)
     assert (second.metrics()["launch"], second.metrics()["step"], second.metrics()["updates"]) == (2, 3, 1)
     second.ledger.close()
+
+
+class BrokenCounters(IndexDataset):
+    """A source whose own metrics() raises while `broken` (its counters' file gone, say)."""
+
+    broken = True
+
+    def metrics(self):
+        if self.broken:
+            raise FileNotFoundError("cache/stats.json")
+        return {"downloads": 3}
+
+
+def test_a_dataset_whose_metrics_raise_leaves_the_rest_of_the_metrics_and_every_batch():
+    dataset = BrokenCounters(40)
+    dl = ResumableDataLoader(dataset, batch_size=4, shuffle=True, seed=0, grad_accum=2)
+    delivered, seen = [], []
+    for batch in dl:
+        delivered += batch.tolist()
+        if not dl.update_complete:
+            continue
+        if not seen:  # warned once, naming the dataset; later failures are silent (warnings are errors here)
+            with pytest.warns(MetricsWarning, match=r"the dataset's own metrics\(\) \(BrokenCounters.metrics\) raised "
+                                                    r"FileNotFoundError: cache/stats.json. Training goes on"):
+                metrics = dl.metrics()
+        else:
+            metrics = dl.metrics()
+        seen.append((metrics["samples"], metrics["total/samples"], metrics.get("source/downloads")))
+        dataset.broken = len(seen) < 3  # works again from the third update on
+    assert sorted(delivered) == list(range(40))
+    assert seen == [(8, 8 * (k + 1), None if k < 3 else 3) for k in range(5)]

@@ -2,8 +2,10 @@
 that the next launch replays from its checkpoint. Each step keeps the last launch's values, and nothing is summed
 twice. Skipped (with the reason) without the extras."""
 
+import contextlib
 import multiprocessing
 import os
+import shutil
 import signal
 import time
 from pathlib import Path
@@ -129,3 +131,62 @@ def test_prometheus_gauges_hold_the_last_step_and_counters_count_each_launch_onc
     assert second.get_sample_value("loader_last_step", {"rank": "0", "launch": "2"}) == 3
     assert second.get_sample_value("loader_resume_seconds", {"rank": "0", "launch": "2"}) > 0
     assert b"loader_last_step_wait_seconds" in prometheus_client.generate_latest(second)
+
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # the writer's own thread dies
+def test_a_log_folder_removed_mid_run_warns_once_and_the_loop_gets_every_batch_and_logs_again(tmp_path):
+    """The log folder disappears after step 3: the write that meets the dead event file warns (once, naming the
+    step) instead of raising into the loop, every batch of the epoch is delivered once, and the steps after it are
+    written to a new event file, in the folder made again."""
+    pytest.importorskip("tensorboard", reason="needs the tensorboard extra: pip install 'loader[tensorboard]'")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from torch.utils.tensorboard import SummaryWriter
+
+    from loader.integrations.tensorboard import TensorBoardMetrics
+    from loader.metrics import MetricsWarning
+
+    log_dir = tmp_path / "tb"
+    writer = SummaryWriter(str(log_dir))
+    board, delivered = TensorBoardMetrics(writer), []
+    dl = ResumableDataLoader(IndexDataset(N), batch_size=BATCH, shuffle=True, seed=5)
+    for step, batch in enumerate(dl, start=1):  # one batch an update
+        delivered += batch.tolist()
+        if step == 4:
+            writer.flush()  # steps 1 to 3 on disk, then gone
+            shutil.rmtree(log_dir)
+            writer.add_scalar("probe", 0, step)  # the writer's thread meets the missing file...
+            with pytest.raises(OSError):
+                writer.flush()  # ...for sure before the next write: torch raises it at every call from now on
+            with pytest.warns(MetricsWarning, match=r"TensorBoardMetrics.write at step 4 raised \w*Error: .* Training "
+                                                    r"goes on and the loader keeps counting, but the scalars of"):
+                board.write(dl.metrics(), step)
+        else:
+            board.write(dl.metrics(), step)  # no warning: the project's warnings are errors here
+    writer.close()
+    assert sorted(delivered) == list(range(N))
+    events = EventAccumulator(str(log_dir))
+    events.Reload()
+    assert [event.step for event in events.Scalars("loader/samples")] == list(range(5, N // BATCH + 1))
+
+
+def test_a_failed_prometheus_write_warns_once_and_the_next_counts_all_the_work_since():
+    prometheus_client = pytest.importorskip(
+        "prometheus_client", reason="needs the prometheus extra: pip install 'loader[prometheus]'")
+    from loader.integrations.prometheus import PrometheusMetrics
+    from loader.metrics import MetricsWarning
+
+    registry = prometheus_client.CollectorRegistry()
+    board, labels = PrometheusMetrics(rank=0, launch=1, registry=registry), {"rank": "0", "launch": "1"}
+    dl = ResumableDataLoader(IndexDataset(N), batch_size=BATCH, shuffle=False)
+    for step, _ in enumerate(dl, start=1):
+        metrics = dl.metrics()
+        if step in (2, 3):  # a value its gauge refuses: set() raises inside prometheus_client
+            warned = pytest.warns(MetricsWarning, match=r"PrometheusMetrics.write at step 2 raised ValueError")
+            with warned if step == 2 else contextlib.nullcontext():
+                board.write({**metrics, "samples": "four"}, step)
+            assert registry.get_sample_value("loader_samples_total", labels) == BATCH  # step 1's
+        else:
+            board.write(metrics, step)
+    assert registry.get_sample_value("loader_samples_total", labels) == N
+    assert registry.get_sample_value("loader_last_step", labels) == N // BATCH

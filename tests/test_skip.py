@@ -6,6 +6,7 @@ import json
 
 import numpy as np
 import pytest
+import torch
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
@@ -167,6 +168,51 @@ def test_bad_skips_are_refused_and_change_nothing():
             dl.skip(**kw)
     assert dl.state_dict() == before
     assert [i for batch in dl for i in batch] == [8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19] + list(range(22, 40))
+
+
+OUT_OF_THE_EPOCH = {  # numbers that int64 or uint64 arithmetic would wrap into the epoch [0, 40), or past its checks
+    "int64 max": [2**63 - 1], "int64 max, int64": np.array([2**63 - 1]), "2**63, uint64": np.array([2**63], np.uint64),
+    "uint64 max": np.array([2**64 - 1], np.uint64), "uint64 max in a list": [5, 2**64 - 1], "2**64": [2**64],
+    "2**70 alone": 2**70, "a range past int64": range(39, 2**64), "a range below 0": range(-1, 2),
+    "-1, int8": np.array([-1], np.int8), "-2**63": [-(2**63)], "the epoch's end": [40],
+    "40, uint16": np.array([40], np.uint16), "41, a torch tensor": torch.tensor([41]),
+}
+NOT_INTS = {"a bool": [True], "bools and ints": [True, 30], "a bool array": np.array([True, False]), "a float": [30.0],
+            "a float array": np.array([30.0]), "nan": [float("nan")], "a string": ["30"], "nothing": [],
+            "an empty range": range(30, 30), "an empty array": np.array([], np.int64)}
+
+
+def test_positions_and_indices_outside_the_epoch_are_refused_whatever_their_type_and_legal_ones_of_any_dtype_skip():
+    """Each refused naming the bound (ints out of [0, n): int64 or uint64 would wrap them into it) or the type
+    (bools, floats), nothing changed; then skips of several int dtypes and the next updates, and the epoch: each
+    index trained once or recorded as skipped once."""
+    dl = ResumableDataLoader(IndexDataset(40), batch_size=4, shuffle=True, seed=0, grad_accum=2, collate_fn=list)
+    it = iter(dl)
+    trained = next(it) + next(it)  # one update: 8 positions committed
+    before = dl.state_dict()
+    for keyword, name in (("positions", r"positions must be in epoch 0's \[0, 40\)"),
+                          ("indices", r"dataset indices must be in \[0, 40\) \(epoch 0's dataset\)")):
+        for value in OUT_OF_THE_EPOCH.values():
+            with pytest.raises(ValueError, match=rf"skip\({keyword}=\.\.\.\): {name}, got .* \(from -?\d+ to -?\d+\)"):
+                dl.skip(**{keyword: value})
+        for value in NOT_INTS.values():
+            with pytest.raises(ValueError, match=rf"skip\({keyword}=\.\.\.\): .* must be one or more ints"):
+                dl.skip(**{keyword: value})
+    for updates in (2**63, np.uint64(2**64 - 1), np.int64(-1), range(2**63, 2**64), True, 1.0):
+        with pytest.raises(ValueError, match=r"skip\(updates=.*\): (epoch 0 has 32 positions left|pass a positive)"):
+            dl.skip(updates=updates)
+    assert dl.state_dict() == before
+
+    skipped = indices([dl], 0, dl.skip(positions=np.array([39, 38], np.uint64)))
+    for legal in (np.array([[30, 31]], np.int8), torch.tensor([20]), [np.int16(12)]):
+        skipped += indices([dl], 0, dl.skip(positions=legal))
+    by_index = [i for i in range(40) if i not in trained + skipped][:2]
+    dl.skip(indices=np.array(by_index, np.uint32))
+    skipped += by_index + indices([dl], 0, dl.skip(updates=np.int32(1)))
+    recorded = merge_states([dl.state_dict()])["skipped"][0][1]
+    assert sum(b - a for a, b in zip(recorded[::2], recorded[1::2])) == len(skipped) == 6 + 2 + 8
+    trained += [i for batch in dl for i in batch]
+    assert_exactly_once(trained, skipped, n=40)
 
 
 def test_a_spiked_steps_indices_are_skipped_by_index_every_other_sample_once_at_another_world_size():

@@ -9,11 +9,10 @@ verifies completely or is skipped by `latest`.
 DCP keeps one value per key and fails a load that asks for a key never saved, so nothing here is saved under a
 per-rank key: the merged progress and the gathered RNG states of all ranks are replicated, identical values.
 
-Trust: the loader never unpickles what a checkpoint holds. Progress and RNG states are JSON, scheduler and scaler
-states and every value DCP stores besides tensors are read with torch.load(weights_only=True) (tensors and plain
-data only; anything else is refused, never run), and a checkpoint holding a symbolic link is refused. DCP's own
-``.metadata`` file is a pickle that torch.distributed.checkpoint unpickles: load checkpoints only from writers you
-trust as far as that file goes.
+Trust: the loader never runs code from a checkpoint. Progress and RNG states are JSON, scheduler and scaler states
+and every value DCP stores besides tensors are read with torch.load(weights_only=True) (tensors and plain data only;
+anything else is refused, never run), DCP's own ``.metadata`` pickle is read by an unpickler that resolves only DCP's
+metadata types (`loader.checkpoint.plain`), and a checkpoint holding a symbolic link is refused.
 """
 
 from __future__ import annotations
@@ -21,24 +20,23 @@ from __future__ import annotations
 import base64
 import io
 import json
-import pickle
 import random
-import re
 import warnings
 from dataclasses import dataclass
 from errno import errorcode
 from pathlib import Path
-from typing import IO, Any, Callable, NoReturn
+from typing import Any, Callable, NoReturn
 
 import numpy as np
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemWriter
+from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.utils._pytree import tree_map_only
 
 from loader.checkpoint.merge import merge_states, one_per_data_rank
+from loader.checkpoint.plain import PlainLoadPlanner, PlainReader, check_metadata, load_plain
 from loader.checkpoint.publish import CheckpointError, CheckpointWarning, check_arguments, latest, publish, verify
 from loader.core.collectives import all_gather, broadcast, distributed, from_rank0, global_ranks, rank, world_size
 from loader.core.sampler import ResumableSampler
@@ -61,7 +59,8 @@ def _save(state: dict, path, group) -> None:
 
 
 def _load(state: dict, path, group) -> None:
-    _dcp(dcp.load, state, path, group, planner=_PlainLoadPlanner())
+    check_metadata(path)
+    _dcp(dcp.load, state, path, group, storage_reader=PlainReader(path), planner=PlainLoadPlanner())
 
 
 class _Writer(FileSystemWriter):
@@ -77,19 +76,6 @@ class _Writer(FileSystemWriter):
             if cause is None or (cause is err and cause.filename):
                 raise
             raise OSError(cause.errno, cause.strerror, cause.filename or str(self.path)) from err
-
-
-class _PlainLoadPlanner(DefaultLoadPlanner):
-    """DCP's load planner, except that a value other than a tensor is read with torch.load(weights_only=True): DCP's
-    own reads it with weights_only=False, which runs whatever code a crafted checkpoint holds."""
-
-    def load_bytes(self, read_item, value: io.BytesIO) -> None:
-        fqn = read_item.dest_index.fqn
-        *parents, last = self.mappings[fqn]  # where the flattened key sits in the caller's nested state
-        target = self.original_state_dict
-        for key in parents:
-            target = target[key]
-        target[last] = _load_plain(value, f"entry {fqn!r}")
 
 
 def global_progress(loader, group=None) -> dict:
@@ -149,25 +135,12 @@ def _to_bytes(obj) -> bytes:
     return buffer.getvalue()
 
 
-def _load_plain(stream: IO[bytes], what: str) -> Any:
-    """torch.load(weights_only=True): tensors and plain data; any other object is refused, its code never run."""
-    try:
-        return torch.load(stream, weights_only=True)
-    except pickle.UnpicklingError as err:
-        found = re.search(r"WeightsUnpickler error:\s*(.+?)(?: was not an allowed global by default|\.?\n|$)", str(err))
-        raise CheckpointError(
-            f"{what} holds objects other than tensors and plain data ({found.group(1) if found else err}): the loader "
-            f"never unpickles them, as that could run any code. This checkpoint was not written by save_checkpoint, "
-            f"or was altered: do not load it"
-        ) from None
-
-
 _PLAIN = "tensors, numbers, strings, bytes, None, and lists, tuples and dicts of them"
 
 
 def _check_plain(states: dict[str, Any]) -> None:
     """Refuse at save time what resume would refuse: besides tensors, the states (name -> a state_dict()) must be
-    data that `_load_plain` reads back. Checked in one round trip of the states without their tensors; a TypeError
+    data that `load_plain` reads back. Checked in one round trip of the states without their tensors; a TypeError
     names the first entry that is not plain data."""
     skeleton = tree_map_only(torch.Tensor, lambda _: None, states)
     if _plain_or_none(skeleton) is not None:
@@ -185,7 +158,7 @@ def _plain_or_none(value: Any) -> bytes | None:
     """`value` saved by torch.save, if torch.load(weights_only=True) reads it back; else None."""
     try:
         blob = _to_bytes(value)
-        _load_plain(io.BytesIO(blob), "")
+        load_plain(io.BytesIO(blob), "")
     except Exception:  # the load refused it, or torch.save did (a lambda, a lock)
         return None
     return blob
@@ -604,7 +577,7 @@ def _read_small_parts(path: Path, loader, scheduler, scaler, group) -> dict:
     """Loader progress, RNG states, scheduler and scaler: read (a collective), then validated."""
     state = {"loader": {"progress": ""}, "rng": {"all": ""}, "extras": {"blob": b""}}
     _load(state, path, group)
-    extras = _load_plain(io.BytesIO(state["extras"]["blob"]), "the scheduler and scaler states")
+    extras = load_plain(io.BytesIO(state["extras"]["blob"]), "the scheduler and scaler states")
     for name, target in (("scheduler", scheduler), ("scaler", scaler)):
         if target is not None and not extras[name]:
             raise CheckpointError(f"checkpoint {path} has no {name} state, but a {name} was passed to load it into")

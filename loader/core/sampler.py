@@ -316,7 +316,7 @@ class ResumableSampler:
             raise ValueError(f"skip(epoch={epoch!r}): epochs before {current.epoch} are finished; pass an epoch in "
                              f"[{current.epoch}, {current.epoch + MAX_EPOCHS_AHEAD}]")
         n, committed = self.order.num_samples, current.committed_in(epoch)
-        if (positions, updates, indices).count(None) != 2:
+        if sum(given is not None for given in (positions, updates, indices)) != 1:
             raise ValueError("skip() takes updates= (the next n updates, or a range of them counted from the next), "
                              "positions= (positions of the epoch) or indices= (dataset indices of the epoch), one of "
                              "them")
@@ -333,7 +333,7 @@ def _positions_to_skip(committed: np.ndarray, n: int, global_batch: int, epoch: 
     """The intervals `skip` commits: each position of [0, n) not committed yet, or the remaining positions that
     updates [a, b) from the next one would take (update g: remaining indices [g G, (g + 1) G), the last one short)."""
     if updates is not None:
-        steps = range(updates) if is_int(updates) else updates
+        steps = range(int(updates)) if is_int(updates) or isinstance(updates, np.integer) else updates
         remaining = Remaining(committed, n)
         if not isinstance(steps, range) or steps.step != 1 or not 0 <= steps.start < steps.stop:
             raise ValueError(f"skip(updates={updates!r}): pass a positive int or a non-empty range(a, b) of updates "
@@ -343,13 +343,7 @@ def _positions_to_skip(committed: np.ndarray, n: int, global_batch: int, epoch: 
                              f"{-(-remaining.count // global_batch)} updates of {global_batch} at most")
         span = [[steps.start * global_batch, min(steps.stop * global_batch, remaining.count)]]
         return difference(remaining.covering_spans(span), committed, n)
-    if not isinstance(positions, range) and np.asarray(positions).dtype.kind not in "iu":
-        raise ValueError(f"skip(positions=...): positions must be one or more ints (a range, a list, an int array), got "
-                         f"{short(positions)}")
-    spans = spans_of(positions)
-    if not len(spans) or spans[0, 0] < 0 or spans[-1, 1] > n:
-        raise ValueError(f"skip(positions=...): positions must be in epoch {epoch}'s [0, {n}), at least one, got "
-                         f"{short(positions)}")
+    spans = spans_of(_ints_in(positions, n, "skip(positions=...): positions", f"epoch {epoch}'s [0, {n})"))
     overlap = difference(spans, difference(spans, committed, n), n)
     if len(overlap):
         raise ValueError(f"skip(positions=...): positions [{overlap[0, 0]}, {overlap[0, 1]}) of epoch {epoch} are "
@@ -357,17 +351,32 @@ def _positions_to_skip(committed: np.ndarray, n: int, global_batch: int, epoch: 
     return spans
 
 
+def _ints_in(values, n: int, name: str, within: str) -> range | np.ndarray:
+    """`values` (a range, an int, a list or an array of ints of any dtype) as a range or int64s, each checked in
+    [0, n) before it is converted: numpy would wrap 2**64 - 1 to -1, and a position 2**63 - 1 ends at -2**63. Bools
+    and floats are refused, not read as 0, 1 or truncated. A ValueError says `name` must be ints `within`."""
+    if isinstance(values, range):
+        ends = (values[0], values[-1]) if values else None  # O(1) for a range of any length and step
+        bounds = None if ends is None else (min(ends), max(ends))
+    else:  # a list as Python objects: numpy would read [True, 2] as ints, [1, 2**64 - 1] as floats
+        array = np.asarray(values, dtype=object if isinstance(values, (list, tuple)) else None).reshape(-1)
+        if array.dtype.kind == "O" and all(isinstance(v, (int, np.integer)) and not isinstance(v, bool) for v in array):
+            bounds = (int(min(array)), int(max(array))) if array.size else None
+        else:
+            bounds = (int(array.min()), int(array.max())) if array.dtype.kind in "iu" and array.size else None
+    if bounds is None:
+        raise ValueError(f"{name} must be one or more ints (a range, a list, an int array), got {short(values)}")
+    if bounds[0] < 0 or bounds[1] >= n:
+        raise ValueError(f"{name} must be in {within}, got {short(values)} (from {bounds[0]} to {bounds[1]})")
+    return values if isinstance(values, range) else array.astype(np.int64)
+
+
 def _positions_of(order: EpochOrder, committed: np.ndarray, indices) -> np.ndarray:
     """The positions of dataset `indices` in the epoch (the inverse of its order), refused naming the indices out of
     the dataset or at positions already committed."""
-    n, ids = order.order.num_samples, np.asarray(indices)
-    if ids.dtype.kind not in "iu" or not ids.size:
-        raise ValueError(f"skip(indices=...): dataset indices must be one or more ints (a range, a list, an int "
-                         f"array), got {short(indices)}")
-    ids = np.unique(ids.astype(np.int64).reshape(-1))
-    if ids[0] < 0 or ids[-1] >= n:
-        raise ValueError(f"skip(indices=...): dataset indices must be in [0, {n}) (epoch {order.epoch}'s dataset), "
-                         f"got {short(indices)}")
+    n = order.order.num_samples
+    within = f"[0, {n}) (epoch {order.epoch}'s dataset)"
+    ids = np.unique(np.asarray(_ints_in(indices, n, "skip(indices=...): dataset indices", within)))
     positions = order.positions_of(ids)
     taken = ids[contains(committed, positions)]
     if len(taken):

@@ -1,15 +1,18 @@
 """The loader as a `torch.distributed.checkpoint` Stateful, for jobs that run their own DCP flow (torchtitan's
 `CheckpointManager(dataloader=LoaderState(dl), ...)`) instead of `loader.checkpoint.save_checkpoint`, and the model
-with its optimizer as another, for such jobs without a framework of their own."""
+with its optimizer as another, for such jobs without a framework of their own, and `dcp_load`: DCP's load without
+running code from the checkpoint."""
 
 from __future__ import annotations
 
 import json
 
 import torch
+import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.checkpoint.stateful import Stateful
 
+from loader.checkpoint.plain import PlainLoadPlanner, PlainReader, check_metadata
 from loader.checkpoint.save import check_change, check_dataset, dataset_fingerprint, global_progress
 from loader.core.state import StateError
 
@@ -54,3 +57,13 @@ class ModelAndOptimizer(Stateful):
     def load_state_dict(self, state_dict: dict) -> None:
         set_state_dict(self.model, self.optimizer, model_state_dict=state_dict["model"],
                        optim_state_dict=state_dict["optim"])
+
+
+def dcp_load(state_dict: dict, checkpoint_id, **options) -> None:
+    """`torch.distributed.checkpoint.load`, except that nothing the checkpoint holds runs code: its `.metadata` is
+    read with only DCP's metadata types, values besides tensors with torch.load(weights_only=True); a crafted file
+    raises a CheckpointError naming it and what it names (DCP's own load unpickles both). `options`: dcp.load's
+    (process_group=, no_dist=...)."""
+    check_metadata(checkpoint_id)
+    dcp.load(state_dict, checkpoint_id=checkpoint_id, storage_reader=PlainReader(checkpoint_id),
+             planner=PlainLoadPlanner(), **options)

@@ -15,6 +15,9 @@ launch and never carry another's counts, so nothing is summed twice into one ser
 the work done, replays included (those batches were loaded twice). Progress committed is the checkpoint's, not a
 counter's. The source's counters (`loader_source_*`, e.g. the node cache's downloads) are cumulative values read
 from disk: gauges.
+
+A write that fails never stops training: a MetricsWarning says so once, the gauges and counters may hold an earlier
+step's values, and the next write sets the gauges again and adds to the counters all the work since.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ except ImportError as err:  # pragma: no cover - the extra is optional
     raise ImportError("loader.integrations.prometheus needs prometheus_client: pip install 'loader[prometheus]'") \
         from err
 
-from loader.metrics import STEP_KEYS, TOTAL_KEYS
+from loader.metrics import STEP_KEYS, TOTAL_KEYS, Retrying
 
 LABELS = ("rank", "launch")
 
@@ -50,6 +53,7 @@ class PrometheusMetrics:
             for key in TOTAL_KEYS
         }
         self._counted = dict.fromkeys(TOTAL_KEYS, 0)  # what the counters hold already
+        self._retrying = Retrying()
 
     def _gauge(self, name: str, text: str) -> Gauge:
         if name not in self._gauges:
@@ -59,9 +63,13 @@ class PrometheusMetrics:
     def write(self, metrics: dict, step: int | None = None) -> None:
         """Set the gauges to the last step's values (`step`: its number, default the ledger's) and add this launch's
         new work to the counters."""
+        step = metrics.get("step") if step is None else step
+        self._retrying.call(f"PrometheusMetrics.write at step {step}", lambda: self._write(metrics, step), None,
+                            "gauges and counters may hold an earlier step's values until a write succeeds")
+
+    def _write(self, metrics: dict, step: int | None) -> None:
         launch = self.launch if self.launch is not None else metrics.get("launch")
         labels = {"rank": str(self.rank), "launch": "" if launch is None else str(launch)}
-        step = metrics.get("step") if step is None else step
         if step is not None:
             self._gauge("last_step", "the optimizer step the last_step_* gauges belong to").labels(**labels).set(step)
         for key in STEP_KEYS:

@@ -17,11 +17,16 @@ every earlier event at step S + 1 or later: each step shows the values of the la
 sum over steps counts each one once. `loader/launch` tells which launch that was (with a ledger attached). The
 launch's own totals (`total/...`) are not written: they count work, replays included, and belong to counters
 (`loader.integrations.prometheus`), not to a per-step series.
+
+A write that fails (the log folder removed, a full disk) never stops training: a MetricsWarning says so once, that
+step's scalars are lost, and the next write opens a new event file (torch's SummaryWriter makes the folder again).
 """
 
 from __future__ import annotations
 
-from loader.metrics import STEP_KEYS
+import contextlib
+
+from loader.metrics import STEP_KEYS, Retrying
 
 WRITTEN = ("launch", *STEP_KEYS, "resume_seconds")  # and every source/... counter
 
@@ -37,6 +42,7 @@ class TensorBoardMetrics:
                             f"torch.utils.tensorboard.SummaryWriter(log_dir, purge_step=resumed_step + 1), which "
                             f"needs pip install 'loader[tensorboard]'")
         self.writer, self.prefix = writer, prefix
+        self._retrying = Retrying()
 
     def write(self, metrics: dict, step: int | None = None) -> None:
         """The per-step values of `metrics` (`dl.metrics()`) at `step`, the optimizer step they belong to (default:
@@ -45,6 +51,22 @@ class TensorBoardMetrics:
         if step is None:
             raise ValueError("TensorBoardMetrics.write needs the optimizer step these metrics belong to: pass step=, "
                              "or attach a Ledger to the loader (its step is then in dl.metrics()['step'])")
+        written = self._retrying.call(f"TensorBoardMetrics.write at step {step}", lambda: self._write(metrics, step),
+                                      False, "the scalars of the steps that fail are lost")
+        if not written:
+            self._reopen()
+
+    def _write(self, metrics: dict, step: int) -> bool:
         for key, value in metrics.items():
             if value is not None and (key in WRITTEN or key.startswith("source/")):
                 self.writer.add_scalar(self.prefix + key, value, global_step=step)
+        return True
+
+    def _reopen(self) -> None:
+        """After a failed write, the writer's event file is forgotten, so that its next add_scalar opens a new one:
+        a SummaryWriter (torch's, tensorboardX's) does so once closed, but its close() raises when the file is gone
+        before it forgets the file."""
+        with contextlib.suppress(Exception):
+            self.writer.close()
+        if hasattr(self.writer, "all_writers"):
+            self.writer.file_writer = self.writer.all_writers = None
