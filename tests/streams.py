@@ -125,6 +125,29 @@ class DatasetState(Plain):
         self.resume, self.epoch = state["position"], state["epoch"]
 
 
+class Continuing(Plain):
+    """A dataset object that keeps its place (a file it holds open): its __iter__ goes on where the object stands,
+    and starts over once its records ended. Only loading a state moves it back."""
+
+    def __init__(self, n: int, random_draws: bool = False):
+        super().__init__(n, random_draws)
+        self.position = 0
+
+    def __iter__(self):
+        worker, workers = share()
+        mine = list(range(worker, self.n, workers))
+        while self.position < len(mine):
+            self.position += 1
+            yield record(mine[self.position - 1], self.random_draws)
+        self.position = 0
+
+    def state_dict(self):
+        return {"position": self.position}
+
+    def load_state_dict(self, state):
+        self.position = state["position"]
+
+
 class SelfIterating(Plain):
     """Its own iterator, resetting itself in __iter__: its state must be loaded after __iter__ runs."""
 

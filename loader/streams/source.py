@@ -160,6 +160,17 @@ def _frozen(state):
     return copy.deepcopy(state)
 
 
+def standing(dataset) -> dict | None:
+    """The snapshot of a main-process dataset before any pass of the loader: its own state, as it stands (a dataset's
+    state is loaded before its __iter__, so it can be taken now). None for a dataset without state, and for one that
+    is its own iterator (it defines __next__): its state is an iterator's, loaded after an __iter__, and exists only
+    once an __iter__ ran."""
+    if not is_stateful(dataset) or callable(getattr(type(dataset), "__next__", None)):
+        return None
+    return {"batches": 0, "ended": False, "dataset": _frozen(dataset.state_dict()), "iterator": None, "shard": None,
+            "rng": None}
+
+
 def _set_rng(snapshot: dict | None) -> None:
     if snapshot is not None and snapshot["rng"] is not None:
         set_rng_state(snapshot["rng"])

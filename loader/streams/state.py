@@ -4,7 +4,8 @@ A rank's stream state says where its pass stands (epoch, batches delivered in co
 was exhausted and whether its end was handed out) and, per worker (one, the main process, at num_workers=0):
 `workers`, its snapshot after the last batch delivered (None: none yet in this pass), and `origins`, its state when
 the pass began (the end of the previous pass, where the dataset objects live on: persistent workers or the main
-process; None: a fresh copy seeded from `base_seed`). `next_worker` is the worker torch's round robin serves next.
+process; None: a fresh copy seeded from `base_seed`; before the first pass at num_workers=0, the main process's
+dataset as it stood). `next_worker` is the worker torch's round robin serves next.
 A sharded stream adds its shard list's identity, the order's seed and the global shard progress the rank started
 from (`base`). `stream` names the stream the state belongs to (see `stream_identity`). Everything is validated
 before anything changes; a bad state is a short StateError.
