@@ -68,6 +68,9 @@ class _Cursor:
         return {"i": self.i}
 
     def load_state_dict(self, state):
+        """As a careful stream does: a state it cannot resume from raises here, where the loader can ask."""
+        if not (isinstance(state["i"], int) and 0 <= state["i"] <= len(self.records)):
+            raise ValueError(f"no record {state['i']!r} in this worker's {len(self.records)}")
         self.i = state["i"]
 
 

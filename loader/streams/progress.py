@@ -19,11 +19,11 @@ from loader.core.sampler import warn_abandoned
 from loader.core.state import StateError
 from loader.streams.rng import UNCHANGED
 from loader.streams.shards import ShardProgress, is_sharded, shard_digest
-from loader.streams.source import Plan, StreamSource, is_stateful, standing
+from loader.streams.source import Plan, StreamSource, check_loadable, is_stateful, standing
 from loader.streams.state import (RankStream, Shards, check_identity, check_payloads, rank_streams, regathered,
-                                 stream_identity, stream_state)
+                                 stream_identity, stream_state, worker_snapshot)
 
-_ENDED_ELSEWHERE = {"batches": 0, "ended": True, "dataset": None, "iterator": None, "shard": [0, 0], "rng": None}
+_ENDED_ELSEWHERE = worker_snapshot(0, True, None, None, [0, 0], None)
 
 
 class StreamProgress:
@@ -197,6 +197,7 @@ class StreamProgress:
             if (saved.world_size, saved.num_workers) != (self.world_size, self.num_workers):
                 return self._redeal(ranks)
         self._check_layout(saved)
+        check_loadable(self.dataset, ranks[self.rank])
         self._restore(ranks[self.rank])
 
     def _check_layout(self, saved: RankStream) -> None:

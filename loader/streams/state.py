@@ -7,8 +7,9 @@ the pass began (the end of the previous pass, where the dataset objects live on:
 process; None: a fresh copy seeded from `base_seed`; before the first pass at num_workers=0, the main process's
 dataset as it stood). `next_worker` is the worker torch's round robin serves next.
 A sharded stream adds its shard list's identity, the order's seed and the global shard progress the rank started
-from (`base`). `stream` names the stream the state belongs to (see `stream_identity`). Everything is validated
-before anything changes; a bad state is a short StateError.
+from (`base`). `stream` names the stream the state belongs to (see `stream_identity`). A snapshot's progress (its
+batches, whether its stream ended, its shard position) carries a checksum (`check`, see `progress_check`). Everything
+is validated before anything changes; a bad state is a short StateError.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from __future__ import annotations
 import base64
 import binascii
 import inspect
+import zlib
 from dataclasses import dataclass, replace
 from functools import cached_property
 
@@ -39,7 +41,7 @@ from loader.core.state import (
 )
 from loader.core.progress import normalize
 
-SNAPSHOT_KEYS = ("batches", "ended", "dataset", "iterator", "shard", "rng")
+SNAPSHOT_KEYS = ("batches", "ended", "dataset", "iterator", "shard", "rng", "check")
 STATE_KEYS = ("format", "version", "kind", "world_size", "rank", "epoch", "batches", "exhausted", "ended",
               "num_workers", "base_seed", "next_worker", "origins", "workers", "shards", "stream")
 IDENTITY_KEYS = ("class", "length", "fingerprint")
@@ -63,13 +65,47 @@ def _check_rng(text, where: str) -> None:
         raise StateError(f"{where}.rng is not a random state of this torch: the state is corrupted")
 
 
-def _snapshot(value, where: str, sharded: bool) -> dict | None:
+def worker_snapshot(batches: int, ended: bool, dataset, iterator, shard: list | None, rng: str | None) -> dict:
+    """A worker's state, with the check of its progress (see `progress_check`)."""
+    return {"batches": batches, "ended": ended, "dataset": dataset, "iterator": iterator, "shard": shard, "rng": rng,
+            "check": progress_check(batches, ended, shard)}
+
+
+def progress_check(batches: int, ended: bool, shard: list | None) -> int:
+    """A checksum (CRC-32) of what a snapshot says of its worker's progress. Nothing else in a state says whether a
+    worker's stream ended (its length is the stream's, which the loader does not know): a flag changed after the
+    state was saved would silently drop that worker's rest. The checksum makes such a change (and one of its batch
+    count or shard position) a refused state. It guards against corruption, not against someone who recomputes it;
+    made per batch, it costs a CRC of a dozen bytes."""
+    where = "-" if shard is None else f"{shard[0]}.{shard[1]}"
+    return zlib.crc32(f"{batches}:{int(ended)}:{where}".encode())
+
+
+def _check_progress(value: dict, where: str, rank: int) -> None:
+    check = value["check"]
+    if check == progress_check(value["batches"], value["ended"], value["shard"]):
+        return
+    if check == progress_check(value["batches"], not value["ended"], value["shard"]):
+        changed = f"{where}.ended was changed (it would "
+        changed += "drop that worker's rest)" if value["ended"] else "read on past that worker's end)"
+    else:
+        changed = f"{where}.batches or {where}.shard was changed, or {where}.check"
+    raise StateError(f"the state of rank {rank}: {changed} after the state was saved: they do not match {where}.check. "
+                     f"The state is corrupted: load the state as it was saved")
+
+
+def _snapshot(value, where: str, sharded: bool, rank: int) -> dict | None:
     if value is None:
         return None
+    if isinstance(value, dict) and set(value) == set(SNAPSHOT_KEYS) - {"check"}:
+        raise StateError(f"{where} was saved by an earlier release, which did not record its check: resuming it "
+                         f"could skip or repeat records. Start the stream's epoch again (construct the loader "
+                         f"without loading it)")
     if not isinstance(value, dict) or set(value) != set(SNAPSHOT_KEYS):
         raise StateError(f"{where} must be None or a dict with fields {SNAPSHOT_KEYS}, got {short(value)}")
     _get(value, "batches", int, where)
     _get(value, "ended", bool, where)
+    _get(value, "check", int, where)
     _check_rng(value["rng"], where)
     shard = value["shard"]
     if sharded:
@@ -79,6 +115,7 @@ def _snapshot(value, where: str, sharded: bool) -> dict | None:
             raise StateError(f"{where} of a sharded stream holds a dataset state: the state is corrupted")
     elif shard is not None:
         raise StateError(f"{where}.shard is set, but the stream is not sharded: the state is corrupted")
+    _check_progress(value, where, rank)
     return value
 
 
@@ -270,7 +307,8 @@ class RankStream:
             value = _get(state, name, list, where)
             if len(value) != count:
                 raise StateError(f"{where}.{name} has {len(value)} entries for {count} worker(s): the state is corrupted")
-            lists[name] = tuple(_snapshot(v, f"{where}.{name}[{i}]", shards is not None) for i, v in enumerate(value))
+            lists[name] = tuple(_snapshot(v, f"{where}.{name}[{i}]", shards is not None, rank)
+                                for i, v in enumerate(value))
         next_worker = _get(state, "next_worker", int, where)
         delivered = sum(s["batches"] for s in lists["workers"] if s is not None)
         if next_worker >= count or delivered != batches or (ended and not exhausted) or (
@@ -294,17 +332,24 @@ class RankStream:
         return rank_stream
 
     def check_positions(self, where: str) -> None:
-        """Every worker's shard position must name one of its tasks in this epoch, at or after the task's start."""
+        """Every worker's shard position must name one of its tasks in this epoch, at or after the task's start; a
+        worker whose stream ended stands in its last task (its reader ends there)."""
         deal = self.shards.deal(self.world_size, len(self.workers))
-        for worker, snapshot in enumerate(self.workers):
-            if snapshot is None or self.epoch < self.shards.base.epoch:
+        for worker, value in enumerate(self.workers):
+            if value is None or self.epoch < self.shards.base.epoch:
                 continue
             tasks = deal.tasks(self.epoch, self.rank, worker)
-            task, offset = snapshot["shard"]
+            task, offset = value["shard"]
             if (task, offset) != (0, 0) and not (task < len(tasks) and offset >= tasks[task][1]):
                 raise StateError(
                     f"{where}.workers[{worker}].shard is {[task, offset]}, but that worker reads {len(tasks)} "
                     f"shard(s) in epoch {self.epoch}: the state is corrupted or belongs to another run"
+                )
+            if value["ended"] and tasks and task != len(tasks) - 1:
+                raise StateError(
+                    f"the state of rank {self.rank}: {where}.workers[{worker}].ended is true, but its shard "
+                    f"position {[task, offset]} is in task {task} of the {len(tasks)} it reads in epoch {self.epoch}: "
+                    f"the state is corrupted"
                 )
 
     def shard_positions(self) -> RankShards:
