@@ -5,10 +5,12 @@ and then the resumed pass serves exactly the records the state does not claim as
 What a state claims: per worker of a plain stream, the records up to where its snapshot stands (all of them when
 it says its stream ended; else what its iterator's state or, without one, its batch count covers); for a sharded
 stream, the shards and records its ranks' merged progress lists. Nothing, when the state's pass had ended: the next
-pass serves the next epoch whole. A worker's `ended` flag is no claim a state can make on its own: nothing else in
-it says whether a worker's stream ended, so a state whose flags differ from the saved ones must be refused (it
-would drop that worker's rest). The iterator's own state is its to check: the loader asks it on load (its
-load_state_dict, on a copy), so junk there, or a field of it changed, is refused on load or resumes as it says.
+pass serves the next epoch whole. The progress the loader records (a worker's `ended` flag, batch count and shard
+position, a rank's epoch and shard progress) is no claim a state can change on its own: nothing else in it says
+whether a worker's stream ended, or that a sharded rank read its share of an epoch, so a state whose progress
+differs from the saved one must be refused (it would drop or repeat records). The iterator's own state is its to
+check: the loader asks it on load (its load_state_dict, on a copy), so junk there, or a field of it changed, is
+refused on load or resumes as it says.
 """
 
 import copy
@@ -26,7 +28,7 @@ import tests.streams as tests_streams
 from loader import ResumableDataLoader, StateError, merge_states
 from loader.sources.sharded import FileShards
 from loader.streams.rng import rng_state
-from loader.streams.state import progress_check, rank_streams, regathered
+from loader.streams.state import checksum, rank_streams, regathered
 from tests.streams import FORK, IteratorState, Plain, ids
 
 pytestmark = pytest.mark.filterwarnings("ignore:Generating overly large repr")  # states carry random states (10 KB)
@@ -41,6 +43,13 @@ def read_lines(path):
 def plain(kind, rank=0, world=1, **kw):
     return ResumableDataLoader(kind(N, random_draws=True), batch_size=BATCH, collate_fn=list, rank=rank,
                                world_size=world, **kw)
+
+
+def shard_files(directory) -> list:
+    """SHARD_SIZES text files, one record ("shard:record") a line."""
+    for s, n in enumerate(SHARD_SIZES):
+        (directory / f"{s}.txt").write_text("".join(f"{s}:{r}\n" for r in range(n)))
+    return [str(directory / f"{s}.txt") for s in range(len(SHARD_SIZES))]
 
 
 def sharded(paths, rank=0, world=1, **kw):
@@ -89,11 +98,7 @@ class Case:
 
 @pytest.fixture(scope="module")
 def cases(tmp_path_factory):
-    directory = tmp_path_factory.mktemp("shards")
-    paths = []
-    for s, n in enumerate(SHARD_SIZES):
-        (directory / f"{s}.txt").write_text("".join(f"{s}:{r}\n" for r in range(n)))
-        paths.append(str(directory / f"{s}.txt"))
+    paths = shard_files(tmp_path_factory.mktemp("shards"))
 
     def run(loaders, steps, passes_before=0):
         for dl, count in zip(loaders, steps):
@@ -203,7 +208,7 @@ def test_a_mutated_stream_state_is_refused_or_resumes_exactly(cases, name, data)
         assert len(str(err)) < 600, "a state error is a short message"
         assert dl.state_dict() == before, "a refused state leaves the loader unchanged"
         return
-    assert ended_flags(mutated) == ended_flags(case.state), "a worker's ended flag changed, and was accepted"
+    assert progress(mutated) == progress(case.state), "a change of the progress the state claims was accepted"
     loaders = [dl] + [case.fresh(rank) for rank in case.ranks[1:]]
     for other in loaders[1:]:
         other.load_state_dict(mutated)
@@ -211,9 +216,13 @@ def test_a_mutated_stream_state_is_refused_or_resumes_exactly(cases, name, data)
     assert sorted(served + claimed) == case.records(), "the resumed pass skipped or repeated a record"
 
 
-def ended_flags(state) -> list:
-    """Per rank and worker, whether the state says the worker's stream ended."""
-    return [[None if s is None else s["ended"] for s in r.workers] for r in rank_streams(state)]
+def progress(state) -> list:
+    """What a state claims was read, as the loader records it: per rank its epoch (a sharded rank past an epoch read
+    all of its share), batch count, flags and shard progress, and per worker its batch count, whether its stream
+    ended and its shard position."""
+    return [(r.epoch, r.batches, r.exhausted, r.ended, r.shards,
+             [None if s is None else (s["batches"], s["ended"], s["shard"]) for s in r.workers])
+            for r in rank_streams(state)]
 
 
 def test_the_real_states_resume_exactly(cases):
@@ -290,20 +299,25 @@ def test_a_changed_ended_flag_is_refused_on_load_naming_the_worker(setup):
                       rf"rank 0: states\[0\].workers\[{len(state['workers']) - 1}\].ended was changed \(it would "
                       rf"drop that worker's rest\) after the state was saved")
     state["workers"][-1]["ended"], state["workers"][-1]["batches"] = False, 7
-    refused_unchanged(plain(Plain, **setup), state, r"batches or states\[0\].workers\[\d\].shard was changed")
+    refused_unchanged(plain(Plain, **setup), state, r"workers\[\d\].batches, .shard or .check was changed")
+
+
+def test_a_sharded_ranks_changed_epoch_is_refused_on_load_naming_the_rank(cases):
+    case = cases["sharded, 2 ranks, 2 workers"]
+    state = copy.deepcopy(case.state)
+    state["ranks"][1]["epoch"] += 1  # once accepted: rank 1's share of epoch 0 counted as read, never delivered
+    refused_unchanged(case.fresh(0), state, r"the state of rank 1: states\[1\].epoch, .batches, .next_worker, "
+                                            r".shards or .check was changed after the state was saved")
 
 
 def test_a_sharded_worker_may_end_only_in_its_last_shard_even_with_a_recomputed_check(tmp_path):
-    paths = []
-    for s, n in enumerate(SHARD_SIZES):
-        (tmp_path / f"{s}.txt").write_text("".join(f"{s}:{r}\n" for r in range(n)))
-        paths.append(str(tmp_path / f"{s}.txt"))
+    paths = shard_files(tmp_path)
     dl = sharded(paths)
     list(itertools.islice(dl, 1))
     state = json.loads(json.dumps(dl.state_dict()))
     worker = state["workers"][0]
     worker["ended"] = True
-    worker["check"] = progress_check(worker["batches"], True, worker["shard"])  # edited with care
+    worker["check"] = checksum(worker["batches"], True, worker["shard"])  # edited with care
     refused_unchanged(sharded(paths), state, r"rank 0: states\[0\].workers\[0\].ended is true, but its shard "
                                              r"position \[0, 2\] is in task 0 of the 4 it reads in epoch 0")
 

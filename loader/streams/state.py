@@ -8,8 +8,9 @@ process; None: a fresh copy seeded from `base_seed`; before the first pass at nu
 dataset as it stood). `next_worker` is the worker torch's round robin serves next.
 A sharded stream adds its shard list's identity, the order's seed and the global shard progress the rank started
 from (`base`). `stream` names the stream the state belongs to (see `stream_identity`). A snapshot's progress (its
-batches, whether its stream ended, its shard position) carries a checksum (`check`, see `progress_check`). Everything
-is validated before anything changes; a bad state is a short StateError.
+batches, whether its stream ended, its shard position) and a rank's (its epoch, batch count, flags, next worker and
+shard progress) carry a checksum (`check`, see `checksum`). Everything is validated before anything changes; a bad
+state is a short StateError.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ from loader.core.progress import normalize
 
 SNAPSHOT_KEYS = ("batches", "ended", "dataset", "iterator", "shard", "rng", "check")
 STATE_KEYS = ("format", "version", "kind", "world_size", "rank", "epoch", "batches", "exhausted", "ended",
-              "num_workers", "base_seed", "next_worker", "origins", "workers", "shards", "stream")
+              "num_workers", "base_seed", "next_worker", "origins", "workers", "shards", "stream", "check")
 IDENTITY_KEYS = ("class", "length", "fingerprint")
 _RNG_FIXED = 8 * 3 + 8 * 2 + 4 * 624 + 4 * 625  # see loader.streams.rng
 
@@ -66,41 +67,42 @@ def _check_rng(text, where: str) -> None:
 
 
 def worker_snapshot(batches: int, ended: bool, dataset, iterator, shard: list | None, rng: str | None) -> dict:
-    """A worker's state, with the check of its progress (see `progress_check`)."""
+    """A worker's state, with the checksum of its progress."""
     return {"batches": batches, "ended": ended, "dataset": dataset, "iterator": iterator, "shard": shard, "rng": rng,
-            "check": progress_check(batches, ended, shard)}
+            "check": checksum(batches, ended, shard)}
 
 
-def progress_check(batches: int, ended: bool, shard: list | None) -> int:
-    """A checksum (CRC-32) of what a snapshot says of its worker's progress. Nothing else in a state says whether a
-    worker's stream ended (its length is the stream's, which the loader does not know): a flag changed after the
-    state was saved would silently drop that worker's rest. The checksum makes such a change (and one of its batch
-    count or shard position) a refused state. It guards against corruption, not against someone who recomputes it;
-    made per batch, it costs a CRC of a dozen bytes."""
-    where = "-" if shard is None else f"{shard[0]}.{shard[1]}"
-    return zlib.crc32(f"{batches}:{int(ended)}:{where}".encode())
+def checksum(*progress) -> int:
+    """A CRC-32 of progress that nothing else in a state confirms: whether a worker's stream ended (its length is the
+    stream's, which the loader does not know), its batch count and shard position, a rank's epoch (a sharded rank
+    past an epoch read all of its share of it) and shard progress. Changed after the state was saved, they would
+    silently drop or repeat records; with it, such a state is refused. It guards against corruption and careless
+    edits, not against someone who recomputes it; made per batch, it costs a CRC of a few dozen bytes."""
+    return zlib.crc32(repr(progress).encode())
 
 
-def _check_progress(value: dict, where: str, rank: int) -> None:
-    check = value["check"]
-    if check == progress_check(value["batches"], value["ended"], value["shard"]):
+def _check_snapshot(value: dict, where: str, rank: int) -> None:
+    check, batches, ended, shard = value["check"], value["batches"], value["ended"], value["shard"]
+    if check == checksum(batches, ended, shard):
         return
-    if check == progress_check(value["batches"], not value["ended"], value["shard"]):
-        changed = f"{where}.ended was changed (it would "
-        changed += "drop that worker's rest)" if value["ended"] else "read on past that worker's end)"
+    if check == checksum(batches, not ended, shard):
+        changed = f"{where}.ended was changed (it would {'drop' if ended else 'read on past'} that worker's rest)"
     else:
-        changed = f"{where}.batches or {where}.shard was changed, or {where}.check"
-    raise StateError(f"the state of rank {rank}: {changed} after the state was saved: they do not match {where}.check. "
-                     f"The state is corrupted: load the state as it was saved")
+        changed = f"{where}.batches, .shard or .check was changed"
+    raise StateError(f"the state of rank {rank}: {changed} after the state was saved: they do not match "
+                     f"{where}.check. The state is corrupted: load the state as it was saved")
+
+
+def _earlier_release(where: str, field: str) -> StateError:
+    return StateError(f"{where} was saved by an earlier release, which did not record {field}: resuming it could skip "
+                      f"or repeat records. Start the stream's epoch again (construct the loader without loading it)")
 
 
 def _snapshot(value, where: str, sharded: bool, rank: int) -> dict | None:
     if value is None:
         return None
     if isinstance(value, dict) and set(value) == set(SNAPSHOT_KEYS) - {"check"}:
-        raise StateError(f"{where} was saved by an earlier release, which did not record its check: resuming it "
-                         f"could skip or repeat records. Start the stream's epoch again (construct the loader "
-                         f"without loading it)")
+        raise _earlier_release(where, "its check")
     if not isinstance(value, dict) or set(value) != set(SNAPSHOT_KEYS):
         raise StateError(f"{where} must be None or a dict with fields {SNAPSHOT_KEYS}, got {short(value)}")
     _get(value, "batches", int, where)
@@ -115,7 +117,7 @@ def _snapshot(value, where: str, sharded: bool, rank: int) -> dict | None:
             raise StateError(f"{where} of a sharded stream holds a dataset state: the state is corrupted")
     elif shard is not None:
         raise StateError(f"{where}.shard is set, but the stream is not sharded: the state is corrupted")
-    _check_progress(value, where, rank)
+    _check_snapshot(value, where, rank)
     return value
 
 
@@ -238,6 +240,11 @@ class Shards:
         return {"count": self.count, "digest": self.digest, "seed": self.seed, "shuffle": self.shuffle,
                 "base": _progress_to_dict(self.base)}
 
+    @cached_property
+    def check(self) -> int:
+        """The checksum of the shards and their base progress, in their canonical form (see `checksum`)."""
+        return checksum(self.serialised)
+
     @classmethod
     def from_dict(cls, value, where: str) -> "Shards":
         count = _get(value, "count", int, where)
@@ -285,11 +292,9 @@ class RankStream:
     @classmethod
     def from_dict(cls, state, where: str = "state") -> "RankStream":
         check_header(state, ("stream",), where)
-        if "num_workers" not in state:
-            raise StateError(
-                f"{where} was saved by an earlier release, which did not record num_workers: resuming it could "
-                f"skip or repeat records. Start the stream's epoch again (construct the loader without loading it)"
-            )
+        for field in ("num_workers", "check"):
+            if field not in state:
+                raise _earlier_release(where, field)
         if unknown := set(state) - set(STATE_KEYS):
             raise StateError(f"{where} has unknown fields {short(sorted(map(str, unknown)))}: the state is "
                              f"corrupted or not a stream state of this release")
@@ -323,6 +328,8 @@ class RankStream:
                                        or (epoch == shards.base.epoch - 1 and exhausted and not batches)):
             raise StateError(f"{where}.epoch is {epoch}, not within its shard progress from epoch "
                              f"{shards.base.epoch}: the state is corrupted")
+        _check_rank(_get(state, "check", int, where), epoch, batches, exhausted, ended, next_worker, shards, where,
+                    rank)
         base_seed = _seed(_get(state, "base_seed", (int, type(None)), where), f"{where}.base_seed")
         stream = _identity(_get(state, "stream", (dict, type(None)), where, default=None), f"{where}.stream")
         rank_stream = cls(world_size, rank, epoch, batches, exhausted, ended, num_workers, base_seed, next_worker,
@@ -359,6 +366,23 @@ class RankStream:
         return RankShards(self.rank, self.epoch, positions)
 
 
+def _rank_check(epoch: int, batches: int, exhausted: bool, ended: bool, next_worker: int,
+                shards: Shards | None) -> int:
+    return checksum(epoch, batches, exhausted, ended, next_worker, None if shards is None else shards.check)
+
+
+def _check_rank(check: int, epoch: int, batches: int, exhausted: bool, ended: bool, next_worker: int,
+                shards: Shards | None, where: str, rank: int) -> None:
+    if check == _rank_check(epoch, batches, exhausted, ended, next_worker, shards):
+        return
+    changed = [name for name, flipped in (("exhausted", (not exhausted, ended)), ("ended", (exhausted, not ended)))
+               if check == _rank_check(epoch, batches, *flipped, next_worker, shards)]
+    fields = f"{where}.{changed[0]} was" if changed else (
+        f"{where}.epoch, .batches, .next_worker, .shards or .check was")
+    raise StateError(f"the state of rank {rank}: {fields} changed after the state was saved: they do not match "
+                     f"{where}.check. The state is corrupted: load the state as it was saved")
+
+
 def stream_state(world_size: int, rank: int, epoch: int, batches: int, exhausted: bool, ended: bool,
                  num_workers: int, base_seed: int | None, next_worker: int, origins, workers,
                  shards: Shards | None, stream: dict | None) -> dict:
@@ -381,6 +405,7 @@ def stream_state(world_size: int, rank: int, epoch: int, batches: int, exhausted
         "workers": list(workers),
         "shards": None if shards is None else shards.serialised,
         "stream": stream,
+        "check": _rank_check(epoch, batches, exhausted, ended, next_worker, shards),
     }
 
 
