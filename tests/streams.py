@@ -68,6 +68,9 @@ class _Cursor:
         return {"i": self.i}
 
     def load_state_dict(self, state):
+        """As a careful stream does: a state it cannot resume from raises here, where the loader can ask."""
+        if not (isinstance(state["i"], int) and 0 <= state["i"] <= len(self.records)):
+            raise ValueError(f"no record {state['i']!r} in this worker's {len(self.records)}")
         self.i = state["i"]
 
 
@@ -123,6 +126,29 @@ class DatasetState(Plain):
 
     def load_state_dict(self, state):
         self.resume, self.epoch = state["position"], state["epoch"]
+
+
+class Continuing(Plain):
+    """A dataset object that keeps its place (a file it holds open): its __iter__ goes on where the object stands,
+    and starts over once its records ended. Only loading a state moves it back."""
+
+    def __init__(self, n: int, random_draws: bool = False):
+        super().__init__(n, random_draws)
+        self.position = 0
+
+    def __iter__(self):
+        worker, workers = share()
+        mine = list(range(worker, self.n, workers))
+        while self.position < len(mine):
+            self.position += 1
+            yield record(mine[self.position - 1], self.random_draws)
+        self.position = 0
+
+    def state_dict(self):
+        return {"position": self.position}
+
+    def load_state_dict(self, state):
+        self.position = state["position"]
 
 
 class SelfIterating(Plain):

@@ -5,9 +5,12 @@ and then the resumed pass serves exactly the records the state does not claim as
 What a state claims: per worker of a plain stream, the records up to where its snapshot stands (all of them when
 it says its stream ended; else what its iterator's state or, without one, its batch count covers); for a sharded
 stream, the shards and records its ranks' merged progress lists. Nothing, when the state's pass had ended: the next
-pass serves the next epoch whole. The dataset's and iterator's own states are theirs to check (the loader hands
-them back unchanged to their load_state_dict, as StatefulDataLoader does): mutations go everywhere else, and
-replace a whole one with junk only where the stream keeps no such state.
+pass serves the next epoch whole. The progress the loader records (a worker's `ended` flag, batch count and shard
+position, a rank's epoch and shard progress) is no claim a state can change on its own: nothing else in it says
+whether a worker's stream ended, or that a sharded rank read its share of an epoch, so a state whose progress
+differs from the saved one must be refused (it would drop or repeat records). The iterator's own state is its to
+check: the loader asks it on load (its load_state_dict, on a copy), so junk there, or a field of it changed, is
+refused on load or resumes as it says.
 """
 
 import copy
@@ -18,11 +21,14 @@ from typing import Callable
 
 import pytest
 from hypothesis import HealthCheck, given, settings
+import torch
 from hypothesis import strategies as st
 
+import tests.streams as tests_streams
 from loader import ResumableDataLoader, StateError, merge_states
 from loader.sources.sharded import FileShards
-from loader.streams.state import rank_streams, regathered
+from loader.streams.rng import rng_state
+from loader.streams.state import checksum, rank_streams, regathered
 from tests.streams import FORK, IteratorState, Plain, ids
 
 pytestmark = pytest.mark.filterwarnings("ignore:Generating overly large repr")  # states carry random states (10 KB)
@@ -39,6 +45,13 @@ def plain(kind, rank=0, world=1, **kw):
                                world_size=world, **kw)
 
 
+def shard_files(directory) -> list:
+    """SHARD_SIZES text files, one record ("shard:record") a line."""
+    for s, n in enumerate(SHARD_SIZES):
+        (directory / f"{s}.txt").write_text("".join(f"{s}:{r}\n" for r in range(n)))
+    return [str(directory / f"{s}.txt") for s in range(len(SHARD_SIZES))]
+
+
 def sharded(paths, rank=0, world=1, **kw):
     return ResumableDataLoader(FileShards(paths, read_lines), batch_size=BATCH, collate_fn=list, rank=rank,
                                world_size=world, shuffle=True, **kw)
@@ -49,7 +62,6 @@ class Case:
     state: dict
     fresh: Callable  # rank -> a loader that accepts the state
     ranks: list  # the ranks that resume it (all of them: the records of every rank are counted)
-    keeps_iterator: bool  # the stream's iterator has a state (whose contents are its own to check)
 
     def claimed(self, state) -> list:
         """The records `state` says were delivered, in the epoch its resumed pass serves."""
@@ -86,11 +98,7 @@ class Case:
 
 @pytest.fixture(scope="module")
 def cases(tmp_path_factory):
-    directory = tmp_path_factory.mktemp("shards")
-    paths = []
-    for s, n in enumerate(SHARD_SIZES):
-        (directory / f"{s}.txt").write_text("".join(f"{s}:{r}\n" for r in range(n)))
-        paths.append(str(directory / f"{s}.txt"))
+    paths = shard_files(tmp_path_factory.mktemp("shards"))
 
     def run(loaders, steps, passes_before=0):
         for dl, count in zip(loaders, steps):
@@ -100,8 +108,8 @@ def cases(tmp_path_factory):
         states = [dl.state_dict() for dl in loaders]
         return json.loads(json.dumps(states[0] if len(states) == 1 else merge_states(states)))
 
-    def case(kind, loaders, steps, fresh, ranks=(0,), passes_before=0):
-        return Case(run(loaders, steps, passes_before), fresh, list(ranks), kind is IteratorState)
+    def case(loaders, steps, fresh, ranks=(0,), passes_before=0):
+        return Case(run(loaders, steps, passes_before), fresh, list(ranks))
 
     def resized():
         """A state whose base lists finished shards: saved at 2 ranks after a resume of 3 ranks' state."""
@@ -113,20 +121,18 @@ def cases(tmp_path_factory):
 
     workers = dict(num_workers=2, **FORK)
     return {
-        "no state, main process, second epoch": case(Plain, [plain(Plain)], [3], lambda r: plain(Plain),
-                                                     passes_before=1),
-        "no state, 2 workers": case(Plain, [plain(Plain, **workers)], [3], lambda r: plain(Plain, **workers)),
-        "iterator state, main process": case(IteratorState, [plain(IteratorState)], [3],
-                                             lambda r: plain(IteratorState)),
-        "iterator state, 2 workers": case(IteratorState, [plain(IteratorState, **workers)], [3],
+        "no state, main process, second epoch": case([plain(Plain)], [3], lambda r: plain(Plain), passes_before=1),
+        "no state, 2 workers": case([plain(Plain, **workers)], [3], lambda r: plain(Plain, **workers)),
+        "iterator state, main process": case([plain(IteratorState)], [3], lambda r: plain(IteratorState)),
+        "iterator state, 2 workers": case([plain(IteratorState, **workers)], [3],
                                           lambda r: plain(IteratorState, **workers)),
-        "iterator state, 2 ranks": case(IteratorState, [plain(IteratorState, r, 2) for r in range(2)], [2, 1],
+        "iterator state, 2 ranks": case([plain(IteratorState, r, 2) for r in range(2)], [2, 1],
                                         lambda r: plain(IteratorState, r, 2), ranks=[1]),
         "sharded, 2 ranks, 2 workers": case(
-            None, [sharded(paths, r, 2, **workers) for r in range(2)], [2, 1],
+            [sharded(paths, r, 2, **workers) for r in range(2)], [2, 1],
             lambda r: sharded(paths, r, 3), ranks=[0, 1, 2],  # another world size: the shards are dealt again
         ),
-        "sharded, resized once": Case(resized(), lambda r: sharded(paths, r, 3), [0, 1, 2], False),  # and again
+        "sharded, resized once": Case(resized(), lambda r: sharded(paths, r, 3), [0, 1, 2]),  # and again
     }
 
 
@@ -140,7 +146,7 @@ def paths_of(value, prefix=()):
             yield from paths_of(item, prefix + (i,))
 
 
-PAYLOADS = ("dataset", "iterator")  # a snapshot's fields that hold the stream's own states
+PAYLOADS = ("dataset",)  # a snapshot's field that holds a state of the stream's own these streams never have
 GARBAGE = st.one_of(
     st.none(), st.booleans(), st.integers(-3, 3), st.sampled_from([2**62, 2**64, -(2**63)]), st.floats(),
     st.text(max_size=4), st.lists(st.integers(-1, 5), max_size=4), st.dictionaries(st.text(max_size=3), st.integers()),
@@ -154,7 +160,7 @@ HEADER = ("format", "version", "kind")  # refused by a plain comparison: mutated
 @st.composite
 def mutations(draw, case):
     """1-3 of: an int nudged or a bool flipped, a field replaced by garbage, an entry deleted or duplicated; the
-    header rarely. Never inside the stream's own states (see the module docstring)."""
+    header rarely. Inside the iterator's own state too (see the module docstring)."""
     state = copy.deepcopy(case.state)
     pick = draw(st.randoms(use_true_random=False)).choice  # uniform over the fields: no bias to the first ones
     for _ in range(draw(st.integers(1, 3))):
@@ -179,8 +185,6 @@ def mutations(draw, case):
             del parent[path[-1]]
         elif action == "duplicate" and isinstance(parent, list):
             parent.insert(draw(st.integers(0, len(parent))), copy.deepcopy(value))
-        elif path[-1] == "iterator" and case.keeps_iterator:
-            parent[path[-1]] = None  # the worker then reads its share again up to its batch count
         else:
             parent[path[-1]] = draw(GARBAGE)
     return state
@@ -204,11 +208,21 @@ def test_a_mutated_stream_state_is_refused_or_resumes_exactly(cases, name, data)
         assert len(str(err)) < 600, "a state error is a short message"
         assert dl.state_dict() == before, "a refused state leaves the loader unchanged"
         return
+    assert progress(mutated) == progress(case.state), "a change of the progress the state claims was accepted"
     loaders = [dl] + [case.fresh(rank) for rank in case.ranks[1:]]
     for other in loaders[1:]:
         other.load_state_dict(mutated)
     served, claimed = case.served(loaders), case.claimed(mutated)
     assert sorted(served + claimed) == case.records(), "the resumed pass skipped or repeated a record"
+
+
+def progress(state) -> list:
+    """What a state claims was read, as the loader records it: per rank its epoch (a sharded rank past an epoch read
+    all of its share), batch count, flags and shard progress, and per worker its batch count, whether its stream
+    ended and its shard position."""
+    return [(r.epoch, r.batches, r.exhausted, r.ended, r.shards,
+             [None if s is None else (s["batches"], s["ended"], s["shard"]) for s in r.workers])
+            for r in rank_streams(state)]
 
 
 def test_the_real_states_resume_exactly(cases):
@@ -260,60 +274,104 @@ class Listed(Plain):
         return iter(list(super().__iter__()))
 
 
-def test_an_iterator_state_the_iterator_cannot_load_is_refused_when_the_stream_is_read():
+def test_an_iterator_state_the_iterator_cannot_load_is_refused_on_load():
     state = saved(Listed)
-    state["workers"][0]["iterator"] = {"i": 1}
-    dl = plain(Listed)
-    dl.load_state_dict(state)  # whether Listed's iterator keeps a state shows only when it is made
-    with pytest.raises(StateError, match=r"iterator state for worker 0, but the iterator Listed.__iter__ returns "
-                                         r"\(list_iterator\) has no load_state_dict"):
-        iter(dl)
+    state["workers"][0]["iterator"] = {"i": 1}  # once refused only when the stream was read
+    refused_unchanged(plain(Listed), state, r"rank 0: workers\[0\].iterator: the state holds an iterator state for "
+                                            r"worker 0, but the iterator Listed.__iter__ returns \(list_iterator\) "
+                                            r"has no load_state_dict")
 
 
-class Sized(Plain):
-    def __len__(self):
-        return self.n
+@pytest.mark.parametrize("junk", ["AAAA", 3, {"i": -1}, {}])
+def test_an_iterator_state_its_iterator_refuses_is_refused_on_load_naming_the_worker(junk):
+    state = saved(IteratorState, num_workers=2, **FORK)
+    state["workers"][1]["iterator"] = junk  # once accepted, and raised in the worker when the stream was read
+    refused_unchanged(plain(IteratorState, num_workers=2, **FORK), state,
+                      r"rank 0: workers\[1\].iterator is a state IteratorState cannot load \((TypeError|ValueError|"
+                      r"KeyError): ")
 
 
-class Versioned(Plain):
-    version = "a"
-
-    def fingerprint(self):
-        return f"records v{self.version}"
-
-
-class Numbered(Plain):
-    def fingerprint(self):
-        return 7
-
-
-def test_a_state_of_another_stream_of_the_same_layout_is_refused_naming_what_differs():
-    refused_unchanged(plain(IteratorState), saved(Plain),
-                      "the state of rank 0: stream.class is 'tests.streams.Plain' in the saved state but "
-                      "'tests.streams.IteratorState' in this loader: construct the loader with the stream class")
-    state = saved(Sized)
-    grown = ResumableDataLoader(Sized(N + 1), batch_size=BATCH, collate_fn=list)
-    refused_unchanged(grown, state, f"stream.length is {N} in the saved state but {N + 1} in this loader")
-    state = saved(Versioned)
-    Versioned.version = "b"
-    try:
-        refused_unchanged(plain(Versioned), state, "stream.fingerprint is 'records va' in the saved state but "
-                                                   "'records vb'")
-    finally:
-        Versioned.version = "a"
-    with pytest.raises(TypeError, match=r"Numbered.fingerprint\(\) must return a str, got 7"):
-        saved(Numbered)
-    older = {key: value for key, value in saved(Plain).items() if key != "stream"}  # saved before it was recorded
-    dl = plain(Plain)
-    dl.load_state_dict(older)
-    assert ids(list(dl)) == list(range(2 * BATCH, N))
+@pytest.mark.parametrize("setup", [{}, dict(num_workers=2, **FORK)])
+def test_a_changed_ended_flag_is_refused_on_load_naming_the_worker(setup):
+    state = saved(Plain, **setup)
+    state["workers"][-1]["ended"] = True  # once accepted: that worker's rest was never delivered
+    refused_unchanged(plain(Plain, **setup), state,
+                      rf"rank 0: states\[0\].workers\[{len(state['workers']) - 1}\].ended was changed \(it would "
+                      rf"drop that worker's rest\) after the state was saved")
+    state["workers"][-1]["ended"], state["workers"][-1]["batches"] = False, 7
+    refused_unchanged(plain(Plain, **setup), state, r"workers\[\d\].batches, .shard or .check was changed")
 
 
-def test_a_merged_state_must_agree_with_its_ranks_and_have_no_unknown_fields():
-    states = [saved(Plain, rank=r, world=2) for r in range(2)]
-    merged = merge_states(states)
-    refused_unchanged(plain(Plain, 1, 2), {**merged, "world_size": 3},
-                      "state.world_size is 3, but it holds the states of 2 ranks")
-    refused_unchanged(plain(Plain, 1, 2), {**merged, "extra": 1}, "state must have exactly the fields")
-    refused_unchanged(plain(Plain), {**states[0], "world_size": 1, "rank": 0, "extra": 1},
-                      r"states\[0\] has unknown fields \['extra'\]")
+def test_a_sharded_ranks_changed_epoch_is_refused_on_load_naming_the_rank(cases):
+    case = cases["sharded, 2 ranks, 2 workers"]
+    state = copy.deepcopy(case.state)
+    state["ranks"][1]["epoch"] += 1  # once accepted: rank 1's share of epoch 0 counted as read, never delivered
+    refused_unchanged(case.fresh(0), state, r"the state of rank 1: states\[1\].epoch, .batches, .next_worker, "
+                                            r".shards or .check was changed after the state was saved")
+
+
+def test_a_sharded_worker_may_end_only_in_its_last_shard_even_with_a_recomputed_check(tmp_path):
+    paths = shard_files(tmp_path)
+    dl = sharded(paths)
+    list(itertools.islice(dl, 1))
+    state = json.loads(json.dumps(dl.state_dict()))
+    worker = state["workers"][0]
+    worker["ended"] = True
+    worker["check"] = checksum(worker["batches"], True, worker["shard"])  # edited with care
+    refused_unchanged(sharded(paths), state, r"rank 0: states\[0\].workers\[0\].ended is true, but its shard "
+                                             r"position \[0, 2\] is in task 0 of the 4 it reads in epoch 0")
+
+
+def test_a_snapshot_of_the_earlier_release_without_its_check_is_refused():
+    state = saved(Plain)
+    del state["workers"][0]["check"]
+    refused_unchanged(plain(Plain), state, r"workers\[0\] was saved by an earlier release, which did not record its "
+                                           r"check")
+
+
+class Drawing(IteratorState):
+    """Draws a random number on __iter__ and on load_state_dict."""
+
+    def __iter__(self):
+        torch.rand(())
+        return _DrawingCursor(self.records())
+
+    def records(self):
+        worker, workers = tests_streams.share()
+        return list(range(worker, self.n, workers))
+
+
+class _DrawingCursor(tests_streams._Cursor):
+    def __init__(self, records):
+        super().__init__(records, random_draws=False)
+
+    def load_state_dict(self, state):
+        torch.rand(())
+        super().load_state_dict(state)
+
+
+class NeedsItsWorker(Drawing):
+    """Reads only the records its worker_init_fn gave it."""
+
+    def records(self):
+        return list(range(self.given[0], self.n, self.given[1]))
+
+
+def give_records(worker):
+    info = torch.utils.data.get_worker_info()
+    info.dataset.given = (worker, info.num_workers)
+
+
+@pytest.mark.parametrize("kind", [Drawing, NeedsItsWorker])
+def test_the_load_time_check_leaves_the_process_as_it_was_and_passes_a_stream_it_cannot_try(kind):
+    """The check loads the states into a copy of the dataset in the main process: the process's random states stay
+    as they were, and a dataset whose __iter__ needs its worker (its worker_init_fn) is left to its worker."""
+    workers = dict(num_workers=2, worker_init_fn=give_records, **FORK)
+    first = ResumableDataLoader(kind(N), batch_size=BATCH, collate_fn=list, **workers)
+    seen = list(itertools.islice(first, 3))
+    state = json.loads(json.dumps(first.state_dict()))
+    resumed = ResumableDataLoader(kind(N), batch_size=BATCH, collate_fn=list, **workers)
+    before = rng_state()
+    resumed.load_state_dict(state)
+    assert rng_state() == before
+    assert sorted(ids(seen + list(resumed))) == list(range(N))

@@ -19,7 +19,8 @@ from torch.utils.data import get_worker_info
 from loader import ContinuedPassWarning, ResumableDataLoader, StateError
 from loader.streams import rng
 from loader.streams.rng import UNCHANGED, RngWatch, rng_state, set_rng_state
-from tests.streams import FORK, DatasetState, Failing, IteratorState, NowAndThen, Plain, SelfIterating, ids, share
+from tests.streams import (FORK, Continuing, DatasetState, Failing, IteratorState, NowAndThen, Plain, SelfIterating,
+                           ids, share)
 
 KINDS = [Plain, IteratorState, DatasetState, SelfIterating]
 SETUPS = {
@@ -227,6 +228,25 @@ def test_a_state_before_the_first_batch_rewinds_a_dataset_object_that_moved_on()
     expected = list(it)
     dl.load_state_dict(state)  # the dataset object stands at the end of the pass now
     assert list(dl) == expected
+
+
+@pytest.mark.parametrize("setup, saved, into", [
+    ("main process", "before iter()", "the same loader"), ("main process", "before iter()", "a new loader"),
+    ("main process", "after iter()", "a new loader"), ("2 workers", "before iter()", "the same loader"),
+    ("2 workers", "after iter()", "a new loader"),
+])
+def test_a_state_before_the_first_batch_rewinds_a_dataset_object_that_keeps_its_place(setup, saved, into):
+    """The state of a pass not begun (before iter(), or before its first next()) loaded into this process again, onto
+    a dataset object that moved on meanwhile: the pass starts from its beginning, as StatefulDataLoader's does."""
+    dataset = Continuing(20)
+    dl = ResumableDataLoader(dataset, batch_size=3, collate_fn=list, **SETUPS[setup])
+    it = iter(dl) if saved == "after iter()" else None
+    state = json.loads(json.dumps(dl.state_dict()))
+    list(itertools.islice(it or dl, 3))  # in the main process, the dataset object moves on
+    target = dl if into == "the same loader" else ResumableDataLoader(dataset, batch_size=3, collate_fn=list,
+                                                                       **SETUPS[setup])
+    target.load_state_dict(state)
+    assert_each_once(20, list(target))
 
 
 def test_an_iterator_that_is_the_dataset_keeps_its_state_once():

@@ -19,11 +19,11 @@ from loader.core.sampler import warn_abandoned
 from loader.core.state import StateError
 from loader.streams.rng import UNCHANGED
 from loader.streams.shards import ShardProgress, is_sharded, shard_digest
-from loader.streams.source import Plan, StreamSource, is_stateful
+from loader.streams.source import Plan, StreamSource, check_loadable, is_stateful, standing
 from loader.streams.state import (RankStream, Shards, check_identity, check_payloads, rank_streams, regathered,
-                                 stream_identity, stream_state)
+                                 stream_identity, stream_state, worker_snapshot)
 
-_ENDED_ELSEWHERE = {"batches": 0, "ended": True, "dataset": None, "iterator": None, "shard": [0, 0], "rng": None}
+_ENDED_ELSEWHERE = worker_snapshot(0, True, None, None, [0, 0], None)
 
 
 class StreamProgress:
@@ -41,6 +41,7 @@ class StreamProgress:
         self._reusable = False  # persistent workers ended their pass cleanly, unrotated: they may go on as they are
         self._origins_live = False  # the main process's dataset stands at the origin (it ran the pass that ended)
         self._running = False  # a torch iterator runs the current pass (an empty pass after set_epoch() has none)
+        self._unread = True  # no pass of this loader read the dataset, and no state was loaded: see `_origins`
         self._start(0, (None,) * self.workers)
 
     def attach(self, batch_size: int | None, drop_last: bool, collate_fn, worker_init_fn) -> StreamSource:
@@ -97,8 +98,8 @@ class StreamProgress:
     def started(self, torch_iterator, plan: Plan | None) -> None:
         """A torch iterator was made (or persistent workers reset) for the plan: note torch's base seed where the
         workers took it, and, in the main process, the stream's state before its first batch."""
-        self._reusable = self._origins_live = False  # the workers (the dataset) move on from the pass's start now
-        self._running = True
+        self._reusable = self._origins_live = self._unread = False  # the workers (the dataset) move on from the
+        self._running = True  # pass's start now
         if plan is None:
             return
         self._rotation = plan.rotation
@@ -157,8 +158,18 @@ class StreamProgress:
     def state_dict(self) -> dict:
         delivered, latest, next_worker = self._committed
         return stream_state(self.world_size, self.rank, self.epoch, delivered, self.exhausted, self.ended,
-                            self.num_workers, self.base_seed, next_worker, self.origins, latest, self.shards,
+                            self.num_workers, self.base_seed, next_worker, self._origins(), latest, self.shards,
                             self.identity)
+
+    def _origins(self) -> tuple:
+        """The origins a state holds. Before the loader's first pass at num_workers=0, the pass begins where the
+        main process's dataset stands now: its state, so that a resume rewinds the object if it moved on since (as
+        StatefulDataLoader's does). Not after a pass left it part way (set_epoch() to another epoch): its state
+        then says where that pass stood, which the next pass does not resume; nor with workers, each of which
+        starts from a copy of the main process's dataset, which the loader never moves."""
+        if self._unread and not self.num_workers and self.shards is None and self.origins[0] is None:
+            return (standing(self.dataset),)
+        return self.origins
 
     def check(self, state) -> None:
         """Validate `state` in full, as load_state_dict does, changing nothing: on a fresh keeper of this
@@ -186,6 +197,7 @@ class StreamProgress:
             if (saved.world_size, saved.num_workers) != (self.world_size, self.num_workers):
                 return self._redeal(ranks)
         self._check_layout(saved)
+        check_loadable(self.dataset, ranks[self.rank])
         self._restore(ranks[self.rank])
 
     def _check_layout(self, saved: RankStream) -> None:
@@ -219,7 +231,7 @@ class StreamProgress:
     def _restore(self, mine: RankStream) -> None:
         if self.shards is not None:
             self._rebase(mine.shards)
-        self._reusable = self._origins_live = False
+        self._reusable = self._origins_live = self._unread = False
         self._start(mine.epoch, mine.origins, delivered=mine.batches, latest=mine.workers,
                     next_worker=mine.next_worker, base_seed=mine.base_seed, exhausted=mine.exhausted,
                     ended=mine.ended)
@@ -228,7 +240,7 @@ class StreamProgress:
         """Another world size or number of workers: deal every rank's unfinished shards again, from their records."""
         progress, epoch, over = regathered(ranks)
         self._rebase(Shards(self.shards.count, self.shards.digest, self.shards.seed, self.shards.shuffle, progress))
-        self._reusable = self._origins_live = False
+        self._reusable = self._origins_live = self._unread = False
         consumed = epoch < progress.epoch  # every record of the epoch read: the pass ends without a batch
         ends = (dict(_ENDED_ELSEWHERE),) * self.workers if consumed else None
         self._start(epoch, (None,) * self.workers, latest=ends, exhausted=consumed, ended=over)

@@ -24,8 +24,9 @@ from torch._utils import ExceptionWrapper
 from torch.utils.data import IterableDataset, get_worker_info
 
 from loader.core.state import StateError
-from loader.streams.rng import RngWatch, seed_like_torch, set_rng_state
+from loader.streams.rng import RngWatch, rng_state, seed_like_torch, set_rng_state
 from loader.streams.shards import ShardDeal
+from loader.streams.state import RankStream, worker_snapshot
 
 
 def is_stateful(obj) -> bool:
@@ -99,18 +100,8 @@ class StreamSource(IterableDataset):
     def _open(self, epoch: int, pass_id: int, origin: dict | None, latest: dict | None) -> "_Batches":
         if self.deal is not None:
             batches = self._open_shards(epoch, pass_id, origin, latest)
-        elif latest is not None and (latest["dataset"] is not None or latest["iterator"] is not None):
-            if latest["dataset"] is not None:
-                self.dataset.load_state_dict(copy.deepcopy(latest["dataset"]))
-            iterator = iter(self.dataset)
-            if latest["iterator"] is not None:
-                if not is_stateful(iterator):  # not told apart on load unless __iter__ is a generator function
-                    raise StateError(
-                        f"the state holds an iterator state for worker {self._worker}, but the iterator "
-                        f"{type(self.dataset).__name__}.__iter__ returns ({type(iterator).__name__}) has no "
-                        f"load_state_dict: load a state saved by this stream"
-                    )
-                iterator.load_state_dict(copy.deepcopy(latest["iterator"]))
+        elif _holds_states(latest):
+            iterator = _resumed(self.dataset, latest, self._worker, iter)
             _set_rng(latest)
             batches = _Batches(self, pass_id, iterator, iterator, latest["batches"])
         else:
@@ -126,12 +117,8 @@ class StreamSource(IterableDataset):
         """The pass as it began: the dataset as the previous pass left it (a dataset that is its own iterator gets
         that pass's iterator state, loaded after an __iter__, as StatefulDataLoader does), the random state of then,
         and a new __iter__ (which may reset the dataset, or draw)."""
-        if origin is not None and origin["dataset"] is not None:
-            self.dataset.load_state_dict(copy.deepcopy(origin["dataset"]))
-        if origin is not None and origin["iterator"] is not None:
-            previous = iter(self.dataset)
-            if previous is self.dataset:
-                previous.load_state_dict(copy.deepcopy(origin["iterator"]))
+        if origin is not None:
+            _restored(self.dataset, origin, self._worker, iter)
         _set_rng(origin)
         iterator = iter(self.dataset)
         return _Batches(self, pass_id, iterator, iterator, 0)
@@ -149,6 +136,84 @@ class StreamSource(IterableDataset):
         return _Batches(self, pass_id, reader, None, batches, reader)
 
 
+def _holds_states(value: dict | None) -> bool:
+    """A snapshot holds the stream's own states (its dataset's, its iterator's)."""
+    return value is not None and (value["dataset"] is not None or value["iterator"] is not None)
+
+
+def _resumed(dataset, latest: dict, worker: int, opened: Callable) -> Iterator:
+    """The dataset's iterator where a worker's snapshot left it (StatefulDataLoader's protocol): the dataset's state
+    loaded before its __iter__ (`opened`), the iterator's after."""
+    if latest["dataset"] is not None:
+        dataset.load_state_dict(copy.deepcopy(latest["dataset"]))
+    iterator = opened(dataset)
+    if latest["iterator"] is not None:
+        if not is_stateful(iterator):  # not told apart on load unless __iter__ is a generator function
+            raise StateError(
+                f"the state holds an iterator state for worker {worker}, but the iterator "
+                f"{type(dataset).__name__}.__iter__ returns ({type(iterator).__name__}) has no load_state_dict: "
+                f"load a state saved by this stream"
+            )
+        iterator.load_state_dict(copy.deepcopy(latest["iterator"]))
+    return iterator
+
+
+def _restored(dataset, origin: dict, worker: int, opened: Callable) -> None:
+    """The dataset as the previous pass left it: its state, and for a dataset that is its own iterator that pass's
+    iterator state, loaded after an __iter__ (`opened`), as StatefulDataLoader does."""
+    if origin["dataset"] is not None:
+        dataset.load_state_dict(copy.deepcopy(origin["dataset"]))
+    if origin["iterator"] is not None:
+        previous = opened(dataset)
+        if previous is dataset:
+            previous.load_state_dict(copy.deepcopy(origin["iterator"]))
+
+
+class _NotHere(Exception):
+    """A dataset's __iter__ raised in the main process, where no worker_init_fn ran: its states cannot be tried."""
+
+
+def _opened_here(dataset) -> Iterator:
+    try:
+        return iter(dataset)
+    except Exception as err:  # noqa: BLE001 - whatever the user's __iter__ raises outside its worker
+        raise _NotHere from err
+
+
+def check_loadable(dataset, mine: RankStream) -> None:
+    """Load each of a rank's snapshots that holds the stream's own states into a copy of the dataset, as its worker
+    will: a state the dataset or its iterator refuses (its load_state_dict raises) is refused on load, naming the
+    worker, not when the worker starts. Only the dataset can tell its states apart, so it is asked. Not tried here: a
+    dataset that cannot be copied, or whose __iter__ raises outside its worker (their workers find out, as before).
+    The main process's random states stay as they were (an __iter__ or a load may draw or set them)."""
+    rng = rng_state()
+    try:
+        for name, snapshots, load in (("origins", mine.origins, _restored), ("workers", mine.workers, _resumed)):
+            for worker, value in enumerate(snapshots):
+                if not _holds_states(value):
+                    continue
+                try:
+                    trial = copy.deepcopy(dataset)
+                except Exception:  # noqa: BLE001 - whatever keeps the user's dataset from being copied
+                    return
+                try:
+                    load(trial, value, worker, _opened_here)
+                except _NotHere:
+                    return
+                except StateError as err:
+                    raise StateError(f"the state of rank {mine.rank}: {name}[{worker}].iterator: {err}") from None
+                except Exception as err:  # noqa: BLE001 - whatever the user's load_state_dict raises
+                    field = "iterator" if value["dataset"] is None else "dataset" if value["iterator"] is None else (
+                        "dataset or .iterator")
+                    raise StateError(
+                        f"the state of rank {mine.rank}: {name}[{worker}].{field} is a state "
+                        f"{type(dataset).__name__} cannot load ({type(err).__name__}: {str(err)[:120]}): load a "
+                        f"state saved by this stream"
+                    ) from None
+    finally:
+        set_rng_state(rng)
+
+
 _ATOMS = (int, float, str, bool, type(None))
 
 
@@ -158,6 +223,16 @@ def _frozen(state):
     if type(state) is dict and all(type(v) in _ATOMS for v in state.values()):
         return dict(state)
     return copy.deepcopy(state)
+
+
+def standing(dataset) -> dict | None:
+    """The snapshot of a main-process dataset before any pass of the loader: its own state, as it stands (a dataset's
+    state is loaded before its __iter__, so it can be taken now). None for a dataset without state, and for one that
+    is its own iterator (it defines __next__): its state is an iterator's, loaded after an __iter__, and exists only
+    once an __iter__ ran."""
+    if not is_stateful(dataset) or callable(getattr(type(dataset), "__next__", None)):
+        return None
+    return worker_snapshot(0, False, _frozen(dataset.state_dict()), None, None, None)
 
 
 def _set_rng(snapshot: dict | None) -> None:
@@ -224,14 +299,14 @@ class _Batches:
     def snapshot(self, ended: bool) -> dict:
         """The worker's state now: what a new worker needs to go on from here."""
         reader = self.reader
-        return {
-            "batches": self.count,
-            "ended": ended,
-            "dataset": _frozen(self.source.dataset.state_dict()) if self._keeps_dataset else None,
-            "iterator": _frozen(self.iterator.state_dict()) if self._keeps_iterator else None,
-            "shard": None if reader is None else [reader.task, reader.offset],
-            "rng": None if self._rng is None else self._rng.state(),
-        }
+        return worker_snapshot(
+            self.count,
+            ended,
+            _frozen(self.source.dataset.state_dict()) if self._keeps_dataset else None,
+            _frozen(self.iterator.state_dict()) if self._keeps_iterator else None,
+            None if reader is None else [reader.task, reader.offset],
+            None if self._rng is None else self._rng.state(),
+        )
 
     def resumes(self, pass_id: int, latest: dict | None) -> bool:
         """Whether this live iterator (main process) stands exactly where `latest` does, so it can just go on."""

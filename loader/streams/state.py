@@ -4,10 +4,13 @@ A rank's stream state says where its pass stands (epoch, batches delivered in co
 was exhausted and whether its end was handed out) and, per worker (one, the main process, at num_workers=0):
 `workers`, its snapshot after the last batch delivered (None: none yet in this pass), and `origins`, its state when
 the pass began (the end of the previous pass, where the dataset objects live on: persistent workers or the main
-process; None: a fresh copy seeded from `base_seed`). `next_worker` is the worker torch's round robin serves next.
+process; None: a fresh copy seeded from `base_seed`; before the first pass at num_workers=0, the main process's
+dataset as it stood). `next_worker` is the worker torch's round robin serves next.
 A sharded stream adds its shard list's identity, the order's seed and the global shard progress the rank started
-from (`base`). `stream` names the stream the state belongs to (see `stream_identity`). Everything is validated
-before anything changes; a bad state is a short StateError.
+from (`base`). `stream` names the stream the state belongs to (see `stream_identity`). A snapshot's progress (its
+batches, whether its stream ended, its shard position) and a rank's (its epoch, batch count, flags, next worker and
+shard progress) carry a checksum (`check`, see `checksum`). Everything is validated before anything changes; a bad
+state is a short StateError.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from __future__ import annotations
 import base64
 import binascii
 import inspect
+import zlib
 from dataclasses import dataclass, replace
 from functools import cached_property
 
@@ -38,9 +42,9 @@ from loader.core.state import (
 )
 from loader.core.progress import normalize
 
-SNAPSHOT_KEYS = ("batches", "ended", "dataset", "iterator", "shard", "rng")
+SNAPSHOT_KEYS = ("batches", "ended", "dataset", "iterator", "shard", "rng", "check")
 STATE_KEYS = ("format", "version", "kind", "world_size", "rank", "epoch", "batches", "exhausted", "ended",
-              "num_workers", "base_seed", "next_worker", "origins", "workers", "shards", "stream")
+              "num_workers", "base_seed", "next_worker", "origins", "workers", "shards", "stream", "check")
 IDENTITY_KEYS = ("class", "length", "fingerprint")
 _RNG_FIXED = 8 * 3 + 8 * 2 + 4 * 624 + 4 * 625  # see loader.streams.rng
 
@@ -62,13 +66,48 @@ def _check_rng(text, where: str) -> None:
         raise StateError(f"{where}.rng is not a random state of this torch: the state is corrupted")
 
 
-def _snapshot(value, where: str, sharded: bool) -> dict | None:
+def worker_snapshot(batches: int, ended: bool, dataset, iterator, shard: list | None, rng: str | None) -> dict:
+    """A worker's state, with the checksum of its progress."""
+    return {"batches": batches, "ended": ended, "dataset": dataset, "iterator": iterator, "shard": shard, "rng": rng,
+            "check": checksum(batches, ended, shard)}
+
+
+def checksum(*progress) -> int:
+    """A CRC-32 of progress that nothing else in a state confirms: whether a worker's stream ended (its length is the
+    stream's, which the loader does not know), its batch count and shard position, a rank's epoch (a sharded rank
+    past an epoch read all of its share of it) and shard progress. Changed after the state was saved, they would
+    silently drop or repeat records; with it, such a state is refused. It guards against corruption and careless
+    edits, not against someone who recomputes it; made per batch, it costs a CRC of a few dozen bytes."""
+    return zlib.crc32(repr(progress).encode())
+
+
+def _check_snapshot(value: dict, where: str, rank: int) -> None:
+    check, batches, ended, shard = value["check"], value["batches"], value["ended"], value["shard"]
+    if check == checksum(batches, ended, shard):
+        return
+    if check == checksum(batches, not ended, shard):
+        changed = f"{where}.ended was changed (it would {'drop' if ended else 'read on past'} that worker's rest)"
+    else:
+        changed = f"{where}.batches, .shard or .check was changed"
+    raise StateError(f"the state of rank {rank}: {changed} after the state was saved: they do not match "
+                     f"{where}.check. The state is corrupted: load the state as it was saved")
+
+
+def _earlier_release(where: str, field: str) -> StateError:
+    return StateError(f"{where} was saved by an earlier release, which did not record {field}: resuming it could skip "
+                      f"or repeat records. Start the stream's epoch again (construct the loader without loading it)")
+
+
+def _snapshot(value, where: str, sharded: bool, rank: int) -> dict | None:
     if value is None:
         return None
+    if isinstance(value, dict) and set(value) == set(SNAPSHOT_KEYS) - {"check"}:
+        raise _earlier_release(where, "its check")
     if not isinstance(value, dict) or set(value) != set(SNAPSHOT_KEYS):
         raise StateError(f"{where} must be None or a dict with fields {SNAPSHOT_KEYS}, got {short(value)}")
     _get(value, "batches", int, where)
     _get(value, "ended", bool, where)
+    _get(value, "check", int, where)
     _check_rng(value["rng"], where)
     shard = value["shard"]
     if sharded:
@@ -78,6 +117,7 @@ def _snapshot(value, where: str, sharded: bool) -> dict | None:
             raise StateError(f"{where} of a sharded stream holds a dataset state: the state is corrupted")
     elif shard is not None:
         raise StateError(f"{where}.shard is set, but the stream is not sharded: the state is corrupted")
+    _check_snapshot(value, where, rank)
     return value
 
 
@@ -200,6 +240,11 @@ class Shards:
         return {"count": self.count, "digest": self.digest, "seed": self.seed, "shuffle": self.shuffle,
                 "base": _progress_to_dict(self.base)}
 
+    @cached_property
+    def check(self) -> int:
+        """The checksum of the shards and their base progress, in their canonical form (see `checksum`)."""
+        return checksum(self.serialised)
+
     @classmethod
     def from_dict(cls, value, where: str) -> "Shards":
         count = _get(value, "count", int, where)
@@ -247,11 +292,9 @@ class RankStream:
     @classmethod
     def from_dict(cls, state, where: str = "state") -> "RankStream":
         check_header(state, ("stream",), where)
-        if "num_workers" not in state:
-            raise StateError(
-                f"{where} was saved by an earlier release, which did not record num_workers: resuming it could "
-                f"skip or repeat records. Start the stream's epoch again (construct the loader without loading it)"
-            )
+        for field in ("num_workers", "check"):
+            if field not in state:
+                raise _earlier_release(where, field)
         if unknown := set(state) - set(STATE_KEYS):
             raise StateError(f"{where} has unknown fields {short(sorted(map(str, unknown)))}: the state is "
                              f"corrupted or not a stream state of this release")
@@ -269,7 +312,8 @@ class RankStream:
             value = _get(state, name, list, where)
             if len(value) != count:
                 raise StateError(f"{where}.{name} has {len(value)} entries for {count} worker(s): the state is corrupted")
-            lists[name] = tuple(_snapshot(v, f"{where}.{name}[{i}]", shards is not None) for i, v in enumerate(value))
+            lists[name] = tuple(_snapshot(v, f"{where}.{name}[{i}]", shards is not None, rank)
+                                for i, v in enumerate(value))
         next_worker = _get(state, "next_worker", int, where)
         delivered = sum(s["batches"] for s in lists["workers"] if s is not None)
         if next_worker >= count or delivered != batches or (ended and not exhausted) or (
@@ -284,6 +328,8 @@ class RankStream:
                                        or (epoch == shards.base.epoch - 1 and exhausted and not batches)):
             raise StateError(f"{where}.epoch is {epoch}, not within its shard progress from epoch "
                              f"{shards.base.epoch}: the state is corrupted")
+        _check_rank(_get(state, "check", int, where), epoch, batches, exhausted, ended, next_worker, shards, where,
+                    rank)
         base_seed = _seed(_get(state, "base_seed", (int, type(None)), where), f"{where}.base_seed")
         stream = _identity(_get(state, "stream", (dict, type(None)), where, default=None), f"{where}.stream")
         rank_stream = cls(world_size, rank, epoch, batches, exhausted, ended, num_workers, base_seed, next_worker,
@@ -293,17 +339,24 @@ class RankStream:
         return rank_stream
 
     def check_positions(self, where: str) -> None:
-        """Every worker's shard position must name one of its tasks in this epoch, at or after the task's start."""
+        """Every worker's shard position must name one of its tasks in this epoch, at or after the task's start; a
+        worker whose stream ended stands in its last task (its reader ends there)."""
         deal = self.shards.deal(self.world_size, len(self.workers))
-        for worker, snapshot in enumerate(self.workers):
-            if snapshot is None or self.epoch < self.shards.base.epoch:
+        for worker, value in enumerate(self.workers):
+            if value is None or self.epoch < self.shards.base.epoch:
                 continue
             tasks = deal.tasks(self.epoch, self.rank, worker)
-            task, offset = snapshot["shard"]
+            task, offset = value["shard"]
             if (task, offset) != (0, 0) and not (task < len(tasks) and offset >= tasks[task][1]):
                 raise StateError(
                     f"{where}.workers[{worker}].shard is {[task, offset]}, but that worker reads {len(tasks)} "
                     f"shard(s) in epoch {self.epoch}: the state is corrupted or belongs to another run"
+                )
+            if value["ended"] and tasks and task != len(tasks) - 1:
+                raise StateError(
+                    f"the state of rank {self.rank}: {where}.workers[{worker}].ended is true, but its shard "
+                    f"position {[task, offset]} is in task {task} of the {len(tasks)} it reads in epoch {self.epoch}: "
+                    f"the state is corrupted"
                 )
 
     def shard_positions(self) -> RankShards:
@@ -311,6 +364,23 @@ class RankStream:
         if self.exhausted:
             positions = ["ended"] * len(self.workers)
         return RankShards(self.rank, self.epoch, positions)
+
+
+def _rank_check(epoch: int, batches: int, exhausted: bool, ended: bool, next_worker: int,
+                shards: Shards | None) -> int:
+    return checksum(epoch, batches, exhausted, ended, next_worker, None if shards is None else shards.check)
+
+
+def _check_rank(check: int, epoch: int, batches: int, exhausted: bool, ended: bool, next_worker: int,
+                shards: Shards | None, where: str, rank: int) -> None:
+    if check == _rank_check(epoch, batches, exhausted, ended, next_worker, shards):
+        return
+    changed = [name for name, flipped in (("exhausted", (not exhausted, ended)), ("ended", (exhausted, not ended)))
+               if check == _rank_check(epoch, batches, *flipped, next_worker, shards)]
+    fields = f"{where}.{changed[0]} was" if changed else (
+        f"{where}.epoch, .batches, .next_worker, .shards or .check was")
+    raise StateError(f"the state of rank {rank}: {fields} changed after the state was saved: they do not match "
+                     f"{where}.check. The state is corrupted: load the state as it was saved")
 
 
 def stream_state(world_size: int, rank: int, epoch: int, batches: int, exhausted: bool, ended: bool,
@@ -335,6 +405,7 @@ def stream_state(world_size: int, rank: int, epoch: int, batches: int, exhausted
         "workers": list(workers),
         "shards": None if shards is None else shards.serialised,
         "stream": stream,
+        "check": _rank_check(epoch, batches, exhausted, ended, next_worker, shards),
     }
 
 
