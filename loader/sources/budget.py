@@ -273,8 +273,9 @@ class TokenBudgetBatches(torch.utils.data.Dataset):
     def fingerprint(self) -> str:
         """Digest of the lengths (all of them, read once when the batches were made) and the parameters, for the
         checkpoint manifest: the same in every epoch."""
+        bounds = hashlib.sha256(self.bounds.astype("<i8").tobytes()).hexdigest()[:16]
         layout = {"lengths": self._lengths_digest, "samples": len(self.lengths), "max_tokens": self.max_tokens,
-                  "buckets": hashlib.sha256(self.bounds.astype("<i8").tobytes()).hexdigest()[:16], "max_samples": self.max_samples, "oversize": self.oversize,
+                  "buckets": bounds, "max_samples": self.max_samples, "oversize": self.oversize,
                   "multiple_of": self.multiple_of, "seed": self.seed}
         return hashlib.sha256(json.dumps(layout).encode()).hexdigest()[:16]
 
