@@ -194,3 +194,39 @@ def test_no_bucket_straddles_a_length_where_a_batch_holds_one_more():
     lengths = np.array([5461] * 6 + [5500] * 2)
     batches = TokenBudgetBatches(lengths, 16384)
     assert sorted(len(batches.members(k)) for k in range(len(batches))) == [2, 3, 3]
+
+
+def test_each_epoch_deals_its_own_batches_through_the_loader():
+    """The epoch rides on the index: each pass delivers that epoch's batches, each epoch every sample once."""
+    lengths = lognormal_lengths(200)
+    batches = TokenBudgetBatches(lengths, 128, seed=2)
+    loader = ResumableDataLoader(batches, batch_size=None, shuffle=True, seed=1)
+    by_epoch = []
+    for epoch in range(2):
+        delivered = {}
+        for members in loader:
+            (k,) = loader.last_indices().tolist()
+            delivered[k] = members.tolist()
+            assert delivered[k] == batches.members(k, epoch).tolist()
+        assert sorted(i for m in delivered.values() for i in m) == list(range(len(lengths)))
+        by_epoch.append(delivered)
+    assert by_epoch[0] != by_epoch[1]
+
+
+@settings(max_examples=30, deadline=None)
+@given(lengths=st.lists(st.integers(0, 30), min_size=1, max_size=12), max_tokens=st.integers(1, 60))
+def test_the_benchmarks_best_fit_makes_the_fewest_batches(lengths, max_tokens):
+    """The reference the padding is measured against: its greedy cut of sorted lengths makes as few batches as the
+    best partition of them into runs (found by dynamic programming), and ours never fewer."""
+    from benchmarks.budget import greedy_cut
+
+    ordered = np.sort(np.asarray(lengths))
+    cost = np.maximum(ordered, 1)
+    fewest = [0] + [len(lengths) + 1] * len(lengths)
+    for stop in range(1, len(lengths) + 1):
+        for start in range(stop):
+            if (stop - start) * cost[stop - 1] <= max_tokens or stop - start == 1:
+                fewest[stop] = min(fewest[stop], fewest[start] + 1)
+    sizes = greedy_cut(ordered, max_tokens)
+    assert sum(sizes) == len(lengths) and len(sizes) == fewest[-1]
+    assert len(TokenBudgetBatches(lengths, max_tokens)) >= len(sizes)

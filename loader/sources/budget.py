@@ -169,7 +169,7 @@ class TokenBudgetBatches(torch.utils.data.Dataset):
             digest.update(chunk.astype("<i8").tobytes())
             if self.oversize == "refuse" and (chunk > self.max_tokens).any():
                 at = low + int(np.argmax(chunk > self.max_tokens))
-                over = int((np.asarray(self.lengths) > self.max_tokens).sum())
+                over = sum(int((part > self.max_tokens).sum()) for _, part in self._chunks())
                 raise ValueError(
                     f"sample {at} has {int(self.lengths[at])} tokens, more than max_tokens={self.max_tokens} "
                     f"({over} samples do): truncate them (and their lengths), raise max_tokens, or pass "
