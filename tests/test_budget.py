@@ -110,10 +110,13 @@ def test_another_epoch_or_seed_deals_other_batches_and_the_lengths_are_fingerpri
     assert epoch0 != [batches.members(k, 1).tolist() for k in range(len(batches))]
     other = TokenBudgetBatches(lengths, 256, seed=4)
     assert epoch0 != [other.members(k, 0).tolist() for k in range(len(other))]
-    changed = lengths.copy()
-    changed[7] += 1
-    assert TokenBudgetBatches(changed, 256, seed=3).fingerprint() != batches.fingerprint()
+    edited = lengths.copy()
+    edited[7] += 1
+    changed = TokenBudgetBatches(edited, 256, seed=3)
+    assert changed.fingerprint() != batches.fingerprint()
+    assert "lengths" in changed.explain_fingerprint(batches.fingerprint())
     assert other.fingerprint() != batches.fingerprint()
+    assert "seed" in other.explain_fingerprint(batches.fingerprint())
 
 
 def dropped_members(batches, loader, state):
@@ -230,3 +233,27 @@ def test_the_benchmarks_best_fit_makes_the_fewest_batches(lengths, max_tokens):
     sizes = greedy_cut(ordered, max_tokens)
     assert sum(sizes) == len(lengths) and len(sizes) == fewest[-1]
     assert len(TokenBudgetBatches(lengths, max_tokens)) >= len(sizes)
+
+
+def test_a_checkpoint_resumes_the_batches_and_refuses_other_lengths_naming_them(tmp_path):
+    from loader.checkpoint.publish import CheckpointError
+    from loader.checkpoint.save import resume, save_checkpoint
+
+    lengths = lognormal_lengths(200)
+    model = torch.nn.Linear(1, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    first = ResumableDataLoader(TokenBudgetBatches(lengths, 128), batch_size=None, shuffle=True)
+    batches = iter(first)
+    trained = [i for _ in range(5) for i in next(batches).tolist()]
+    save_checkpoint(tmp_path, model=model, optimizer=optimizer, loader=first)
+    edited = lengths.copy()
+    edited[3] += 1
+    other = TokenBudgetBatches(edited, 128)
+    assert len(other) == len(first.dataset)  # the same batch count: only the fingerprint tells
+    with pytest.raises(CheckpointError, match="the lengths of the TokenBudgetBatches changed"):
+        resume(tmp_path, model=model, optimizer=optimizer,
+               loader=ResumableDataLoader(other, batch_size=None, shuffle=True))
+    again = ResumableDataLoader(TokenBudgetBatches(lengths, 128), batch_size=None, shuffle=True)
+    assert resume(tmp_path, model=model, optimizer=optimizer, loader=again) == 5
+    trained += [i for members in again for i in members.tolist()]
+    assert sorted(trained) == list(range(len(lengths)))

@@ -271,13 +271,19 @@ class TokenBudgetBatches(torch.utils.data.Dataset):
                 "padding": 1 - tokens / padded, "fill": padded / (len(self) * self.max_tokens), "oversize": over}
 
     def fingerprint(self) -> str:
-        """Digest of the lengths (all of them, read once when the batches were made) and the parameters, for the
-        checkpoint manifest: the same in every epoch."""
+        """Digests of the parameters and of the lengths (all of them, read once when the batches were made), for
+        the checkpoint manifest: the same in every epoch."""
         bounds = hashlib.sha256(self.bounds.astype("<i8").tobytes()).hexdigest()[:16]
-        layout = {"lengths": self._lengths_digest, "samples": len(self.lengths), "max_tokens": self.max_tokens,
-                  "buckets": bounds, "max_samples": self.max_samples, "oversize": self.oversize,
-                  "multiple_of": self.multiple_of, "seed": self.seed}
-        return hashlib.sha256(json.dumps(layout).encode()).hexdigest()[:16]
+        layout = {"samples": len(self.lengths), "max_tokens": self.max_tokens, "buckets": bounds,
+                  "max_samples": self.max_samples, "oversize": self.oversize, "multiple_of": self.multiple_of,
+                  "seed": self.seed}
+        return f"{hashlib.sha256(json.dumps(layout).encode()).hexdigest()[:16]}-{self._lengths_digest}"
+
+    def explain_fingerprint(self, saved: str) -> str:
+        """What changed since a checkpoint of fingerprint `saved`: the lengths, or the batching's parameters."""
+        if saved.partition("-")[2] != self._lengths_digest:
+            return "the lengths of the TokenBudgetBatches changed (their number or a value)"
+        return "the TokenBudgetBatches' max_tokens, buckets, max_samples, oversize, multiple_of or seed changed"
 
     def __repr__(self) -> str:
         return (f"TokenBudgetBatches({len(self)} batches of <= {self.max_tokens} tokens, {len(self.lengths)} "
