@@ -1,6 +1,7 @@
 """Data sources the loader can shuffle, partition and resume at any world size: tar shards as a map-style dataset,
 and sharded streams (files, webdataset pipelines, Hugging Face streaming datasets)."""
 
+from loader.sources.budget import TokenBudgetBatches
 from loader.sources.cache import CacheFullError, DiskFullError
 from loader.sources.mixture import Mixture, MixturePlan
 from loader.sources.packing import ArrowDocuments, PackedSource
@@ -18,5 +19,5 @@ from loader.sources.webdataset import (
 __all__ = [
     "ArrowDocuments", "CacheFullError", "DiskFullError", "FileShards", "HuggingFaceShards", "MissingKeyError",
     "Mixture", "MixturePlan", "PackedSource", "ShardFormatError", "ShardUnavailableError", "StaleIndexError",
-    "TokenFileError", "TokenSource", "WebDatasetShards", "WebDatasetSource", "prepare_indexes",
+    "TokenBudgetBatches", "TokenFileError", "TokenSource", "WebDatasetShards", "WebDatasetSource", "prepare_indexes",
 ]

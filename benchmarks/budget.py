@@ -1,0 +1,111 @@
+"""Token-budget batches: padding and batch count of `TokenBudgetBatches` (global length buckets) against an
+unbounded-buffer best fit and a sorted-buffer batcher (fairseq's `max_tokens`, Lhotse's dynamic bucketing), on
+synthetic lengths; the cost of a batch and of making the batches. `python -m benchmarks.budget [--samples N]`.
+
+The budget counts a batch padded: count x longest <= max_tokens (a length 0 counts 1). Best fit, unbounded buffer:
+all of the epoch's lengths sorted and cut greedily, the fewest batches any batcher makes (an optimal cut of sorted
+lengths, and a batch of sorted neighbours pads least). Sorted buffer: the epoch's order in windows of `buffer`
+samples, each sorted and cut greedily (its batch counts depend on the window, so batch k needs every earlier
+window: what this project's buckets avoid). Padding: 1 - tokens / padded tokens; fill: padded tokens / (batches x
+max_tokens), what a step's budget holds; "+batches": steps per epoch against the best fit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import bisect
+import time
+
+import numpy as np
+
+from loader.sources.budget import TokenBudgetBatches
+
+MAX_TOKENS = 16384
+BUFFER = 10_000  # Lhotse's DynamicBucketingSampler default buffer_size
+
+
+def distributions(samples: int) -> dict[str, np.ndarray]:
+    """SFT-like (log-normal, median 256 tokens, a tail past the budget) and speech-like (gamma frames, 1-30 s at
+    100 frames/s) lengths, seeded."""
+    rng = np.random.default_rng(0)
+    return {"sft log-normal (median 256)": rng.lognormal(np.log(256), 1.0, samples).astype(np.int64),
+            "speech gamma (mean 800 frames)": np.clip(rng.gamma(2.0, 400.0, samples), 100, 3000).astype(np.int64)}
+
+
+def greedy_cut(sorted_lengths: np.ndarray, max_tokens: int) -> list[int]:
+    """Batch sizes of ascending lengths cut greedily: each batch as long as count x its last length fits (a single
+    longer sample alone). Optimal for sorted lengths: a longer prefix never needs more batches after it."""
+    lengths, sizes, start = np.maximum(sorted_lengths, 1).tolist(), [], 0
+    while start < len(lengths):
+        stop = bisect.bisect_right(range(start, len(lengths)), max_tokens,
+                                   key=lambda j: (j - start + 1) * lengths[j]) + start
+        stop = max(stop, start + 1)
+        sizes.append(stop - start)
+        start = stop
+    return sizes
+
+
+def measure_cut(lengths: np.ndarray, sizes: list[int], max_tokens: int) -> dict[str, float]:
+    """Batches, padding and fill of sorted lengths cut into batches of these sizes."""
+    cuts = np.concatenate(([0], np.cumsum(sizes)[:-1]))
+    padded = int((np.maximum.reduceat(np.maximum(lengths, 1), cuts) * np.asarray(sizes)).sum())
+    return {"batches": len(sizes), "padding": 1 - int(lengths.sum()) / padded,
+            "fill": padded / (len(sizes) * max_tokens)}
+
+
+def best_fit(lengths: np.ndarray, max_tokens: int) -> dict[str, float]:
+    ordered = np.sort(lengths)
+    return measure_cut(ordered, greedy_cut(ordered, max_tokens), max_tokens)
+
+
+def sorted_buffer(lengths: np.ndarray, max_tokens: int, buffer: int = BUFFER) -> dict[str, float]:
+    shuffled = lengths[np.random.default_rng(1).permutation(len(lengths))]
+    windows = [np.sort(shuffled[low:low + buffer]) for low in range(0, len(lengths), buffer)]
+    ordered = np.concatenate(windows)
+    return measure_cut(ordered, [s for w in windows for s in greedy_cut(w, max_tokens)], max_tokens)
+
+
+def ours(lengths: np.ndarray, max_tokens: int, buckets) -> dict[str, float]:
+    stats = TokenBudgetBatches(lengths, max_tokens, buckets=buckets).stats()
+    return {key: stats[key] for key in ("batches", "padding", "fill")}
+
+
+def table(lengths: np.ndarray, max_tokens: int = MAX_TOKENS) -> list[tuple[str, dict[str, float]]]:
+    """(batcher, measures) rows for these lengths, the best fit first."""
+    rows = [("best fit, unbounded buffer", best_fit(lengths, max_tokens)),
+            (f"sorted buffer of {BUFFER} (fairseq, Lhotse)", sorted_buffer(lengths, max_tokens))]
+    rows += [(f"ours, buckets={buckets}", ours(lengths, max_tokens, buckets)) for buckets in (1.05, 1.1, 1.25, None)]
+    return rows
+
+
+def costs(lengths: np.ndarray, max_tokens: int = MAX_TOKENS) -> dict[str, float]:
+    """Seconds a sample to make the batches (the one O(N) step) and seconds a batch to deal one (`members`)."""
+    started = time.perf_counter()
+    batches = TokenBudgetBatches(lengths, max_tokens)
+    made = time.perf_counter() - started
+    ks = np.random.default_rng(2).integers(0, len(batches), 2000).tolist()
+    started = time.perf_counter()
+    for epoch, k in enumerate(ks):
+        batches.members(k, epoch % 3)
+    return {"make_s_per_sample": made / len(lengths), "batch_s": (time.perf_counter() - started) / len(ks),
+            "index_bytes_per_sample": batches.index.itemsize}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.budget", description=__doc__)
+    parser.add_argument("--samples", type=int, default=200_000)
+    samples = parser.parse_args(argv).samples
+    for name, lengths in distributions(samples).items():
+        print(f"\n{name}: {samples} samples, {int(lengths.sum())} tokens, max_tokens={MAX_TOKENS}")
+        rows = table(lengths)
+        least = rows[0][1]["batches"]
+        print(f"{'batcher':44} {'batches':>8} {'+batches':>9} {'padding':>8} {'fill':>6}")
+        for what, m in rows:
+            print(f"{what:44} {m['batches']:8d} {m['batches'] / least - 1:9.2%} {m['padding']:8.2%} {m['fill']:6.1%}")
+    measured = costs(distributions(samples)["sft log-normal (median 256)"])
+    print(f"\nmaking the batches: {measured['make_s_per_sample'] * 1e6:.2f} us a sample (once), index "
+          f"{measured['index_bytes_per_sample']} bytes a sample; a batch: {measured['batch_s'] * 1e6:.0f} us")
+
+
+if __name__ == "__main__":
+    main()
