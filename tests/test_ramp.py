@@ -210,3 +210,17 @@ def test_the_plan_deals_each_update_its_global_batch(remaining, world_size, batc
         assert plan.completed(batch + k) == min(batch + k, plan.batches_per_rank)
         assert plan.updates_in(batch) == u
         position, batch = position + k * per_step, batch + k
+
+
+def test_skip_by_updates_is_refused_and_by_positions_kept_exact():
+    """skip(updates=n) would count updates of one global batch: refused; skipped positions stay out of every step."""
+    (dl,) = loaders(1)
+    with pytest.raises(ValueError, match=r"skip\(updates=...\) counts updates of one global batch"):
+        dl.skip(updates=1)
+    skipped = dl.skip(positions=range(0, 6))
+    run = Run()
+    run.drive([dl], 10**9)
+    assert [len(s) for s in run.steps[:5]] == [12] * 4 + [24]
+    at_skipped = set(dl.resumable_sampler.order.for_epoch(0)(np.arange(6)).tolist())
+    assert skipped.tolist() == [[0, 6]]
+    assert sorted(i for e, i in run.trained if e == 0) == sorted(set(range(N)) - at_skipped)
