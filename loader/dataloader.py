@@ -30,12 +30,14 @@ from torch.utils.data._utils.signal_handling import _remove_worker_pids, _set_wo
 from torch.utils.data.dataloader import _MultiProcessingDataLoaderIter, _SingleProcessDataLoaderIter
 
 from loader.checkpoint.lockstep import LockstepWatch, warn_out_of_step
+from loader.core.batch_policy import BatchPolicy
 from loader.core.checks import check_positive_int, check_rank, is_int
 from loader.core.mesh import data_parallel
 from loader.core.order import Lanes, Order, block_sizes_for_window, sample_seed, worker_seed
 from loader.core.partition import Layout
 from loader.core.rows import batch_reader, collate
 from loader.core.sampler import ResumableSampler
+from loader.core.state import short
 from loader.metrics import DataStallWarning, Monitor, batch_nbytes, stall_message
 from loader.streams.progress import StreamProgress
 from loader.streams.shards import is_sharded
@@ -455,6 +457,28 @@ def _lanes_for(lanes: int | None, lane_chunk: int | None, batch_size: int) -> La
     return Lanes(lanes, batch_size if lane_chunk is None else lane_chunk)
 
 
+def _policy_grad_accum(policy: BatchPolicy, batch_size: int | None, grad_accum: int, world_size: int,
+                       dataset) -> int:
+    """K at step 0 under `policy`, after refusing what it cannot serve: a policy deals each step's samples by its
+    global batch, at every step of its schedule and the world size the job runs at (checked now, for every step)."""
+    if not isinstance(policy, BatchPolicy):
+        raise ValueError(f"batch_policy must be a loader.core.batch_policy.BatchPolicy, got {short(policy)}")
+    if isinstance(dataset, IterableDataset):
+        raise ValueError("batch_policy needs a map-style dataset: a stream's steps are not positions the loader deals")
+    if batch_size != policy.micro_batch:
+        raise ValueError(f"batch_size={batch_size!r} but batch_policy.micro_batch={policy.micro_batch}: pass "
+                         f"batch_size={policy.micro_batch} (the micro-batch of every rank and micro-step)")
+    if grad_accum != 1:
+        raise ValueError(f"grad_accum={grad_accum!r} with a batch_policy: leave it out, K follows from the policy "
+                         f"(loader.grad_accum says the current one)")
+    if policy.allow_global_batch_change:
+        raise ValueError("batch_policy with allow_global_batch_change=True: the loader deals each step's samples by "
+                         "the policy's global batch, so it must be served exactly; for a changed global batch pass "
+                         "grad_accum=policy.grad_accum(world_size) instead of batch_policy")
+    policy.check_world_size(world_size)
+    return policy.schedule[0][1] // (world_size * policy.micro_batch)
+
+
 def _identity(order: Order, layout: Layout) -> str:
     """What names one loader alike on every rank (with its rank and the order loaders were made in)."""
     fingerprint = order.fingerprint()
@@ -530,6 +554,7 @@ class ResumableDataLoader(DataLoader[T_co]):
         lane_chunk: int | None = None,
         dp_mesh=None,
         dp_group=None,
+        batch_policy: BatchPolicy | None = None,
     ):
         if sampler is not None or batch_sampler is not None:
             raise ValueError(
@@ -550,6 +575,9 @@ class ResumableDataLoader(DataLoader[T_co]):
         self._rank_and_world_given = (rank, world_size)  # None: torch.distributed's, read when iteration starts
         self._resolved_distributed = _distributed()  # whether the group existed when rank and world were read
         rank, world_size = _default_rank_and_world(rank, world_size)
+        self.batch_policy = batch_policy
+        if batch_policy is not None:
+            grad_accum = _policy_grad_accum(batch_policy, batch_size, grad_accum, world_size, dataset)
         # batch_size=None hands out single samples, so a rank cannot take one more in a micro-batch: every rank
         # yields the same number of samples, and the epoch's last R mod (world_size * grad_accum) are dropped by
         # policy (recorded), as drop_last drops them of batches (else DDP would wait on a rank's extra backward)
@@ -566,7 +594,7 @@ class ResumableDataLoader(DataLoader[T_co]):
             persistent_workers=persistent_workers,
             pin_memory_device=pin_memory_device,
         )
-        self.seed, self._rank, self._world_size, self.grad_accum = seed, rank, world_size, grad_accum
+        self.seed, self._rank, self._world_size, self._grad_accum = seed, rank, world_size, grad_accum
         self.ledger = None  # a loader.ledger.Ledger records every delivered batch's indices when attached
         self._step_base: int | None = 0  # the step resumed from (None: unknown), and the updates completed since:
         self._updates = 0  # see `step`
@@ -591,7 +619,10 @@ class ResumableDataLoader(DataLoader[T_co]):
             common["collate_fn"] = collate  # default_collate's batches, without stacking a loader.core.rows.Rows again
         self._shuffle_blocks, self._lanes = shuffle_blocks, _lanes_for(lanes, lane_chunk, batch_size or 1)
         order = _order_for(len(dataset), bool(shuffle), seed, shuffle_blocks, self._lanes)
-        self.resumable_sampler = ResumableSampler(order, layout, rank)
+        schedule = None if batch_policy is None else batch_policy.schedule
+        amended = None if batch_policy is None or batch_policy.amends is None else (
+            batch_policy.amends, batch_policy.change_at)
+        self.resumable_sampler = ResumableSampler(order, layout, rank, schedule, amended)
         self._lockstep = LockstepWatch(_identity(order, layout))
         self._carry = (seed if sample_seeds else None, bool(getattr(dataset, "epoch_aware", False)))
         self._carries = self._carry != (None, False)  # seed 0, the default, is a seed too
@@ -631,6 +662,8 @@ class ResumableDataLoader(DataLoader[T_co]):
                 f"init_process_group, or pass rank= and world_size= explicitly"
             )
         layout = self.resumable_sampler.layout if self._stream is None else None
+        if self.batch_policy is not None:
+            self.batch_policy.check_world_size(world_size)
         if layout is not None:
             self.resumable_sampler.relayout(
                 Layout(world_size, layout.grad_accum, layout.batch_size, layout.drop_last), rank
@@ -672,6 +705,7 @@ class ResumableDataLoader(DataLoader[T_co]):
         sampler.begin_pass()
         self._drop_stale_workers(stale=self._follow_length(sampler))
         self.monitor.begin(sampler.view().plan, sampler.rank, sampler.handed_out)
+        self._follow_ramp()
         return _Delivery(self._torch_iter(), self, self._iterations)
 
     def _drop_stale_workers(self, stale: bool = False) -> None:
@@ -795,6 +829,12 @@ class ResumableDataLoader(DataLoader[T_co]):
             monitor.bytes += batch_nbytes(batch)
         if monitor.handed(started, perf_counter()):
             self._stalled()
+        self._follow_ramp()
+
+    def _follow_ramp(self) -> None:
+        """Under a batch-size ramp, the monitor closes a step after the K of the update under way."""
+        if self.batch_policy is not None and not self.monitor.in_step:
+            self.monitor.grad_accum = self.grad_accum
 
     def _publish_update(self) -> None:
         """Tell the other ranks when this rank completed an optimizer update (see `loader.checkpoint.lockstep`)."""
@@ -819,6 +859,7 @@ class ResumableDataLoader(DataLoader[T_co]):
         now = perf_counter()
         if self.monitor.failed(now if started is None else started, now, samples):
             self._stalled()
+        self._follow_ramp()
 
     # -- metrics (see loader.metrics) --------------------------------------------------------------------------------
 
@@ -949,6 +990,15 @@ class ResumableDataLoader(DataLoader[T_co]):
         return self.resumable_sampler.update_complete
 
     @property
+    def grad_accum(self) -> int:
+        """K, the micro-batches of an optimizer update: under a `batch_policy`, of the update the next micro-batch
+        belongs to (a ramp changes it by step, a resize by world size), else as given."""
+        if self.batch_policy is None:
+            return self._grad_accum
+        self._resolve_rank_and_world()
+        return self.resumable_sampler.grad_accum
+
+    @property
     def step(self) -> int | None:
         """The optimizer step the loop is at, as the loader counts it: the step `resume` loaded (0 for a loader that
         resumed nothing), plus every update completed since, also one that a failed micro-batch completed (the
@@ -1049,3 +1099,4 @@ class ResumableDataLoader(DataLoader[T_co]):
         self.__dict__.update(_step_base=None, _updates=0)  # the state holds no step: `resume` sets it
         self._supersede()
         self.monitor.loaded(perf_counter())
+        self._follow_ramp()

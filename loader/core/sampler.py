@@ -18,10 +18,10 @@ import numpy as np
 
 from loader.core.checks import check_rank, is_int
 from loader.core.order import EpochOrder, Order
-from loader.core.partition import EpochPlan, Layout
+from loader.core.partition import Layout, plan_at
 from loader.core.progress import EMPTY, Remaining, contains, difference, spans_of, union, whole
-from loader.core.state import (MAX_EPOCHS_AHEAD, Progress, RankProgress, base_digest, check_fingerprint, merge,
-                                progress_of, rank_state, short)
+from loader.core.state import (MAX_EPOCHS_AHEAD, Progress, RankProgress, base_digest, check_fingerprint,
+                                check_schedule, merge, progress_of, rank_state, short)
 
 class AbandonedEpochWarning(UserWarning):
     """set_epoch() left an epoch part way through: the rest of it is never trained in this run. Said because an
@@ -64,27 +64,35 @@ class EpochView:
 class ResumableSampler:
     """Deals this rank its share of each epoch, resuming from any committed progress at any world size."""
 
-    def __init__(self, order: Order, layout: Layout, rank: int):
+    def __init__(self, order: Order, layout: Layout, rank: int, schedule: tuple[tuple[int, int], ...] | None = None,
+                 amended: tuple[tuple[tuple[int, int], ...], int] | None = None):
+        """`schedule`: the global batch by optimizer step of a batch-size ramp (K per update follows it, and the
+        progress keeps the step); `amended`: (the schedule it changes, the step it changes at), for a resume."""
         check_rank(rank, layout.world_size)
         self.order, self.layout, self.rank = order, layout, rank
+        self.schedule, self.amended = schedule, amended
+        self._first_step = 0  # with a schedule: the optimizer step of the current epoch's first update
         # (view, first batch, ids, offsets) of the chunks served last: workers prefetch far less than a chunk ahead,
         # so the batch just delivered is almost always in one of them and last_indices slices it (else recomputes)
         self._recent_chunks: deque = deque(maxlen=2)
         self.delivered_any = False  # a batch was delivered (or failed) since the progress was last loaded
         self._bases_set = 0
-        self._start_epoch(0)
+        self._start_epoch(0, Progress(order.fingerprint(), 0, {}, schedule=schedule))
 
     # -- the cursor ------------------------------------------------------------------------------------------------
 
     def _start_epoch(self, epoch: int, base: Progress | None = None, *, ended: bool = False) -> None:
-        self._base = base or Progress(self.order.fingerprint(), epoch, {})
+        self._base = base or Progress(self.order.fingerprint(), epoch, {}, schedule=self.schedule, step=self.step)
         self._bases_set += 1  # every rank of one job sets its progress the same number of times
         self._base_digest: str | None = None
-        self._enter(epoch, ended)
+        self._enter(epoch, ended, self._base.step)
 
-    def _enter(self, epoch: int, ended: bool = False) -> None:
-        """Put the cursor at the start of `epoch`'s remaining positions under the current base."""
-        self._epoch, self._position, self._view = epoch, 0, None
+    def _enter(self, epoch: int, ended: bool = False, first_step: int | None = None) -> None:
+        """Put the cursor at the start of `epoch`'s remaining positions under the current base; its first update is
+        step `first_step` (default: the one after the current epoch's last update, the natural advance)."""
+        if first_step is None:
+            first_step = self._first_step + self.view().plan.updates
+        self._epoch, self._position, self._view, self._first_step = epoch, 0, None, first_step
         self._ended = ended  # the current pass handed out its end: the next pass starts the next epoch
         self._last_delivered: int | None = None  # micro-batch number of the batch delivered last in this epoch
         # position 0 follows whole updates committed earlier in this epoch (a resumed state): an update is complete
@@ -99,7 +107,9 @@ class ResumableSampler:
         n = self.order.num_samples
         committed = whole(n) if epoch < self._base.epoch else self._base.committed_in(epoch)
         remaining = Remaining(committed, n)
-        view = EpochView(epoch, remaining, EpochPlan(remaining.count, self.layout), self.order.for_epoch(epoch))
+        first_step = self._first_step if epoch == self._epoch else self._first_step + self.view().plan.updates
+        plan = plan_at(remaining.count, self.layout, self.schedule, first_step)  # epoch is this one or the next
+        view = EpochView(epoch, remaining, plan, self.order.for_epoch(epoch))
         if epoch == self._epoch:
             self._view = view
         return view
@@ -107,6 +117,19 @@ class ResumableSampler:
     @property
     def epoch(self) -> int:
         return self._epoch
+
+    @property
+    def step(self) -> int:
+        """With a schedule: the optimizer updates completed, all epochs, as the progress counts them."""
+        plan = self.view().plan
+        return self._first_step + plan.updates_in(plan.completed(self._position))
+
+    @property
+    def grad_accum(self) -> int:
+        """K of the update the next micro-batch belongs to (of the next epoch's first, past this rank's share)."""
+        if self.exhausted:
+            return self.view(self._epoch + 1).plan.layout.grad_accum
+        return self.view().plan.grad_accum_at(self._position)
 
     @property
     def exhausted(self) -> bool:
@@ -290,7 +313,7 @@ class ResumableSampler:
         as it was."""
         progress = progress_of(state)
         check_fingerprint(progress.fingerprint, self.order.fingerprint())
-        self._restore(progress)
+        self._restore(check_schedule(progress, self.schedule, *(self.amended or (None, None))))
 
     def _restore(self, progress: Progress) -> None:
         self.delivered_any = False
@@ -316,6 +339,9 @@ class ResumableSampler:
             raise ValueError(f"skip(epoch={epoch!r}): epochs before {current.epoch} are finished; pass an epoch in "
                              f"[{current.epoch}, {current.epoch + MAX_EPOCHS_AHEAD}]")
         n, committed = self.order.num_samples, current.committed_in(epoch)
+        if updates is not None and self.schedule is not None:
+            raise ValueError("skip(updates=...) counts updates of one global batch, and this loader's global batch "
+                             "follows a schedule: skip positions= or indices= instead")
         if sum(given is not None for given in (positions, updates, indices)) != 1:
             raise ValueError("skip() takes updates= (the next n updates, or a range of them counted from the next), "
                              "positions= (positions of the epoch) or indices= (dataset indices of the epoch), one of "

@@ -12,6 +12,7 @@ Map-style datasets get the full guarantee. Stream (IterableDataset) states are d
 from __future__ import annotations
 
 import collections
+import dataclasses
 import hashlib
 import itertools
 import json
@@ -23,7 +24,7 @@ from typing import Callable
 import numpy as np
 
 from loader.core.checks import MAX_SAMPLES, is_int
-from loader.core.partition import EpochPlan, Layout
+from loader.core.partition import EpochPlan, Layout, plan_at
 from loader.core.progress import EMPTY, Remaining, complement, normalize, total, union
 
 FORMAT = "loader.progress"
@@ -171,6 +172,9 @@ class Progress:
     skipped: dict[int, np.ndarray] = field(default_factory=dict)  # positions skipped on request (`skip`), per
     # epoch: committed, so never dealt, but never trained; kept for the epochs from `epoch` on and those `finished`
     # lists, so that the ledger records them with the checkpoint
+    schedule: tuple[tuple[int, int], ...] | None = None  # the global batch by optimizer step ((first step, G), ...)
+    # of a batch-size ramp, or None: the layout's own K throughout (and no step is kept)
+    step: int = 0  # with a schedule: the optimizer updates completed up to here, all epochs (the most any rank did)
 
     @property
     def cursor_epoch(self) -> int:
@@ -204,6 +208,8 @@ class Progress:
             "samples_done_in_epoch": self.samples_done_in_epoch,
             **({"skipped": [[e, intervals_to_json(spans)] for e, spans in sorted(self.skipped.items())]}
                if self.skipped else {}),  # absent when empty: a state without skips reads as before them
+            **({"batch_schedule": [list(point) for point in self.schedule], "step": self.step}
+               if self.schedule is not None else {}),  # absent without a ramp: such a state reads as before them
         }
 
     @classmethod
@@ -252,7 +258,53 @@ class Progress:
                 f"{in_cursor_epoch} committed positions: the state is corrupted"
             )
         skipped = _skipped_from(_get(state, "skipped", list, where, default=[]), committed, finished, epoch, n, where)
-        return cls(fingerprint, epoch, committed, finished, end, done, samples_done, skipped)
+        schedule = _get(state, "batch_schedule", list, where, default=None)
+        if schedule is not None:
+            schedule = schedule_from(schedule, f"{where}.batch_schedule")
+        step = _get(state, "step", int, where, default=0)
+        return cls(fingerprint, epoch, committed, finished, end, done, samples_done, skipped, schedule, step)
+
+
+def schedule_from(points, where: str) -> tuple[tuple[int, int], ...]:
+    """A global batch schedule as a tuple of (first step, global batch): from step 0, first steps increasing, global
+    batches positive; a ValueError (a StateError when read from a state) names `where` otherwise."""
+    error = StateError if where.startswith("state") else ValueError
+    if not isinstance(points, (list, tuple)) or not points or len(points) > LARGEST:
+        raise error(f"{where} must be a non-empty list of (first step, global batch) pairs, got {short(points)}")
+    pairs = []
+    for point in points:
+        if not (isinstance(point, (list, tuple)) and len(point) == 2 and all(is_int(v) for v in point)
+                and 0 <= point[0] < LARGEST and 0 < point[1] < LARGEST):
+            raise error(f"{where} must hold (first step, global batch) pairs of ints, a step >= 0 and a global "
+                        f"batch > 0, got {short(point)}")
+        pairs.append((int(point[0]), int(point[1])))
+    if pairs[0][0] != 0 or any(b[0] <= a[0] for a, b in zip(pairs, pairs[1:])):
+        raise error(f"{where} must start at step 0 and name each first step once, in increasing order, got "
+                    f"{short(points)}")
+    return tuple(pairs)
+
+
+def check_schedule(saved: Progress, current: tuple[tuple[int, int], ...] | None,
+                   amends: tuple[tuple[int, int], ...] | None, change_at: int | None) -> Progress:
+    """A state's global batch schedule against the loader's: the same, or the loader's amends the saved one from a
+    step the state has not passed (`change_at` >= its step); returned with the loader's schedule. Else refused,
+    naming the field: a step of the saved run would take other samples under another schedule."""
+    if saved.schedule == current:
+        return saved
+    where = "state.batch_schedule"
+    if saved.schedule is not None and amends == saved.schedule and change_at is not None:
+        if change_at < saved.step:
+            raise StateError(f"{where}: the loader's schedule changes at step {change_at}, but the state has "
+                             f"completed {saved.step} steps under the saved schedule: pass change_at >= {saved.step}")
+        return dataclasses.replace(saved, schedule=current)
+    saved_text = "none (a fixed grad_accum)" if saved.schedule is None else [list(p) for p in saved.schedule]
+    current_text = "none (a fixed grad_accum)" if current is None else [list(p) for p in current]
+    raise StateError(
+        f"{where} is {short(saved_text)} in the saved state but {short(current_text)} in this loader: a step would "
+        f"train other samples than the saved run's. Construct the loader with the saved schedule, or change it "
+        f"explicitly: BatchPolicy(global_batch=NEW, micro_batch=B, amends=SAVED, change_at=STEP) with STEP >= the "
+        f"state's step ({saved.step})"
+    )
 
 
 def _skipped_from(entries: list, committed: dict, finished: tuple, epoch: int, n: int, where: str) -> dict:
@@ -380,9 +432,10 @@ def drift_limit(world_size: int) -> int:
     return max(MAX_DRIFT, DRIFT_PER_RANK * world_size)
 
 
-def _common_updates(plan: EpochPlan, completed: np.ndarray) -> int:
-    """Whole updates every rank completed before the tail (whose extra samples lie beyond them): a prefix."""
-    return min(int(completed.min()), plan.tail.first_batch) // plan.layout.grad_accum
+def _common_batches(plan: EpochPlan, completed: np.ndarray) -> int:
+    """Micro-batches of the whole updates every rank completed before the tail (whose extra samples lie beyond
+    them): a prefix."""
+    return plan.completed(min(int(completed.min()), plan.tail.first_batch))
 
 
 def _delivered_spans(plan: EpochPlan, completed: np.ndarray) -> np.ndarray:
@@ -390,16 +443,15 @@ def _delivered_spans(plan: EpochPlan, completed: np.ndarray) -> np.ndarray:
 
     The common updates are a prefix; only the part beyond it is enumerated (every rank's batches in one vectorised
     call), so the cost grows with how far the ranks drifted apart, not with the position or the world size."""
-    K = plan.layout.grad_accum
     if completed.min() == completed.max():  # lockstep (also one state standing for every rank): a prefix
         done = int(completed[0])
-        return np.array([[0, plan.served if done == plan.batches_per_rank else done // K * plan.layout.global_batch]])
-    first = _common_updates(plan, completed) * K
+        return np.array([[0, plan.served if done == plan.batches_per_rank else plan.start_of(done)]])
+    first = _common_batches(plan, completed)
     beyond = completed - first
     ends = np.cumsum(beyond)
     batches = first + np.arange(ends[-1]) - np.repeat(ends - beyond, beyond)
     starts, stops = plan.batch_bounds(np.repeat(np.arange(len(completed)), beyond), batches)
-    prefix = np.array([[0, first // K * plan.layout.global_batch]], dtype=np.int64)
+    prefix = np.array([[0, plan.start_of(first)]], dtype=np.int64)
     return normalize(np.concatenate((prefix, np.stack((starts, stops), axis=1))))
 
 
@@ -414,37 +466,40 @@ def merge(ranks: list[RankProgress], uneven: bool = False) -> Progress:
     micro-batches in every epoch, as the ranks of a lockstep run do at any one step. The ranks' counts are arrays:
     a merge of 65,536 ranks does no Python work per rank and epoch."""
     base, layout = ranks[0].base, ranks[0].layout
-    n, K = base.num_samples, layout.grad_accum
+    n = base.num_samples
     epochs = np.fromiter((r.epoch for r in ranks), dtype=np.int64, count=len(ranks))
     counts = np.fromiter((r.completed for r in ranks), dtype=np.int64, count=len(ranks))
     epoch, finished, last, plans = base.epoch, [], int(epochs.max()), {}
     committed = {e: spans for e, spans in base.committed.items() if e > last}  # ahead of every rank: untouched
-    fresh = Remaining(EMPTY, n), EpochPlan(n, layout)  # every epoch the base committed nothing in
-    walked: dict[bytes | None, tuple[np.ndarray, np.ndarray]] = {}  # such an epoch's (spans, their complement) per
-    # completed counts: a rank thousands of epochs ahead of its base walks them at the cost of one
+    fresh, fresh_plans = Remaining(EMPTY, n), {}  # every epoch the base committed nothing in, and its plans (one
+    # without a batch-size ramp; one per stretch of the schedule the epoch starts in with one)
+    walked: dict[tuple | None, tuple[np.ndarray, np.ndarray]] = {}  # such an epoch's (spans, their complement) per
+    # plan and completed counts: a rank thousands of epochs ahead of its base walks them at the cost of one
     drift, limit, everyone_in = 0, drift_limit(len(ranks)), int(epochs.min())
+    step, first_steps = base.step, {}  # the step each epoch's first update is (kept with a schedule only)
     for e in range(base.epoch, last + 1):
-        if e in base.committed:
-            remaining = Remaining(base.committed[e], n)
-            plan = EpochPlan(remaining.count, layout)
-        else:
-            remaining, plan = fresh
-        plans[e] = plan
+        remaining = Remaining(base.committed[e], n) if e in base.committed else fresh
+        plan = _plan(remaining.count, layout, base.schedule, step)
+        if e not in base.committed:
+            plan = fresh_plans.setdefault((plan.layout.grad_accum, plan.changes), plan)
+        plans[e], first_steps[e] = plan, step
+        step += plan.updates
         if e < everyone_in:  # every rank left this epoch: its whole share, as one rank standing for all
             completed = np.array([plan.batches_per_rank])
         else:
             completed = _completed_in(plan, e, epochs, counts)
-            bad = (completed > plan.batches_per_rank) | ((completed < plan.batches_per_rank) & (completed % K != 0))
+            bad = ~plan.whole(completed)
             if bad.any():
                 i = int(np.argmax(bad))
                 raise StateError(
                     f"rank {ranks[i].rank} reports {completed[i]} completed micro-batches in epoch {e}, but its share "
-                    f"is {plan.batches_per_rank} in updates of {K}: the state is corrupted or belongs to another run"
+                    f"is {plan.batches_per_rank} in updates of {plan.grad_accum_at(int(completed[i]))}: the state is "
+                    f"corrupted or belongs to another run"
                 )
         if completed.min() != completed.max():
             if not uneven:
                 raise _different_steps(ranks, completed, e)
-            beyond = completed - _common_updates(plan, completed) * K
+            beyond = completed - _common_batches(plan, completed)
             drift += int(beyond.max())
             if drift <= limit:  # the sum is safe from int64 overflow (huge corrupted counts) only now
                 drift += int(beyond.sum()) - int(beyond.max())
@@ -454,7 +509,7 @@ def merge(ranks: list[RankProgress], uneven: bool = False) -> Progress:
                     f"the ranks of one step ever leave apart at {len(ranks)} ranks (see drift_limit): the states are "
                     f"corrupted"
                 )
-        key = None if e in base.committed else completed.tobytes()
+        key = None if e in base.committed else (id(plan), completed.tobytes())
         if key is None or key not in walked:
             spans = union(base.committed_in(e), remaining.covering_spans(_delivered_spans(plan, completed)))
             walked[key] = spans, complement(spans, n)
@@ -474,8 +529,28 @@ def merge(ranks: list[RankProgress], uneven: bool = False) -> Progress:
     finished = tuple(finished) or base.finished
     listed = {e for e, _ in finished}
     skipped = {e: spans for e, spans in base.skipped.items() if e >= epoch or e in listed}
+    step = base.step if base.schedule is None else _merged_step(base, plans, first_steps, epochs, counts)
     return Progress(base.fingerprint, epoch, committed, finished, end_of_epoch, before[0] + done[0],
-                    before[1] + done[1], skipped)
+                    before[1] + done[1], skipped, base.schedule, step)
+
+
+def _plan(remaining: int, layout: Layout, schedule: tuple | None, step: int) -> EpochPlan:
+    try:
+        return plan_at(remaining, layout, schedule, step)
+    except ValueError as err:
+        raise StateError(f"state.batch_schedule cannot be served by the saved layout ({err}): the state is "
+                         f"corrupted") from None
+
+
+def _merged_step(base: Progress, plans: dict, first_steps: dict, epochs: np.ndarray, counts: np.ndarray) -> int:
+    """The optimizer step the ranks reached: the most updates any rank completed (under DDP Join the ranks that ran
+    out step with the others), counted from the base's step through every epoch walked. One count per distinct
+    (epoch, completed) pair, not per rank."""
+    most = base.step  # a rank restored at the end of the epoch before its base, not moved on, is at the base's step
+    for e, done in np.unique(np.stack((epochs, counts), axis=1), axis=0).tolist():
+        if e in plans:
+            most = max(most, first_steps[e] + plans[e].updates_in(done))
+    return most
 
 
 def _different_steps(ranks: list[RankProgress], completed: np.ndarray, epoch: int) -> StateError:
