@@ -55,7 +55,7 @@ def _reporting_teardown(destroy):
     return destroy_process_group
 
 
-def _rank_main(rank, world_size, port, argv, log_dir, example, collector):
+def _rank_main(rank, world_size, port, argv, log_dir, example, collector=True):
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     import torch
