@@ -23,7 +23,7 @@ from torchtitan.components.dataloader import BaseDataLoader
 
 from loader.checkpoint.ledger import Ledger
 from loader.core.checks import is_int
-from loader.core.collectives import world_size
+from loader.core.collectives import rank, world_size
 from loader.core.state import StateError
 from loader.dataloader import ResumableDataLoader
 from loader.integrations.dcp import LoaderState
@@ -68,10 +68,11 @@ class ResumableTitanLoader(BaseDataLoader):
             raise ValueError(f"{config.dataset_path}: {len(source)} windows of seq_len {seq_len} fill no batch of "
                              f"{local_batch_size} on each of {dp_world_size} data-parallel ranks: more tokens, or a "
                              f"smaller training.local_batch_size or training.seq_len")
-        if config.ledger_dir is not None and world_size() != dp_world_size:
+        if config.ledger_dir is not None and (world_size(), rank()) != (dp_world_size, dp_rank):
             raise ValueError(f"ledger_dir: the ledger needs one writer per data-parallel rank, which this glue knows "
-                             f"only when every rank is one ({world_size()} ranks, data-parallel degree "
-                             f"{dp_world_size}); record it without tensor, pipeline or context parallelism")
+                             f"only when every rank is one (rank {rank()} of {world_size()} is data-parallel rank "
+                             f"{dp_rank} of {dp_world_size}); record it without tensor, pipeline or context "
+                             f"parallelism")
         self.config = config
 
     def __iter__(self) -> Iterator[tuple[dict[str, torch.Tensor], torch.Tensor]]:
