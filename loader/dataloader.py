@@ -27,6 +27,7 @@ from torch.utils.data.dataloader import _SingleProcessDataLoaderIter
 
 from loader.checkpoint.lockstep import LockstepWatch, warn_out_of_step
 from loader.core.checks import check_positive_int, check_rank, is_int
+from loader.core.filtering import MASKED, REMOVED, Sifted, Sifting
 from loader.core.mesh import data_parallel
 from loader.core.order import Lanes, Order, block_sizes_for_window, sample_seed, worker_seed
 from loader.core.partition import Layout
@@ -262,6 +263,8 @@ class _Delivery:
         except BaseException:  # KeyboardInterrupt and the like: nothing is counted, a new iter() serves it again
             self._stopped = _INTERRUPTED
             raise
+        if type(batch) is Sifted:  # the filter's verdicts, made with the batch in the worker
+            batch, loader._kept = batch.batch, batch.kept
         loader._deliver(started, batch)
         return batch
 
@@ -320,6 +323,23 @@ def _unwrapped(error: BaseException | ExceptionWrapper) -> BaseException:
         error.reraise()
     except Exception as err:  # noqa: BLE001 - reraise raises the worker's exception type
         return err.with_traceback(None)
+
+
+def _check_filter(keep, filtered: str, batch_size: int | None, dataset) -> None:
+    """filter= and filtered= as `loader.core.filtering` can apply them."""
+    if filtered not in (REMOVED, MASKED):
+        raise ValueError(f"filtered must be {REMOVED!r} (a batch holds its kept samples) or {MASKED!r} (every member, "
+                         f"with the verdicts in loader.last_kept()), got {filtered!r}")
+    if keep is None:
+        return
+    if not callable(keep):
+        raise ValueError(f"filter must be a function of (index, sample) returning whether to keep it, got {keep!r}")
+    if batch_size is None:
+        raise ValueError("filter= needs batches (batch_size=None delivers single samples, and a filtered one would "
+                         "leave a rank with nothing to deliver): pass a batch_size, e.g. 1")
+    if isinstance(dataset, IterableDataset):
+        raise ValueError("filter= drops samples of a map-style dataset where they are read; filter a stream's "
+                         "records in the stream itself")
 
 
 def _as_is(data):
@@ -433,6 +453,8 @@ class ResumableDataLoader(DataLoader[T_co]):
         lane_chunk: int | None = None,
         dp_mesh=None,
         dp_group=None,
+        filter: Callable[[int, Any], bool] | None = None,
+        filtered: str = REMOVED,
     ):
         if sampler is not None or batch_sampler is not None:
             raise ValueError(
@@ -449,6 +471,7 @@ class ResumableDataLoader(DataLoader[T_co]):
             raise ValueError("batch_size=None disables batching, so drop_last=True has nothing to drop (as in torch)")
         if not is_int(seed):
             raise ValueError(f"seed must be an int, got {seed!r}")
+        _check_filter(filter, filtered, batch_size, dataset)
         rank, world_size = data_parallel(rank, world_size, dp_mesh, dp_group)
         self._rank_and_world_given = (rank, world_size)  # None: torch.distributed's, read when iteration starts
         self._resolved_distributed = _distributed()  # whether the group existed when rank and world were read
@@ -473,6 +496,8 @@ class ResumableDataLoader(DataLoader[T_co]):
         self.ledger = None  # a loader.ledger.Ledger records every delivered batch's indices when attached
         self.monitor = Monitor(grad_accum)  # per-step metrics (`metrics()`), the stall warning (`monitor.configure`)
         self._iterations = 0  # iterators superseded so far: only the newest iterator delivers
+        self._filter = None if filter is None else (filter, filtered)
+        self._kept: np.ndarray | None = None  # the filter's verdicts on the members of the batch delivered last
         self._delivered_by_iterator = 0  # batches the newest iterator delivered
         if isinstance(dataset, IterableDataset):
             _refuse_datapipes(dataset)
@@ -646,9 +671,19 @@ class ResumableDataLoader(DataLoader[T_co]):
         if self._stream is not None:
             view.__dict__.update(dataset=self._stream.source, batch_sampler=None, collate_fn=_as_is, drop_last=False,
                                  worker_init_fn=self._stream.source.init_worker)
-        elif self.worker_init_fn is not None:
-            view.__dict__["worker_init_fn"] = _GuardedInit(self.worker_init_fn)
+        else:
+            view.__dict__.update(self._read_as())
+            if self.worker_init_fn is not None:
+                view.__dict__["worker_init_fn"] = _GuardedInit(self.worker_init_fn)
         return DataLoader._get_iterator(view)
+
+    def _read_as(self) -> dict:
+        """The dataset and collate_fn as a map-style batch is read (in a worker, or here): under a filter, a
+        `Sifting` view of the dataset that also collates, so each batch comes back with the filter's verdicts."""
+        if self._filter is None:
+            return {"dataset": self.dataset, "collate_fn": self.collate_fn}
+        return {"dataset": Sifting(self.dataset, self._filter[0], self.collate_fn, self._filter[1]),
+                "collate_fn": _as_is}
 
     def _supersede(self) -> None:
         """From now on, only an iterator made after this call delivers."""
@@ -665,7 +700,8 @@ class ResumableDataLoader(DataLoader[T_co]):
             if self._world_size > 1:
                 self._publish_update()
             if self.ledger is not None:
-                self.ledger.record(self.epoch, self.last_indices(), self.update_complete)
+                kept, filtered = self._verdicts()
+                self.ledger.record(self.epoch, kept, self.update_complete, filtered)
         monitor = self.monitor
         if monitor.count_bytes:
             monitor.bytes += batch_nbytes(batch)
@@ -768,8 +804,10 @@ class ResumableDataLoader(DataLoader[T_co]):
         if self._carries:  # as a pass dispatches them: next_indices is of the next epoch past an exhausted one
             ids = carrying(ids, sampler.epoch + sampler.exhausted, *self._carry)
         batched = self.batch_size is not None
-        fetcher = _MapDatasetFetcher(self.dataset, batched, self.collate_fn, self.drop_last)
-        return fetcher.fetch(ids if batched else ids[0])
+        read = self._read_as()
+        batch = _MapDatasetFetcher(read["dataset"], batched, read["collate_fn"], self.drop_last).fetch(
+            ids if batched else ids[0])
+        return batch.batch if type(batch) is Sifted else batch
 
     def __len__(self) -> int:
         self._resolve_rank_and_world()
@@ -811,10 +849,36 @@ class ResumableDataLoader(DataLoader[T_co]):
         return self.resumable_sampler.update_complete
 
     def last_indices(self) -> np.ndarray:
-        """Dataset indices of the batch just delivered: the identity of every sample the training loop saw."""
+        """Dataset indices of the batch just delivered, one per member in order: the identity of every sample the
+        training loop saw (under a filter, the kept ones; with filtered='masked', every member)."""
         if self._stream is not None:
             raise TypeError("an IterableDataset has no sample indices; use a map-style dataset for sample identity")
-        return self.resumable_sampler.last_indices()
+        ids = self.resumable_sampler.last_indices()
+        if self._kept is None or self._filter[1] == MASKED:
+            return ids
+        return ids[self._kept]
+
+    def last_filtered(self) -> np.ndarray:
+        """Dataset indices the filter dropped from the batch just delivered (recorded as "filtered by policy",
+        never trained): empty without a filter."""
+        return self._verdicts()[1]
+
+    def last_kept(self) -> np.ndarray:
+        """Per member of the batch just delivered, in order, whether the filter kept it: with filtered='masked'
+        the rows to train on (zero the loss of the others); otherwise every member was kept."""
+        ids = self.last_indices()
+        if self._kept is None or self._filter[1] == REMOVED:
+            return np.ones(len(ids), dtype=bool)
+        return self._kept.copy()
+
+    def _verdicts(self) -> tuple[np.ndarray, np.ndarray]:
+        """The indices of the batch just delivered that the filter kept, and those it dropped."""
+        if self._stream is not None:
+            raise TypeError("an IterableDataset has no sample indices; use a map-style dataset for sample identity")
+        ids = self.resumable_sampler.last_indices()
+        if self._kept is None:
+            return ids, ids[:0]
+        return ids[self._kept], ids[~self._kept]
 
     @property
     def _is_accelerate_prepared(self) -> bool:

@@ -91,7 +91,7 @@ def test_the_picture_shows_each_launch_and_the_audits_categories(tmp_path, capsy
 def test_skips_and_duplicates_are_drawn_where_they_are(tmp_path):
     skipped_and_duplicated(tmp_path, dropped=[[11, 12]])  # 7, 8, 10 skipped, 11 dropped, 0 and 9 twice
     picture = plot(tmp_path, tmp_path / "run.png")
-    assert picture.categories[0] == dict(zip(CATEGORIES, [6, 0, 1, 0, 0, 3, 2]))
+    assert picture.categories[0] == dict(zip(CATEGORIES, [6, 0, 1, 0, 0, 0, 3, 2], strict=True))
     assert picture.duplicated_at == [(1, 4), (2, 8), (3, 10)]  # 0 at steps 1 and 3, 9 at steps 2 and 3
     assert [line.counted.tolist() for line in picture.lines] == [[True, False], [True, True]]
 
@@ -121,7 +121,7 @@ def test_samples_skipped_on_request_are_drawn_as_such_not_as_skipped(tmp_path):
         assert drawn["skipped on request"] == len(e.requested) and drawn["skipped"] == len(e.skipped) == 0
         assert drawn["seen once"] == e.seen_once and drawn["not yet seen"] == (0 if e.finished else e.not_yet_seen)
         assert sum(drawn.values()) == e.expected
-    assert picture.categories[1] == dict(zip(CATEGORIES, [8, 24, 0, 8, 0, 0, 0]))
+    assert picture.categories[1] == dict(zip(CATEGORIES, [8, 24, 0, 0, 8, 0, 0, 0], strict=True))
 
 
 def test_without_matplotlib_the_plot_names_what_to_install(tmp_path, monkeypatch, capsys):

@@ -42,6 +42,7 @@ class GroupAudit:
     dropped: int
     failed: int
     requested: int = 0  # skipped on request (`loader.skip`)
+    filtered: int = 0  # filtered by policy (the loader's `filter=`)
 
 
 @dataclass(frozen=True)
@@ -58,6 +59,8 @@ class EpochAudit:
     requested: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # skipped on request
     served_anyway: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # skipped on request, yet
     # delivered: a skip the loader did not keep
+    filtered: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # filtered by policy (the loader's
+    # `filter=`): consumed, never trained
 
     @property
     def clean(self) -> bool:
@@ -67,7 +70,7 @@ class EpochAudit:
     def not_yet_seen(self) -> int:
         """Samples of an unfinished epoch that no counted step delivered yet (of a finished one: the skipped)."""
         return (self.expected - self.seen_once - len(self.duplicated) - self.dropped - len(self.failed)
-                - len(self.requested) + len(self.served_anyway))
+                - len(self.requested) + len(self.served_anyway) - len(self.filtered))
 
 
 def _by_group(grouping: Grouping, counts: np.ndarray, **offending: np.ndarray) -> tuple[GroupAudit, ...]:
@@ -82,21 +85,24 @@ def _by_group(grouping: Grouping, counts: np.ndarray, **offending: np.ndarray) -
         indices = np.arange(low, min(low + GROUP_CHUNK, len(counts)))
         expected += tally(indices)
         seen_once += tally(indices[counts[indices] == 1])
-    kinds = ("skipped", "duplicated", "dropped", "failed", "requested")
+    kinds = ("skipped", "duplicated", "dropped", "failed", "requested", "filtered")
     columns = zip(expected, seen_once, *(tally(offending[k]) for k in kinds))
     return tuple(GroupAudit(name, *map(int, row)) for name, row in zip(grouping.names, columns))
 
 
-def tally(records: list[Record], epochs, num_samples: int) -> Iterator[tuple[int, np.ndarray, np.ndarray]]:
-    """Per epoch (those of the records and `epochs`, in order): how many times the records delivered each index, and
-    the indices of the batches that failed to load."""
+def tally(records: list[Record], epochs, num_samples: int) -> Iterator[tuple[int, np.ndarray, np.ndarray, np.ndarray]]:
+    """Per epoch (those of the records and `epochs`, in order): how many times the records delivered each index, the
+    indices of the batches that failed to load, and how many times the loader's filter dropped each index."""
     per_epoch: dict[int, list[np.ndarray]] = defaultdict(list)
     failed_per_epoch: dict[int, list[np.ndarray]] = defaultdict(list)
+    filtered_per_epoch: dict[int, list[np.ndarray]] = defaultdict(list)
     for record in records:
-        (failed_per_epoch if record.failed else per_epoch)[record.epoch].append(record.indices)
-    for epoch in sorted(set(per_epoch) | set(epochs) | set(failed_per_epoch)):
-        counts = np.bincount(np.concatenate(per_epoch[epoch] + [np.zeros(0, np.int64)]), minlength=num_samples)
-        yield epoch, counts, np.unique(np.concatenate(failed_per_epoch[epoch] + [np.zeros(0, np.int64)]))
+        kind = failed_per_epoch if record.failed else filtered_per_epoch if record.filtered else per_epoch
+        kind[record.epoch].append(record.indices)
+    for epoch in sorted(set(per_epoch) | set(epochs) | set(failed_per_epoch) | set(filtered_per_epoch)):
+        counts, filtered = (np.bincount(np.concatenate(kind[epoch] + [np.zeros(0, np.int64)]), minlength=num_samples)
+                            for kind in (per_epoch, filtered_per_epoch))
+        yield epoch, counts, np.unique(np.concatenate(failed_per_epoch[epoch] + [np.zeros(0, np.int64)])), filtered
 
 
 def audit(run_dir, grouping: Grouping | None = None) -> list[EpochAudit]:
@@ -111,19 +117,25 @@ def audit_records(records: list[Record], dropped: dict[int, np.ndarray], num_sam
                   grouping: Grouping | None = None, requested: dict[int, np.ndarray] | None = None) -> list[EpochAudit]:
     """The audit of the records that count (`read_ledger`'s), with the indices skipped on request per epoch."""
     report, requested = [], requested or {}
-    for epoch, counts, failed in tally(records, set(dropped) | set(requested), num_samples):
+    for epoch, counts, failed, filtered_counts in tally(records, set(dropped) | set(requested), num_samples):
         finished = epoch in dropped
         asked = np.unique(requested.get(epoch, np.zeros(0, np.int64)))
+        filtered = np.nonzero(filtered_counts)[0]
+        counts = counts + filtered_counts * (counts > 0)  # trained and also filtered: delivered twice
         unseen = np.ones(num_samples, dtype=bool)
         unseen[counts > 0] = False
         unseen[failed] = False
         unseen[asked] = False
+        unseen[filtered] = False
         if finished:
             unseen[dropped[epoch]] = False
         skipped = np.nonzero(unseen)[0] if finished else np.zeros(0, np.int64)
-        duplicated, dropped_here = np.nonzero(counts > 1)[0], dropped.get(epoch, np.zeros(0, np.int64))
+        duplicated = np.union1d(np.nonzero(counts > 1)[0], np.nonzero(filtered_counts > 1)[0])
+        filtered = filtered[(filtered_counts[filtered] == 1) & (counts[filtered] == 0)]
+        dropped_here = dropped.get(epoch, np.zeros(0, np.int64))
         groups = () if grouping is None else _by_group(grouping, counts, skipped=skipped, duplicated=duplicated,
-                                                       dropped=dropped_here, failed=failed, requested=asked)
+                                                       dropped=dropped_here, failed=failed, requested=asked,
+                                                       filtered=filtered)
         report.append(EpochAudit(
             epoch=epoch,
             expected=num_samples,
@@ -135,7 +147,8 @@ def audit_records(records: list[Record], dropped: dict[int, np.ndarray], num_sam
             failed=failed,
             groups=groups,
             requested=asked,
-            served_anyway=asked[counts[asked] > 0],
+            served_anyway=asked[(counts[asked] > 0) | (filtered_counts[asked] > 0)],
+            filtered=filtered,
         ))
     return report
 
@@ -160,8 +173,8 @@ def _listed(indices: np.ndarray, limit: int, describe: Callable[[int, int], str]
 
 EXACTLY_ONCE, FAILED, NO_LEDGER, UNFINISHED = 0, 1, 2, 3  # the exit statuses of `python -m loader audit`
 EXIT_STATUSES = f"""exit statuses:
-  {EXACTLY_ONCE}: every epoch finished, every sample exactly once (failed-to-load and skipped-on-request samples
-     listed, not trained)
+  {EXACTLY_ONCE}: every epoch finished, every sample exactly once (failed-to-load, skipped-on-request and
+     filtered-by-policy samples listed, not trained)
   {FAILED}: a sample was skipped or duplicated
   {NO_LEDGER}: no ledger to audit (no such directory, or a run without a Ledger attached)
   {UNFINISHED}: an epoch unfinished, nothing duplicated so far (the job stopped mid-epoch, or is still running)"""
@@ -182,14 +195,15 @@ def main(run_dir: str, limit: int = 20, describe: Callable[..., str] = str, grou
     for note in () if grouping is None else grouping.notes:
         print(note)
     print(f"{'epoch':>5} {'state':>11} {'expected':>9} {'seen once':>10} {'skipped':>8} {'duplicated':>11} "
-          f"{'dropped by policy':>18} {'failed to load':>15} {'skipped on request':>19}")
+          f"{'dropped by policy':>18} {'failed to load':>15} {'skipped on request':>19} {'filtered by policy':>19}")
     for e in report:
         skipped = str(len(e.skipped)) if e.finished else "-"
         print(f"{e.epoch:>5} {'finished' if e.finished else 'in progress':>11} {e.expected:>9} {e.seen_once:>10} "
-              f"{skipped:>8} {len(e.duplicated):>11} {e.dropped:>18} {len(e.failed):>15} {len(e.requested):>19}")
+              f"{skipped:>8} {len(e.duplicated):>11} {e.dropped:>18} {len(e.failed):>15} {len(e.requested):>19} "
+              f"{len(e.filtered):>19}")
         for g in e.groups:
             print(f"{'':>5} {g.name:>11} {g.expected:>9} {g.seen_once:>10} {g.skipped if e.finished else '-':>8} "
-                  f"{g.duplicated:>11} {g.dropped:>18} {g.failed:>15} {g.requested:>19}")
+                  f"{g.duplicated:>11} {g.dropped:>18} {g.failed:>15} {g.requested:>19} {g.filtered:>19}")
         if len(e.skipped):
             print(f"      skipped indices: {_listed(e.skipped, limit, name, e.epoch)}")
         if len(e.duplicated):
@@ -198,6 +212,8 @@ def main(run_dir: str, limit: int = 20, describe: Callable[..., str] = str, grou
             print(f"      failed to load (consumed, not trained): {_listed(e.failed, limit, name, e.epoch)}")
         if len(e.requested):
             print(f"      skipped on request (never served, not trained): {_listed(e.requested, limit, name, e.epoch)}")
+        if len(e.filtered):
+            print(f"      filtered by policy (consumed, not trained): {_listed(e.filtered, limit, name, e.epoch)}")
         if len(e.served_anyway):
             print(f"      served although skipped on request: {_listed(e.served_anyway, limit, name, e.epoch)}")
     if not all(e.clean for e in report):
@@ -216,4 +232,7 @@ def main(run_dir: str, limit: int = 20, describe: Callable[..., str] = str, grou
         print("audit: every sample exactly once")
     if requested:
         print(f"audit: {requested} sample(s) skipped on request, never served")
+    filtered = sum(len(e.filtered) for e in report)
+    if filtered:
+        print(f"audit: {filtered} sample(s) filtered by policy (the loader's filter=), not trained")
     return EXACTLY_ONCE

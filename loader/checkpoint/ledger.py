@@ -31,6 +31,7 @@ from loader.checkpoint.publish import fsync
 from loader.core.collectives import from_rank0, rank, world_size
 _HEADER = struct.Struct("<qqIB")  # step, epoch, number of indices, flags:
 COMPLETE, FAILED = 1, 2  # the batch completed its update; its loading raised (consumed, never trained)
+FILTERED = 16  # the members of a delivered batch that the loader's filter dropped (consumed, never trained)
 ATTEMPT, VERDICT = 4, 8  # an attempt's start, payload its key; its verdict, payload its key and 1 if it committed
 
 
@@ -79,8 +80,12 @@ class Ledger:
         self._write(-1, np.asarray([*key, committed]), VERDICT, step + 1)
         self._file.flush()
 
-    def record(self, epoch: int, indices: np.ndarray, update_complete: bool) -> None:
-        """One delivered batch; flushed at each completed update so a crash loses only the replayed tail."""
+    def record(self, epoch: int, indices: np.ndarray, update_complete: bool, filtered: np.ndarray | None = None) -> None:
+        """One delivered batch, its trained `indices` and those its loader's filter dropped (`filtered`, recorded
+        first, for the same step: the audit lists them as filtered by policy); flushed at each completed update so a
+        crash loses only the replayed tail."""
+        if filtered is not None and len(filtered):
+            self._write(epoch, filtered, FILTERED)
         self._write(epoch, indices, COMPLETE if update_complete else 0)
         if update_complete:
             self.step += 1
@@ -174,6 +179,7 @@ class Record:
     complete: bool
     failed: bool
     counted: bool = True  # False: a later generation replayed its step, or its rank never completed the step
+    filtered: bool = False  # members of a delivered batch that the loader's filter dropped: consumed, never trained
 
 
 @dataclass(frozen=True)
@@ -222,7 +228,7 @@ def read_generations(run_dir) -> tuple[list[Generation], list[Record]]:
             raw = _read_file(file)
             completed = max((step for step, _, _, flags in raw if flags & COMPLETE), default=generation.resumed_step)
             records += [Record(generation.number, int(file.stem[5:]), step, epoch, ids, bool(flags & COMPLETE),
-                               bool(flags & FAILED), step <= min(cutoff, completed))
+                               bool(flags & FAILED), step <= min(cutoff, completed), bool(flags & FILTERED))
                         for step, epoch, ids, flags in raw]
     return generations, records + _attempt_records([(g, p) for g, p in zip(generations, paths) if g.attempts])
 
@@ -242,7 +248,7 @@ def _attempt_records(generations: list[tuple[Generation, Path]]) -> list[Record]
             else:
                 tried.append((generation.number, step, epoch, payload, flags, key))
     return [Record(number, 0, step, epoch, ids, bool(flags & COMPLETE), bool(flags & FAILED),
-                   key is not None and committed.get(step) == key)
+                   key is not None and committed.get(step) == key, bool(flags & FILTERED))
             for number, step, epoch, ids, flags, key in tried]
 
 

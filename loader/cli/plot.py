@@ -4,8 +4,8 @@ Top: each launch's position in the epoch (samples consumed by all ranks) after e
 identity ledger; a new launch starts at a dashed line, labelled with its world size, from the position its
 checkpoint committed; steps that a later launch replayed are hollow and do not count; batches that failed to load
 and deliveries of a duplicated sample are marked on the step that delivered them. Bottom: each epoch's dataset
-indices, coloured by what the audit found: seen once, skipped, duplicated, failed to load, dropped by policy, skipped
-on request (`dl.skip`), or not yet seen (an epoch in progress). The drawn categories are returned (`Picture`) so a
+indices, coloured by what the audit found: seen once, skipped, duplicated, failed to load, dropped by policy, filtered
+by policy (the loader's `filter=`), skipped on request (`dl.skip`), or not yet seen (an epoch in progress). The drawn categories are returned (`Picture`) so a
 test can hold them against the audit's counts. matplotlib (the `bench` extra) is imported only here.
 """
 
@@ -21,10 +21,10 @@ from loader.checkpoint.audit import EpochAudit, audit_records, tally
 from loader.checkpoint.ledger import Generation, Record, read_dropped, read_generations
 
 # what an index of an epoch was, by severity: a bin of many indices shows the most severe one it holds
-ONCE, NOT_YET, DROPPED, REQUESTED, FAILED, SKIPPED, DUPLICATED = range(7)
-CATEGORIES = ("seen once", "not yet seen", "dropped by policy", "skipped on request", "failed to load", "skipped",
-              "duplicated")
-COLOURS = ("#b8e186", "#eeeeee", "#969696", "#4393c3", "#7b3294", "#ff9d00", "#d7191c")
+ONCE, NOT_YET, DROPPED, FILTERED, REQUESTED, FAILED, SKIPPED, DUPLICATED = range(8)
+CATEGORIES = ("seen once", "not yet seen", "dropped by policy", "filtered by policy", "skipped on request",
+              "failed to load", "skipped", "duplicated")
+COLOURS = ("#b8e186", "#eeeeee", "#969696", "#c2a5cf", "#4393c3", "#7b3294", "#ff9d00", "#d7191c")
 MAX_COLUMNS = 800  # bins of a strip: one per index up to this many indices
 MAX_STRIPS = 12  # epochs drawn as strips: the unclean ones first, then the latest
 MARKED_STEPS = 2000  # beyond this many steps a launch's line has no per-step markers
@@ -54,11 +54,16 @@ class Picture:
     categories: dict[int, dict[str, int]] = field(default_factory=dict)
 
 
-def statuses(counts: np.ndarray, failed: np.ndarray, dropped: np.ndarray | None, requested: np.ndarray) -> np.ndarray:
+def statuses(counts: np.ndarray, failed: np.ndarray, dropped: np.ndarray | None, requested: np.ndarray,
+             filtered: np.ndarray) -> np.ndarray:
     """Each index's category (codes above) from how often it was delivered, whether its batch failed, what the
-    finished epoch dropped by policy (None: the epoch is unfinished, so what was not seen is not yet seen) and what
-    was skipped on request (one served anyway is drawn as it was served, as the audit counts it)."""
+    finished epoch dropped by policy (None: the epoch is unfinished, so what was not seen is not yet seen), how often
+    the loader's filter dropped it, and what was skipped on request (one served anyway is drawn as it was served, as
+    the audit counts it)."""
+    counts = counts + filtered * (counts > 0)  # trained and filtered, or filtered twice: delivered more than once
     status = np.where(counts == 1, ONCE, np.where(counts > 1, DUPLICATED, SKIPPED if dropped is not None else NOT_YET))
+    status[(counts == 0) & (filtered == 1)] = FILTERED
+    status[filtered > 1] = DUPLICATED
     if dropped is not None:
         status[dropped[counts[dropped] == 0]] = DROPPED
     status[requested[counts[requested] == 0]] = REQUESTED
@@ -152,8 +157,9 @@ def plot(run_dir, out) -> Picture:
     lines = _lines(generations, records)
     failed_at, duplicated_at = _marks(lines, counted, report)
     strips, categories = {}, {}
-    for epoch, counts, failed in tally(counted, set(dropped) | set(requested), num_samples):
-        status = statuses(counts, failed, dropped.get(epoch), np.unique(requested.get(epoch, np.zeros(0, np.int64))))
+    for epoch, counts, failed, filtered in tally(counted, set(dropped) | set(requested), num_samples):
+        status = statuses(counts, failed, dropped.get(epoch), np.unique(requested.get(epoch, np.zeros(0, np.int64))),
+                          filtered)
         found = np.bincount(status, minlength=len(CATEGORIES))
         categories[epoch] = {name: int(n) for name, n in zip(CATEGORIES, found)}
         strips[epoch] = _binned(status)
