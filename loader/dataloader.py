@@ -705,7 +705,8 @@ class ResumableDataLoader(DataLoader[T_co]):
         monitor = self.monitor
         if monitor.count_bytes:
             monitor.bytes += batch_nbytes(batch)
-        if monitor.handed(started, perf_counter()):
+        filtered = 0 if self._filter is None else len(self._kept) - int(self._kept.sum())
+        if monitor.handed(started, perf_counter(), filtered):
             self._stalled()
 
     def _publish_update(self) -> None:

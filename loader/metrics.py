@@ -89,7 +89,8 @@ class Monitor:
         self.grad_accum = grad_accum  # batches of a step, the epoch's last excepted
         self.configure()
         # this launch's totals, cumulative; samples follow from the segments
-        self.batches = self.failed_batches = self.failed_samples = self.bytes = self.updates = 0
+        self.batches = self.failed_batches = self.withheld = self.bytes = self.updates = 0
+        # withheld: samples at positions handed out that the loop never got (failed batches', filtered ones)
         self.records = 0  # samples of a stream's delivered batches, as its workers counted them
         self.wait_seconds = 0.0
         self.resume_seconds: float | None = None  # load_state_dict() to the first batch handed out after it
@@ -120,18 +121,19 @@ class Monitor:
         self.stall_steps = stall_steps or 0  # 0: no streak reaches it
 
     def _mark(self, at: float) -> tuple:
-        return (at, self.batches, self.failed_batches, self.failed_samples, self.wait_seconds, self.bytes,
+        return (at, self.batches, self.failed_batches, self.withheld, self.wait_seconds, self.bytes,
                 self.records, self._segment)
 
     # -- per batch: O(1) -------------------------------------------------------------------------------------------
 
-    def handed(self, started: float, now: float) -> bool:
-        """A batch was delivered: the loop called next() at `started` and had it at `now` (its bytes, when counted,
-        are added to `bytes` first). True when the step it completed began a stall streak or made it `stall_steps`
+    def handed(self, started: float, now: float, filtered: int = 0) -> bool:
+        """A batch was delivered, less `filtered` members the loader's filter dropped: the loop called next() at
+        `started` and had it at `now` (its bytes, when counted, are added to `bytes` first). True when the step it completed began a stall streak or made it `stall_steps`
         long (the loader then looks at its source, or warns)."""
         if self._start is None:
             self._open(started, now)
         self.wait_seconds += now - started
+        self.withheld += filtered
         self.batches += 1
         self.last_at = now
         self.in_step += 1
@@ -143,7 +145,7 @@ class Monitor:
             self._open(started, now)
         self.wait_seconds += now - started
         self.failed_batches += 1
-        self.failed_samples += samples
+        self.withheld += samples
         self.last_at = now
         self.in_step += 1
         return self.in_step == self.grad_accum and self.close(now)
@@ -159,7 +161,7 @@ class Monitor:
         """The open step is complete at `now` (the loader calls this for an epoch's last, shorter update). Returns
         as `handed`."""
         start = self._start
-        end = (now, self.batches, self.failed_batches, self.failed_samples, self.wait_seconds, self.bytes,
+        end = (now, self.batches, self.failed_batches, self.withheld, self.wait_seconds, self.bytes,
                self.records, self._segment)  # self._mark(now), without the call: once a batch at grad_accum=1
         self._last, self._start, self.in_step = (start, end), end, 0
         self.updates += 1
@@ -203,17 +205,17 @@ class Monitor:
 
     @property
     def samples(self) -> int:
-        """Samples delivered by this launch (failed batches' excepted)."""
+        """Samples delivered by this launch (failed batches' and filtered ones excepted)."""
         segment, handed = self._segment, self.batches + self.failed_batches
-        return self._earlier_samples + segment.samples(segment.handed, handed) - self.failed_samples + self.records
+        return self._earlier_samples + segment.samples(segment.handed, handed) - self.withheld + self.records
 
     def snapshot(self) -> dict:
         """The last closed step's values (None before the first) and this launch's totals, as one flat dict."""
         step = dict.fromkeys(STEP_KEYS)
         if self._last is not None:
             start, end = self._last
-            seconds, batches, failed, failed_samples, wait, nbytes, records = (b - a for a, b in zip(start, end[:7]))
-            samples = end[7].samples(start[1] + start[2], end[1] + end[2]) - failed_samples + records
+            seconds, batches, failed, withheld, wait, nbytes, records = (b - a for a, b in zip(start, end[:7]))
+            samples = end[7].samples(start[1] + start[2], end[1] + end[2]) - withheld + records
             rate = 1 / seconds if seconds > 0 else 0.0
             step.update(batches=batches, samples=samples, failed_batches=failed, wait_seconds=wait,
                         step_seconds=seconds, stall_ratio=wait * rate, samples_per_second=samples * rate)

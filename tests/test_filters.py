@@ -243,3 +243,11 @@ def test_bad_filter_arguments_say_what_to_pass(kwargs, message):
 def test_a_stream_is_refused_a_filter():
     with pytest.raises(ValueError, match="filter a stream's records in the stream"):
         ResumableDataLoader(Records(), batch_size=2, filter=not_a_multiple_of_3)
+
+
+def test_metrics_count_the_samples_delivered_not_the_filtered():
+    dl = ResumableDataLoader(IndexDataset(12), batch_size=3, grad_accum=2, filter=not_a_multiple_of_3)
+    for _ in dl:
+        pass
+    metrics = dl.metrics()
+    assert metrics["samples"] == 4 and metrics["total/samples"] == 8 and metrics["batches"] == 2
