@@ -128,8 +128,8 @@ class Monitor:
 
     def handed(self, started: float, now: float, filtered: int = 0) -> bool:
         """A batch was delivered, less `filtered` members the loader's filter dropped: the loop called next() at
-        `started` and had it at `now` (its bytes, when counted, are added to `bytes` first). True when the step it completed began a stall streak or made it `stall_steps`
-        long (the loader then looks at its source, or warns)."""
+        `started` and had it at `now` (its bytes, when counted, are added to `bytes` first). True when the step it
+        completed began a stall streak or made it `stall_steps` long (the loader then looks at its source, or warns)."""
         if self._start is None:
             self._open(started, now)
         self.wait_seconds += now - started

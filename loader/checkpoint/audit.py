@@ -90,7 +90,8 @@ def _by_group(grouping: Grouping, counts: np.ndarray, **offending: np.ndarray) -
     return tuple(GroupAudit(name, *map(int, row)) for name, row in zip(grouping.names, columns))
 
 
-def tally(records: list[Record], epochs, num_samples: int) -> Iterator[tuple[int, np.ndarray, np.ndarray, np.ndarray]]:
+def tally(records: list[Record], epochs,
+          num_samples: int) -> Iterator[tuple[int, np.ndarray, np.ndarray, np.ndarray]]:
     """Per epoch (those of the records and `epochs`, in order): how many times the records delivered each index, the
     indices of the batches that failed to load, and how many times the loader's filter dropped each index."""
     per_epoch: dict[int, list[np.ndarray]] = defaultdict(list)

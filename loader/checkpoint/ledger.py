@@ -80,7 +80,8 @@ class Ledger:
         self._write(-1, np.asarray([*key, committed]), VERDICT, step + 1)
         self._file.flush()
 
-    def record(self, epoch: int, indices: np.ndarray, update_complete: bool, filtered: np.ndarray | None = None) -> None:
+    def record(self, epoch: int, indices: np.ndarray, update_complete: bool,
+               filtered: np.ndarray | None = None) -> None:
         """One delivered batch, its trained `indices` and those its loader's filter dropped (`filtered`, recorded
         first, for the same step: the audit lists them as filtered by policy); flushed at each completed update so a
         crash loses only the replayed tail."""

@@ -1,13 +1,12 @@
 """`python -m loader audit RUN_DIR --plot out.png`: the run's epochs in one picture, read at a glance.
 
-Top: each launch's position in the epoch (samples consumed by all ranks) after every optimizer step, from the
-identity ledger; a new launch starts at a dashed line, labelled with its world size, from the position its
-checkpoint committed; steps that a later launch replayed are hollow and do not count; batches that failed to load
-and deliveries of a duplicated sample are marked on the step that delivered them. Bottom: each epoch's dataset
-indices, coloured by what the audit found: seen once, skipped, duplicated, failed to load, dropped by policy, filtered
-by policy (the loader's `filter=`), skipped on request (`dl.skip`), or not yet seen (an epoch in progress). The drawn categories are returned (`Picture`) so a
-test can hold them against the audit's counts. matplotlib (the `bench` extra) is imported only here.
-"""
+Top: each launch's position in the epoch (samples consumed by all ranks) after every optimizer step, from the identity
+ledger; a new launch starts at a dashed line, labelled with its world size, from the position its checkpoint committed;
+steps that a later launch replayed are hollow and do not count; batches that failed to load and deliveries of a
+duplicated sample are marked on the step that delivered them. Bottom: each epoch's dataset indices, coloured by what the
+audit found: seen once, skipped, duplicated, failed to load, dropped by policy, filtered by policy (the loader's
+`filter=`), skipped on request (`dl.skip`), or not yet seen (an epoch in progress). The drawn categories are returned
+(`Picture`) so a test can hold them against the audit's counts. matplotlib (the `bench` extra) is imported only here."""
 
 from __future__ import annotations
 
