@@ -14,7 +14,7 @@ import torch
 from torch.utils.data import Dataset, IterableDataset, TensorDataset
 
 from loader import ResumableDataLoader, Rows, merge_states
-from loader.checkpoint.audit import EXACTLY_ONCE, audit
+from loader.checkpoint.audit import EXACTLY_ONCE, Grouping, audit
 from loader.checkpoint.audit import main as audit_main
 from loader.checkpoint.ledger import Ledger, read_ledger
 from loader.core.filtering import Sifting, emptied
@@ -96,6 +96,8 @@ def test_the_ledger_and_audit_count_the_filtered_across_4_3_2_ranks_with_uneven_
     assert epoch.finished and epoch.clean and epoch.dropped == 0
     assert epoch.filtered.tolist() == list(range(0, n, 3))
     assert epoch.seen_once == n - len(epoch.filtered)
+    by_parity = Grouping(["even", "odd"], lambda ids: ids % 2, n)
+    assert [(g.filtered, g.seen_once) for g in audit(tmp_path, by_parity)[0].groups] == [(12, 23), (12, 23)]
     assert audit_main(str(tmp_path)) == EXACTLY_ONCE
     out = capsys.readouterr().out
     assert out.splitlines()[0].split()[-3:] == ["filtered", "by", "policy"]
