@@ -274,7 +274,7 @@ def _distributed() -> bool:
 
 
 class _StreamDelivery(_Delivery):
-    """A stream's delivery: torch yields (worker, snapshot, error, end, batch, records) per batch (see
+    """A stream's delivery: torch yields (worker, snapshot, error, end, batch, records, filtered) per batch (see
     loader.streams.source); each snapshot moves its worker's state on. A batch whose making raised is consumed (the
     stream moved past it) and its error raised; `end` marks a worker's end, without a batch. An error torch raises
     itself (a worker that died, a timeout) counts nothing."""
@@ -285,7 +285,7 @@ class _StreamDelivery(_Delivery):
         started = perf_counter()
         while True:
             try:
-                worker, snapshot, raised, end, batch, records = next(self._inner)
+                worker, snapshot, raised, end, batch, records, filtered = next(self._inner)
             except StopIteration:
                 loader._end_pass()
                 raise
@@ -301,6 +301,8 @@ class _StreamDelivery(_Delivery):
             loader._stream.receive(worker, snapshot)
             if not end:
                 break
+            loader.monitor.records += filtered  # records the filter dropped before the worker's stream ended
+            loader.monitor.filtered += filtered
         if raised is not None:
             loader._fail(started)
             error = _unwrapped(raised.take())
@@ -308,8 +310,7 @@ class _StreamDelivery(_Delivery):
                 raise error
             finally:
                 del error  # no cycle (exception -> traceback -> this frame -> exception) keeps the workers alive
-        loader.monitor.records += records  # a stream's samples: counted where they are made
-        loader._deliver(started, batch)
+        loader._deliver(started, batch, records + filtered, filtered)  # a stream's samples: counted where made
         return batch
 
 
@@ -337,9 +338,9 @@ def _check_filter(keep, filtered: str, batch_size: int | None, dataset) -> None:
     if batch_size is None:
         raise ValueError("filter= needs batches (batch_size=None delivers single samples, and a filtered one would "
                          "leave a rank with nothing to deliver): pass a batch_size, e.g. 1")
-    if isinstance(dataset, IterableDataset):
-        raise ValueError("filter= drops samples of a map-style dataset where they are read; filter a stream's "
-                         "records in the stream itself")
+    if isinstance(dataset, IterableDataset) and filtered == MASKED:
+        raise ValueError("filtered='masked' keeps a map-style batch's members: a stream's batches are made of the "
+                         "records its filter keeps, full, so leave filtered at its default")
 
 
 def _as_is(data):
@@ -414,7 +415,9 @@ class ResumableDataLoader(DataLoader[T_co]):
     batch_size). Under tensor, context, pipeline or expert parallelism, `dp_mesh` (a DeviceMesh: `world_mesh["dp"]`,
     or `world_mesh["dp_replicate", "dp_shard"]`, flattened in the mesh's order) or `dp_group` (a ProcessGroup)
     gives the data-parallel coordinates to partition over instead: every peer of one data-parallel rank gets the
-    same batches, and `rank` and `world_size` are the data-parallel ones.
+    same batches, and `rank` and `world_size` are the data-parallel ones. `filter` (a function of (index, sample);
+    of (None, record) for a stream) drops samples where they are read, each recorded as filtered by policy; a batch
+    then holds the kept ones, or with `filtered="masked"` all of them and `last_kept()` (see `loader.core.filtering`).
 
     A new `iter()` continues the current epoch right after the last delivered batch (with a
     `ContinuedPassWarning` when an earlier iterator left the pass after delivering batches); after a pass that
@@ -510,7 +513,7 @@ class ResumableDataLoader(DataLoader[T_co]):
             super().__init__(dataset, batch_size=batch_size, shuffle=None if sharded else shuffle,
                              drop_last=drop_last, **common)
             self._stream.attach(batch_size, drop_last, self.collate_fn,
-                                worker_init_fn and _GuardedInit(worker_init_fn))
+                                worker_init_fn and _GuardedInit(worker_init_fn), filter)
             return
         self._stream = None
         if batch_size is not None and (collate_fn is None or collate_fn is default_collate):
@@ -691,7 +694,9 @@ class ResumableDataLoader(DataLoader[T_co]):
         self._delivered_by_iterator = 0
         self.monitor.new_pass()
 
-    def _deliver(self, started: float, batch) -> None:
+    def _deliver(self, started: float, batch, records: int = 0, filtered: int | None = None) -> None:
+        """`batch` was handed to the loop; a stream's consumed `records` of its stream, `filtered` of them dropped by
+        the filter."""
         self.__dict__["_delivered_by_iterator"] += 1  # not through DataLoader.__setattr__: Python, 0.3 us a batch
         if self._stream is not None:
             self._stream.deliver()
@@ -700,13 +705,14 @@ class ResumableDataLoader(DataLoader[T_co]):
             if self._world_size > 1:
                 self._publish_update()
             if self.ledger is not None:
-                kept, filtered = self._verdicts()
-                self.ledger.record(self.epoch, kept, self.update_complete, filtered)
+                trained, dropped = self._verdicts()
+                self.ledger.record(self.epoch, trained, self.update_complete, dropped)
         monitor = self.monitor
         if monitor.count_bytes:
             monitor.bytes += batch_nbytes(batch)
-        filtered = 0 if self._filter is None else len(self._kept) - int(self._kept.sum())
-        if monitor.handed(started, perf_counter(), filtered):
+        if filtered is None:  # a map-style batch: its members the filter dropped, from the verdicts
+            filtered = 0 if self._filter is None else len(self._kept) - int(self._kept.sum())
+        if monitor.handed(started, perf_counter(), records, filtered):
             self._stalled()
 
     def _publish_update(self) -> None:
@@ -875,7 +881,8 @@ class ResumableDataLoader(DataLoader[T_co]):
     def _verdicts(self) -> tuple[np.ndarray, np.ndarray]:
         """The indices of the batch just delivered that the filter kept, and those it dropped."""
         if self._stream is not None:
-            raise TypeError("an IterableDataset has no sample indices; use a map-style dataset for sample identity")
+            raise TypeError("an IterableDataset has no sample indices: its records the filter dropped are counted "
+                            "(metrics()['filtered'], ['total/filtered']), not named")
         ids = self.resumable_sampler.last_indices()
         if self._kept is None:
             return ids, ids[:0]

@@ -11,7 +11,7 @@ from collections import namedtuple
 import numpy as np
 import pytest
 import torch
-from torch.utils.data import Dataset, IterableDataset, TensorDataset
+from torch.utils.data import Dataset, TensorDataset
 
 from loader import ResumableDataLoader, Rows, merge_states
 from loader.checkpoint.audit import EXACTLY_ONCE, Grouping, audit
@@ -19,6 +19,8 @@ from loader.checkpoint.audit import main as audit_main
 from loader.checkpoint.ledger import Ledger, read_ledger
 from loader.core.filtering import Sifting, emptied
 from tests.conftest import IndexDataset
+from tests.streams import Plain
+from tests.test_sharded_streams import every_record, loaders, names, take, write_shards
 
 
 def not_a_multiple_of_3(index, sample) -> bool:
@@ -227,11 +229,6 @@ def test_an_empty_batch_keeps_the_structure_of_a_full_one():
         emptied(object())
 
 
-class Records(IterableDataset):
-    def __iter__(self):
-        return iter(range(4))
-
-
 @pytest.mark.parametrize("kwargs, message", [
     (dict(filtered="shorter"), "filtered must be 'removed'"),
     (dict(filter=3), "filter must be a function of"),
@@ -242,9 +239,74 @@ def test_bad_filter_arguments_say_what_to_pass(kwargs, message):
         ResumableDataLoader(IndexDataset(4), **{"batch_size": 2, **kwargs})
 
 
-def test_a_stream_is_refused_a_filter():
-    with pytest.raises(ValueError, match="filter a stream's records in the stream"):
-        ResumableDataLoader(Records(), batch_size=2, filter=not_a_multiple_of_3)
+# -- streams: the filter drops records before they are batched ------------------------------------------------------
+
+
+def keep_record(index, record) -> bool:
+    """Records "shard:number" of tests.test_sharded_streams; a stream's records have no index."""
+    assert index is None
+    shard, number = map(int, record.split(":"))
+    return (shard + number) % 3 != 0
+
+
+def kept_records() -> list:
+    return [name for name in every_record() if keep_record(None, name)]
+
+
+@pytest.mark.parametrize("workers", [0, pytest.param(2, marks=pytest.mark.slow)])  # 2: starts worker processes
+def test_a_filtered_sharded_stream_reads_every_kept_record_once_at_4_3_2_ranks(tmp_path, workers):
+    """Ranks stop at their own points at 4 and 3 ranks; 2 ranks read the rest: every kept record once, no other."""
+    paths, seen, state = write_shards(tmp_path), [], None
+    for world, stops in ((4, [3, 1, 2, 0]), (3, [1, 0, 2]), (2, [None, None])):
+        ranks = loaders(paths, world, workers, shuffle=True, filter=keep_record)
+        for dl, stop in zip(ranks, stops):
+            if state is not None:
+                dl.load_state_dict(state)
+            seen += list(dl) if stop is None else take(dl, stop)
+        state = merge_states([dl.state_dict() for dl in ranks])
+    assert sorted(names(seen)) == kept_records()
+
+
+def test_a_filtered_stream_fills_its_batches_with_kept_records_and_counts_the_others(tmp_path):
+    (dl,) = loaders(write_shards(tmp_path), 1, 0, filter=keep_record)
+    batches = list(dl)
+    assert all(len(batch) == 2 for batch in batches[:-1]) and sorted(names(batches)) == kept_records()
+    metrics = dl.metrics()
+    assert metrics["total/filtered"] == len(every_record()) - len(kept_records())
+    assert metrics["total/samples"] == len(kept_records())
+    with pytest.raises(TypeError, match="counted"):
+        dl.last_filtered()
+
+
+def test_a_stream_whose_filter_drops_everything_delivers_nothing_and_counts_every_record(tmp_path):
+    (dl,) = loaders(write_shards(tmp_path), 1, 0, filter=lambda index, record: False)
+    assert list(dl) == [] and dl.metrics()["total/filtered"] == len(every_record())
+
+
+def test_a_raising_stream_filter_fails_its_batch_and_the_stream_goes_on(tmp_path):
+    def keep(index, record):
+        if record == "0:2":
+            raise ValueError("no verdict for 0:2")
+        return True
+
+    (dl,) = loaders(write_shards(tmp_path, [5]), 1, 0, filter=keep)
+    it = iter(dl)
+    assert names([next(it)]) == ["0:0", "0:1"]
+    with pytest.raises(ValueError, match="no verdict"):
+        next(it)
+    assert names(list(it)) == ["0:3", "0:4"]  # the failed batch consumed what it drew: 0:2, never read again
+
+
+def test_a_stream_is_refused_masked_batches(tmp_path):
+    with pytest.raises(ValueError, match="filtered='masked' keeps a map-style batch's members"):
+        loaders(write_shards(tmp_path), 1, 0, filter=keep_record, filtered="masked")
+
+
+def test_the_first_step_of_a_stream_counts_its_samples():
+    """A stream's records were added before the step's start was marked, so its first step said 0 samples."""
+    dl = ResumableDataLoader(Plain(10), batch_size=2)
+    next(iter(dl))
+    assert dl.metrics()["samples"] == 2
 
 
 def test_metrics_count_the_samples_delivered_not_the_filtered():
