@@ -17,6 +17,7 @@ from loader import ResumableDataLoader, Rows, merge_states
 from loader.checkpoint.audit import EXACTLY_ONCE, Grouping, audit
 from loader.checkpoint.audit import main as audit_main
 from loader.checkpoint.ledger import Ledger, read_ledger
+from loader.core.batch_policy import BatchPolicy
 from loader.core.filtering import Sifting, emptied
 from tests.conftest import IndexDataset
 from tests.streams import Plain
@@ -315,3 +316,35 @@ def test_metrics_count_the_samples_delivered_not_the_filtered():
         pass
     metrics = dl.metrics()
     assert metrics["samples"] == 4 and metrics["total/samples"] == 8 and metrics["batches"] == 2
+
+
+def test_a_filter_under_a_batch_size_ramp_across_2_to_3_ranks_is_audited_from_the_loaders_own_epoch_end(tmp_path):
+    """filter= with batch_policy= (K follows the step and the world size) and the ledger's END records (flag 16;
+    FILTERED is 32): two steps at 2 ranks, the rest of the epoch at 3 from the merged state, no record_finished. The
+    audit finds the epoch finished, every kept sample trained once and every other filtered once."""
+    n, policy = 60, BatchPolicy([(0, 12), (2, 24)], 2)
+    trained, state = [], None
+    for world, resumed, updates in ((2, 0, 2), (3, 2, None)):
+        ranks = [ResumableDataLoader(TensorDataset(torch.arange(n)), batch_size=2, shuffle=True, seed=0, rank=r,
+                                     world_size=world, batch_policy=policy, filter=not_a_multiple_of_3)
+                 for r in range(world)]
+        first = Ledger.open(tmp_path, resumed, n)
+        for r, dl in enumerate(ranks):
+            if state is not None:
+                dl.load_state_dict(state)
+            dl.ledger = first if r == 0 else Ledger(tmp_path, first.path.parent / f"rank-{r:05d}.bin", resumed)
+        for dl in ranks:
+            it, done = iter(dl), 0
+            for (x,) in it:
+                assert x.tolist() == dl.last_indices().tolist() and not (x % 3 == 0).any()
+                trained += x.tolist()
+                done += dl.update_complete
+                if done == updates:
+                    break
+        state = merge_states([dl.state_dict() for dl in ranks])
+        for dl in ranks:
+            dl.ledger.close()
+    (epoch,) = audit(tmp_path)
+    assert sorted(trained) == [i for i in range(n) if i % 3]
+    assert epoch.finished and epoch.clean and epoch.seen_once == 40
+    assert epoch.filtered.tolist() == list(range(0, n, 3))
