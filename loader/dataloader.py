@@ -32,6 +32,7 @@ from torch.utils.data.dataloader import _MultiProcessingDataLoaderIter, _SingleP
 from loader.checkpoint.lockstep import LockstepWatch, warn_out_of_step
 from loader.core.batch_policy import BatchPolicy
 from loader.core.checks import check_positive_int, check_rank, is_int
+from loader.core.filtering import MASKED, REMOVED, Sifted, Sifting
 from loader.core.mesh import data_parallel
 from loader.core.order import Lanes, Order, block_sizes_for_window, sample_seed, worker_seed
 from loader.core.partition import Layout
@@ -361,6 +362,8 @@ class _Delivery:
         except BaseException:  # KeyboardInterrupt and the like: nothing is counted, a new iter() serves it again
             self._stopped = _INTERRUPTED
             raise
+        if type(batch) is Sifted:  # the filter's verdicts, made with the batch in the worker
+            batch, loader._kept = batch.batch, batch.kept
         loader._deliver(started, batch)
         return batch
 
@@ -370,7 +373,7 @@ def _distributed() -> bool:
 
 
 class _StreamDelivery(_Delivery):
-    """A stream's delivery: torch yields (worker, snapshot, error, end, batch, records) per batch (see
+    """A stream's delivery: torch yields (worker, snapshot, error, end, batch, records, filtered) per batch (see
     loader.streams.source); each snapshot moves its worker's state on. A batch whose making raised is consumed (the
     stream moved past it) and its error raised; `end` marks a worker's end, without a batch. An error torch raises
     itself (a worker that died, a timeout) counts nothing."""
@@ -381,7 +384,7 @@ class _StreamDelivery(_Delivery):
         started = perf_counter()
         while True:
             try:
-                worker, snapshot, raised, end, batch, records = next(self._inner)
+                worker, snapshot, raised, end, batch, records, filtered = next(self._inner)
             except StopIteration:
                 loader._end_pass()
                 raise
@@ -397,6 +400,8 @@ class _StreamDelivery(_Delivery):
             loader._stream.receive(worker, snapshot)
             if not end:
                 break
+            loader.monitor.records += filtered  # records the filter dropped before the worker's stream ended
+            loader.monitor.filtered += filtered
         if raised is not None:
             loader._fail(started)
             error = _unwrapped(raised.take())
@@ -404,8 +409,7 @@ class _StreamDelivery(_Delivery):
                 raise error
             finally:
                 del error  # no cycle (exception -> traceback -> this frame -> exception) keeps the workers alive
-        loader.monitor.records += records  # a stream's samples: counted where they are made
-        loader._deliver(started, batch)
+        loader._deliver(started, batch, records + filtered, filtered)  # a stream's samples: counted where made
         return batch
 
 
@@ -419,6 +423,23 @@ def _unwrapped(error: BaseException | ExceptionWrapper) -> BaseException:
         error.reraise()
     except Exception as err:  # noqa: BLE001 - reraise raises the worker's exception type
         return err.with_traceback(None)
+
+
+def _check_filter(keep, filtered: str, batch_size: int | None, dataset) -> None:
+    """filter= and filtered= as `loader.core.filtering` can apply them."""
+    if filtered not in (REMOVED, MASKED):
+        raise ValueError(f"filtered must be {REMOVED!r} (a batch holds its kept samples) or {MASKED!r} (every member, "
+                         f"with the verdicts in loader.last_kept()), got {filtered!r}")
+    if keep is None:
+        return
+    if not callable(keep):
+        raise ValueError(f"filter must be a function of (index, sample) returning whether to keep it, got {keep!r}")
+    if batch_size is None:
+        raise ValueError("filter= needs batches (batch_size=None delivers single samples, and a filtered one would "
+                         "leave a rank with nothing to deliver): pass a batch_size, e.g. 1")
+    if isinstance(dataset, IterableDataset) and filtered == MASKED:
+        raise ValueError("filtered='masked' keeps a map-style batch's members: a stream's batches are made of the "
+                         "records its filter keeps, full, so leave filtered at its default")
 
 
 def _as_is(data):
@@ -515,7 +536,9 @@ class ResumableDataLoader(DataLoader[T_co]):
     batch_size). Under tensor, context, pipeline or expert parallelism, `dp_mesh` (a DeviceMesh: `world_mesh["dp"]`,
     or `world_mesh["dp_replicate", "dp_shard"]`, flattened in the mesh's order) or `dp_group` (a ProcessGroup)
     gives the data-parallel coordinates to partition over instead: every peer of one data-parallel rank gets the
-    same batches, and `rank` and `world_size` are the data-parallel ones.
+    same batches, and `rank` and `world_size` are the data-parallel ones. `filter` (a function of (index, sample);
+    of (None, record) for a stream) drops samples where they are read, each recorded as filtered by policy; a batch
+    then holds the kept ones, or with `filtered="masked"` all of them and `last_kept()` (see `loader.core.filtering`).
 
     A new `iter()` continues the current epoch right after the last delivered batch (with a
     `ContinuedPassWarning` when an earlier iterator left the pass after delivering batches); after a pass that
@@ -555,6 +578,8 @@ class ResumableDataLoader(DataLoader[T_co]):
         dp_mesh=None,
         dp_group=None,
         batch_policy: BatchPolicy | None = None,
+        filter: Callable[[int, Any], bool] | None = None,
+        filtered: str = REMOVED,
     ):
         if sampler is not None or batch_sampler is not None:
             raise ValueError(
@@ -571,6 +596,7 @@ class ResumableDataLoader(DataLoader[T_co]):
             raise ValueError("batch_size=None disables batching, so drop_last=True has nothing to drop (as in torch)")
         if not is_int(seed):
             raise ValueError(f"seed must be an int, got {seed!r}")
+        _check_filter(filter, filtered, batch_size, dataset)
         rank, world_size = data_parallel(rank, world_size, dp_mesh, dp_group)
         self._rank_and_world_given = (rank, world_size)  # None: torch.distributed's, read when iteration starts
         self._resolved_distributed = _distributed()  # whether the group existed when rank and world were read
@@ -600,6 +626,8 @@ class ResumableDataLoader(DataLoader[T_co]):
         self._updates = 0  # see `step`
         self.monitor = Monitor(grad_accum)  # per-step metrics (`metrics()`), the stall warning (`monitor.configure`)
         self._iterations = 0  # iterators superseded so far: only the newest iterator delivers
+        self._filter = None if filter is None else (filter, filtered)
+        self._kept: np.ndarray | None = None  # the filter's verdicts on the members of the batch delivered last
         self._delivered_by_iterator = 0  # batches the newest iterator delivered
         if isinstance(dataset, IterableDataset):
             _refuse_datapipes(dataset)
@@ -612,7 +640,7 @@ class ResumableDataLoader(DataLoader[T_co]):
             super().__init__(dataset, batch_size=batch_size, shuffle=None if sharded else shuffle,
                              drop_last=drop_last, **common)
             self._stream.attach(batch_size, drop_last, self.collate_fn,
-                                worker_init_fn and _GuardedInit(worker_init_fn))
+                                worker_init_fn and _GuardedInit(worker_init_fn), filter)
             return
         self._stream = None
         if batch_size is not None and (collate_fn is None or collate_fn is default_collate):
@@ -798,12 +826,22 @@ class ResumableDataLoader(DataLoader[T_co]):
         if self._stream is not None:
             view.__dict__.update(dataset=self._stream.source, batch_sampler=None, collate_fn=_as_is, drop_last=False,
                                  worker_init_fn=self._stream.source.init_worker)
-        elif self.worker_init_fn is not None:
-            view.__dict__["worker_init_fn"] = _GuardedInit(self.worker_init_fn)
+        else:
+            view.__dict__.update(self._read_as())
+            if self.worker_init_fn is not None:
+                view.__dict__["worker_init_fn"] = _GuardedInit(self.worker_init_fn)
         if not self.num_workers:
             return DataLoader._get_iterator(view)
         view.check_worker_number_rationality()
         return _WatchedWorkers(view)
+
+    def _read_as(self) -> dict:
+        """The dataset and collate_fn as a map-style batch is read (in a worker, or here): under a filter, a
+        `Sifting` view of the dataset that also collates, so each batch comes back with the filter's verdicts."""
+        if self._filter is None:
+            return {"dataset": self.dataset, "collate_fn": self.collate_fn}
+        return {"dataset": Sifting(self.dataset, self._filter[0], self.collate_fn, self._filter[1]),
+                "collate_fn": _as_is}
 
     def _supersede(self) -> None:
         """From now on, only an iterator made after this call delivers."""
@@ -811,7 +849,9 @@ class ResumableDataLoader(DataLoader[T_co]):
         self._delivered_by_iterator = 0
         self.monitor.new_pass()
 
-    def _deliver(self, started: float, batch) -> None:
+    def _deliver(self, started: float, batch, records: int = 0, filtered: int | None = None) -> None:
+        """`batch` was handed to the loop; a stream's consumed `records` of its stream, `filtered` of them dropped by
+        the filter."""
         self.__dict__["_delivered_by_iterator"] += 1  # not through DataLoader.__setattr__: Python, 0.3 us a batch
         if self._stream is not None:
             self._stream.deliver()
@@ -820,14 +860,17 @@ class ResumableDataLoader(DataLoader[T_co]):
             if self._world_size > 1:
                 self._publish_update()
             if self.ledger is not None:
-                self.ledger.record(self.epoch, self.last_indices(), self.update_complete)
+                trained, dropped = self._verdicts()
+                self.ledger.record(self.epoch, trained, self.update_complete, dropped)
                 self._record_end()
         if self.update_complete:
             self.__dict__["_updates"] += 1
         monitor = self.monitor
         if monitor.count_bytes:
             monitor.bytes += batch_nbytes(batch)
-        if monitor.handed(started, perf_counter()):
+        if filtered is None:  # a map-style batch: its members the filter dropped, from the verdicts
+            filtered = 0 if self._filter is None else len(self._kept) - int(self._kept.sum())
+        if monitor.handed(started, perf_counter(), records, filtered):
             self._stalled()
         self._follow_ramp()
 
@@ -947,8 +990,10 @@ class ResumableDataLoader(DataLoader[T_co]):
         if self._carries:  # as a pass dispatches them: next_indices is of the next epoch past an exhausted one
             ids = carrying(ids, sampler.epoch + sampler.exhausted, *self._carry)
         batched = self.batch_size is not None
-        fetcher = _MapDatasetFetcher(self.dataset, batched, self.collate_fn, self.drop_last)
-        return fetcher.fetch(ids if batched else ids[0])
+        read = self._read_as()
+        batch = _MapDatasetFetcher(read["dataset"], batched, read["collate_fn"], self.drop_last).fetch(
+            ids if batched else ids[0])
+        return batch.batch if type(batch) is Sifted else batch
 
     def __len__(self) -> int:
         self._resolve_rank_and_world()
@@ -1014,10 +1059,37 @@ class ResumableDataLoader(DataLoader[T_co]):
         self.__dict__.update(_step_base=int(value), _updates=0)
 
     def last_indices(self) -> np.ndarray:
-        """Dataset indices of the batch just delivered: the identity of every sample the training loop saw."""
+        """Dataset indices of the batch just delivered, one per member in order: the identity of every sample the
+        training loop saw (under a filter, the kept ones; with filtered='masked', every member)."""
         if self._stream is not None:
             raise TypeError("an IterableDataset has no sample indices; use a map-style dataset for sample identity")
-        return self.resumable_sampler.last_indices()
+        ids = self.resumable_sampler.last_indices()
+        if self._kept is None or self._filter[1] == MASKED:
+            return ids
+        return ids[self._kept]
+
+    def last_filtered(self) -> np.ndarray:
+        """Dataset indices the filter dropped from the batch just delivered (recorded as "filtered by policy",
+        never trained): empty without a filter."""
+        return self._verdicts()[1]
+
+    def last_kept(self) -> np.ndarray:
+        """Per member of the batch just delivered, in order, whether the filter kept it: with filtered='masked'
+        the rows to train on (zero the loss of the others); otherwise every member was kept."""
+        ids = self.last_indices()
+        if self._kept is None or self._filter[1] == REMOVED:
+            return np.ones(len(ids), dtype=bool)
+        return self._kept.copy()
+
+    def _verdicts(self) -> tuple[np.ndarray, np.ndarray]:
+        """The indices of the batch just delivered that the filter kept, and those it dropped."""
+        if self._stream is not None:
+            raise TypeError("an IterableDataset has no sample indices: its records the filter dropped are counted "
+                            "(metrics()['filtered'], ['total/filtered']), not named")
+        ids = self.resumable_sampler.last_indices()
+        if self._kept is None:
+            return ids, ids[:0]
+        return ids[self._kept], ids[~self._kept]
 
     @property
     def _is_accelerate_prepared(self) -> bool:

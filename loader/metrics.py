@@ -24,9 +24,9 @@ T = TypeVar("T")
 
 # the keys of dl.metrics(): the last completed step's values, which a restart may emit again for the same step (a
 # consumer keeps the last one), and this launch's totals, which count the work of this process only
-STEP_KEYS = ("batches", "samples", "failed_batches", "wait_seconds", "step_seconds", "stall_ratio",
+STEP_KEYS = ("batches", "samples", "failed_batches", "filtered", "wait_seconds", "step_seconds", "stall_ratio",
              "samples_per_second", "bytes", "bytes_per_second")
-TOTAL_KEYS = ("batches", "samples", "failed_batches", "wait_seconds", "bytes")
+TOTAL_KEYS = ("batches", "samples", "failed_batches", "filtered", "wait_seconds", "bytes")
 STALL_RATIO = 0.5  # defaults of the stall warning: a step waited more than this share of its time...
 STALL_MIN_SECONDS = 0.01  # ...and at least this long (a wait of microseconds costs nothing, whatever its share)...
 STALL_STEPS = 100  # ...in this many consecutive steps
@@ -82,7 +82,7 @@ class Segment(NamedTuple):
     """Consecutive micro-batches of one epoch on one rank, as passes hand them out: the batch handed out when the
     monitor's count of handed-out batches was `handed` sits at `position` of `plan` (an `EpochPlan`), so samples
     follow in closed form from two counts, never summed per batch. `plan` None: a stream, whose batches come with
-    their number of records instead (`Monitor.records`)."""
+    their number of records instead (`Monitor.records`, the filtered ones included)."""
 
     plan: Any = None
     rank: int = 0
@@ -121,7 +121,8 @@ class Monitor:
         self.configure()
         # this launch's totals, cumulative; samples follow from the segments
         self.batches = self.failed_batches = self.failed_samples = self.bytes = self.updates = 0
-        self.records = 0  # samples of a stream's delivered batches, as its workers counted them
+        self.records = 0  # records a stream's delivered batches consumed, as its workers counted them
+        self.filtered = 0  # samples (records) the loader's filter dropped from delivered batches
         self.wait_seconds = 0.0
         self.resume_seconds: float | None = None  # load_state_dict() to the first batch handed out after it
         self.in_step = 0  # batches handed out (delivered or failed) in the open step
@@ -153,17 +154,20 @@ class Monitor:
 
     def _mark(self, at: float) -> tuple:
         return (at, self.batches, self.failed_batches, self.failed_samples, self.wait_seconds, self.bytes,
-                self.records, self._segment)
+                self.records, self.filtered, self._segment)
 
     # -- per batch: O(1) -------------------------------------------------------------------------------------------
 
-    def handed(self, started: float, now: float) -> bool:
+    def handed(self, started: float, now: float, records: int = 0, filtered: int = 0) -> bool:
         """A batch was delivered: the loop called next() at `started` and had it at `now` (its bytes, when counted,
-        are added to `bytes` first). True when the step it completed began a stall streak or made it `stall_steps`
-        long (the loader then looks at its source, or warns)."""
+        are added to `bytes` first); of a stream, it consumed `records`; the loader's filter dropped `filtered` of
+        its samples (records). True when the step it completed began a stall streak or made it `stall_steps` long
+        (the loader then looks at its source, or warns)."""
         if self._start is None:
             self._open(started, now)
         self.wait_seconds += now - started
+        self.records += records
+        self.filtered += filtered
         self.batches += 1
         self.last_at = now
         self.in_step += 1
@@ -192,7 +196,8 @@ class Monitor:
         as `handed`."""
         start = self._start
         end = (now, self.batches, self.failed_batches, self.failed_samples, self.wait_seconds, self.bytes,
-               self.records, self._segment)  # self._mark(now), without the call: once a batch at grad_accum=1
+               self.records, self.filtered, self._segment)  # self._mark(now), without the call: once a batch at
+        # grad_accum=1
         self._last, self._start, self.in_step = (start, end), end, 0
         self.updates += 1
         wait, seconds = end[4] - start[4], now - start[0]
@@ -235,24 +240,27 @@ class Monitor:
 
     @property
     def samples(self) -> int:
-        """Samples delivered by this launch (failed batches' excepted)."""
+        """Samples delivered by this launch (failed batches' and filtered ones excepted)."""
         segment, handed = self._segment, self.batches + self.failed_batches
-        return self._earlier_samples + segment.samples(segment.handed, handed) - self.failed_samples + self.records
+        return (self._earlier_samples + segment.samples(segment.handed, handed) - self.failed_samples + self.records
+                - self.filtered)
 
     def snapshot(self) -> dict:
         """The last closed step's values (None before the first) and this launch's totals, as one flat dict."""
         step = dict.fromkeys(STEP_KEYS)
         if self._last is not None:
             start, end = self._last
-            seconds, batches, failed, failed_samples, wait, nbytes, records = (b - a for a, b in zip(start, end[:7]))
-            samples = end[7].samples(start[1] + start[2], end[1] + end[2]) - failed_samples + records
+            seconds, batches, failed, failed_samples, wait, nbytes, records, filtered = (
+                b - a for a, b in zip(start, end[:8]))
+            samples = end[8].samples(start[1] + start[2], end[1] + end[2]) - failed_samples + records - filtered
             rate = 1 / seconds if seconds > 0 else 0.0
-            step.update(batches=batches, samples=samples, failed_batches=failed, wait_seconds=wait,
+            step.update(batches=batches, samples=samples, failed_batches=failed, filtered=filtered, wait_seconds=wait,
                         step_seconds=seconds, stall_ratio=wait * rate, samples_per_second=samples * rate)
             if self.count_bytes:
                 step.update(bytes=nbytes, bytes_per_second=nbytes * rate)
         totals = {"batches": self.batches, "samples": self.samples, "failed_batches": self.failed_batches,
-                  "wait_seconds": self.wait_seconds, "bytes": self.bytes if self.count_bytes else None}
+                  "filtered": self.filtered, "wait_seconds": self.wait_seconds,
+                  "bytes": self.bytes if self.count_bytes else None}
         return {"updates": self.updates, **step, "resume_seconds": self.resume_seconds,
                 **{f"total/{key}": totals[key] for key in TOTAL_KEYS}}
 

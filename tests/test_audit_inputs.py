@@ -15,10 +15,11 @@ from loader.cli.main import main as cli
 from tests.conftest import IndexDataset
 
 
-def small_ledger(run_dir, n: int = 12) -> None:
-    """One launch of one rank: a step of 4 samples of epoch 0, the epoch unfinished."""
+def small_ledger(run_dir, n: int = 12, filtered=()) -> None:
+    """One launch of one rank: a step of 4 samples of epoch 0 (and the `filtered` ones the loader's filter dropped
+    from its batch), the epoch unfinished."""
     ledger = Ledger.open(run_dir, 0, n)
-    ledger.record(0, np.array([0, 1, 2, 3]), True)
+    ledger.record(0, np.array([0, 1, 2, 3]), True, filtered=np.array(filtered, np.int64))
     ledger.close()
 
 
@@ -68,6 +69,10 @@ CRAFTED = {  # name: (how the ledger is spoilt, returning extra CLI arguments, t
     "negative index": (lambda d: record(d, 1, [-1]), ["rank-00000.bin", "index -1"]),
     "unknown flags": (lambda d: record(d, 64, [1]), ["rank-00000.bin", "flags 0x40"]),
     "an epoch's end that miscounts": (lambda d: record(d, 16, [5, 1]), ["rank-00000.bin", "counts 5 dropped"]),
+    "a filtered index out of range": (lambda d: record(d, 32, [5, 12]), ["rank-00000.bin", "index 12",
+                                                                         "'num_samples'"]),
+    "a filtered record flagged complete": (lambda d: record(d, 33, [5]), ["rank-00000.bin", "flags 0x21",
+                                                                          "filtered record"]),
     "a verdict without its key": (lambda d: record(d, 8, []), ["rank-00000.bin", "verdict"]),
     "a rank file's name": (lambda d: (d / "ledger/gen-000001/rank-x.bin").write_bytes(b""),
                            ["rank-x.bin", "rank-NNNNN.bin"]),
@@ -112,13 +117,14 @@ def test_plot_into_a_folder_that_does_not_exist_exits_2_before_auditing(tmp_path
 
 @pytest.mark.parametrize("drawn", [False, True], ids=["audit", "audit --plot"])
 def test_a_billion_samples_are_audited_in_memory_that_follows_the_records(tmp_path, capsys, drawn):
-    """num_samples 10**9 (and 10**13) and a few records: no O(N) array (today: bincount of N int64, 8 GB, and the
-    picture's status per index, 7.5 GiB). The peak is held to a few MB, the records' own order of size."""
+    """num_samples 10**9 (and 10**13) and a few records, filtered ones among them: no O(N) array (today: bincount of
+    N int64, 8 GB, and the picture's status per index, 7.5 GiB). The peak is held to a few MB, the records' own
+    order of size."""
     if drawn:
         pytest.importorskip("matplotlib")
     for n in (10**9,) if drawn else (10**9, 10**13):  # the picture once: matplotlib under tracemalloc is slow
         run = tmp_path / str(n)
-        small_ledger(run, n)
+        small_ledger(run, n, filtered=[n - 1, 4])
         tracemalloc.start()
         try:
             status = cli(["audit", str(run), *(["--plot", str(run / "run.png")] if drawn else [])])
@@ -126,7 +132,7 @@ def test_a_billion_samples_are_audited_in_memory_that_follows_the_records(tmp_pa
         finally:
             tracemalloc.stop()
         assert status == UNFINISHED and peak < 64 * 2**20, peak
-        assert f"4 of {n} samples seen once so far, {n - 4} not yet seen" in capsys.readouterr().out
+        assert f"4 of {n} samples seen once so far, {n - 6} not yet seen" in capsys.readouterr().out
 
 
 def test_a_finished_epoch_of_a_billion_lists_its_skipped_samples_without_holding_them(tmp_path, capsys):

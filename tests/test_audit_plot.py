@@ -3,17 +3,19 @@ the audit's counts, with its launches, world sizes, replayed steps and failed ba
 
 import sys
 
+import numpy as np
 import pytest
 
 from loader import ResumableDataLoader, merge_states
-from loader.checkpoint.audit import audit
+from loader.checkpoint.audit import audit, tally
 from loader.checkpoint.ledger import Ledger, read_ledger
 from loader.cli.main import main as cli
 from tests.conftest import IndexDataset
 from tests.test_audit import skipped_and_duplicated
 
 pytest.importorskip("matplotlib", reason="the picture needs matplotlib: pip install 'loader[bench]'")
-from loader.cli.plot import CATEGORIES, plot  # noqa: E402 - after the skip
+from loader.cli.plot import (  # noqa: E402 - after the skip
+    CATEGORIES, DROPPED, DUPLICATED, FILTERED, ONCE, SKIPPED, categories_of, plot)
 
 PNG = b"\x89PNG\r\n\x1a\n"
 
@@ -91,7 +93,7 @@ def test_the_picture_shows_each_launch_and_the_audits_categories(tmp_path, capsy
 def test_skips_and_duplicates_are_drawn_where_they_are(tmp_path):
     skipped_and_duplicated(tmp_path, dropped=[[11, 12]])  # 7, 8, 10 skipped, 11 dropped, 0 and 9 twice
     picture = plot(tmp_path, tmp_path / "run.png")
-    assert picture.categories[0] == dict(zip(CATEGORIES, [6, 0, 1, 0, 0, 3, 2]))
+    assert picture.categories[0] == dict(zip(CATEGORIES, [6, 0, 1, 0, 0, 0, 3, 2], strict=True))
     assert picture.duplicated_at == [(1, 4), (2, 8), (3, 10)]  # 0 at steps 1 and 3, 9 at steps 2 and 3
     assert [line.counted.tolist() for line in picture.lines] == [[True, False], [True, True]]
 
@@ -121,7 +123,32 @@ def test_samples_skipped_on_request_are_drawn_as_such_not_as_skipped(tmp_path):
         assert drawn["skipped on request"] == len(e.requested) and drawn["skipped"] == len(e.skipped) == 0
         assert drawn["seen once"] == e.seen_once and drawn["not yet seen"] == (0 if e.finished else e.not_yet_seen)
         assert sum(drawn.values()) == e.expected
-    assert picture.categories[1] == dict(zip(CATEGORIES, [8, 24, 0, 8, 0, 0, 0]))
+    assert picture.categories[1] == dict(zip(CATEGORIES, [8, 24, 0, 0, 8, 0, 0, 0], strict=True))
+
+
+def test_filtered_samples_are_drawn_as_such_and_a_second_delivery_as_duplicated(tmp_path):
+    """The loader's filter= records what it dropped in records of their own (flag 32: 16 is an epoch's end): drawn
+    as "filtered by policy", as many as the audit counts; filtered twice, or filtered and trained, is duplicated; a
+    filtered sample is neither not yet seen nor skipped."""
+    ledger = Ledger.open(tmp_path, 0, 8)
+    ledger.record(0, np.array([0, 1]), True, filtered=np.array([2, 3]))
+    ledger.record(0, np.array([3, 4]), True, filtered=np.array([2, 5]))  # 3 trained and filtered, 2 filtered twice
+    ledger.close()
+    (unfinished,) = audit(tmp_path)
+    assert plot(tmp_path, tmp_path / "run.png").categories[0] == dict(zip(CATEGORIES, [3, 2, 0, 1, 0, 0, 0, 2],
+                                                                          strict=True))
+    assert (unfinished.seen_once, unfinished.filtered.tolist(), unfinished.not_yet_seen) == (3, [5], 2)
+    (tmp_path / "ledger" / "dropped").mkdir()
+    np.save(tmp_path / "ledger" / "dropped" / "epoch-000000.npy", np.array([7]))  # finished: 6 skipped
+    (e,) = audit(tmp_path)
+    drawn = plot(tmp_path, tmp_path / "run.png").categories[0]
+    assert drawn == dict(zip(CATEGORIES, [3, 0, 1, 1, 0, 0, 1, 2], strict=True))
+    assert (e.finished, e.seen_once, e.duplicated.tolist(), e.filtered.tolist(), e.skipped.tolist()) == (
+        True, 3, [2, 3], [5], [6])
+    assert (drawn["filtered by policy"], drawn["duplicated"]) == (len(e.filtered), len(e.duplicated))
+    (t,) = tally(read_ledger(tmp_path)[0], {0})
+    assert categories_of(t, np.array([7]), np.zeros(0, np.int64), 8, 8)[1].tolist() == [
+        ONCE, ONCE, DUPLICATED, DUPLICATED, ONCE, FILTERED, SKIPPED, DROPPED]
 
 
 def test_without_matplotlib_the_plot_names_what_to_install(tmp_path, monkeypatch, capsys):

@@ -63,16 +63,32 @@ class FailingCollate:
         return torch.tensor(self.last)
 
 
+class Keep:
+    """A filter: keeps a sample by a keyed hash of its value, `fifths` of them (0: none, 5: all), remembering the
+    indices it was asked about (num_workers=0 only), so a batch that failed to load is known whole."""
+
+    def __init__(self, fifths: int, salt: int):
+        self.fifths, self.salt, self.asked = fifths, salt, []
+
+    def rule(self, sample) -> bool:
+        return (int(sample) * 7919 + self.salt) % 5 < self.fifths
+
+    def __call__(self, index, sample) -> bool:
+        self.asked.append(int(index))
+        return self.rule(sample)
+
+
 class SimulatedRank:
     """One rank's training loop: consumes micro-batches, skips batches that fail to load, sometimes takes a new
-    iterator in the middle of a pass, commits whole updates, remembers what it committed and what failed."""
+    iterator in the middle of a pass, commits whole updates, remembers what it committed and what failed (and,
+    under a filter, what the filter dropped)."""
 
-    def __init__(self, dl, draw):
+    def __init__(self, dl, draw, keep=None):
         self.dl, self.draw, self.iterator, self.pending = dl, draw, None, []
-        self.in_pass, self.share = 0, None
+        self.in_pass, self.share, self.keep = 0, None, keep
         self.content = content_of(dl.dataset)
 
-    def consume(self, count, committed, failed):
+    def consume(self, count, committed, failed, filtered=None):
         for _ in range(count):
             if self.iterator is None:
                 self.iterator, self.in_pass, self.share = iter(self.dl), 0, self.dl.batches_left
@@ -80,37 +96,43 @@ class SimulatedRank:
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore", ContinuedPassWarning)
                     self.iterator = iter(self.dl)  # continues the pass
+            asked = len(self.keep.asked) if self.keep else 0
             try:
                 batch = next(self.iterator)
             except StopIteration:
                 self.iterator = None
                 continue
             except ValueError:  # skip the bad batch, keep iterating the same iterator
-                self.in_pass += 1
-                self.pending.append((self.dl.epoch, self.dl.collate_fn.last, failed))
+                self.in_pass += 1  # under a filter, collate_fn saw the kept members only: the filter saw them all
+                ids = self.keep.asked[asked:] if self.keep else self.dl.collate_fn.last
+                self.pending.append((self.dl.epoch, ids, failed))
             else:
                 ids = self.dl.last_indices().tolist()
                 assert np.atleast_1d(np.asarray(batch)).tolist() == self.content(ids)  # batch_size=None: a sample
                 self.in_pass += 1
                 self.pending.append((self.dl.epoch, ids, committed))
+                if filtered is not None:  # under filter=: the members it dropped, recorded at the same update
+                    self.pending.append((self.dl.epoch, self.dl.last_filtered().tolist(), filtered))
             # the test's own rule for a whole update: K micro-batches (failed ones included), or the end of the share
             whole = self.in_pass % self.dl.grad_accum == 0 or self.in_pass == self.share
-            if self.pending[-1][2] is committed:
+            if self.pending[-1][2] is not failed:
                 assert self.dl.update_complete == whole
             if whole:
                 for epoch, done, into in self.pending:
                     into[epoch].update(done)
                 self.pending = []
 
-    def run_pass_to_end(self, committed, failed):
+    def run_pass_to_end(self, committed, failed, filtered=None):
         """Deliver batches until this rank's current pass (or a new one) ends."""
         if self.iterator is None:
             self.iterator, self.in_pass, self.share = iter(self.dl), 0, self.dl.batches_left
         while self.iterator is not None:
-            self.consume(1, committed, failed)
+            self.consume(1, committed, failed, filtered)
 
 
-def simulate(data, dataset, batch_size, grad_accum, shuffle, drop_last, worlds, num_workers):
+def simulate(data, dataset, batch_size, grad_accum, shuffle, drop_last, worlds, num_workers, keep=None):
+    """Under a filter (`keep`, a Keep), each index is also recorded as filtered by it, exactly once, or else trained
+    or failed exactly once; kept ones pass its rule, filtered ones do not."""
     n, seed = len(dataset), data.draw(st.integers(0, 2**32), label="seed")
     unbatched = batch_size is None  # single samples: torch refuses drop_last, and the tail rule is drop_last's
     drop_last = drop_last and not unbatched
@@ -119,6 +141,7 @@ def simulate(data, dataset, batch_size, grad_accum, shuffle, drop_last, worlds, 
     bad = set(data.draw(st.lists(st.integers(0, n - 1), max_size=3), label="bad indices")) if failures else set()
     lanes = data.draw(st.sampled_from([None, 1, 2, 3, 4]), label="lanes")
     committed, failed, state = defaultdict(Counter), defaultdict(Counter), None
+    filtered = defaultdict(Counter) if keep else None
 
     def make(world):
         loaders = [
@@ -126,14 +149,14 @@ def simulate(data, dataset, batch_size, grad_accum, shuffle, drop_last, worlds, 
                 dataset, batch_size=batch_size, shuffle=shuffle, drop_last=drop_last, seed=seed, rank=r,
                 world_size=world, grad_accum=grad_accum, num_workers=num_workers,
                 multiprocessing_context="fork" if num_workers else None,
-                collate_fn=FailingCollate(bad) if failures else None, lanes=lanes,
+                collate_fn=FailingCollate(bad) if failures else None, lanes=lanes, filter=keep,
             )
             for r in range(world)
         ]
         if state is not None:
             for dl in loaders:
                 dl.load_state_dict(state)
-        return [SimulatedRank(dl, data.draw) for dl in loaders]
+        return [SimulatedRank(dl, data.draw, keep) for dl in loaders]
 
     dropped, policy = {}, {}
 
@@ -154,17 +177,23 @@ def simulate(data, dataset, batch_size, grad_accum, shuffle, drop_last, worlds, 
     for world in worlds[:-1]:
         ranks = make(world)
         for rank in ranks:  # ranks consume unequal amounts, sometimes stopping inside an update
-            rank.consume(data.draw(st.integers(0, len(rank.dl) + 2), label="micro-batches"), committed, failed)
+            rank.consume(data.draw(st.integers(0, len(rank.dl) + 2), label="micro-batches"), committed, failed,
+                         filtered)
         state = merge(ranks, world)
     ranks = make(worlds[-1])
     for rank in ranks:
-        rank.run_pass_to_end(committed, failed)
+        rank.run_pass_to_end(committed, failed, filtered)
     last_epoch = ranks[0].dl.epoch
     assert all(rank.dl.epoch == last_epoch for rank in ranks)
     assert merge(ranks, worlds[-1])["epoch"] == last_epoch + 1
 
     for epoch in range(last_epoch + 1):
         counts = committed[epoch] + failed[epoch]
+        if keep:
+            kept, content = set(committed[epoch]), content_of(dataset)
+            assert all(map(keep.rule, content(sorted(kept)))), f"epoch {epoch}: a sample the filter drops was trained"
+            assert not any(map(keep.rule, content(sorted(filtered[epoch])))), f"epoch {epoch}: a kept one recorded"
+            counts += filtered[epoch]
         assert max(counts.values(), default=1) == 1, f"epoch {epoch}: duplicated {[i for i, c in counts.items() if c > 1]}"
         assert not failed[epoch] or bad & set(failed[epoch]), "only batches holding a bad index fail"
         event(f"failed samples: {'some' if failed[epoch] else 'none'}")
@@ -271,3 +300,33 @@ def test_a_resized_mixture_run_keeps_every_global_batch_of_the_uninterrupted_run
     assert resized == reference
     per_source = [np.bincount(np.asarray(u) // SOURCE_STRIDE, minlength=len(lengths)).tolist() for u in reference]
     assert per_source == [np.bincount(np.asarray(u) // SOURCE_STRIDE, minlength=len(lengths)).tolist() for u in resized]
+
+
+FILTERED_RUNS = dict(RUNS, batch_size=st.integers(1, 7), fifths=st.integers(0, 5))  # filter= needs batches
+
+
+@settings(max_examples=60, deadline=None)
+@given(data=st.data(), **FILTERED_RUNS)
+def test_under_a_filter_every_sample_is_trained_or_filtered_exactly_once(data, n, batch_size, grad_accum, shuffle,
+                                                                       drop_last, worlds, fifths):
+    """filter= keeps none, some or all samples: the kept ones trained exactly once, the others recorded as filtered
+    exactly once (last_filtered), across restarts after uneven consumption, with batches that fail to load."""
+    keep = Keep(fifths, data.draw(st.integers(0, 4), label="salt"))
+    simulate(data, IndexDataset(n), batch_size, grad_accum, shuffle, drop_last, worlds, 0, keep)
+
+
+@settings(max_examples=20, deadline=None)
+@given(data=st.data(), lengths=st.lists(st.integers(1, 40), min_size=1, max_size=3), **FILTERED_RUNS)
+def test_a_filtered_mixture_is_exactly_once_across_restarts(data, lengths, n, batch_size, grad_accum, shuffle,
+                                                            drop_last, worlds, fifths):
+    """The filter sees the mixture's samples (the predicate's index is the mixture position's)."""
+    mix = tagged_mixture(lengths, [1.0] * len(lengths), n, seed=data.draw(st.integers(0, 2**32), label="mixture seed"))
+    simulate(data, mix, batch_size, grad_accum, shuffle, drop_last, worlds, 0, Keep(fifths, 1))
+
+
+@pytest.mark.slow  # starts worker processes
+@settings(max_examples=3, deadline=None)
+@given(data=st.data(), fifths=st.integers(0, 5))
+def test_a_filter_in_worker_processes_is_exactly_once_at_4_3_2_ranks(data, fifths):
+    """The verdicts made in 2 workers reach the loader with each batch, at 4, 3 and 2 ranks after uneven stops."""
+    simulate(data, IndexDataset(90), 4, 2, True, False, [4, 3, 2], 2, Keep(fifths, 3))

@@ -48,6 +48,7 @@ class GroupAudit:
     dropped: int
     failed: int
     requested: int = 0  # skipped on request (`loader.skip`)
+    filtered: int = 0  # filtered by policy (the loader's `filter=`)
 
 
 @dataclass(frozen=True)
@@ -82,20 +83,33 @@ class Unseen:
 
 @dataclass(frozen=True)
 class EpochTally:
-    """What the counted records of one epoch delivered: each distinct index and how often, and the failed ones."""
+    """What the counted records of one epoch delivered: each distinct index and how often, the failed ones, and each
+    distinct index the loader's filter dropped and how often. A sample filtered and also trained, or filtered twice,
+    was consumed more than once: duplicated, as one trained twice."""
 
     epoch: int
-    delivered: np.ndarray  # sorted distinct indices of the delivered batches
+    delivered: np.ndarray  # sorted distinct indices of the delivered batches (trained)
     times: np.ndarray  # how often each was delivered
     failed: np.ndarray  # sorted distinct indices of the batches that failed to load
+    filtered: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # sorted distinct indices the
+    # loader's filter dropped (consumed, never trained)
+    filtered_times: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # how often each was dropped
 
     @property
     def once(self) -> np.ndarray:
-        return self.delivered[self.times == 1]
+        """Trained once, never filtered."""
+        return np.setdiff1d(self.delivered[self.times == 1], self.filtered, assume_unique=True)
+
+    @property
+    def filtered_once(self) -> np.ndarray:
+        """Filtered once, never trained: filtered by policy."""
+        return np.setdiff1d(self.filtered[self.filtered_times == 1], self.delivered, assume_unique=True)
 
     @property
     def duplicated(self) -> np.ndarray:
-        return self.delivered[self.times > 1]
+        """Consumed more than once: trained twice, filtered twice, or trained and filtered."""
+        return np.union1d(np.union1d(self.delivered[self.times > 1], self.filtered[self.filtered_times > 1]),
+                          np.intersect1d(self.delivered, self.filtered, assume_unique=True))
 
 
 @dataclass(frozen=True)
@@ -112,6 +126,8 @@ class EpochAudit:
     requested: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # skipped on request
     served_anyway: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # skipped on request, yet
     # delivered: a skip the loader did not keep
+    filtered: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # filtered by policy (the loader's
+    # `filter=`): consumed, never trained
 
     @property
     def clean(self) -> bool:
@@ -121,7 +137,7 @@ class EpochAudit:
     def not_yet_seen(self) -> int:
         """Samples of an unfinished epoch that no counted step delivered yet (of a finished one: the skipped)."""
         return (self.expected - self.seen_once - len(self.duplicated) - self.dropped - len(self.failed)
-                - len(self.requested) + len(self.served_anyway))
+                - len(self.requested) + len(self.served_anyway) - len(self.filtered))
 
 
 def _by_group(grouping: Grouping, num_samples: int, once: np.ndarray, skipped: Unseen,
@@ -137,23 +153,31 @@ def _by_group(grouping: Grouping, num_samples: int, once: np.ndarray, skipped: U
 
     expected = chunked(Unseen(np.array([[0, num_samples]], np.int64)).chunks(GROUP_CHUNK))
     seen_once = chunked(np.array_split(once, max(1, -(-len(once) // GROUP_CHUNK))))
-    columns = zip(expected, seen_once, chunked(skipped.chunks(GROUP_CHUNK)),
-                  *(tally_of(offending[k]) for k in ("duplicated", "dropped", "failed", "requested")))
+    kinds = ("duplicated", "dropped", "failed", "requested", "filtered")
+    columns = zip(expected, seen_once, chunked(skipped.chunks(GROUP_CHUNK)), *(tally_of(offending[k]) for k in kinds))
     return tuple(GroupAudit(name, *map(int, row)) for name, row in zip(grouping.names, columns))
 
 
 def tally(records: list[Record], epochs) -> Iterator[EpochTally]:
     """Per epoch (those of the records and `epochs`, in order): the distinct indices the records delivered and how
-    often, and the indices of the batches that failed to load. One epoch's indices in memory at a time."""
+    often, the indices of the batches that failed to load, and the distinct indices the loader's filter dropped and
+    how often. One epoch's indices in memory at a time."""
     per_epoch: dict[int, list[np.ndarray]] = defaultdict(list)
     failed_per_epoch: dict[int, list[np.ndarray]] = defaultdict(list)
+    filtered_per_epoch: dict[int, list[np.ndarray]] = defaultdict(list)
     for record in records:
-        (failed_per_epoch if record.failed else per_epoch)[record.epoch].append(record.indices)
-    for epoch in sorted(set(per_epoch) | set(epochs) | set(failed_per_epoch)):
-        delivered, times = np.unique(np.concatenate(per_epoch.pop(epoch, []) + [np.zeros(0, np.int64)]),
-                                     return_counts=True)
+        kind = failed_per_epoch if record.failed else filtered_per_epoch if record.filtered else per_epoch
+        kind[record.epoch].append(record.indices)
+    for epoch in sorted(set(per_epoch) | set(epochs) | set(failed_per_epoch) | set(filtered_per_epoch)):
+        delivered, times = _distinct(per_epoch.pop(epoch, []))
+        filtered, filtered_times = _distinct(filtered_per_epoch.pop(epoch, []))
         failed = np.unique(np.concatenate(failed_per_epoch.pop(epoch, []) + [np.zeros(0, np.int64)]))
-        yield EpochTally(epoch, delivered, times, failed)
+        yield EpochTally(epoch, delivered, times, failed, filtered, filtered_times)
+
+
+def _distinct(batches: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    """The sorted distinct indices of `batches`, and how often each occurs."""
+    return np.unique(np.concatenate(batches + [np.zeros(0, np.int64)]), return_counts=True)
 
 
 def audit(run_dir, grouping: Grouping | None = None) -> list[EpochAudit]:
@@ -174,12 +198,14 @@ def audit_records(records: list[Record], dropped: dict[int, np.ndarray], num_sam
     for t in tally(records, set(dropped) | set(requested)):
         asked = np.unique(requested.get(t.epoch, np.zeros(0, np.int64)))
         dropped_here = np.unique(dropped.get(t.epoch, np.zeros(0, np.int64)))
-        unseen = complement(spans_of(np.concatenate((t.delivered, t.failed, asked, dropped_here))), num_samples)
+        unseen = complement(spans_of(np.concatenate((t.delivered, t.failed, asked, dropped_here, t.filtered))),
+                            num_samples)
         finished = t.epoch in dropped or not len(unseen)
         skipped = Unseen(unseen if finished else EMPTY)
-        once, duplicated = t.once, t.duplicated
+        once, duplicated, filtered = t.once, t.duplicated, t.filtered_once
         groups = () if grouping is None else _by_group(grouping, num_samples, once, skipped, duplicated=duplicated,
-                                                       dropped=dropped_here, failed=t.failed, requested=asked)
+                                                       dropped=dropped_here, failed=t.failed, requested=asked,
+                                                       filtered=filtered)
         report.append(EpochAudit(
             epoch=t.epoch,
             expected=num_samples,
@@ -191,7 +217,8 @@ def audit_records(records: list[Record], dropped: dict[int, np.ndarray], num_sam
             failed=t.failed,
             groups=groups,
             requested=asked,
-            served_anyway=np.intersect1d(asked, t.delivered, assume_unique=True),
+            served_anyway=np.intersect1d(asked, np.union1d(t.delivered, t.filtered), assume_unique=True),
+            filtered=filtered,
         ))
     return report
 
@@ -217,8 +244,8 @@ def _listed(indices: np.ndarray | Unseen, limit: int, describe: Callable[[int, i
 
 EXACTLY_ONCE, FAILED, NO_LEDGER, UNFINISHED = 0, 1, 2, 3  # the exit statuses of `python -m loader audit`
 EXIT_STATUSES = f"""exit statuses:
-  {EXACTLY_ONCE}: every epoch finished, every sample exactly once (failed-to-load and skipped-on-request samples
-     listed, not trained)
+  {EXACTLY_ONCE}: every epoch finished, every sample exactly once (failed-to-load, skipped-on-request and
+     filtered-by-policy samples listed, not trained)
   {FAILED}: a sample was skipped or duplicated
   {NO_LEDGER}: no ledger to audit (no such directory, a run without a Ledger attached), or an input that cannot
      be read or contradicts the rest (the file and field named on stderr)
@@ -241,14 +268,15 @@ def main(run_dir: str, limit: int = 20, describe: Callable[..., str] = str, grou
     for note in () if grouping is None else grouping.notes:
         print(note)
     print(f"{'epoch':>5} {'state':>11} {'expected':>9} {'seen once':>10} {'skipped':>8} {'duplicated':>11} "
-          f"{'dropped by policy':>18} {'failed to load':>15} {'skipped on request':>19}")
+          f"{'dropped by policy':>18} {'failed to load':>15} {'skipped on request':>19} {'filtered by policy':>19}")
     for e in report:
         skipped = str(len(e.skipped)) if e.finished else "-"
         print(f"{e.epoch:>5} {'finished' if e.finished else 'in progress':>11} {e.expected:>9} {e.seen_once:>10} "
-              f"{skipped:>8} {len(e.duplicated):>11} {e.dropped:>18} {len(e.failed):>15} {len(e.requested):>19}")
+              f"{skipped:>8} {len(e.duplicated):>11} {e.dropped:>18} {len(e.failed):>15} {len(e.requested):>19} "
+              f"{len(e.filtered):>19}")
         for g in e.groups:
             print(f"{'':>5} {g.name:>11} {g.expected:>9} {g.seen_once:>10} {g.skipped if e.finished else '-':>8} "
-                  f"{g.duplicated:>11} {g.dropped:>18} {g.failed:>15} {g.requested:>19}")
+                  f"{g.duplicated:>11} {g.dropped:>18} {g.failed:>15} {g.requested:>19} {g.filtered:>19}")
         if len(e.skipped):
             print(f"      skipped indices: {_listed(e.skipped, limit, name, e.epoch)}")
         if len(e.duplicated):
@@ -257,6 +285,8 @@ def main(run_dir: str, limit: int = 20, describe: Callable[..., str] = str, grou
             print(f"      failed to load (consumed, not trained): {_listed(e.failed, limit, name, e.epoch)}")
         if len(e.requested):
             print(f"      skipped on request (never served, not trained): {_listed(e.requested, limit, name, e.epoch)}")
+        if len(e.filtered):
+            print(f"      filtered by policy (consumed, not trained): {_listed(e.filtered, limit, name, e.epoch)}")
         if len(e.served_anyway):
             print(f"      served although skipped on request: {_listed(e.served_anyway, limit, name, e.epoch)}")
     if not all(e.clean for e in report):
@@ -275,4 +305,7 @@ def main(run_dir: str, limit: int = 20, describe: Callable[..., str] = str, grou
         print("audit: every sample exactly once")
     if requested:
         print(f"audit: {requested} sample(s) skipped on request, never served")
+    filtered = sum(len(e.filtered) for e in report)
+    if filtered:
+        print(f"audit: {filtered} sample(s) filtered by policy (the loader's filter=), not trained")
     return EXACTLY_ONCE

@@ -15,6 +15,8 @@ generation replays that step, and every flow that iterates the loader (DCP, Ligh
 own) records it without a call of its own. Rank 0's carries the indices dropped by policy and skipped on request,
 as the progress its state stands for holds them; an epoch is finished when every rank of one generation recorded
 its end. `save_checkpoint` still writes dropped/ and skipped/ (skips are known between epochs' ends only there).
+The members of a delivered batch that the loader's `filter=` dropped are a record of their own (FILTERED, a bit of
+its own: 16 is END's), written before the batch's for the same step, so it counts exactly when the batch does.
 
 Reading validates every file in one place (`read_run`): a file that cannot be read, or that contradicts the
 others, raises a `LedgerError` naming the file and the field, never an IndexError or a MemoryError later.
@@ -49,7 +51,8 @@ COMPLETE, FAILED = 1, 2  # the batch completed its update; its loading raised (c
 ATTEMPT, VERDICT = 4, 8  # an attempt's start, payload its key; its verdict, payload its key and 1 if it committed
 END = 16  # this rank's share of the epoch is all handed out; rank 0's payload: [number dropped, dropped...,
 # skipped on request...] (dataset indices)
-_FLAGS = COMPLETE | FAILED | ATTEMPT | VERDICT | END
+FILTERED = 32  # the members of a delivered batch that the loader's filter dropped (consumed, never trained)
+_FLAGS = COMPLETE | FAILED | ATTEMPT | VERDICT | END | FILTERED
 _RANK_FILE = re.compile(r"rank-(\d{5,})\.bin")
 
 
@@ -108,8 +111,13 @@ class Ledger:
         self._write(-1, np.asarray([*key, committed]), VERDICT, step + 1)
         self._file.flush()
 
-    def record(self, epoch: int, indices: np.ndarray, update_complete: bool) -> None:
-        """One delivered batch; flushed at each completed update so a crash loses only the replayed tail."""
+    def record(self, epoch: int, indices: np.ndarray, update_complete: bool,
+               filtered: np.ndarray | None = None) -> None:
+        """One delivered batch, its trained `indices` and those its loader's filter dropped (`filtered`, recorded
+        first, for the same step: the audit lists them as filtered by policy); flushed at each completed update so a
+        crash loses only the replayed tail."""
+        if filtered is not None and len(filtered):
+            self._write(epoch, filtered, FILTERED)
         self._write(epoch, indices, COMPLETE if update_complete else 0)
         if update_complete:
             self.step += 1
@@ -229,6 +237,7 @@ class Record:
     complete: bool
     failed: bool
     counted: bool = True  # False: a later generation replayed its step, or its rank never completed the step
+    filtered: bool = False  # members of a delivered batch that the loader's filter dropped: consumed, never trained
 
 
 @dataclass(frozen=True)
@@ -290,6 +299,8 @@ def _payload_error(step: int, epoch: int, ids: np.ndarray, flags: int) -> str | 
     """What is wrong with a record's header or payload length, besides its indices' range (None: nothing)."""
     if flags & ~_FLAGS:
         return f"flags {flags:#x} has bits this reader does not know"
+    if flags & FILTERED and flags != FILTERED:
+        return f"flags {flags:#x}: a filtered record ({FILTERED:#x}) carries no other flag"
     if flags & ATTEMPT:
         return None if len(ids) == 2 else f"an attempt's key must be 2 ints, got {len(ids)}"
     if flags & VERDICT:
@@ -395,7 +406,7 @@ def read_run(run_dir) -> RunLedger:
                 counted = step <= min(cutoff, completed)
                 if not flags & END:
                     records.append(Record(generation.number, rank_number, step, epoch, ids, bool(flags & COMPLETE),
-                                          bool(flags & FAILED), counted))
+                                          bool(flags & FAILED), counted, bool(flags & FILTERED)))
                 elif counted:
                     ends[epoch][rank_number] = ids
         ended.update({e: by_rank[0] for e, by_rank in ends.items() if ranks <= by_rank.keys()})
@@ -428,7 +439,7 @@ def _attempt_records(generations: list[tuple[Generation, Path]], num_samples: in
             elif not flags & END:
                 tried.append((generation.number, step, epoch, payload, flags, key))
     return [Record(number, 0, step, epoch, ids, bool(flags & COMPLETE), bool(flags & FAILED),
-                   key is not None and committed.get(step) == key)
+                   key is not None and committed.get(step) == key, bool(flags & FILTERED))
             for number, step, epoch, ids, flags, key in tried]
 
 

@@ -1,13 +1,12 @@
 """`python -m loader audit RUN_DIR --plot out.png`: the run's epochs in one picture, read at a glance.
 
-Top: each launch's position in the epoch (samples consumed by all ranks) after every optimizer step, from the
-identity ledger; a new launch starts at a dashed line, labelled with its world size, from the position its
-checkpoint committed; steps that a later launch replayed are hollow and do not count; batches that failed to load
-and deliveries of a duplicated sample are marked on the step that delivered them. Bottom: each epoch's dataset
-indices, coloured by what the audit found: seen once, skipped, duplicated, failed to load, dropped by policy, skipped
-on request (`dl.skip`), or not yet seen (an epoch in progress). The drawn categories are returned (`Picture`) so a
-test can hold them against the audit's counts. matplotlib (the `bench` extra) is imported only here.
-"""
+Top: each launch's position in the epoch (samples consumed by all ranks) after every optimizer step, from the identity
+ledger; a new launch starts at a dashed line, labelled with its world size, from the position its checkpoint committed;
+steps that a later launch replayed are hollow and do not count; batches that failed to load and deliveries of a
+duplicated sample are marked on the step that delivered them. Bottom: each epoch's dataset indices, coloured by what the
+audit found: seen once, skipped, duplicated, failed to load, dropped by policy, filtered by policy (the loader's
+`filter=`), skipped on request (`dl.skip`), or not yet seen (an epoch in progress). The drawn categories are returned
+(`Picture`) so a test can hold them against the audit's counts. matplotlib (the `bench` extra) is imported only here."""
 
 from __future__ import annotations
 
@@ -21,10 +20,10 @@ from loader.checkpoint.audit import EpochAudit, EpochTally, audit_records, tally
 from loader.checkpoint.ledger import Generation, Record, read_run
 
 # what an index of an epoch was, by severity: a bin of many indices shows the most severe one it holds
-ONCE, NOT_YET, DROPPED, REQUESTED, FAILED, SKIPPED, DUPLICATED = range(7)
-CATEGORIES = ("seen once", "not yet seen", "dropped by policy", "skipped on request", "failed to load", "skipped",
-              "duplicated")
-COLOURS = ("#b8e186", "#eeeeee", "#969696", "#4393c3", "#7b3294", "#ff9d00", "#d7191c")
+ONCE, NOT_YET, DROPPED, FILTERED, REQUESTED, FAILED, SKIPPED, DUPLICATED = range(8)
+CATEGORIES = ("seen once", "not yet seen", "dropped by policy", "filtered by policy", "skipped on request",
+              "failed to load", "skipped", "duplicated")
+COLOURS = ("#b8e186", "#eeeeee", "#969696", "#c2a5cf", "#4393c3", "#7b3294", "#ff9d00", "#d7191c")
 MAX_COLUMNS = 800  # bins of a strip: one per index up to this many indices
 MAX_STRIPS = 12  # epochs drawn as strips: the unclean ones first, then the latest
 MARKED_STEPS = 2000  # beyond this many steps a launch's line has no per-step markers
@@ -59,16 +58,21 @@ def categories_of(t: EpochTally, dropped: np.ndarray | None, requested: np.ndarr
     """How many indices of the epoch fall in each category (codes above), and its strip: `columns` bins of
     near-equal width, each the most severe category among its indices. From the tally's distinct indices and the
     rest as what none of them covers (O(indices recorded + columns) memory, never O(N)). An index is duplicated
-    when delivered twice or more; else failed when its batch failed; else seen once when delivered; else skipped on
-    request, dropped by policy (`dropped`: None when the epoch is unfinished), or what is left: skipped, or not yet
-    seen in an unfinished epoch."""
+    when consumed twice or more (trained or filtered: see `EpochTally`); else failed when its batch failed; else
+    seen once when trained, filtered by policy when the loader's filter dropped it; else skipped on request,
+    dropped by policy (`dropped`: None when the epoch is unfinished), or what is left: skipped, or not yet seen in
+    an unfinished epoch. One served or filtered although skipped on request is drawn as it was consumed, as the
+    audit counts it."""
     empty = np.zeros(0, np.int64)
     failed = np.setdiff1d(t.failed, t.duplicated, assume_unique=True)
     once = np.setdiff1d(t.once, failed, assume_unique=True)
-    asked = np.setdiff1d(np.setdiff1d(requested, t.delivered, assume_unique=True), failed, assume_unique=True)
-    lost = empty if dropped is None else np.setdiff1d(np.unique(dropped), np.union1d(t.delivered, t.failed))
+    filtered = np.setdiff1d(t.filtered_once, failed, assume_unique=True)
+    consumed = np.union1d(np.union1d(t.delivered, t.filtered), t.failed)
+    asked = np.setdiff1d(requested, consumed, assume_unique=True)
+    lost = empty if dropped is None else np.setdiff1d(np.unique(dropped), consumed)
     lost = np.setdiff1d(lost, asked, assume_unique=True)
-    members = {ONCE: once, DROPPED: lost, REQUESTED: asked, FAILED: failed, DUPLICATED: t.duplicated}
+    members = {ONCE: once, DROPPED: lost, FILTERED: filtered, REQUESTED: asked, FAILED: failed,
+               DUPLICATED: t.duplicated}
     accounted = np.concatenate(list(members.values()))
     rest = SKIPPED if dropped is not None else NOT_YET
     counts = np.zeros(len(CATEGORIES), np.int64)

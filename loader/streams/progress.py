@@ -13,6 +13,7 @@ A plain stream resumes at the same world size and number of workers; a sharded s
 from __future__ import annotations
 
 from functools import cached_property
+from typing import Any, Callable
 
 from loader.core.checks import is_int
 from loader.core.sampler import warn_abandoned
@@ -44,11 +45,13 @@ class StreamProgress:
         self._unread = True  # no pass of this loader read the dataset, and no state was loaded: see `_origins`
         self._start(0, (None,) * self.workers)
 
-    def attach(self, batch_size: int | None, drop_last: bool, collate_fn, worker_init_fn) -> StreamSource:
-        """The dataset torch iterates: this stream's batches, made where it is read, each with its worker's state."""
+    def attach(self, batch_size: int | None, drop_last: bool, collate_fn, worker_init_fn,
+               keep: Callable[[None, Any], bool] | None = None) -> StreamSource:
+        """The dataset torch iterates: this stream's batches, made where it is read, each with its worker's state;
+        of the records `keep(None, record)` keeps, if given."""
         deal = None if self.shards is None else self.shards.deal(self.world_size, self.workers)
         self.source = StreamSource(self.dataset, batch_size, drop_last, collate_fn, self.num_workers, worker_init_fn,
-                                   self.rank, deal)
+                                   self.rank, deal, keep)
         return self.source
 
     def _start(self, epoch: int, origins: tuple, *, delivered: int = 0, latest=None, next_worker: int = 0,

@@ -17,7 +17,7 @@ import dataclasses
 import itertools
 import sys
 from dataclasses import dataclass
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
 
 import torch.utils.data._utils.worker as torch_worker
 from torch._utils import ExceptionWrapper
@@ -33,11 +33,12 @@ def is_stateful(obj) -> bool:
     return callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))
 
 
-# What torch's iterator yields for a stream, one per batch: (worker, snapshot, error, end, batch, records).
+# What torch's iterator yields for a stream, one per batch: (worker, snapshot, error, end, batch, records, filtered).
 # `snapshot` is the worker's state right after the batch ("ended" once its stream is exhausted); `error` (a Raised),
 # when making the batch raised (the batch is then consumed, not delivered); `end`, when no batch comes: the worker's
-# stream ended after its last one; `records`, how many the batch holds (a worker's last may hold fewer), for the
-# loader's metrics. A plain tuple: it pickles 3x faster than an object, and pin_memory passes through it.
+# stream ended after its last one; `records`, how many the batch holds (a worker's last may hold fewer), and
+# `filtered`, how many records the loader's filter dropped before it (or before the end), for the loader's metrics.
+# A plain tuple: it pickles 3x faster than an object, and pin_memory passes through it.
 
 
 @dataclass(frozen=True)
@@ -55,13 +56,17 @@ class Plan:
 
 
 class StreamSource(IterableDataset):
-    """The dataset torch iterates for a stream: one (worker, snapshot, error, end, batch) per batch of the user's
-    stream."""
+    """The dataset torch iterates for a stream: one (worker, snapshot, error, end, batch, records, filtered) per batch
+    of the user's stream. With a filter (`keep(None, record)`), a batch is made of the next records it keeps: the
+    records it drops are consumed before the batch's snapshot, so a resume never reads them again, nor evaluates the
+    filter on them."""
 
     def __init__(self, dataset, batch_size: int | None, drop_last: bool, collate_fn: Callable, num_workers: int,
-                 worker_init_fn: Callable | None, rank: int, deal: ShardDeal | None):
+                 worker_init_fn: Callable | None, rank: int, deal: ShardDeal | None,
+                 keep: Callable[[None, Any], bool] | None = None):
         self.dataset, self.batch_size, self.drop_last, self.collate_fn = dataset, batch_size, drop_last, collate_fn
         self.num_workers, self.user_init, self.rank, self.deal = num_workers, worker_init_fn, rank, deal
+        self.keep = keep
         self.plan: Plan | None = None  # set by the main process before torch makes an iterator
         self._worker, self._epoch, self._live = 0, 0, None
 
@@ -290,6 +295,7 @@ class _Batches:
         # arrays, so ambiguous); starmap compares nothing, and goes on after a record that raised
         self.records = itertools.starmap(records.__next__, itertools.repeat(()))
         self.count, self.finished, self.exhausted, self.clean = count, False, False, True
+        self.dropped = 0  # records the filter dropped while the batch being made was drawn
         self._pending: tuple | None = None
         # what a snapshot holds, decided once: a dataset that is its own iterator keeps its state once
         self._keeps_dataset = reader is None and iterator is not source.dataset and is_stateful(source.dataset)
@@ -328,12 +334,13 @@ class _Batches:
 
     def _make(self) -> tuple:
         source, size = self.source, self.source.batch_size or 1
+        self.dropped = 0
         try:
-            items = list(itertools.islice(self.records, size)) if not self.exhausted else []
+            items = self._draw(size) if not self.exhausted else []
             self.exhausted = len(items) < size  # the records ended (their end was drawn: a stream's last code ran)
             if not items or (source.drop_last and len(items) < size):
                 self.finished = True
-                return source._worker, self.snapshot(ended=True), None, True, None, 0
+                return source._worker, self.snapshot(ended=True), None, True, None, 0, self.dropped
             batch = source.collate_fn(items if source.batch_size is not None else items[0])
         except Exception as err:  # noqa: BLE001 - whatever the user's code raised fails this batch only
             # a shard reader whose last shard failed has nothing left: its snapshot must say so, or a resume would
@@ -342,10 +349,26 @@ class _Batches:
             return self._made(_wrap(err), None, 0)  # returned from here: no local keeps `err` (a cycle)
         return self._made(None, batch, len(items))
 
+    def _draw(self, size: int) -> list:
+        """The next `size` records the filter keeps (fewer where the stream ends), counting those it drops."""
+        keep = self.source.keep
+        if keep is None:
+            return list(itertools.islice(self.records, size))
+        items = []
+        for record in self.records:
+            if not keep(None, record):
+                self.dropped += 1
+                continue
+            items.append(record)
+            if len(items) == size:
+                break
+        return items
+
     def _made(self, error, batch, records: int) -> tuple:
         self.count += 1
         self.finished = self.exhausted  # a short last batch: the stream ended with it
-        return self.source._worker, self.snapshot(ended=self.exhausted), error, False, batch, records
+        return (self.source._worker, self.snapshot(ended=self.exhausted), error, False, batch, records,
+                0 if error is not None else self.dropped)
 
     def replay(self, count: int) -> None:
         """Make `count` batches again, unseen: how a stream without state gets back to where its worker was."""
