@@ -5,8 +5,8 @@ grad_accum)); the job stops after a number of optimizer updates, saves the way t
 and a new launch runs to the end of the epoch. Uneven stops give ranks unequal consumption before the stop
 (rank 1 one micro-batch ahead, rank 2 one behind, as DDP Join or uneven inputs leave them); a system that cannot
 express a stop is never asked to: every one here delivers as many batches as it is told. A change of the global
-batch at the restart (48 -> 96, as a batch-size ramp does) stops after one more update, an odd count, so that the
-stop does not fall on a whole number of the new global batches.
+batch at the restart (48 -> 96, as a batch-size ramp does) stops after an odd number of updates (51 at quick size),
+so that the stop does not fall on a whole number of the new global batches.
 """
 
 from __future__ import annotations
@@ -53,8 +53,9 @@ class Fault:
         return (self.batch_after if resumed and self.batch_after else GLOBAL_BATCH) // (world * self.accum)
 
     def updates(self, updates: int) -> int:
-        """Optimizer updates before the stop: one more where the global batch changes (an odd count)."""
-        return updates + 1 if self.batch_after else updates
+        """Optimizer updates before the stop; where the global batch changes, the first odd count from `updates`,
+        so that the stop is not a whole number of the new global batches."""
+        return updates + (updates % 2 == 0) if self.batch_after else updates
 
     def schedule(self, updates: int) -> tuple[tuple[int, int], ...] | None:
         """The global batch by optimizer update across the stop, for a loader that takes a batch-size ramp."""

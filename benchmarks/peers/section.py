@@ -10,7 +10,7 @@ from benchmarks.config import Config
 from benchmarks.environment import usable_cpus
 from benchmarks.peers import memory, resume, throughput
 from benchmarks.peers.config import PeersConfig, peers_config
-from benchmarks.peers.faults import GLOBAL_BATCH, exactly_once
+from benchmarks.peers.faults import GLOBAL_BATCH, Fault, exactly_once
 from benchmarks.peers.store import Store
 from benchmarks.peers.systems import SYSTEMS, System, load_all, versions
 from benchmarks.peers.throughput import BASELINE
@@ -133,7 +133,7 @@ def _script(pc: PeersConfig) -> str:
             f"({pc.stop_updates * GLOBAL_BATCH:,} samples), save as the system documents, and a new launch at W "
             "ranks runs to the end of the epoch. Uneven: rank 1 one micro-batch ahead of rank 0 and rank 2 one "
             "behind at the stop (DDP Join, uneven inputs). Global batch 48→96: the restart runs at a global batch of "
-            f"96 after {pc.stop_updates + 1} updates of 48 (an odd count: a batch-size ramp's step; ours is given the "
+            f"96 after {Fault(4, 4, batch_after=96).updates(pc.stop_updates)} updates of 48 (an odd count: a batch-size ramp's step; ours is given the "
             "schedule as a BatchPolicy ramp, every other system the new batch size at the restart). A cell is "
             "skipped / duplicated samples over the whole epoch, counted by identity; \"no restart\" is the epoch "
             "run uninterrupted (the system's own tail handling: padding with repeats, or drops; the second column "
