@@ -51,7 +51,9 @@ PEERS = ("peers", "10. Peers side by side: samples skipped or duplicated by a re
          "throughput", peers.run)
 SCALE = ("scale", "11. Data parallelism at scale (65,536 ranks simulated: merge, gather bytes, validation, load; "
          "the lockstep check's store at 1,024 clients)", scale.run)
-OPT_IN = (PEERS, SCALE)  # run only when chosen with --sections
+PEERS_EXACT = ("peers-exact", "10. Peers, exactly once alone: samples skipped or duplicated by a resume, by identity "
+               "(counts only, no timings)", peers.run_exact)
+OPT_IN = (PEERS, PEERS_EXACT, SCALE)  # run only when chosen with --sections
 RESULTS = Path(__file__).resolve().parent / "results"
 
 

@@ -4,7 +4,9 @@ N samples whose item is its index, global batch 48 held across world sizes (per-
 grad_accum)); the job stops after a number of optimizer updates, saves the way the system's documentation says,
 and a new launch runs to the end of the epoch. Uneven stops give ranks unequal consumption before the stop
 (rank 1 one micro-batch ahead, rank 2 one behind, as DDP Join or uneven inputs leave them); a system that cannot
-express a stop is never asked to: every one here delivers as many batches as it is told.
+express a stop is never asked to: every one here delivers as many batches as it is told. A change of the global
+batch at the restart (48 -> 96, as a batch-size ramp does) stops after an odd number of updates (51 at quick size),
+so that the stop does not fall on a whole number of the new global batches.
 """
 
 from __future__ import annotations
@@ -31,20 +33,37 @@ class Fault:
     after: int | None
     accum: int = 1
     uneven: bool = False
+    batch_after: int | None = None  # the global batch after the restart, where it changes there
+
+    @property
+    def key(self) -> tuple:
+        """What its stop depends on: faults with the same key share one stop."""
+        return self.accum, self.uneven, self.batch_after
 
     @property
     def label(self) -> str:
         if self.after is None:
             return f"no restart, W={self.before}"
         return (f"{self.before}→{self.after}" + (" uneven" if self.uneven else "")
-                + (f", grad_accum {self.accum}" if self.accum > 1 else ""))
+                + (f", grad_accum {self.accum}" if self.accum > 1 else "")
+                + (f", global batch {GLOBAL_BATCH}→{self.batch_after}" if self.batch_after else ""))
 
-    def batch(self, world: int) -> int:
-        return GLOBAL_BATCH // (world * self.accum)
+    def batch(self, world: int, resumed: bool = False) -> int:
+        """The micro-batch at `world` ranks, before the stop or after the restart (`resumed`)."""
+        return (self.batch_after if resumed and self.batch_after else GLOBAL_BATCH) // (world * self.accum)
+
+    def updates(self, updates: int) -> int:
+        """Optimizer updates before the stop; where the global batch changes, the first odd count from `updates`,
+        so that the stop is not a whole number of the new global batches."""
+        return updates + (updates % 2 == 0) if self.batch_after else updates
+
+    def schedule(self, updates: int) -> tuple[tuple[int, int], ...] | None:
+        """The global batch by optimizer update across the stop, for a loader that takes a batch-size ramp."""
+        return ((0, GLOBAL_BATCH), (self.updates(updates), self.batch_after)) if self.batch_after else None
 
     def stop(self, updates: int) -> tuple[int, ...]:
         """Micro-batches each rank delivered before the stop, after `updates` optimizer updates."""
-        steps = updates * self.accum
+        steps = self.updates(updates) * self.accum
         return tuple(steps + (UNEVEN[r] if self.uneven else 0) for r in range(self.before))
 
 
@@ -52,6 +71,7 @@ FAULTS = (
     Fault(4, 4), Fault(4, 3), Fault(4, 6),
     Fault(4, 4, uneven=True), Fault(4, 3, uneven=True), Fault(4, 6, uneven=True),
     Fault(4, 4, accum=2), Fault(4, 3, accum=2), Fault(4, 6, accum=2),
+    Fault(4, 4, batch_after=2 * GLOBAL_BATCH),
     Fault(4, None), Fault(3, None), Fault(6, None),
 )
 
@@ -90,7 +110,7 @@ def _resume(fault: Fault, same_launch: bool, index: dict, stopped: list[Outcome]
     """Where a fault's resume starts: nothing (the control), its stop's phase in the same launch, or its state."""
     if fault.after is None:
         return None
-    key = index[(fault.accum, fault.uneven)]
+    key = index[fault.key]
     return key if same_launch else stopped[key].saved
 
 
@@ -106,9 +126,11 @@ def exactly_once(peer: Peer, module: str, n: int, stop_updates: int, faults: tup
         peer.prepare(n, data)
 
         def phase(fault: Fault, world: int, steps, resume=None) -> Phase:
-            return Phase(n, world, fault.batch(world), fault.accum, tuple(steps), resume, data)
+            resumed = resume is not None
+            return Phase(n, world, fault.batch(world, resumed), fault.accum, tuple(steps), resume, data,
+                         fault.schedule(stop_updates))
 
-        stops = {(f.accum, f.uneven): f for f in faults if f.after is not None}
+        stops = {f.key: f for f in faults if f.after is not None}
         first = [phase(f, before, f.stop(stop_updates)) for f in stops.values()]
         index = {key: i for i, key in enumerate(stops)}
         worlds = sorted({before} | {f.after or f.before for f in faults}, key=lambda w: (w != before, w))
@@ -122,6 +144,6 @@ def exactly_once(peer: Peer, module: str, n: int, stop_updates: int, faults: tup
             if world == before:
                 stopped, outcomes = outcomes[:len(first)], outcomes[len(first):]
             for f, outcome in zip(mine, outcomes):
-                stop = None if f.after is None else stopped[index[(f.accum, f.uneven)]]
+                stop = None if f.after is None else stopped[index[f.key]]
                 results[f.label] = _result(n, stop, outcome)
     return {f.label: results[f.label] for f in faults}

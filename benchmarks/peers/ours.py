@@ -1,7 +1,9 @@
 """Ours: ResumableDataLoader with explicit rank and world size.
 
 In lockstep rank 0's state_dict() is saved alone (README: "One rank's state is enough in lockstep"); when ranks
-consumed unequal amounts the merged progress of all ranks is saved (what save_checkpoint gathers).
+consumed unequal amounts the merged progress of all ranks is saved (what save_checkpoint gathers). Where the global
+batch changes at the restart, both launches are given the schedule as a batch-size ramp (`BatchPolicy`): the micro-
+batch stays, and K follows the step.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from benchmarks.peers.phase import InProcess, Phase, deliver
 from benchmarks.peers.samples import SEED, dataset, ids
 from benchmarks.states import global_state_at
 from loader import ResumableDataLoader, merge_states
+from loader.core.batch_policy import BatchPolicy
 
 
 def _loader(n: int, world: int, rank: int, batch: int, accum: int = 1, workers: int = 0, kind: str = "index"):
@@ -17,11 +20,19 @@ def _loader(n: int, world: int, rank: int, batch: int, accum: int = 1, workers: 
                                world_size=world, grad_accum=accum, num_workers=workers)
 
 
+def _phase_loader(phase: Phase, rank: int) -> ResumableDataLoader:
+    if phase.schedule is None:
+        return _loader(phase.n, phase.world, rank, phase.batch, phase.accum)
+    micro = phase.schedule[0][1] // (phase.world * phase.accum)
+    return ResumableDataLoader(dataset("index", phase.n), batch_size=micro, shuffle=True, seed=SEED, rank=rank,
+                               world_size=phase.world, batch_policy=BatchPolicy(phase.schedule, micro))
+
+
 class Ours(InProcess):
     saves = "rank 0's state_dict in lockstep; the merged progress (save_checkpoint) when ranks consumed unequally"
 
     def rank_phase(self, phase: Phase, rank: int, saved: dict | None) -> tuple[list[int], dict]:
-        dl = _loader(phase.n, phase.world, rank, phase.batch, phase.accum)
+        dl = _phase_loader(phase, rank)
         if saved is not None:
             dl.load_state_dict(saved)
         return [i for b in deliver(dl, phase.steps[rank]) for i in ids(b)], dl.state_dict()

@@ -19,7 +19,9 @@ class Phase:
     """One run of every rank of `world`: resume from `resume` (a saved state, the index of an earlier phase of
     the same launch whose saved state it loads, or None: a fresh start) and deliver `steps[r]` micro-batches of
     `batch` samples on rank r (None: to the end of the epoch), `accum` micro-batches per optimizer update. The
-    samples are the integers 0..n-1 (an item is its index), stored in the system's own format under `data`."""
+    samples are the integers 0..n-1 (an item is its index), stored in the system's own format under `data`.
+    `schedule`, where the global batch changes at the restart, is the global batch by optimizer update across both
+    launches, for a loader that takes a batch-size ramp; every other loader is given the new `batch` at restart."""
 
     n: int
     world: int
@@ -28,6 +30,7 @@ class Phase:
     steps: tuple[int | None, ...]
     resume: Any = None
     data: Path = Path()
+    schedule: tuple[tuple[int, int], ...] | None = None
 
     @property
     def stops(self) -> bool:

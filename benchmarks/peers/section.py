@@ -10,9 +10,9 @@ from benchmarks.config import Config
 from benchmarks.environment import usable_cpus
 from benchmarks.peers import memory, resume, throughput
 from benchmarks.peers.config import PeersConfig, peers_config
-from benchmarks.peers.faults import GLOBAL_BATCH, exactly_once
+from benchmarks.peers.faults import GLOBAL_BATCH, Fault, exactly_once
 from benchmarks.peers.store import Store
-from benchmarks.peers.systems import SYSTEMS, load_all, versions
+from benchmarks.peers.systems import SYSTEMS, System, load_all, versions
 from benchmarks.peers.throughput import BASELINE
 from benchmarks.progress import say
 from benchmarks.rows import count, resolves, row, single
@@ -27,17 +27,25 @@ def _cell(result: dict) -> str:
     return f"{result['skipped']}/{result['duplicated']}"
 
 
+def _system(key: str) -> System:
+    return next(s for s in SYSTEMS if s.key == key)
+
+
 def _name(key: str) -> str:
-    return next(s.name for s in SYSTEMS if s.key == key)
+    return _system(key).name
 
 
 def exactly_once_table(section: dict) -> list[str]:
+    """A row per system: what it drops by design (so a reader tells its tail from a resume's loss), then a cell per
+    fault; a system that is not installed has its error instead."""
     faults = list(next(iter(section["exactly_once"].values()), {}))
-    lines = ["| system (state saved under DP) | " + " | ".join(faults) + " |", "|---" * (len(faults) + 1) + "|"]
+    lines = ["| system (state saved under DP) | drops by design in an uninterrupted epoch | " + " | ".join(faults)
+             + " |", "|---" * (len(faults) + 2) + "|"]
     for key, results in section["exactly_once"].items():
-        lines.append(f"| {_name(key)} | " + " | ".join(_cell(results[f]) for f in faults) + " |")
+        lines.append(f"| {_name(key)} | {_system(key).drops} | " + " | ".join(_cell(results[f]) for f in faults)
+                     + " |")
     for key, error in section["not_run"].items():
-        lines.append(f"| {_name(key)} | not run: {error} |" + " |" * (len(faults) - 1))
+        lines.append(f"| {_name(key)} | {_system(key).drops} | not run: {error} |" + " |" * (len(faults) - 1))
     return lines
 
 
@@ -124,9 +132,12 @@ def _script(pc: PeersConfig) -> str:
             f"(micro-batch 48 / (W x grad_accum)); 4 ranks stop after {pc.stop_updates} optimizer updates "
             f"({pc.stop_updates * GLOBAL_BATCH:,} samples), save as the system documents, and a new launch at W "
             "ranks runs to the end of the epoch. Uneven: rank 1 one micro-batch ahead of rank 0 and rank 2 one "
-            "behind at the stop (DDP Join, uneven inputs). A cell is skipped / duplicated samples over the whole "
-            "epoch, counted by identity; \"no restart\" is the epoch run uninterrupted (the system's own tail "
-            "handling: padding with repeats, or drops).")
+            "behind at the stop (DDP Join, uneven inputs). Global batch 48→96: the restart runs at a global batch of "
+            f"96 after {Fault(4, 4, batch_after=96).updates(pc.stop_updates)} updates of 48 (an odd count: a batch-size ramp's step; ours is given the "
+            "schedule as a BatchPolicy ramp, every other system the new batch size at the restart). A cell is "
+            "skipped / duplicated samples over the whole epoch, counted by identity; \"no restart\" is the epoch "
+            "run uninterrupted (the system's own tail handling: padding with repeats, or drops; the second column "
+            "says which), so a resume's own loss is a cell's skips beyond its \"no restart\" ones.")
 
 
 def errors(section: dict) -> list[str]:
@@ -137,12 +148,13 @@ def errors(section: dict) -> list[str]:
 
 
 def tables(section: dict, script: str) -> list[str]:
-    """The section's Markdown: the exactly-once table, the costs, how each system saves, the versions."""
+    """The section's Markdown: the exactly-once table, the costs (where measured), how each system saves, the
+    versions."""
     versions = ", ".join(f"{name} {v}" for name, v in section["versions"].items())
+    costs = (["", "### Costs (one rank; resume and memory at N/2; medians; every measurement's spread is below)", ""]
+             + costs_table(section) + throughput_note(section) + not_measured(section)) if "resume" in section else []
     return (["### Exactly once: skipped / duplicated samples, by identity", "", script, ""]
-            + exactly_once_table(section) + errors(section)
-            + ["", "### Costs (one rank; resume and memory at N/2; medians; every measurement's spread is below)", ""]
-            + costs_table(section) + throughput_note(section) + not_measured(section)
+            + exactly_once_table(section) + errors(section) + costs
             + ["", "### How each system saves its state", ""] + saves_table(section) + ["", f"Versions: {versions}."])
 
 
@@ -152,6 +164,8 @@ def _rows(section: dict) -> list[dict]:
         state = next((r["state_bytes"] for r in results.values() if "state_bytes" in r), None)
         if state is not None:
             rows.append(row(f"{_name(key)}: state saved at 4 ranks", single(state), "bytes"))
+    if "resume" not in section:  # the counts alone (`--sections peers-exact`): no timings
+        return rows
     for point in section["resume"]["points"]:
         rows += [row(f"{_name(key)}: resume at N/2, N={count(point['n'])}", stats, "ms", scale=1e3)
                  for key, stats in point["values"].items()]
@@ -166,8 +180,8 @@ def _rows(section: dict) -> list[dict]:
     return rows
 
 
-def run(cfg: Config) -> dict:
-    pc: PeersConfig = peers_config(cfg.mode)
+def _exactly_once(pc: PeersConfig) -> dict:
+    """The exactly-once table of every installed system, and why the others were not run."""
     peers, not_run = load_all()
     for key, error in not_run.items():
         say("peers", f"{_name(key)} not run: {error}")
@@ -177,10 +191,25 @@ def run(cfg: Config) -> dict:
     for key, peer in peers.items():
         start = time.perf_counter()
         say("peers", f"exactly-once: {_name(key)}")
-        module = next(s.module for s in SYSTEMS if s.key == key)
-        section["exactly_once"][key] = exactly_once(peer, module, pc.n, pc.stop_updates, pc.faults,
+        section["exactly_once"][key] = exactly_once(peer, _system(key).module, pc.n, pc.stop_updates, pc.faults,
                                                     pc.launch_timeout_s)
         section["seconds"][f"exactly_once {key}"] = time.perf_counter() - start
+    return section
+
+
+def run_exact(cfg: Config) -> dict:
+    """The counts alone, no timings (`--sections peers-exact`): exact on any machine, whatever its load."""
+    pc = peers_config(cfg.mode)
+    section = _exactly_once(pc)
+    section["rows"] = _rows(section)
+    section["tables"] = tables(section, _script(pc))
+    return section
+
+
+def run(cfg: Config) -> dict:
+    pc: PeersConfig = peers_config(cfg.mode)
+    section = _exactly_once(pc)
+    peers = {key: _system(key).load() for key in section["exactly_once"]}
     with tempfile.TemporaryDirectory(prefix="loader-peers-costs-") as directory:
         store = Store(Path(directory), pc.write_budget_s)
         section["resume"] = resume.run(pc, peers, store, cfg.reps, cfg.warmup)
