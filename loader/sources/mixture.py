@@ -345,9 +345,10 @@ class MixturePlan:
         source = sources[row, slot]
         return drawn[row, source], source, ranks[row, slot]
 
-    def source_of(self, positions) -> np.ndarray:
-        """The source number at each position."""
-        return self._slots(positions)[1]
+    def source_of(self, positions, *, names: bool = False) -> np.ndarray:
+        """The source at each position: its number, or with `names=True` the name the Mixture was given for it."""
+        sources = self._slots(positions)[1]
+        return np.asarray(self.names)[sources] if names else sources
 
     def locate(self, positions) -> tuple[np.ndarray, np.ndarray]:
         """(source number, index within that source) at each position: a pure function of (plan, position)."""
