@@ -110,6 +110,8 @@ def test_bad_input_exits_2_naming_the_file_and_the_field(run, tmp_path, capsys):
         (_published(tmp_path / "a", run, _progress_saved("{")), [], "the loader progress: not JSON"),
         (_published(tmp_path / "b", run, _progress_saved(json.dumps(progress))), [],
          "the loader progress.committed[epoch 0]"),
+        (_published(tmp_path / "d", run, _progress_saved(json.dumps({"kind": "streams"}))), [],
+         "the loader progress: state has no field 'format'"),
     ]
     for path, flags, message in cases:
         status, out, err = _inspect(capsys, path, *flags)

@@ -101,7 +101,10 @@ def _map_style(progress: Progress) -> list[str]:
 
 
 def _streams(state: dict, where: str) -> list[str]:
-    ranks = rank_streams(state)
+    try:
+        ranks = rank_streams(state)
+    except StateError as err:
+        raise StateError(f"{where}: {err}") from None
     return [f"progress: a stream over {len(ranks)} ranks: " + "; ".join(
         f"rank {r.rank} epoch {r.epoch}, {r.batches:,} batches{', exhausted' if r.exhausted else ''}"
         for r in ranks)]
