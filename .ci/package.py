@@ -43,7 +43,11 @@ def main() -> None:
     version = re.search(r'^__version__ = "([^"]+)"', (ROOT / "loader" / "__init__.py").read_text(), re.M).group(1)
     if f"## {version}" not in (ROOT / "CHANGELOG.md").read_text():
         fail(f"CHANGELOG.md has no section '## {version}' for loader.__version__")
-    out = Path(tempfile.mkdtemp(prefix="loader-dist-"))
+    with tempfile.TemporaryDirectory(prefix="loader-dist-") as out:
+        check(Path(out), version)
+
+
+def check(out: Path, version: str) -> None:
     with quiet():
         os.chdir(ROOT)
         sdist = out / build_meta.build_sdist(str(out))
