@@ -195,9 +195,6 @@ def train(args, make_task: Callable[[argparse.Namespace], Task] = regression_tas
     scale = world / (args.global_batch * task.items_per_sample)  # DDP averages over ranks: gradient sum / items
     saved = step
 
-    def finished() -> bool:
-        return loader.epoch >= args.epochs or (loader.exhausted and loader.epoch + 1 >= args.epochs)
-
     def run_pass() -> bool:
         """One pass over this rank's share; True when this rank stopped early (uneven inputs)."""
         nonlocal step, saved
@@ -233,7 +230,7 @@ def train(args, make_task: Callable[[argparse.Namespace], Task] = regression_tas
 
     stopped_early = False
     try:
-        while not finished() and not stopped_early:
+        while not loader.finished(args.epochs) and not stopped_early:  # a relaunch of a finished run: nothing
             stopped_early = run_pass()
     except Exception as err:
         log(f"FAILED during step {step + 1}: {type(err).__name__}: {err}\n{traceback.format_exc()}")

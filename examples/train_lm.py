@@ -167,18 +167,8 @@ def mixture(args) -> Mixture:
             log(f"data: {name} packed best fit into {len(packed)} rows of {packed.capacity} tokens: padding "
                 f"{s['padding']:.1%}; of {s['documents']} documents {s['cut_at_window_edges']:.1%} cut at a window's "
                 f"edge, {s['cut_in_rows']:.1%} in several rows, {s['split_to_fit']:.1%} split to fit")
-        log(f"data: {describe_schedule(mix.plan)}")
+        log(f"data: {mix.plan.describe()}")
     return mix
-
-
-def describe_schedule(plan) -> str:
-    """The schedule's pieces by position range: each source's slots per window, constant or a ramp."""
-    ends = [piece.start * plan.window for piece in plan.schedule[1:]] + [plan.num_samples]
-    parts = [f"{piece.start * plan.window}-{min(end, plan.num_samples) - 1} " + "/".join(map(str, piece.first))
-             + ("" if piece.first == piece.last else " -> " + "/".join(map(str, piece.last)))
-             for piece, end in zip(plan.schedule, ends) if piece.start * plan.window < plan.num_samples]
-    names = "/".join(plan.names)
-    return f"mixture schedule, {names} slots per window of {plan.window}, by position: {', '.join(parts)}"
 
 
 def lm_task(args) -> train_elastic.Task:

@@ -11,7 +11,8 @@ rank's micro-batches of the step's block of the epoch, dealt over (participating
 step counts only when `optimizer.step()` commits; a failed commit deals the same block to the next quorum. Inside a
 group the ranks average their gradients over the group's own process group (FSDP would shard instead); across
 groups the Manager averages them. `--ledger` records what each process trained for `python -m loader audit RUN_DIR`.
-Fault injection: `--fail-at-step S` SIGKILLs this process in step S, after its backward, before the allreduce.
+Rank 0 of each group prints its steps (the quorum, its samples and loss, whether the step committed); torchft's own
+INFO lines (every quorum and commit) are left out unless RUST_LOG=info is set. Fault injection: `--fail-at-step S` SIGKILLs this process in step S, after its backward, before the allreduce.
 `--wait-before S:PATH` waits (bounded) before step S until PATH exists, e.g. until another group has started.
 CPU and gloo here; the loader is the same on GPUs.
 """
@@ -19,6 +20,7 @@ CPU and gloo here; the loader is the same on GPUs.
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import signal
 import sys
@@ -26,11 +28,12 @@ import time
 from datetime import timedelta
 from pathlib import Path
 
-import torch
-import torch.distributed as dist
-from torchft.manager import Manager
-from torchft.optim import OptimizerWrapper
-from torchft.process_group import ProcessGroupGloo
+os.environ.setdefault("RUST_LOG", "warn")  # torchft logs every quorum and commit at INFO: RUST_LOG=info shows them
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from torchft.manager import Manager  # noqa: E402
+from torchft.optim import OptimizerWrapper  # noqa: E402
+from torchft.process_group import ProcessGroupGloo  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling example, also when loaded by path
 from train_elastic import FEATURES, Regression  # noqa: E402
@@ -66,8 +69,14 @@ def wait_for(path: Path, timeout: float = 60.0) -> None:
         time.sleep(0.02)
 
 
+def log(group: int, text: str) -> None:
+    print(f"[group {group}] {text}", flush=True)
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
+    # torchft warns on every quorum that it cannot reset NCCL's flight recorder: there is none on gloo
+    logging.getLogger("torchft.manager").addFilter(lambda record: "NCCL flight recorder" not in record.getMessage())
     rank, size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])  # the place in the replica group
     torch.set_num_threads(1)
     timeout = timedelta(seconds=args.timeout)
@@ -97,10 +106,12 @@ def main(argv=None) -> int:
         while manager.current_step() < args.epochs * dl.deal.steps_per_epoch:
             if manager.current_step() in waits:
                 wait_for(waits.pop(manager.current_step()))
+            step, trained, total = manager.current_step(), 0, 0.0
             optimizer.zero_grad()  # starts the step's quorum: the loader deals the step over it
             for x, y in dl:
                 loss = torch.nn.functional.mse_loss(model(x).squeeze(1), y, reduction="sum") / args.global_batch
                 loss.backward()  # summed over the step's samples: every sample weighs alike, at any quorum
+                trained, total = trained + len(y), total + loss.item()
             if manager.current_step() == args.fail_at_step:
                 os.kill(os.getpid(), signal.SIGKILL)
             for p in model.parameters():  # the sum over the group's ranks, then the mean over the groups
@@ -109,6 +120,10 @@ def main(argv=None) -> int:
                 manager.allreduce(grad).wait()
                 p.grad = grad * manager.num_participants()  # the Manager averages: the sum is the step's gradient
             optimizer.step()  # commits only if every group's step went through; else the step is dealt again
+            if rank == 0:
+                outcome = "committed" if manager.current_step() > step else "not committed: dealt again"
+                log(args.group, f"step {step + 1}: {manager.num_participants()} group(s) in the quorum, {trained} "
+                                f"samples on rank 0, its loss {total:.4f}, {outcome}")
             if rank == 0:
                 with open(args.run_dir / f"progress-{args.group}.txt", "a") as out:
                     out.write(f"{manager.current_step()}\n")

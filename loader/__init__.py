@@ -13,6 +13,8 @@ The packages, each importing only those above it in this list:
 - `loader.integrations`: framework glue (Lightning, DCP), and `loader.cli`: the command line (demo, audit, index).
 """
 
+__version__ = "0.1.0"  # the release; pyproject.toml reads it from here (CHANGELOG.md says what each one changed)
+
 from loader.checkpoint.merge import merge_states
 from loader.core.order import Order, sample_seed
 from loader.core.partition import EpochPlan, Layout
@@ -24,6 +26,7 @@ from loader.metrics import DataStallWarning, MetricsWarning
 from loader.streams.shards import ShardedStream
 
 __all__ = [
+    "__version__",
     "AbandonedEpochWarning",
     "ContinuedPassWarning",
     "DataStallWarning",

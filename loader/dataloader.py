@@ -1026,6 +1026,14 @@ class ResumableDataLoader(DataLoader[T_co]):
         """True when this rank has delivered its whole share of the current epoch: a new pass starts the next."""
         return self._stream.finished if self._stream is not None else self.resumable_sampler.exhausted
 
+    def finished(self, epochs: int) -> bool:
+        """True when this rank has trained epochs 0 .. `epochs` - 1: the loop of a run of `epochs` epochs stops
+        here, and a relaunch of a finished run (`resume` loads its last checkpoint) trains nothing more unless given
+        more epochs. 0 epochs: finished from the start."""
+        if not is_int(epochs) or epochs < 0:
+            raise ValueError(f"epochs must be an int, 0 or more, got {epochs!r}")
+        return self.epoch >= epochs or (self.exhausted and self.epoch + 1 >= epochs)
+
     @property
     def update_complete(self) -> bool:
         """True when the batch just delivered completes an optimizer update (grad_accum micro-batches, or the

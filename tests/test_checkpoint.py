@@ -420,3 +420,39 @@ def test_a_state_that_is_not_plain_data_fails_the_save_naming_it(tmp_path, chang
     )):
         save_checkpoint(tmp_path, 1, **objects)
     assert list_checkpoints(tmp_path) == [] and list(tmp_path.iterdir()) == []
+
+
+def _train(run_dir, epochs, stop_at=None):
+    """The guide's loop over 30 samples, 8 steps an epoch: resume, train while not dl.finished(epochs); a
+    checkpoint at step `stop_at` then the job dies, or one at the end. Returns the (epoch, index) pairs trained."""
+    objects = make(n=30)
+    dl = objects["loader"]
+    resume(run_dir, **objects)
+    trained = []
+    while not dl.finished(epochs):
+        for batch in dl:
+            trained += [(dl.epoch, i) for i in batch.tolist()]
+            if dl.step == stop_at:
+                save_checkpoint(run_dir, **objects)
+                return trained
+    if trained:  # a relaunch that trained nothing has nothing new to save
+        save_checkpoint(run_dir, **objects)
+    return trained
+
+
+def test_a_relaunch_of_a_finished_run_trains_nothing_more_unless_given_more_epochs(tmp_path):
+    """A run of 2 epochs killed at step 5, relaunched, killed at its last step 16 (checkpointed before its pass
+    saw the end), relaunched: nothing more is trained, as dl.finished(2) holds from the resume on; given 3 epochs,
+    the third is trained. Every index of each epoch exactly once."""
+    first = _train(tmp_path, 2, stop_at=5)
+    second = _train(tmp_path, 2, stop_at=16)
+    assert len(first) == 20 and _train(tmp_path, 2) == []  # the relaunch of the finished run
+    objects = make(n=30)
+    resume(tmp_path, **objects)
+    assert objects["loader"].finished(2) and objects["loader"].finished(0) and not objects["loader"].finished(3)
+    third = _train(tmp_path, 3)
+    assert sorted(first + second + third) == [(e, i) for e in range(3) for i in range(30)]
+    assert _train(tmp_path, 3) == []
+    for wrong in (-1, True, 2.0):
+        with pytest.raises(ValueError, match="epochs must be an int, 0 or more"):
+            objects["loader"].finished(wrong)

@@ -1,6 +1,7 @@
 """The loader as a DCP Stateful in a real gloo group: saved by 2 ranks, loaded by 3, every sample once."""
 
 import itertools
+import json
 import os
 import pickle
 import re
@@ -191,4 +192,29 @@ def test_dcp_load_resumes_a_real_dcp_checkpoint_and_refuses_a_crafted_metadata_w
         restored = fresh.state_dict()[key]
         assert restored.dtype == value.dtype and torch.equal(restored, value), key
     assert str(fresh_optimizer.state_dict()) == str(optimizer.state_dict())
+    assert sorted(delivered + [i for b in resumed for i in b.tolist()]) == list(range(30))
+
+
+def test_dcp_load_resumes_a_loader_state_saved_before_0_1_0_with_a_warning(tmp_path):
+    """A real DCP checkpoint in the layout LoaderState wrote before 0.1.0 (the merged progress only, under
+    `dataloader.progress`; torch's dcp.load fails on it with "Missing key ... dataloader.dataset"): dcp_load loads it
+    with a warning that names the release and what was not checked, and every index of the epoch is trained once;
+    a loader of another order is still refused by the progress's own fingerprint."""
+    from loader.checkpoint.publish import CheckpointWarning
+    from loader.checkpoint.save import global_progress
+    from loader.core.state import StateError
+
+    dl = ResumableDataLoader(IndexDataset(30), batch_size=4, shuffle=True, seed=0)
+    it = iter(dl)
+    delivered = [i for _ in range(3) for i in next(it).tolist()]
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        dcp.save({"dataloader": {"progress": json.dumps(global_progress(dl))}}, checkpoint_id=tmp_path)
+        other = ResumableDataLoader(IndexDataset(30), batch_size=4, shuffle=True, seed=1)
+        with pytest.raises(StateError, match="seed"):  # refused before it warns
+            dcp_load({"dataloader": LoaderState(other)}, tmp_path)
+        resumed = ResumableDataLoader(IndexDataset(30), batch_size=4, shuffle=True, seed=0)
+        with pytest.warns(CheckpointWarning, match=r"'dataloader' holds the loader progress only, as LoaderState "
+                                                   r"wrote it before release 0\.1\.0: .* without checking"):
+            dcp_load({"dataloader": LoaderState(resumed)}, tmp_path)
     assert sorted(delivered + [i for b in resumed for i in b.tolist()]) == list(range(30))

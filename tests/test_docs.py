@@ -130,6 +130,7 @@ def training() -> dict:
         "dataset": dataset, "model": model, "ddp": DDP(model), "optimizer": optimizer, "opt": optimizer,
         "sched": torch.optim.lr_scheduler.StepLR(optimizer, step_size=10), "loss_fn": torch.nn.functional.mse_loss,
         "ckpt": {"loader": earlier.state_dict()}, "run_dir": str(Path("run").absolute()), "every": 5,
+        "epochs": 2,
         "dl": ResumableDataLoader(dataset, batch_size=8, shuffle=True, seed=0, grad_accum=2),
     }
 

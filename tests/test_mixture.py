@@ -146,6 +146,17 @@ def test_samples_come_from_the_located_source_and_index():
         mix[64]
 
 
+def test_source_of_gives_numbers_by_default_and_the_names_given_on_request():
+    """plan.source_of names each position's source as the Mixture was told (names=True), the tag its sample
+    carries; by default the source numbers, as before."""
+    mix = mixture([5, 8, 3], [1, 3, 2], 48, names=["small", "large", "tiny"])
+    numbers = mix.plan.source_of(np.arange(48))
+    assert numbers.dtype.kind == "i" and [f"s{n}" for n in numbers] == [tag for tag, _ in mix.__getitems__(range(48))]
+    named = mix.plan.source_of(np.arange(48), names=True)
+    assert named.tolist() == [["small", "large", "tiny"][n] for n in numbers]
+    assert set(named) == {"small", "large", "tiny"}
+
+
 def token_mixture(tmp_path, num_samples):
     """Two TokenSources (the second over two files, so samples cross a file boundary) and a source without
     __getitems__, mixed."""

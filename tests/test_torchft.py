@@ -6,7 +6,10 @@ later; and two Managers whose fetches out of order are refused."""
 
 import json
 import os
+import re
 import signal
+import subprocess
+import sys
 import time
 from collections import Counter
 from pathlib import Path
@@ -212,7 +215,7 @@ def test_replica_groups_killed_restarted_and_added_train_every_sample_once_in_th
         (logs / f"group{group}").mkdir(exist_ok=True)
         for rank in range(GROUP_SIZE):  # RANK and WORLD_SIZE: the place in the group (the example's own store)
             p = ctx.Process(target=_rank_main, args=(rank, GROUP_SIZE, port, argv, str(logs / f"group{group}"),
-                                                     EXAMPLE))
+                                                     EXAMPLE, True))  # True: with the garbage collector, as a job
             p.start()
             procs.append((group, p))
         wait_until(lambda: len(set(tmp_path.glob(f"up-{group}-*")) - before) == GROUP_SIZE, f"group {group} up")
@@ -249,6 +252,8 @@ def test_replica_groups_killed_restarted_and_added_train_every_sample_once_in_th
         for _, p in procs + [(None, house)]:
             _end(p)
 
+    printed = (logs / "group0" / "rank-0.log").read_text()  # the example's own steps, a failed commit among them
+    assert "[group 0] step 1: " in printed and "not committed: dealt again" in printed, printed
     report = audit(tmp_path)
     assert [(e.epoch, e.finished, e.seen_once, len(e.skipped), len(e.duplicated)) for e in report] == [
         (0, True, SAMPLES, 0, 0), (1, True, SAMPLES, 0, 0)], read_logs(logs)
@@ -273,6 +278,29 @@ def test_replica_groups_killed_restarted_and_added_train_every_sample_once_in_th
     assert sorted(counted) == ["group0-rank0", "group0-rank1", "group1-rank0", "group1-rank1", "group2-rank0",
                                "group2-rank1"] and any(r.generation == restarted for r in records), counted
 
+
+
+@pytest.mark.slow
+def test_the_example_prints_its_own_steps_and_keeps_torchfts_info_lines_out(tmp_path):
+    """examples/train_torchft.py as a user starts it (one group of one rank, its own process): the steps it prints,
+    and none of the INFO lines torchft's runtime writes for every quorum and commit, nor its NCCL warning."""
+    from tests.distributed import free_port
+
+    house, lighthouse = _forked(_lighthouse, "the lighthouse", 30)
+    try:
+        environment = {k: v for k, v in os.environ.items() if k != "RUST_LOG"}
+        done = subprocess.run(
+            [sys.executable, str(EXAMPLE), "--run-dir", str(tmp_path), "--lighthouse", lighthouse, "--group", "0",
+             "--store-port", str(free_port()), "--samples", "16", "--epochs", "1", "--timeout", "5"],
+            env={**environment, "RANK": "0", "WORLD_SIZE": "1", "PYTHONPATH": str(EXAMPLE.parents[1])},
+            capture_output=True, text=True, timeout=120)
+    finally:
+        _end(house)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.splitlines() == [
+        f"[group 0] step {s}: 1 group(s) in the quorum, 8 samples on rank 0, its loss {loss}, committed"
+        for s, loss in enumerate(re.findall(r"its loss (\d+\.\d{4}), committed", done.stdout), start=1)]
+    assert len(done.stdout.splitlines()) == 2 and done.stderr == "", done.stderr
 
 
 def _fetches(out) -> None:

@@ -118,13 +118,15 @@ class PlainReader(FileSystemReader):
         return metadata
 
 
-def check_metadata(checkpoint_id: str | os.PathLike) -> None:
+def check_metadata(checkpoint_id: str | os.PathLike) -> set[str]:
     """Every metadata file of DCP checkpoint directory `checkpoint_id` (`.metadata`, or one per rank) read as
     `PlainReader` reads it, before DCP does: DCP logs a reader's error with its traceback and raises it as an
-    AssertionError, so a refusal raised here is the one the caller sees."""
+    AssertionError, so a refusal raised here is the one the caller sees. Returns the keys the checkpoint holds."""
+    keys: set[str] = set()
     for path in sorted(pathlib.Path(checkpoint_id).glob("*.metadata")):
         with open(path, "rb") as stream:
-            read_metadata(stream, f"checkpoint file {path}")
+            keys |= set(read_metadata(stream, f"checkpoint file {path}").state_dict_metadata)
+    return keys
 
 
 def load_plain(stream: IO[bytes], what: str) -> Any:

@@ -592,6 +592,14 @@ def _read_small_parts(path: Path, loader, scheduler, scaler, group) -> dict:
     return {"progress": progress, "extras": extras, "rng": rng}
 
 
+def read_progress(path: str | Path) -> Any:
+    """The loader progress a checkpoint holds, read without a loader or a process group (`python -m loader
+    inspect`): JSON, through DCP's reader with nothing unpickled. Verify the checkpoint first."""
+    state = {"loader": {"progress": ""}}
+    _load(state, path, None)
+    return _json(state["loader"]["progress"], f"checkpoint {path}: the loader progress")
+
+
 def _check_progress(loader, progress: dict) -> None:
     """The loader's own validation of a progress, without changing the loader: run on a fresh progress keeper of
     the same configuration (its load_state_dict validates in full, then replaces)."""

@@ -287,7 +287,8 @@ def main(lm: bool = False, directory: str | None = None) -> int:
         raise SystemExit(f"demo: {top} holds an earlier demo's run/ or reference/: name a new directory")
     data = "packed rows of two token corpora mixed by a schedule (to 70/30), 480 rows" if lm else "480 samples"
     print(f"demo: one elastic job ({example.name}), 2 nodes (3 + 1 workers), {data}, global batch 24; node B dies "
-          f"during step {FAIL_AT_STEP + 1}\nrun directory: {top}\ncommands:")
+          f"during step {FAIL_AT_STEP + 1}\nrun directory: {top} (kept after the demo: {_removal(top)})\n"
+          f"commands:")
     started = time.monotonic()
     restart = run_elastic_restart(run, example=example)
     print(f"  elastic job finished in {time.monotonic() - started:.0f} s; auditing the ledger:\n"
@@ -302,5 +303,9 @@ def main(lm: bool = False, directory: str | None = None) -> int:
           f"within rtol 1e-5)")
     print_restart(restart)
     print(f"\nthe run's checkpoints, ledger and final models stay in {top}; audit it again with\n"
-          f"  {_audit_command(run, lm)}")
+          f"  {_audit_command(run, lm)}\nand remove it when done with\n  {_removal(top)}")
     return 0 if status == 0 and same else 1
+
+
+def _removal(top: Path) -> str:
+    return f"rm -r {shlex.quote(str(top))}"

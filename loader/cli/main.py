@@ -1,5 +1,5 @@
-"""Command line: `python -m loader demo [--lm]`, `python -m loader audit RUN_DIR [--plot OUT.png]` and
-`python -m loader index SHARDS`."""
+"""Command line: `python -m loader demo [--lm]`, `python -m loader audit RUN_DIR [--plot OUT.png]`,
+`python -m loader inspect PATH` and `python -m loader index SHARDS`."""
 
 import argparse
 import json
@@ -8,7 +8,7 @@ from pathlib import Path
 
 from loader.checkpoint import audit
 from loader.checkpoint.ledger import LedgerError
-from loader.cli import demo
+from loader.cli import demo, inspection
 from loader.cli.names import by_source, describe_by_key
 
 
@@ -32,6 +32,12 @@ def main(argv: list[str] | None = None) -> int:
     check.add_argument("--plot", metavar="OUT.png", help="also draw the run: positions by step per launch, restarts "
                                                          "and world sizes, and each epoch's indices by what the audit "
                                                          "found (needs matplotlib: the bench extra)")
+    show = commands.add_parser("inspect", help="where a run stands: its newest checkpoint's step, epoch, world size, "
+                                               "committed and remaining samples, mixture plan, files verified")
+    show.add_argument("path", help="a checkpoint directory (step-NNNNNNNNN/) or a run directory (its newest "
+                                   "checkpoint that verifies)")
+    show.add_argument("--mixture", help="the run's mixture plan (Mixture.plan.save; default: mixture.json in the run "
+                                        "directory, if there is one)")
     index = commands.add_parser("index", help="build the WebDataset shards' indexes ahead of a job, in parallel")
     index.add_argument("shards", help="a directory of .tar shards or a brace pattern (local, or URLs fsspec opens)")
     index.add_argument("--cache-dir", help="where the job will look for them (default: next to each shard, also "
@@ -52,6 +58,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.command == "audit":
         return _audit(parser, args)
+    if args.command == "inspect":
+        return inspection.main(args.path, args.mixture)
     return demo.main(args.lm, args.dir)
 
 

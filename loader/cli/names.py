@@ -20,16 +20,23 @@ def describe_by_key(shards: str):
     return describe
 
 
-def by_source(plan_path: str) -> tuple[audit.Grouping, object]:
-    """The run's mixture plan as the audit's grouping (a row per source) and a describer (position, source, index);
-    a LedgerError names the plan file and what is wrong with it."""
+def read_plan(plan_path: str | os.PathLike):
+    """A run's mixture plan file (MixturePlan.save); a ValueError names the file and what is wrong with it."""
     from loader.sources import MixturePlan
 
     try:
-        plan = MixturePlan.load(plan_path)
+        return MixturePlan.load(plan_path)
     except (OSError, ValueError) as err:  # the plan file checks itself as it is read; JSON errors are ValueErrors
-        said = str(err) if os.fspath(plan_path) in str(err) else f"{plan_path}: {err}"
-        raise LedgerError(f"--mixture {said}") from None
+        raise ValueError(str(err) if os.fspath(plan_path) in str(err) else f"{plan_path}: {err}") from None
+
+
+def by_source(plan_path: str) -> tuple[audit.Grouping, object]:
+    """The run's mixture plan as the audit's grouping (a row per source) and a describer (position, source, index);
+    a LedgerError names the plan file and what is wrong with it."""
+    try:
+        plan = read_plan(plan_path)
+    except ValueError as err:
+        raise LedgerError(f"--mixture {err}") from None
 
     def describe(position: int) -> str:
         (source,), (index,) = plan.locate([position])

@@ -6,6 +6,7 @@ running code from the checkpoint."""
 from __future__ import annotations
 
 import json
+import warnings
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -13,6 +14,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.distributed.checkpoint.stateful import Stateful
 
 from loader.checkpoint.plain import PlainLoadPlanner, PlainReader, check_metadata
+from loader.checkpoint.publish import CheckpointWarning
 from loader.checkpoint.save import check_change, check_dataset, dataset_fingerprint, global_progress
 from loader.core.state import StateError
 
@@ -59,11 +61,34 @@ class ModelAndOptimizer(Stateful):
                        optim_state_dict=state_dict["optim"])
 
 
+class _ProgressOnly(Stateful):
+    """A LoaderState reading the layout LoaderState wrote before 0.1.0: the progress only, no dataset fingerprint
+    (torch's dcp.load fails on it with "Missing key ... dataset")."""
+
+    def __init__(self, target: LoaderState, where: str):
+        self.target, self.where = target, where
+
+    def state_dict(self) -> dict:
+        return {"progress": ""}  # a placeholder: DCP replaces it with the saved string
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self.target.load_state_dict({"progress": state_dict["progress"], "dataset": json.dumps(None)})
+        warnings.warn(
+            f"{self.where} holds the loader progress only, as LoaderState wrote it before release 0.1.0: loaded with "
+            f"the order's check (length, seed, shuffle) as that version did, without checking that the dataset "
+            f"(shards, token files, a Mixture's plan) is the one it was saved with; the next save records it",
+            CheckpointWarning, stacklevel=4)
+
+
 def dcp_load(state_dict: dict, checkpoint_id, **options) -> None:
     """`torch.distributed.checkpoint.load`, except that nothing the checkpoint holds runs code: its `.metadata` is
     read with only DCP's metadata types, values besides tensors with torch.load(weights_only=True); a crafted file
     raises a CheckpointError naming it and what it names (DCP's own load unpickles both). `options`: dcp.load's
-    (process_group=, no_dist=...)."""
-    check_metadata(checkpoint_id)
-    dcp.load(state_dict, checkpoint_id=checkpoint_id, storage_reader=PlainReader(checkpoint_id),
+    (process_group=, no_dist=...). A LoaderState saved before 0.1.0 (its progress only) loads with a warning."""
+    saved = check_metadata(checkpoint_id)
+    request = {key: _ProgressOnly(value, f"the DCP checkpoint {checkpoint_id}'s {key!r}")
+               if isinstance(value, LoaderState) and f"{key}.progress" in saved and f"{key}.dataset" not in saved
+               else value for key, value in state_dict.items()}
+    dcp.load(request, checkpoint_id=checkpoint_id, storage_reader=PlainReader(checkpoint_id),
              planner=PlainLoadPlanner(), **options)
+    state_dict.update((key, value) for key, value in request.items() if not isinstance(value, Stateful))

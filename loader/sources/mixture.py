@@ -345,9 +345,10 @@ class MixturePlan:
         source = sources[row, slot]
         return drawn[row, source], source, ranks[row, slot]
 
-    def source_of(self, positions) -> np.ndarray:
-        """The source number at each position."""
-        return self._slots(positions)[1]
+    def source_of(self, positions, *, names: bool = False) -> np.ndarray:
+        """The source at each position: its number, or with `names=True` the name the Mixture was given for it."""
+        sources = self._slots(positions)[1]
+        return np.asarray(self.names)[sources] if names else sources
 
     def locate(self, positions) -> tuple[np.ndarray, np.ndarray]:
         """(source number, index within that source) at each position: a pure function of (plan, position)."""
@@ -368,6 +369,18 @@ class MixturePlan:
         counts, drawn = self.window_table(np.array([whole]))
         tail = np.bincount(self._slot_tables(np.array([whole]), counts)[0][0, :rest], minlength=len(self.names))
         return tuple(int(d) + int(t) for d, t in zip(drawn[0], tail))
+
+    def describe(self) -> str:
+        """The schedule's pieces by position range, each source's slots per window, constant or a ramp, and the
+        positions where the schedule was changed during the run."""
+        pieces = self.schedule or (Piece(0, 0, 1, self.counts, self.counts),)
+        ends = [piece.start * self.window for piece in pieces[1:]] + [self.num_samples]
+        parts = [f"{piece.start * self.window}-{min(end, self.num_samples) - 1} " + "/".join(map(str, piece.first))
+                 + ("" if piece.first == piece.last else " -> " + "/".join(map(str, piece.last)))
+                 for piece, end in zip(pieces, ends) if piece.start * self.window < self.num_samples]
+        changed = "".join(f", changed at position {k * self.window} (window {k})" for k in self.changes)
+        return (f"mixture schedule, {'/'.join(self.names)} slots per window of {self.window}, by position: "
+                f"{', '.join(parts)}{changed}")
 
     def amended(self, schedule: tuple[Piece, ...], window: int) -> MixturePlan:
         """This plan up to `window`, then `schedule` from there on (its pieces cut at `window`, keeping their
