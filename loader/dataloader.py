@@ -435,7 +435,16 @@ def _default_rank_and_world(rank: int | None, world_size: int | None) -> tuple[i
     return rank, world_size
 
 
-def _order_for(num_samples: int, shuffle: bool, seed: int, shuffle_blocks, lanes: Lanes | None) -> Order:
+def _order_for(num_samples: int, shuffle: bool, seed: int, shuffle_blocks, lanes: Lanes | None,
+               orders_itself: bool = False) -> Order:
+    """The loader's order; for a dataset that orders itself (a Mixture) under shuffle=True, the identity of mode
+    "self": each epoch is the dataset's own (`continue_epochs`), and a loader position is the dataset's position."""
+    if shuffle and orders_itself:
+        if shuffle_blocks is not None or lanes is not None:
+            raise ValueError("shuffle=True leaves the order to a Mixture (each epoch continues its stream, windows "
+                             "arranged by its seed), so that a change of its weights is exact at any world size: "
+                             "shuffle_blocks= and lanes= would scatter its positions again; drop them")
+        return Order(num_samples, seed, "self")
     if not shuffle:
         if shuffle_blocks is not None:
             raise ValueError("shuffle_blocks needs shuffle=True")
@@ -590,7 +599,10 @@ class ResumableDataLoader(DataLoader[T_co]):
         if batch_size is not None and (collate_fn is None or collate_fn is default_collate):
             common["collate_fn"] = collate  # default_collate's batches, without stacking a loader.core.rows.Rows again
         self._shuffle_blocks, self._lanes = shuffle_blocks, _lanes_for(lanes, lane_chunk, batch_size or 1)
-        order = _order_for(len(dataset), bool(shuffle), seed, shuffle_blocks, self._lanes)
+        orders_itself = bool(shuffle) and callable(getattr(dataset, "continue_epochs", None))
+        order = _order_for(len(dataset), bool(shuffle), seed, shuffle_blocks, self._lanes, orders_itself)
+        if orders_itself:
+            dataset.continue_epochs()  # before the epoch-awareness is read: its epochs take the loader's
         self.resumable_sampler = ResumableSampler(order, layout, rank)
         self._lockstep = LockstepWatch(_identity(order, layout))
         self._carry = (seed if sample_seeds else None, bool(getattr(dataset, "epoch_aware", False)))
@@ -715,7 +727,7 @@ class ResumableDataLoader(DataLoader[T_co]):
                 f"sizes for {new} (an int window follows the length)"
             )
         sampler.follow_length(_order_for(new, sampler.order.shuffle != "none", self.seed, self._shuffle_blocks,
-                                         self._lanes))
+                                         self._lanes, sampler.order.shuffle == "self"))
         return True
 
     def _next_pass(self) -> ResumableSampler:

@@ -20,6 +20,14 @@ def describe_by_key(shards: str):
     return describe
 
 
+def _in_epoch(plan, window: int) -> str:
+    """Where a change at `window` falls when the plan's loader epochs continue its stream: that epoch's position."""
+    if not plan.epochs_continue:
+        return ""
+    epoch, position = divmod(window * plan.window, plan.num_samples)
+    return f"; epoch {epoch}, position {position}"
+
+
 def by_source(plan_path: str) -> tuple[audit.Grouping, object]:
     """The run's mixture plan as the audit's grouping (a row per source) and a describer (position, source, index);
     a LedgerError names the plan file and what is wrong with it."""
@@ -31,10 +39,10 @@ def by_source(plan_path: str) -> tuple[audit.Grouping, object]:
         said = str(err) if os.fspath(plan_path) in str(err) else f"{plan_path}: {err}"
         raise LedgerError(f"--mixture {said}") from None
 
-    def describe(position: int) -> str:
-        (source,), (index,) = plan.locate([position])
+    def describe(position: int, epoch: int = 0) -> str:
+        (source,), (index,) = plan.locate(plan.in_epoch([position], epoch))
         return f"{position} ({plan.names[source]}:{index})"
 
-    notes = [f"mixture schedule changed at position {k * plan.window} (window {k}): positions before it follow the "
-             f"plan before the change" for k in plan.changes]
+    notes = [f"mixture schedule changed at position {k * plan.window} (window {k}{_in_epoch(plan, k)}): positions "
+             f"before it follow the plan before the change" for k in plan.changes]
     return audit.Grouping(plan.names, plan.source_of, plan.num_samples, notes), describe

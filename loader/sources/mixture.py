@@ -29,7 +29,7 @@ import json
 import os
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property
 from itertools import accumulate
 from typing import Any
@@ -54,6 +54,8 @@ SMALL_BATCH = 64  # up to this many positions inside one block, a batch is group
 # position), not by numpy (~6 us a batch in fixed costs)
 PLAN_KIND, PLAN_VERSION = "loader.MixturePlan", 1
 SCHEDULED_VERSION = 2  # a plan with a schedule: a release that reads version 1 only refuses it, never ignores it
+CONTINUING_VERSION = 3  # a plan whose loader epochs continue one stream (`epochs_continue`): positions of epoch e
+# name other samples than an earlier release would, so a release that reads versions 1 and 2 only refuses it
 _EXACT = 1e-6  # a weight times M within this of an integer counts as exact (weights written with 6 decimals)
 
 
@@ -224,6 +226,8 @@ class MixturePlan:
     shuffle: bool = True
     schedule: tuple[Piece, ...] = ()  # empty: `counts` in every window; else the pieces, `counts` window 0's
     changes: tuple[int, ...] = ()  # the windows at which the schedule was changed during the run
+    epochs_continue: bool = False  # loader epoch e serves positions [e N, (e + 1) N) of one stream (a loader with
+    # shuffle=True leaves the order to the mixture): every epoch has windows of its own, each source's draws run on
 
     def __post_init__(self) -> None:
         sources = len(self.names)
@@ -241,6 +245,8 @@ class MixturePlan:
             raise ValueError(f"counts: a window of {self.window} slots, more than the {LARGEST_WINDOW} a mixture has")
         if not is_int(self.seed):
             raise ValueError(f"seed must be an int, got {self.seed!r}")
+        if not isinstance(self.epochs_continue, bool):
+            raise ValueError(f"epochs_continue must be true or false, got {self.epochs_continue!r}")
         if self.schedule:
             self._check_schedule()
 
@@ -273,6 +279,16 @@ class MixturePlan:
     @property
     def window(self) -> int:
         return sum(self.counts)
+
+    @property
+    def end(self) -> int:
+        """The positions there are: num_samples, or (epochs continuing) those of every epoch the stream may reach."""
+        return int(np.iinfo(np.int64).max) if self.epochs_continue else self.num_samples
+
+    def in_epoch(self, positions, epoch: int) -> np.ndarray:
+        """The stream positions of loader positions of `epoch`: offset by epoch * num_samples when epochs continue."""
+        positions = np.asarray(positions, dtype=np.int64)
+        return positions + epoch * self.num_samples if self.epochs_continue else positions
 
     @cached_property
     def _pieces(self) -> tuple[Piece, ...]:
@@ -335,9 +351,10 @@ class MixturePlan:
         """(draws of its source before the position's window, source, rank among the source's slots of the
         window) at each position."""
         positions = np.asarray(positions, dtype=np.int64)
-        if positions.size and (positions.min() < 0 or positions.max() >= self.num_samples):
-            bad = positions[(positions < 0) | (positions >= self.num_samples)][0]
-            raise IndexError(f"mixture position {bad} out of range for {self.num_samples} positions")
+        end = self.end
+        if positions.size and (positions.min() < 0 or positions.max() >= end):
+            bad = positions[(positions < 0) | (positions >= end)][0]
+            raise IndexError(f"mixture position {bad} out of range for {end} positions")
         windows, slot = np.divmod(positions, self.window)
         distinct, row = np.unique(windows, return_inverse=True)
         counts, drawn = self.window_table(distinct)
@@ -345,9 +362,9 @@ class MixturePlan:
         source = sources[row, slot]
         return drawn[row, source], source, ranks[row, slot]
 
-    def source_of(self, positions) -> np.ndarray:
-        """The source number at each position."""
-        return self._slots(positions)[1]
+    def source_of(self, positions, epoch: int = 0) -> np.ndarray:
+        """The source number at each position (of loader `epoch`: see `in_epoch`)."""
+        return self._slots(self.in_epoch(positions, epoch))[1]
 
     def locate(self, positions) -> tuple[np.ndarray, np.ndarray]:
         """(source number, index within that source) at each position: a pure function of (plan, position)."""
@@ -379,32 +396,35 @@ class MixturePlan:
         pieces = tuple(_merged(kept + [cut] + [p for p in ahead if p.start > window]))
         changes = tuple(sorted({*self.changes, window} & {p.start for p in pieces}))
         return MixturePlan(self.names, self.lengths, pieces[0].first, self.num_samples, self.seed, self.shuffle,
-                           pieces if len(pieces) > 1 or 0 in pieces[0].first or changes else (), changes)
+                           pieces if len(pieces) > 1 or 0 in pieces[0].first or changes else (), changes,
+                           self.epochs_continue)
 
     def to_dict(self) -> dict:
         """The JSON form; a plan without a schedule is written as before schedules existed (same fingerprint)."""
         plain = {"kind": PLAN_KIND, "version": PLAN_VERSION, "order_version": ORDER_VERSION,
                  "names": list(self.names), "lengths": list(self.lengths), "counts": list(self.counts),
                  "num_samples": self.num_samples, "seed": self.seed, "shuffle": self.shuffle}
-        if not self.schedule:
+        if not self.schedule and not self.epochs_continue:
             return plain
-        return {**plain, "version": SCHEDULED_VERSION, "schedule": [p.to_json() for p in self.schedule],
-                "changes": list(self.changes)}
+        version = CONTINUING_VERSION if self.epochs_continue else SCHEDULED_VERSION
+        return {**plain, "version": version, "schedule": [p.to_json() for p in self.schedule],
+                "changes": list(self.changes), **({"epochs_continue": True} if self.epochs_continue else {})}
 
     @classmethod
     def from_dict(cls, data: dict, where: str = "mixture plan") -> MixturePlan:
         if not isinstance(data, dict):
             raise ValueError(f"{where}: holds a JSON {type(data).__name__}, not a mixture plan's object")
         found = tuple(data.get(k) for k in ("kind", "version", "order_version"))
-        readable = [(PLAN_KIND, v, ORDER_VERSION) for v in (PLAN_VERSION, SCHEDULED_VERSION)]
+        readable = [(PLAN_KIND, v, ORDER_VERSION) for v in (PLAN_VERSION, SCHEDULED_VERSION, CONTINUING_VERSION)]
         if found not in readable:
             raise ValueError(f"{where}: (kind, version, order_version) is {found}, this loader reads {readable}: "
                              "save the plan again with this version (Mixture.plan.save)")
         try:
             schedule = tuple(Piece(p["start"], p["anchor"], p["ramp"], tuple(p["from"]), tuple(p["to"]))
-                             for p in data["schedule"]) if found[1] == SCHEDULED_VERSION else ()
+                             for p in data["schedule"]) if found[1] != PLAN_VERSION else ()
             return cls(tuple(data["names"]), tuple(data["lengths"]), tuple(data["counts"]), data["num_samples"],
-                       data["seed"], data["shuffle"], schedule, tuple(data["changes"]) if schedule else ())
+                       data["seed"], data["shuffle"], schedule, tuple(data["changes"]) if schedule else (),
+                       found[1] == CONTINUING_VERSION and data["epochs_continue"])
         except (KeyError, TypeError) as err:
             raise ValueError(f"{where}: no field {err}; the file is truncated or not a mixture plan") from None
 
@@ -458,10 +478,11 @@ def _amend(old: MixturePlan, new: MixturePlan, change_at: int) -> MixturePlan:
             raise ValueError(f"amends: the plan's {field} is {getattr(old, field)!r}, this mixture's "
                              f"{getattr(new, field)!r}: a change of schedule changes the weights only; build the "
                              f"mixture with the {field} of the run it continues")
-    if not is_int(change_at) or not 0 <= change_at < new.num_samples:
-        raise ValueError(f"change_at must be a position in [0, {new.num_samples}), got {change_at!r}")
+    end = old.end - (new.window if old.epochs_continue else 0)
+    if not is_int(change_at) or not 0 <= change_at < end:
+        raise ValueError(f"change_at must be a position in [0, {end}), got {change_at!r}")
     first = -(-change_at // new.window)
-    if first * new.window >= new.num_samples:  # else the change, accepted, would never apply
+    if first * new.window >= new.num_samples and not old.epochs_continue:  # else the change would never apply
         last = (new.num_samples - 1) // new.window * new.window
         raise ValueError(f"change_at={change_at} is inside the mixture's last window ({last} to "
                          f"{new.num_samples - 1}): a change applies from the first whole window at or after change_at, "
@@ -529,6 +550,7 @@ class Mixture(torch.utils.data.Dataset):
         self.amends = amends
         if amends is not None:
             self.plan = _amend(amends, self.plan, change_at)
+            self._change_at = -(-change_at // self.plan.window) * self.plan.window  # the first window it changes
         self._block = -(-BLOCK // self.plan.window) * self.plan.window  # whole windows
         self._cache: OrderedDict[int, np.ndarray] = OrderedDict()
         self._lists: tuple[int, list[int], list[int]] = _NO_LISTS
@@ -556,15 +578,30 @@ class Mixture(torch.utils.data.Dataset):
 
     @property
     def epoch_aware(self) -> bool:
-        """The loader's epoch reaches the sources (on each index) when one of them takes it (a PackedSource)."""
-        return any(getattr(source, "epoch_aware", False) for source in self.sources)
+        """The loader's epoch reaches the mixture (on each index) when its epochs continue, and its sources when one
+        of them takes it (a PackedSource)."""
+        return self.plan.epochs_continue or any(getattr(source, "epoch_aware", False) for source in self.sources)
+
+    def continue_epochs(self) -> None:
+        """Serve a loader that leaves the order to this mixture (shuffle=True): loader epoch e is positions
+        [e N, (e + 1) N) of one stream, with windows (and so arrangements) of its own, each source's draws running
+        on. A loader position is then a mixture position, at any world size: a change of schedule is checked
+        against what was committed exactly, in O(intervals). Called by the loader, before its workers start."""
+        if self.plan.epochs_continue:
+            return
+        if self.amends is not None and not self.amends.epochs_continue:
+            raise StateError("amends= is a plan of a run whose loader had shuffle=False (its epochs repeat the same "
+                             "positions): continue it with shuffle=False")
+        self.plan = replace(self.plan, epochs_continue=True)
+        self._cache.clear()
+        self._lists = _NO_LISTS
 
     def _block_table(self, block: int) -> np.ndarray:
         """Rows (source, index) of a whole block of positions, kept for the next batches (two blocks per process):
         one array, so that a batch is looked up by one fancy index."""
         if block not in self._cache:
             low = block * self._block
-            self._cache[block] = np.stack(self.plan.locate(np.arange(low, min(low + self._block, len(self)))))
+            self._cache[block] = np.stack(self.plan.locate(np.arange(low, min(low + self._block, self.plan.end))))
             while len(self._cache) > 2:
                 self._cache.popitem(last=False)
         return self._cache[block]
@@ -576,7 +613,7 @@ class Mixture(torch.utils.data.Dataset):
             return np.zeros(0, np.int64), np.zeros(0, np.int64)
         low, high = min(positions), max(positions)
         first, last = low // self._block, high // self._block
-        if last - first > 1 or low < 0 or high >= self.plan.num_samples:
+        if last - first > 1 or low < 0 or high >= self.plan.end:
             return self.plan.locate(positions)
         table, origin = self._block_table(first), first * self._block
         if last != first:
@@ -601,7 +638,7 @@ class Mixture(torch.utils.data.Dataset):
         if 0 < len(positions) <= SMALL_BATCH:
             low, high = min(positions), max(positions)
             block = low // self._block
-            if low >= 0 and high < self.plan.num_samples and high // self._block == block:
+            if low >= 0 and high < self.plan.end and high // self._block == block:
                 sources, indices = self._block_lists(block)
                 origin, shares = block * self._block, {}
                 for row, position in enumerate(positions):
@@ -625,10 +662,20 @@ class Mixture(torch.utils.data.Dataset):
                 yield s, rows[low:high], indices[low:high]
             low = high
 
+    def _stream(self, positions: Sequence[int]) -> Sequence[int]:
+        """The mixture positions of a batch: the loader's positions of its epoch, offset by epoch * num_samples when
+        the plan's epochs continue (the epoch rides on each index, `loader.SampleIndex.epoch`)."""
+        if not self.plan.epochs_continue or not len(positions):
+            return positions
+        n, epoch = self.plan.num_samples, getattr(positions[0], "epoch", 0)
+        if min(positions) < 0 or max(positions) >= n:
+            raise IndexError(f"mixture position {max(positions)} out of range for an epoch of {n} positions")
+        return [p + epoch * n for p in positions] if epoch else positions
+
     def _tokens(self, positions: Sequence[int]) -> torch.Tensor:
         """The int64 tensor (len(positions), seq_len + 1) of a batch of TokenSources, each filling its rows."""
         out = np.empty((len(positions), self._span), dtype=np.int64)
-        for s, rows, indices in self._shares(positions):
+        for s, rows, indices in self._shares(self._stream(positions)):
             self.sources[s]._fill(out, rows, indices)
         return torch.from_numpy(out)
 
@@ -648,7 +695,7 @@ class Mixture(torch.utils.data.Dataset):
             return Rows(self._tokens(positions))
         carried = len(positions) and hasattr(positions[0], "carried_to")  # the loader's SampleIndex
         out: list = [None] * len(positions)
-        for s, rows, indices in self._shares(positions):
+        for s, rows, indices in self._shares(self._stream(positions)):
             if carried:  # a source index carries its position's seed and epoch
                 indices = [positions[r].carried_to(i) for r, i in zip(rows, indices)]
             for row, sample in zip(rows, _fetch(self.sources[s], indices)):
@@ -658,9 +705,9 @@ class Mixture(torch.utils.data.Dataset):
     def __getitem__(self, position: int):
         return self.__getitems__([position])[0]
 
-    def sample_key(self, position: int) -> tuple[str, int]:
-        """(source name, index within the source): the identity of the sample at `position`."""
-        (source,), (index,) = self.locate([position])
+    def sample_key(self, position: int, epoch: int = 0) -> tuple[str, int]:
+        """(source name, index within the source): the identity of the sample at `position` of loader `epoch`."""
+        (source,), (index,) = self.locate(self.plan.in_epoch([position], epoch))
         return self.names[source], int(index)
 
     def fingerprint(self, plan: MixturePlan | None = None) -> str:
@@ -690,13 +737,18 @@ class Mixture(torch.utils.data.Dataset):
     def check_change(self, progress: dict, order: Order) -> None:
         """A progress saved before the change must have trained nothing at or after the change's first window:
         those positions were trained under the old plan, and the new one names other samples there. It commits
-        positions of the loader's `order`, which hold mixture positions through it: under a shuffled order, spread
-        over the whole mixture (`EpochOrder.last_index` finds the last one, in bounded memory)."""
-        if self.amends is None or not self.plan.changes or self.plan.changes[-1] in self.amends.changes:
+        positions of the loader's `order`, which hold mixture positions through it: when the plan's epochs continue
+        (a loader that leaves the order to the mixture), position p of epoch e is mixture position e N + p and every
+        epoch before the progress's was trained whole, so the check is exact in O(intervals); under a shuffled
+        order, they are spread over the whole mixture (`EpochOrder.last_index` finds the last one, in bounded
+        memory)."""
+        if self.amends is None or self.plan == self.amends:
             return
-        at = self.plan.changes[-1] * self.window
+        at = self._change_at
         saved = progress_of(progress)
         check_fingerprint(saved.fingerprint, order.fingerprint(), "the loader progress")
+        if self.plan.epochs_continue:
+            return self._check_continuing(saved, at)
         shuffled = order.shuffle != "none" or order.lanes is not None
         for epoch, spans in sorted(saved.committed.items()):  # epochs finished before it served the old plan whole
             last = order.for_epoch(epoch).last_index(spans, at)
@@ -711,10 +763,26 @@ class Mixture(torch.utils.data.Dataset):
                           f"mixture it trained with) and change from a checkpoint saved at its end, where any "
                           f"change_at fits")
             if shuffled:
-                advice += (". A Mixture interleaves its sources by itself: in a loader with shuffle=False (and no "
-                           "lanes) a change from just after what was committed fits")
+                advice += (". A Mixture interleaves its sources by itself: in a loader with shuffle=True (which leaves "
+                           "the order to it) or shuffle=False (and no lanes) a change from just after what was "
+                           "committed fits")
             raise StateError(f"the schedule change begins at position {at} (window {at // self.window}), but epoch "
                              f"{epoch} committed {held} under the old plan: {advice}")
+
+    def _check_continuing(self, saved, at: int) -> None:
+        """`check_change` where loader epoch e is mixture positions [e N, (e + 1) N): the last position trained is
+        the largest committed one, or the end of the epochs finished before the progress's."""
+        n = len(self)
+        last = saved.epoch * n - 1
+        for epoch, spans in saved.committed.items():
+            if len(spans):
+                last = max(last, epoch * n + int(spans[-1, 1]) - 1)
+        if last >= at:
+            epoch, position = divmod(last, n)
+            raise StateError(f"the schedule change begins at mixture position {at} (window {at // self.window}), but "
+                             f"the run committed mixture position {last} (epoch {epoch}, position {position}; loader "
+                             f"epoch e serves mixture positions from e * {n}) under the old plan: pass change_at >= "
+                             f"{last + 1}")
 
     def __getstate__(self) -> dict:
         return {**self.__dict__, "_cache": OrderedDict(), "_lists": _NO_LISTS}
