@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from loader import ResumableDataLoader, SampleIndex
+from loader import ResumableDataLoader, SampleIndex, merge_states
 from loader.core.state import StateError
 from loader.sources import Mixture, MixturePlan
 
@@ -67,3 +67,118 @@ def test_a_state_of_a_shuffled_mixture_order_is_refused_naming_the_release():
     for option in ({"shuffle_blocks": 10}, {"lanes": 2}):
         with pytest.raises(ValueError, match="leaves the order to a Mixture .* drop them"):
             ResumableDataLoader(mix, batch_size=4, shuffle=True, **option)
+
+
+N, GLOBAL_BATCH, WINDOW = 120, 12, 10  # positions per epoch, samples per update (any world size), mixture window
+
+
+class Run:
+    """Simulated ranks, each with its own Mixture (as each process holds its own) and loader, in lockstep updates
+    of GLOBAL_BATCH samples; what they train is recorded as (epoch, position, sample)."""
+
+    def __init__(self, world, shuffle, workers=0, persistent=False, resumed=None):
+        self.ranks = []
+        for r in range(world):
+            mix = Mixture(sources(), [0.5, 0.2, 0.3], N, seed=5, window=WINDOW)
+            dl = ResumableDataLoader(mix, batch_size=1, shuffle=shuffle, seed=2, rank=r, world_size=world,
+                                     grad_accum=GLOBAL_BATCH // world, num_workers=workers, collate_fn=list,
+                                     persistent_workers=persistent,
+                                     multiprocessing_context="fork" if workers else None)
+            if resumed is not None:  # what resume does: the checkpoint's plan, then its progress and step
+                state, plan, step = resumed
+                mix.resume_plan(plan)
+                dl.load_state_dict(state)
+                dl.step = step
+            self.ranks.append([dl, None])
+        self.trained: list[tuple[int, int, int]] = []
+
+    @property
+    def plan(self) -> MixturePlan:
+        return self.ranks[0][0].dataset.plan
+
+    def update(self, rank) -> bool:
+        """One update's micro-batches of `rank`; False at the end of the epoch (its pass ended)."""
+        dl, it = rank
+        for _ in range(dl.grad_accum):
+            batch = next(it, None) if it is not None else None
+            if batch is None and (it is None or dl.update_complete):
+                rank[1] = it = iter(dl)  # the next pass
+                batch = next(it, None)
+            if batch is None:
+                return False
+            self.trained += [(dl.epoch, p, int(s[0])) for p, s in zip(dl.last_indices().tolist(), batch)]
+            if dl.update_complete:
+                return True
+        return True
+
+    def updates(self, count, controller=lambda step: None):
+        """`count` lockstep updates; before each (after the one before), every rank asks for the controller's
+        weights at the step it is at, if any."""
+        changes = []
+        for _ in range(count):
+            weights = controller(self.ranks[0][0].step)
+            if weights is not None:
+                asked = {rank[0].change_mixture(weights) for rank in self.ranks}
+                assert len(asked) == 1  # every rank finds the same change, without communication
+                changes += asked
+            for rank in self.ranks:
+                self.update(rank)
+        return changes
+
+    def stop(self, extra=()):
+        """Ranks take `extra[r]` more updates each (unequal consumption), then stop: the merged state, the plan
+        the checkpoint records and the step, for the next Run."""
+        for rank, more in zip(self.ranks, extra):
+            for _ in range(more):
+                self.update(rank)
+        state = merge_states([dl.state_dict(check_lockstep=False) for dl, _ in self.ranks], uneven=True)
+        step = self.ranks[0][0].step
+        for dl, _ in self.ranks:
+            dl.close()
+        return state, self.plan.to_dict(), step
+
+
+def check_exactly_once(trained, plan: MixturePlan, epochs: int) -> None:
+    """Every position of every epoch trained once, each the sample the final plan names there (the past as it
+    was trained), and each source's samples, in mixture-position order, a permutation per source epoch."""
+    seen = sorted((e, p) for e, p, _ in trained)
+    assert seen == [(e, p) for e in range(epochs) for p in range(N)]
+    stream = sorted((int(plan.in_epoch([p], e)[0]), v) for e, p, v in trained)
+    sources_, indices = plan.locate(np.array([p for p, _ in stream]))
+    assert [v for _, v in stream] == (sources_ * 1000 + indices).tolist()
+    distinct = dict(stream)  # under shuffle=False epoch 1 repeats epoch 0's positions and samples
+    permutations_per_source_epoch([distinct[p] for p in sorted(distinct)])
+
+
+@pytest.mark.parametrize("shuffle", [True, False])
+@pytest.mark.parametrize("workers", [0, 2])
+def test_online_changes_across_restarts_at_4_3_2_ranks_train_every_position_once(shuffle, workers):
+    """Weights changed by the loop at the very first update boundary (a source at 0), while workers hold batches
+    prefetched, and after the epoch's last update; restarts at 4 -> 3 -> 2 ranks after unequal consumption, the
+    plan with its changes taken from the checkpoint; a request at a step already recorded (a replayed step, whose
+    controller would now ask for other weights) changes nothing."""
+    asked = {0: [0, 1, 1], 2: [2, 1, 0], 3: [1, 3, 1]}
+    first = Run(4, shuffle, workers)
+    changes = first.updates(3, asked.get)
+    assert changes[0] == ((30, 3) if workers else (0, 1))  # 2 x 2 micro-batches prefetched: a window from 24
+    assert {dl.change_mixture(asked[3]) for dl, _ in first.ranks} == {(60, 6) if workers else (40, 4)}
+    state, plan, step = first.stop(extra=(0, 1, 0, 2))  # the checkpoint of step 3, with its request
+    assert [s for s, _ in MixturePlan.from_dict(plan).requests] == [0, 2, 3]
+    second = Run(3, shuffle, workers, resumed=(state, plan, step))
+    assert all(dl.change_mixture([1, 1, 1]) is None for dl, _ in second.ranks)  # step 3 again: recorded stands
+    assert second.plan == MixturePlan.from_dict(plan)
+    second.updates(1)
+    state, plan, step = second.stop(extra=(1, 0, 0))
+    third = Run(2, shuffle, workers, persistent=bool(workers), resumed=(state, plan, step))
+    while not all(dl.exhausted for dl, _ in third.ranks):
+        third.updates(1)
+    if shuffle:  # after the epoch's last update: from epoch 1's start (mixture positions from N on)
+        assert {dl.change_mixture([1, 2, 3]) for dl, _ in third.ranks} == {(N, None)}
+    else:
+        with pytest.raises(ValueError, match="no whole window of this epoch is left to change"):
+            third.ranks[0][0].change_mixture([1, 2, 3])
+    step = third.ranks[0][0].step
+    third.updates(N // GLOBAL_BATCH, {step + 1: [3, 0, 1]}.get if shuffle else lambda step: None)
+    state, _, _ = third.stop()
+    check_exactly_once(first.trained + second.trained + third.trained, third.plan, 2)
+    assert len(third.plan.requests) == (5 if shuffle else 3)

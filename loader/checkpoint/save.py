@@ -207,6 +207,30 @@ def _of_earlier_release(loader) -> str | None:
     return earlier() if callable(earlier) else None
 
 
+def _plan_record(loader) -> dict:
+    """The dataset's plan where it changed online (a Mixture's weights, `change_mixture`): JSON in the manifest, a
+    few hundred bytes, which `resume` hands back to the dataset before it checks the fingerprint."""
+    carried = getattr(loader.dataset, "carried_plan", None)
+    plan = carried() if callable(carried) else None
+    return {} if plan is None else {"mixture_plan": plan.to_dict()}
+
+
+def resume_plan(extra: dict, loader, where: str) -> None:
+    """The plan with the online changes a checkpoint recorded, taken by this run's dataset (checked to extend its
+    own plan): the steps replayed after the restart train under the recorded weights."""
+    recorded = extra.get("mixture_plan")
+    take = getattr(loader.dataset, "resume_plan", None)
+    if recorded is None:
+        return
+    if not callable(take):
+        raise StateError(f"{where}: the run changed a Mixture's weights online, but this loader's dataset is a "
+                         f"{type(loader.dataset).__name__}: resume it with the Mixture it trained")
+    try:
+        take(recorded)
+    except ValueError as err:
+        raise StateError(f"{where}: {err}") from None
+
+
 def check_dataset(saved: str | None, loader, where: str) -> None:
     """A checkpoint's dataset fingerprint against this loader's: the same, the one before a change the dataset
     declares (then `check_change` checks the progress), or the previous release's (`check_change` warns). A
@@ -384,6 +408,7 @@ def save_checkpoint(
         "progress_format": [FORMAT, VERSION],
         "fingerprint": _fingerprint_of(loader),
         "dataset": dataset_fingerprint(loader),
+        **_plan_record(loader),
         **(manifest_extra or {}),
     }
 
@@ -567,6 +592,7 @@ def _check_manifest(path: Path, loader) -> int:
     try:
         if current is not None and extra.get("fingerprint") is not None:
             check_fingerprint(extra["fingerprint"], current, where=f"checkpoint {path}")
+        resume_plan(extra, loader, f"checkpoint {path}")
         check_dataset(extra.get("dataset"), loader, f"checkpoint {path}")
     except StateError as err:
         raise CheckpointError(str(err)) from None

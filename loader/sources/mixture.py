@@ -228,6 +228,8 @@ class MixturePlan:
     changes: tuple[int, ...] = ()  # the windows at which the schedule was changed during the run
     epochs_continue: bool = False  # loader epoch e serves positions [e N, (e + 1) N) of one stream (a loader with
     # shuffle=True leaves the order to the mixture): every epoch has windows of its own, each source's draws run on
+    requests: tuple[tuple[int, int], ...] = ()  # (step, window) of each change made online: the step after whose
+    # update the loop asked for it, and the window from which it applies (`ResumableDataLoader.change_mixture`)
 
     def __post_init__(self) -> None:
         sources = len(self.names)
@@ -247,6 +249,12 @@ class MixturePlan:
             raise ValueError(f"seed must be an int, got {self.seed!r}")
         if not isinstance(self.epochs_continue, bool):
             raise ValueError(f"epochs_continue must be true or false, got {self.epochs_continue!r}")
+        pairs = [tuple(r) if isinstance(r, (list, tuple)) else () for r in self.requests]
+        if any(len(r) != 2 or not all(is_int(v) and 0 <= v <= MAX_SAMPLES for v in r) for r in pairs) or \
+                pairs != sorted(pairs) or [w for _, w in pairs] != sorted(w for _, w in pairs):
+            raise ValueError(f"requests must be increasing [step, window] pairs of non-negative ints, got "
+                             f"{list(self.requests)!r}")
+        object.__setattr__(self, "requests", tuple(pairs))
         if self.schedule:
             self._check_schedule()
 
@@ -397,7 +405,26 @@ class MixturePlan:
         changes = tuple(sorted({*self.changes, window} & {p.start for p in pieces}))
         return MixturePlan(self.names, self.lengths, pieces[0].first, self.num_samples, self.seed, self.shuffle,
                            pieces if len(pieces) > 1 or 0 in pieces[0].first or changes else (), changes,
-                           self.epochs_continue)
+                           self.epochs_continue, self.requests)
+
+    def with_weights(self, weights: Sequence[float], window: int, step: int) -> MixturePlan:
+        """This plan with `weights` (zeros allowed: a source paused) from `window` on, each source's draws running
+        on, recorded as requested at `step`: an online change (`ResumableDataLoader.change_mixture`)."""
+        w = _normalised(weights, "weights", zero_ok=True)
+        if len(w) != len(self.names):
+            raise ValueError(f"{len(w)} weights for {len(self.names)} sources: pass one weight per source")
+        counts = _apportion(w, self.window)
+        plan = self.amended((Piece(0, 0, 1, counts, counts),), window)
+        return replace(plan, schedule=plan._pieces, requests=(*self.requests, (step, window)))
+
+    def extends(self, base: MixturePlan) -> bool:
+        """Whether this plan is `base` with online changes added: the same mixture, the same windows before the
+        first change that `base` has not made."""
+        ahead = self.requests[len(base.requests):]
+        if self.requests[:len(base.requests)] != base.requests or not ahead:
+            return self == base
+        same = replace(base.amended(self._pieces, ahead[0][1]), changes=self.changes, requests=self.requests)
+        return replace(same, schedule=same._pieces) == replace(self, schedule=self._pieces)
 
     def to_dict(self) -> dict:
         """The JSON form; a plan without a schedule is written as before schedules existed (same fingerprint)."""
@@ -408,7 +435,8 @@ class MixturePlan:
             return plain
         version = CONTINUING_VERSION if self.epochs_continue else SCHEDULED_VERSION
         return {**plain, "version": version, "schedule": [p.to_json() for p in self.schedule],
-                "changes": list(self.changes), **({"epochs_continue": True} if self.epochs_continue else {})}
+                "changes": list(self.changes), **({"epochs_continue": True} if self.epochs_continue else {}),
+                **({"requests": [list(r) for r in self.requests]} if self.requests else {})}
 
     @classmethod
     def from_dict(cls, data: dict, where: str = "mixture plan") -> MixturePlan:
@@ -424,7 +452,8 @@ class MixturePlan:
                              for p in data["schedule"]) if found[1] != PLAN_VERSION else ()
             return cls(tuple(data["names"]), tuple(data["lengths"]), tuple(data["counts"]), data["num_samples"],
                        data["seed"], data["shuffle"], schedule, tuple(data["changes"]) if schedule else (),
-                       found[1] == CONTINUING_VERSION and data["epochs_continue"])
+                       found[1] == CONTINUING_VERSION and data["epochs_continue"],
+                       tuple(data.get("requests", ())) if schedule else ())
         except (KeyError, TypeError) as err:
             raise ValueError(f"{where}: no field {err}; the file is truncated or not a mixture plan") from None
 
@@ -582,6 +611,37 @@ class Mixture(torch.utils.data.Dataset):
         of them takes it (a PackedSource)."""
         return self.plan.epochs_continue or any(getattr(source, "epoch_aware", False) for source in self.sources)
 
+    def use_plan(self, plan: MixturePlan) -> None:
+        """From now on, `plan` (one of `change_weights`, checked by the caller), in this process."""
+        self.plan, self._lists = plan, _NO_LISTS
+        self._cache.clear()
+
+    def carried_plan(self) -> MixturePlan | None:
+        """The plan each batch carries to the workers (their copies were made at iter()): this one, once it holds an
+        online change; before, nothing (a batch costs no more than it did)."""
+        return self.plan if self.plan.requests else None
+
+    def change_weights(self, weights: Sequence[float], position: int, step: int) -> MixturePlan:
+        """The plan with `weights` from the first whole window at or after mixture `position` (nothing at or after
+        it trained or dispatched: the loader says where, `ResumableDataLoader.change_mixture`), recorded as asked
+        at `step`; `use_plan` makes it this mixture's."""
+        if not self.plan.epochs_continue and position >= len(self):
+            raise ValueError(f"no whole window of this epoch is left to change (the change would begin at position "
+                             f"{position} of {len(self)}): under shuffle=False every epoch serves the same "
+                             f"positions; change the weights earlier, or run the loader with shuffle=True (each epoch "
+                             f"continues the mixture's stream)")
+        return self.plan.with_weights(weights, -(-position // self.window), step)
+
+    def resume_plan(self, recorded: dict) -> None:
+        """Take the plan a checkpoint recorded (`MixturePlan.to_dict`, read as JSON, never unpickled), with the
+        online changes of the run it continues: refused unless it is this mixture's plan with changes added."""
+        plan = MixturePlan.from_dict(recorded, "the checkpoint's mixture plan")
+        if not plan.extends(self.plan):
+            raise StateError("the checkpoint's mixture plan (with the weights changed online) is not this mixture's "
+                             "plan with changes added: build the Mixture with the sources, weights or schedule, "
+                             "seed, window and num_samples of the run it resumes (and the loader's shuffle=)")
+        self.use_plan(plan)
+
     def continue_epochs(self) -> None:
         """Serve a loader that leaves the order to this mixture (shuffle=True): loader epoch e is positions
         [e N, (e + 1) N) of one stream, with windows (and so arrangements) of its own, each source's draws running
@@ -664,7 +724,11 @@ class Mixture(torch.utils.data.Dataset):
 
     def _stream(self, positions: Sequence[int]) -> Sequence[int]:
         """The mixture positions of a batch: the loader's positions of its epoch, offset by epoch * num_samples when
-        the plan's epochs continue (the epoch rides on each index, `loader.SampleIndex.epoch`)."""
+        the plan's epochs continue (the epoch rides on each index, `loader.SampleIndex.epoch`). A worker's copy of
+        the mixture takes the plan the batch carries when it holds online changes this copy has not seen."""
+        carried = getattr(positions[0], "plan", None) if len(positions) else None
+        if carried is not None and carried is not self.plan and carried.requests != self.plan.requests:
+            self.use_plan(carried)
         if not self.plan.epochs_continue or not len(positions):
             return positions
         n, epoch = self.plan.num_samples, getattr(positions[0], "epoch", 0)
