@@ -2,6 +2,7 @@
 online, at an update boundary, from the training loop: every position once, every source a permutation per source
 epoch, the changes recorded with the checkpoint and replayed as recorded."""
 
+import json
 from collections import defaultdict
 
 import numpy as np
@@ -86,7 +87,7 @@ class Run:
                                      multiprocessing_context="fork" if workers else None)
             if resumed is not None:  # what resume does: the checkpoint's plan, then its progress and step
                 state, plan, step = resumed
-                mix.resume_plan(plan)
+                mix.use_plan(mix.recorded_plan(plan))
                 dl.load_state_dict(state)
                 dl.step = step
             self.ranks.append([dl, None])
@@ -182,3 +183,53 @@ def test_online_changes_across_restarts_at_4_3_2_ranks_train_every_position_once
     state, _, _ = third.stop()
     check_exactly_once(first.trained + second.trained + third.trained, third.plan, 2)
     assert len(third.plan.requests) == (5 if shuffle else 3)
+
+
+def one_rank(mix, **options):
+    model = torch.nn.Linear(1, 1)
+    return dict(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                loader=ResumableDataLoader(mix, batch_size=6, grad_accum=2, shuffle=True, collate_fn=list, **options))
+
+
+def test_the_checkpoint_carries_the_changes_and_the_audit_shows_each(tmp_path, capsys):
+    """save_checkpoint records the plan with its online changes in the manifest (JSON, a few hundred bytes); a
+    restart builds the Mixture as at the start, and load_checkpoint takes the recorded plan back (a Mixture of other
+    weights is refused); the replayed steps train the recorded weights; the audit by source names each change."""
+    from loader.checkpoint.ledger import Ledger
+    from loader.checkpoint.publish import CheckpointError
+    from loader.checkpoint.save import load_checkpoint, save_checkpoint
+    from loader.cli.main import main as cli
+
+    def fresh(weights=(0.5, 0.2, 0.3)):
+        return Mixture(sources(), list(weights), N, seed=5, window=WINDOW, names=["web", "code", "math"])
+
+    run = one_rank(fresh())
+    dl, trained = run["loader"], []
+    dl.ledger = Ledger.open(tmp_path, 0, N)
+    it = iter(dl)
+    for update in range(4):
+        if update in (1, 2):
+            dl.change_mixture([[1, 0, 1], [1, 1, 2]][update - 1])
+        for _ in range(2):
+            trained += [int(s[0]) for s in next(it)]
+    path = save_checkpoint(tmp_path, **run)
+    manifest = json.loads((path / "manifest.json").read_text())
+    recorded = MixturePlan.from_dict(manifest["extra"]["mixture_plan"])
+    assert recorded == dl.dataset.plan and recorded.requests == ((1, 2), (2, 3))
+    assert len(json.dumps(manifest["extra"]["mixture_plan"])) < 1000
+    with pytest.raises(CheckpointError, match="not this mixture's plan with changes added"):
+        load_checkpoint(path, **one_rank(fresh([0.4, 0.3, 0.3])))
+    resumed = one_rank(fresh())
+    assert load_checkpoint(path, **resumed) == 4 and resumed["loader"].dataset.plan == recorded
+    dl = resumed["loader"]
+    dl.ledger = Ledger.open(tmp_path, 4, N)
+    assert dl.change_mixture([0, 0, 1]) == (50, 5)  # step 4 was not asked before: a new request
+    trained += [int(s[0]) for batch in dl for s in batch]
+    dl.ledger.close()
+    plan = dl.dataset.plan
+    assert sorted(trained) == sorted(int(dl.dataset[p][0]) for p in range(N))
+    plan.save(tmp_path / "mixture.json")
+    assert cli(["audit", str(tmp_path), "--mixture", str(tmp_path / "mixture.json")]) == 0
+    out = capsys.readouterr().out
+    for step, window in plan.requests:
+        assert f"weights changed online at step {step}: from position {window * WINDOW} (window {window}" in out

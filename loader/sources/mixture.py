@@ -632,15 +632,15 @@ class Mixture(torch.utils.data.Dataset):
                              f"continues the mixture's stream)")
         return self.plan.with_weights(weights, -(-position // self.window), step)
 
-    def resume_plan(self, recorded: dict) -> None:
-        """Take the plan a checkpoint recorded (`MixturePlan.to_dict`, read as JSON, never unpickled), with the
-        online changes of the run it continues: refused unless it is this mixture's plan with changes added."""
+    def recorded_plan(self, recorded: dict) -> MixturePlan:
+        """The plan a checkpoint recorded (`MixturePlan.to_dict`, read as JSON, never unpickled), with the online
+        changes of the run it continues, for `use_plan`: refused unless it is this mixture's with changes added."""
         plan = MixturePlan.from_dict(recorded, "the checkpoint's mixture plan")
         if not plan.extends(self.plan):
             raise StateError("the checkpoint's mixture plan (with the weights changed online) is not this mixture's "
                              "plan with changes added: build the Mixture with the sources, weights or schedule, "
                              "seed, window and num_samples of the run it resumes (and the loader's shuffle=)")
-        self.use_plan(plan)
+        return plan
 
     def continue_epochs(self) -> None:
         """Serve a loader that leaves the order to this mixture (shuffle=True): loader epoch e is positions
