@@ -8,6 +8,8 @@ from collections import defaultdict
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from loader import ResumableDataLoader, SampleIndex, merge_states
 from loader.core.state import StateError
@@ -92,6 +94,7 @@ class Run:
                 dl.step = step
             self.ranks.append([dl, None])
         self.trained: list[tuple[int, int, int]] = []
+        self.last_epoch = 1  # no pass of a later epoch starts
 
     @property
     def plan(self) -> MixturePlan:
@@ -103,6 +106,8 @@ class Run:
         for _ in range(dl.grad_accum):
             batch = next(it, None) if it is not None else None
             if batch is None and (it is None or dl.update_complete):
+                if it is not None and dl.epoch >= self.last_epoch:
+                    return False
                 rank[1] = it = iter(dl)  # the next pass
                 batch = next(it, None)
             if batch is None:
@@ -233,3 +238,62 @@ def test_the_checkpoint_carries_the_changes_and_the_audit_shows_each(tmp_path, c
     out = capsys.readouterr().out
     for step, window in plan.requests:
         assert f"weights changed online at step {step}: from position {window * WINDOW} (window {window}" in out
+
+
+@settings(max_examples=12, deadline=None)
+@given(data=st.data())
+def test_any_sequence_of_online_changes_and_restarts_trains_every_position_once(data):
+    """The model counts every sample: random world sizes, changes (weights with zeros), unequal stops and
+    restarts, under either shuffle; shuffle=False runs epoch 0 (a change with no window left in it is refused),
+    shuffle=True two epochs."""
+    shuffle = data.draw(st.booleans(), label="shuffle")
+    worlds = data.draw(st.lists(st.sampled_from([1, 2, 3, 4]), min_size=1, max_size=3), label="worlds")
+    weights = st.lists(st.integers(0, 3), min_size=3, max_size=3).filter(any)
+    last_epoch, resumed, trained, run = int(shuffle), None, [], None
+
+    def controller(step):
+        return data.draw(st.none() | weights, label=f"weights at step {step}")
+
+    for i, world in enumerate(worlds):
+        run = Run(world, shuffle, resumed=resumed)
+        run.last_epoch = last_epoch
+        final = i == len(worlds) - 1
+        count = 10**6 if final else data.draw(st.integers(0, 6), label="updates")
+        for _ in range(count):
+            dl = run.ranks[0][0]
+            if dl.epoch == last_epoch and all(r.exhausted for r, _ in run.ranks):
+                break
+            try:
+                run.updates(1, controller)
+            except ValueError as err:  # every rank alike: shuffle=False, no whole window of the epoch left
+                assert not shuffle and "no whole window of this epoch is left" in str(err)
+                run.updates(1)
+        extra = () if final else data.draw(st.lists(st.integers(0, 2), min_size=world, max_size=world),
+                                           label="unequal stop")
+        resumed = run.stop(extra)
+        trained += run.trained
+    check_exactly_once(trained, run.plan, last_epoch + 1)
+
+
+def _ask(rank, world, weights_by_rank):
+    mix = Mixture(sources(), [0.5, 0.2, 0.3], N, seed=5, window=WINDOW)
+    dl = ResumableDataLoader(mix, batch_size=2, shuffle=True, collate_fn=list)  # rank and world: the group's
+    next(iter(dl))
+    same = dl.change_mixture([1, 1, 1])
+    try:
+        dl.change_mixture(weights_by_rank[rank])
+    except ValueError as err:
+        return same, str(err), mix.plan.requests
+    return same, None, mix.plan.requests
+
+
+@pytest.mark.slow
+def test_ranks_that_ask_for_different_weights_are_refused_alike():
+    """Under torch.distributed every rank's change is compared (one all_gather of the plan's digest): the same
+    weights apply on every rank, different ones are refused on every rank, the plan left as it was."""
+    from tests.distributed import run_group
+
+    results = run_group(_ask, 2, {0: [1, 0, 1], 1: [1, 0, 2]})
+    assert results[0][0] == results[1][0] == (10, 3)  # window 1, in the third update of 4 samples
+    for _, error, requests in results:
+        assert "the ranks asked for different weights" in error and requests == ((1, 1),)
