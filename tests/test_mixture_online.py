@@ -278,8 +278,10 @@ def test_any_sequence_of_online_changes_and_restarts_trains_every_position_once(
 def _ask(rank, world, weights_by_rank):
     mix = Mixture(sources(), [0.5, 0.2, 0.3], N, seed=5, window=WINDOW)
     dl = ResumableDataLoader(mix, batch_size=2, shuffle=True, collate_fn=list)  # rank and world: the group's
-    next(iter(dl))
+    it = iter(dl)
+    next(it)
     same = dl.change_mixture([1, 1, 1])
+    next(it)  # the next update: a request of another step
     try:
         dl.change_mixture(weights_by_rank[rank])
     except ValueError as err:
