@@ -1013,6 +1013,10 @@ class ResumableDataLoader(DataLoader[T_co]):
             raise TypeError("change_mixture changes a loader.sources.Mixture's weights; this loader's dataset is "
                             f"a {type(self.dataset).__name__}")
         step, sampler = self.step, self.resumable_sampler
+        if sampler.order.lanes is not None:
+            raise ValueError("change_mixture needs loader positions that are mixture positions: lanes= spread them "
+                             "over the epoch; build the loader without lanes (shuffle=True leaves the order to the "
+                             "Mixture)")
         if step is None:
             raise ValueError("change_mixture needs the loader's step (the plan records the step each change was "
                              "asked at, so that a replayed step takes the recorded weights): resume with "

@@ -57,7 +57,8 @@ def test_shuffle_true_leaves_the_order_to_the_mixture_and_each_epoch_continues_i
 
 def test_a_state_of_a_shuffled_mixture_order_is_refused_naming_the_release():
     """A checkpoint of an earlier release's shuffle=True Mixture run holds positions of a shuffled order, which name
-    other samples now: refused, never resumed under the new meaning. shuffle_blocks= and lanes= are refused."""
+    other samples now: refused, never resumed under the new meaning. shuffle_blocks= and lanes= are refused under
+    shuffle=True, and an online change under lanes= (whose loader positions are not mixture positions)."""
     mix = Mixture(sources(), [0.5, 0.2, 0.3], 40, seed=5, window=10)
     dl = ResumableDataLoader(mix, batch_size=4, shuffle=True, seed=1)
     state = dl.state_dict()
@@ -70,6 +71,9 @@ def test_a_state_of_a_shuffled_mixture_order_is_refused_naming_the_release():
     for option in ({"shuffle_blocks": 10}, {"lanes": 2}):
         with pytest.raises(ValueError, match="leaves the order to a Mixture .* drop them"):
             ResumableDataLoader(mix, batch_size=4, shuffle=True, **option)
+    laned = ResumableDataLoader(Mixture(sources(), [0.5, 0.2, 0.3], 40, seed=5, window=10), batch_size=4, lanes=2)
+    with pytest.raises(ValueError, match="lanes= spread them over the epoch"):
+        laned.change_mixture([1, 1, 1])
 
 
 N, GLOBAL_BATCH, WINDOW = 120, 12, 10  # positions per epoch, samples per update (any world size), mixture window

@@ -14,6 +14,11 @@ source's draws in position order, each run [e * len_s, (e + 1) * len_s) is a per
 Numbering draws in position order (not in the permuted order) is what keeps a source epoch that ends inside a
 window from lending one of its draws to the next epoch.
 
+Under a loader with shuffle=True the mixture orders itself: loader epoch e serves positions [e N, (e + 1) N) of one
+stream (`MixturePlan.epochs_continue`), so every epoch has windows of its own and each source's draws run on, and a
+loader position is a mixture position at any world size. An online change of weights (`change_weights`, asked by
+`ResumableDataLoader.change_mixture`) is a change of schedule from a window nothing was dealt from yet.
+
 A schedule makes counts[s] a function of the window k, piece by piece: constant, or a linear ramp from count vector
 A to B over L windows, whose window j holds c_s(j) = A_s + floor(P_s j / L) - floor(P_{s-1} j / L), where P_s is the
 sum of (B_t - A_t) over t <= s: each c_s(j) is the floor or the ceiling of A_s + (B_s - A_s) j / L, and they sum to M.
@@ -522,8 +527,9 @@ def _amend(old: MixturePlan, new: MixturePlan, change_at: int) -> MixturePlan:
 class Mixture(torch.utils.data.Dataset):
     """`num_samples` positions drawn from `sources` in the proportions `weights`, exactly per window of
     `mix.window` positions, each position a pure function of (seed, position) -> (source, index). The mixture
-    already interleaves: run it with shuffle=False (a loader shuffle permutes positions, the composition of every
-    window then no longer shows in the batches).
+    already interleaves: a loader with shuffle=True leaves the order to it (`continue_epochs`: loader epoch e is
+    its positions [e N, (e + 1) N), fresh windows, draws running on), one with shuffle=False serves its positions
+    in order, the same every epoch. `ResumableDataLoader.change_mixture` changes its weights from the training loop.
 
     Args:
         sources: map-style datasets (TokenSource, WebDatasetSource, Hugging Face `datasets.Dataset`, ...).
