@@ -72,6 +72,8 @@ class Task:
     loss: Callable[[torch.nn.Module, Any, torch.device], torch.Tensor]
     items_per_sample: int = 1
     shuffle: bool = True
+    controller: Any = None  # bind(loader) once the loader is made, after_update(step) after each optimizer step
+    # (before the checkpoint, which then records what it changed), e.g. train_lm.py's mixture weights from losses
 
 
 def regression_task(args) -> Task:
@@ -185,6 +187,8 @@ def train(args, make_task: Callable[[argparse.Namespace], Task] = regression_tas
     loader = ResumableDataLoader(dataset, batch_size=args.micro_batch, shuffle=task.shuffle, seed=args.seed,
                                  grad_accum=accum, num_workers=args.workers, drop_last=True)
     objects = dict(model=ddp, optimizer=optimizer, loader=loader, scheduler=scheduler)
+    if task.controller is not None:
+        task.controller.bind(loader)
     started = time.perf_counter()
     step = resume(args.run_dir, **objects)  # and loader.step, which counts on from it
     log(f"world size {world}, grad_accum {accum}, resumed at step {step}, epoch {loader.epoch} "
@@ -211,6 +215,8 @@ def train(args, make_task: Callable[[argparse.Namespace], Task] = regression_tas
                 optimizer.zero_grad(set_to_none=True)
                 step = loader.step  # the loader counts the updates, as the ledger labels them
                 log(f"step {step} loss {loss.item() / (args.micro_batch * task.items_per_sample):.6f}")
+                if task.controller is not None:
+                    task.controller.after_update(step)
                 if args.snapshot_dir is not None and rank == 0:
                     args.snapshot_dir.mkdir(parents=True, exist_ok=True)
                     torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()},

@@ -18,7 +18,10 @@ mask_mod) and position embeddings restart at each piece; the loss counts the tar
 `--attention flex` runs the mask through create_block_mask + flex_attention (compiled), on GPUs: torch's CPU
 FlexAttention has no backward (torch 2.13), and eager it materialises the scores anyway. The default, `dense`,
 evaluates the same mask_mod into a boolean mask for scaled_dot_product_attention (equal logits: tests/test_train_lm.py).
-The loader runs the mixture with shuffle=False. The elastic loop, checkpoints, ledger and fault injection are
+The loader runs the mixture with shuffle=True, which leaves the order to the mixture (loader positions are mixture
+positions; a later epoch continues its stream). `--control-every N` adds a small online controller
+(`LossController`): every N updates, mixture weights from the last update's loss per source, applied through
+`loader.change_mixture` and recorded with the checkpoints. The elastic loop, checkpoints, ledger and fault injection are
 those of examples/train_elastic.py.
 """
 
@@ -171,12 +174,59 @@ def mixture(args) -> Mixture:
     return mix
 
 
+class LossController:
+    """A small online controller in the spirit of DoReMi: every `every` updates, weights from the last update's
+    mean loss per source (all-reduced, so every rank asks for the same), more weight where the loss is higher:
+    w_s = 1 + 9 * loss_s / sum(loss), in whole tenths. `loader.change_mixture` applies them from a window no rank
+    has prefetched yet, the checkpoint records them, and a replayed step keeps the recorded ones."""
+
+    def __init__(self, names: tuple[str, ...], every: int, plan_file: Path):
+        self.names, self.every, self.loader, self.plan_file, self.saved = names, every, None, plan_file, None
+        self.sums = torch.zeros(2, len(names), dtype=torch.float64)  # this update's loss and targets per source
+
+    def bind(self, loader) -> None:
+        self.loader = loader
+
+    def observe(self, per_row_loss: torch.Tensor, per_row_targets: torch.Tensor) -> None:
+        """A micro-batch's rows (summed loss, counted targets), by the source each row came from."""
+        if self.loader is None:
+            return
+        sources = torch.from_numpy(self.loader.dataset.plan.source_of(self.loader.last_indices(), self.loader.epoch))
+        for row, values in enumerate((per_row_loss, per_row_targets)):
+            self.sums[row].index_add_(0, sources, values.detach().double().cpu())
+
+    def after_update(self, step: int) -> None:
+        sums, self.sums = self.sums, torch.zeros_like(self.sums)
+        plan = self.loader.dataset.plan
+        if dist.get_rank() == 0 and plan.requests != self.saved:  # the plan as changed (and resumed) so far
+            plan.save(self.plan_file)  # for `python -m loader audit RUN_DIR --mixture RUN_DIR/mixture.json`
+            self.saved = plan.requests
+        if step % self.every:
+            return
+        dist.all_reduce(sums)
+        if (sums[1] == 0).any():
+            return  # a source without a target in this update: nothing to compare
+        mean = sums[0] / sums[1]
+        weights = (1 + 9 * mean / mean.sum()).round().int().tolist()
+        change = self.loader.change_mixture(weights)
+        if change is not None and dist.get_rank() == 0:
+            log(f"mixture: weights {'/'.join(self.names)} {weights} from position {change.position} (step "
+                f"{change.step}), losses {[round(v, 3) for v in mean.tolist()]}")
+
+
 def lm_task(args) -> train_elastic.Task:
+    controller = LossController(NAMES, args.control_every, args.run_dir / "mixture.json") if args.control_every \
+        else None
+
     def loss(model, batch, device):
         tokens, segments = batch["tokens"].to(device), batch["segment_ids"].to(device)
         logits = model(tokens[:, :-1], batch["positions"][:, :-1].to(device), segments[:, :-1])
         per_target = F.cross_entropy(logits.reshape(-1, VOCAB), tokens[:, 1:].reshape(-1), reduction="none")
-        return (per_target * label_mask(segments).reshape(-1)).sum()  # no target across a piece's end or padding
+        counted = label_mask(segments).reshape(tokens.shape[0], -1)  # no target across a piece's end or padding
+        per_row = (per_target.view_as(counted) * counted)
+        if controller is not None:
+            controller.observe(per_row.sum(1), counted.sum(1))
+        return per_row.sum()
 
     if args.attention == "flex" and (flex_attention is None or not train_elastic._one_gpu_per_rank()):
         raise SystemExit(f"train_lm.py: --attention flex needs torch >= 2.5 (this is {torch.__version__}) and a GPU "
@@ -184,7 +234,7 @@ def lm_task(args) -> train_elastic.Task:
                          "same mask for scaled_dot_product_attention")
     args.run_dir.mkdir(parents=True, exist_ok=True)
     return train_elastic.Task(mixture(args), TinyLM(args.seq_len, attention=args.attention), loss,
-                              items_per_sample=args.seq_len, shuffle=False)
+                              items_per_sample=args.seq_len, shuffle=True, controller=controller)
 
 
 def add_arguments(p) -> None:
@@ -192,6 +242,9 @@ def add_arguments(p) -> None:
     p.add_argument("--attention", choices=("dense", "flex"), default="dense",
                    help="flex: create_block_mask + flex_attention (CUDA); dense: the same mask for SDPA (default)")
     p.add_argument("--data-dir", type=Path, help="where the token files are (made if missing); default RUN_DIR/data")
+    p.add_argument("--control-every", type=int, default=0,
+                   help="every N updates, mixture weights from the last update's loss per source (LossController; "
+                        "default 0: the schedule alone)")
     p.set_defaults(lr=0.5)
 
 

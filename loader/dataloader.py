@@ -15,7 +15,7 @@ import pickle
 import warnings
 import weakref
 from time import perf_counter
-from typing import Any, Callable, Iterator, TypeVar
+from typing import Any, Callable, Iterator, NamedTuple, TypeVar
 
 import numpy as np
 import torch
@@ -32,6 +32,7 @@ from torch.utils.data.dataloader import _MultiProcessingDataLoaderIter, _SingleP
 from loader.checkpoint.lockstep import LockstepWatch, warn_out_of_step
 from loader.core.batch_policy import BatchPolicy
 from loader.core.checks import check_positive_int, check_rank, is_int
+from loader.core.collectives import all_gather
 from loader.core.filtering import MASKED, REMOVED, Sifted, Sifting
 from loader.core.mesh import data_parallel
 from loader.core.order import Lanes, Order, block_sizes_for_window, sample_seed, worker_seed
@@ -54,6 +55,7 @@ class SampleIndex(int):
 
     seed: int
     epoch: int
+    plan: Any  # a dataset's plan that changed while its workers run (a Mixture's weights changed online)
 
     def __new__(cls, index: int, seed: int | None = None, epoch: int | None = None) -> "SampleIndex":
         obj = super().__new__(cls, index)
@@ -73,24 +75,39 @@ class SampleIndex(int):
         return obj
 
 
-def carrying(batch: list[int], epoch: int, seed: int | None, epoch_aware: bool) -> list[SampleIndex]:
+def carrying(batch: list[int], epoch: int, seed: int | None, epoch_aware: bool, plan=None) -> list[SampleIndex]:
     """A batch of `epoch` as SampleIndex ints: with per-sample seeds when `seed` is given, with the epoch when the
-    dataset is epoch-aware."""
+    dataset is epoch-aware, with the dataset's `plan` when it has one to carry (a Mixture changed online). Plain
+    ints when there is nothing to carry."""
+    if seed is None and not epoch_aware and plan is None:
+        return batch
     seeds = [None] * len(batch) if seed is None else sample_seed(seed, epoch, np.asarray(batch, np.int64)).tolist()
-    return list(map(SampleIndex, batch, seeds, [epoch if epoch_aware else None] * len(batch)))
+    indices = list(map(SampleIndex, batch, seeds, [epoch if epoch_aware else None] * len(batch)))
+    if plan is not None:  # one object for the batch: pickled once with it to a worker
+        for index in indices:
+            index.plan = plan
+    return indices
+
+
+class MixtureChange(NamedTuple):
+    """Where an online change of a Mixture's weights applies (`ResumableDataLoader.change_mixture`)."""
+
+    position: int  # the first mixture position under the new weights (loader epoch e: from e * len(mixture) on)
+    step: int | None  # the step (as loader.step counts) whose update first trains a sample under them
 
 
 class _Carrying:
-    """Index lists -> lists of SampleIndex, for datasets that asked for per-sample seeds or take the epoch."""
+    """Index lists -> lists of SampleIndex, for datasets that asked for per-sample seeds, take the epoch, or carry a
+    plan that changes while the workers run (`carried_plan`, read as each batch is dispatched)."""
 
-    def __init__(self, sampler: ResumableSampler, seed: int | None, epoch_aware: bool):
-        self.sampler, self.seed, self.epoch_aware = sampler, seed, epoch_aware
+    def __init__(self, sampler: ResumableSampler, seed: int | None, epoch_aware: bool, carried: Callable | None):
+        self.sampler, self.seed, self.epoch_aware, self.carried = sampler, seed, epoch_aware, carried
 
     def __iter__(self) -> Iterator[list[SampleIndex]]:
         self.sampler.begin_pass()  # the epoch of the pass about to start, whose batches these are
         epoch = self.sampler.epoch
         for batch in self.sampler:
-            yield carrying(batch, epoch, self.seed, self.epoch_aware)
+            yield carrying(batch, epoch, self.seed, self.epoch_aware, self.carried and self.carried())
 
     def __len__(self) -> int:
         return len(self.sampler)
@@ -458,7 +475,16 @@ def _default_rank_and_world(rank: int | None, world_size: int | None) -> tuple[i
     return rank, world_size
 
 
-def _order_for(num_samples: int, shuffle: bool, seed: int, shuffle_blocks, lanes: Lanes | None) -> Order:
+def _order_for(num_samples: int, shuffle: bool, seed: int, shuffle_blocks, lanes: Lanes | None,
+               orders_itself: bool = False) -> Order:
+    """The loader's order; for a dataset that orders itself (a Mixture) under shuffle=True, the identity of mode
+    "self": each epoch is the dataset's own (`continue_epochs`), and a loader position is the dataset's position."""
+    if shuffle and orders_itself:
+        if shuffle_blocks is not None or lanes is not None:
+            raise ValueError("shuffle=True leaves the order to a Mixture (each epoch continues its stream, windows "
+                             "arranged by its seed), so that a change of its weights is exact at any world size: "
+                             "shuffle_blocks= and lanes= would scatter its positions again; drop them")
+        return Order(num_samples, seed, "self")
     if not shuffle:
         if shuffle_blocks is not None:
             raise ValueError("shuffle_blocks needs shuffle=True")
@@ -646,14 +672,19 @@ class ResumableDataLoader(DataLoader[T_co]):
         if batch_size is not None and (collate_fn is None or collate_fn is default_collate):
             common["collate_fn"] = collate  # default_collate's batches, without stacking a loader.core.rows.Rows again
         self._shuffle_blocks, self._lanes = shuffle_blocks, _lanes_for(lanes, lane_chunk, batch_size or 1)
-        order = _order_for(len(dataset), bool(shuffle), seed, shuffle_blocks, self._lanes)
+        orders_itself = bool(shuffle) and callable(getattr(dataset, "continue_epochs", None))
+        order = _order_for(len(dataset), bool(shuffle), seed, shuffle_blocks, self._lanes, orders_itself)
+        if orders_itself:
+            dataset.continue_epochs()  # before the epoch-awareness is read: its epochs take the loader's
         schedule = None if batch_policy is None else batch_policy.schedule
         amended = None if batch_policy is None or batch_policy.amends is None else (
             batch_policy.amends, batch_policy.change_at)
         self.resumable_sampler = ResumableSampler(order, layout, rank, schedule, amended)
         self._lockstep = LockstepWatch(_identity(order, layout))
-        self._carry = (seed if sample_seeds else None, bool(getattr(dataset, "epoch_aware", False)))
-        self._carries = self._carry != (None, False)  # seed 0, the default, is a seed too
+        carried = getattr(dataset, "carried_plan", None)
+        self._carry = (seed if sample_seeds else None, bool(getattr(dataset, "epoch_aware", False)),
+                       carried if callable(carried) else None)
+        self._carries = self._carry != (None, False, None)  # seed 0, the default, is a seed too
         indices = _Carrying(self.resumable_sampler, *self._carry) if self._carries else self.resumable_sampler
         dispatched = indices
         if callable(planned := getattr(dataset, "planned", None)):
@@ -777,7 +808,7 @@ class ResumableDataLoader(DataLoader[T_co]):
                 f"sizes for {new} (an int window follows the length)"
             )
         sampler.follow_length(_order_for(new, sampler.order.shuffle != "none", self.seed, self._shuffle_blocks,
-                                         self._lanes))
+                                         self._lanes, sampler.order.shuffle == "self"))
         return True
 
     def _next_pass(self) -> ResumableSampler:
@@ -988,7 +1019,8 @@ class ResumableDataLoader(DataLoader[T_co]):
             raise StopIteration("the next pass is empty: this rank's share of the epoch is delivered")
         ids = ids.tolist()
         if self._carries:  # as a pass dispatches them: next_indices is of the next epoch past an exhausted one
-            ids = carrying(ids, sampler.epoch + sampler.exhausted, *self._carry)
+            seed, epoch_aware, carried = self._carry
+            ids = carrying(ids, sampler.epoch + sampler.exhausted, seed, epoch_aware, carried and carried())
         batched = self.batch_size is not None
         read = self._read_as()
         batch = _MapDatasetFetcher(read["dataset"], batched, read["collate_fn"], self.drop_last).fetch(
@@ -1065,6 +1097,61 @@ class ResumableDataLoader(DataLoader[T_co]):
         if not is_int(value) or value < 0:
             raise ValueError(f"step must be a non-negative int (the optimizer steps completed), got {value!r}")
         self.__dict__.update(_step_base=int(value), _updates=0)
+
+    def change_mixture(self, weights) -> MixtureChange | None:
+        """Change a Mixture's weights from the training loop: call it on every rank, with the same weights (the
+        controller's inputs all-reduced), after an update (`update_complete`). The change applies from the first
+        whole window of the mixture after every position any rank was dealt up to `prefetched` micro-batches past
+        its cursor (num_workers x prefetch_factor: what the workers may already hold) and after everything
+        committed, so batches computed under the old weights stay right, and every rank finds the same window
+        without communication. The plan records it (`plan.requests`: the step asked at, the window), the
+        checkpoint carries the plan, each batch carries it to the workers (persistent or not) once it holds a
+        change. A request at a step the plan already recorded a request at or after (a step replayed after a
+        restart) is ignored: the recorded weights stand, never recomputed (returns None then). Under
+        torch.distributed the ranks' changes are compared (one all_gather): weights that differ are refused.
+        Returns where the change applies: its mixture position, and the step whose update first trains a sample
+        under the new weights (None when that lies past this epoch)."""
+        change = getattr(self.dataset, "change_weights", None)
+        if not callable(change) or self._stream is not None:
+            raise TypeError("change_mixture changes a loader.sources.Mixture's weights; this loader's dataset is "
+                            f"a {type(self.dataset).__name__}")
+        step, sampler = self.step, self.resumable_sampler
+        if sampler.order.lanes is not None:
+            raise ValueError("change_mixture needs loader positions that are mixture positions: lanes= spread them "
+                             "over the epoch; build the loader without lanes (shuffle=True leaves the order to the "
+                             "Mixture)")
+        if step is None:
+            raise ValueError("change_mixture needs the loader's step (the plan records the step each change was "
+                             "asked at, so that a replayed step takes the recorded weights): resume with "
+                             "loader.checkpoint.resume, or set loader.step")
+        if sampler.view().plan.completed(sampler.handed_out) != sampler.handed_out:
+            raise ValueError("change_mixture in the middle of an optimizer update: call it after the update's last "
+                             "micro-batch (loader.update_complete)")
+        requests = self.dataset.plan.requests
+        if requests and step <= requests[-1][0]:
+            return None
+        prefetched = self.num_workers * (self.prefetch_factor or 2)
+        position, updates = sampler.undealt(prefetched)
+        epoch = sampler.epoch
+        if self.dataset.plan.epochs_continue:
+            position += epoch * sampler.order.num_samples
+        elif epoch > 0:
+            raise ValueError(f"change_mixture in epoch {epoch} of a loader with shuffle=False, whose every epoch "
+                             f"serves the same positions (trained in epoch 0 under the weights of then): change the "
+                             f"weights online in epoch 0, or run the loader with shuffle=True (each epoch continues "
+                             f"the mixture's stream)")
+        plan = change(weights, position, step)
+        window = plan.requests[-1][1]
+        if _distributed() and len(set(all_gather(plan.fingerprint()))) > 1:
+            raise ValueError(f"change_mixture at step {step}: the ranks asked for different weights (or have "
+                             f"different num_workers or prefetch_factor): pass every rank the same weights (all-reduce "
+                             f"the controller's inputs)")
+        self.dataset.use_plan(plan)
+        at = window * plan.window
+        local = at - epoch * sampler.order.num_samples if plan.epochs_continue else at
+        held = sampler.update_holding(local) if local < sampler.order.num_samples else None
+        current = sampler.handed_out // self.grad_accum
+        return MixtureChange(at, None if held is None else step + held - current + 1)
 
     def last_indices(self) -> np.ndarray:
         """Dataset indices of the batch just delivered, one per member in order: the identity of every sample the

@@ -290,7 +290,7 @@ class Seeded(Tagged):
 
 
 def test_sample_seeds_reach_the_sources_as_their_positions_seeds():
-    from loader import sample_seed
+    from loader import SampleIndex, sample_seed
 
     mix = Mixture([Seeded(7, "a"), Seeded(5, "b")], [2, 1], 30, seed=3)
     dl = ResumableDataLoader(mix, batch_size=4, shuffle=True, seed=11, sample_seeds=True, collate_fn=list)
@@ -299,7 +299,7 @@ def test_sample_seeds_reach_the_sources_as_their_positions_seeds():
         got = [(sample, position) for batch in dl for sample, position in zip(batch, dl.last_indices())]
         assert sorted(p for _, p in got) == list(range(30))  # every position once
         for (tag, index, seed), position in got:
-            assert (tag, index) == mix[int(position)][:2]
+            assert (tag, index) == mix[SampleIndex(int(position), epoch=epoch)][:2]  # epoch e: its own positions
             assert seed == sample_seed(11, epoch, int(position))  # the position's seed, per epoch
     plain = ResumableDataLoader(mix, batch_size=4, collate_fn=list)
     assert all(seed is None for batch in plain for _, _, seed in batch)

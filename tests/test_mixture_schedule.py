@@ -13,7 +13,7 @@ import torch
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from loader import ResumableDataLoader, merge_states
+from loader import ResumableDataLoader, SampleIndex, merge_states
 from loader.checkpoint.publish import CheckpointError
 from loader.checkpoint.save import check_change, load_checkpoint, save_checkpoint
 from loader.core.state import StateError
@@ -312,35 +312,38 @@ def serve(loader, batches=None):
     return [int(v) for _, (batch,) in zip(range(batches or len(loader.dataset)), it) for v in batch]
 
 
-def test_a_change_under_a_shuffled_loader_order_is_refused_where_it_would_rename_trained_positions(tmp_path):
-    """Issue 29's repro: 20 batches of a shuffled order commit positions spread over the whole mixture, so a change
-    from position 200 renamed trained ones (101 of 2,000 samples served twice, silently). Refused, naming why and
-    the change_at that fits; that one, and a change from the checkpoint at the epoch's end, serve every sample
-    once."""
+def test_a_change_under_shuffle_true_fits_just_after_what_was_committed(tmp_path):
+    """Issue 29's repro: 20 batches of a shuffled loader order committed positions spread over the whole mixture,
+    so a change from position 200 renamed trained ones (101 of 2,000 samples served twice, silently), and later was
+    refused. A loader with shuffle=True now leaves the order to the mixture: the 20 batches committed positions
+    [0, 200), a change from 150 is refused naming 200, the change from 200 serves every sample once; at the epoch's
+    end, epoch 1 continues the stream (positions from 2,000), where the next change goes."""
     src = [torch.utils.data.TensorDataset(torch.arange(10000) + 100000 * k) for k in range(2)]
     old = Mixture(src, [0.5, 0.5], 2000, seed=0, window=10)
     run = shuffled_run(old)
     served = serve(run["loader"], 20)
     path = save_checkpoint(tmp_path / "mid", 20, **run)
-    with pytest.raises(CheckpointError, match=r"the schedule change begins at position 200 \(window 20\), but epoch "
-                                              r"0 committed positions of the loader's shuffled order that hold "
-                                              r"mixture positions up to 1989 under the old plan: pass change_at >= "
-                                              r"1990. A Mixture interleaves .* shuffle=False"):
+    with pytest.raises(CheckpointError, match=r"begins at mixture position 150 \(window 15\), but the run committed "
+                                              r"mixture position 199 \(epoch 0, position 199; .* pass change_at >= 200"):
         load_checkpoint(path, **shuffled_run(Mixture(src, [0.9, 0.1], 2000, seed=0, window=10, amends=old.plan,
-                                                     change_at=200)))
-    late = Mixture(src, [0.9, 0.1], 2000, seed=0, window=10, amends=old.plan, change_at=1990)
-    resumed = shuffled_run(late)
+                                                     change_at=150)))
+    new = Mixture(src, [0.9, 0.1], 2000, seed=0, window=10, amends=old.plan, change_at=200)
+    resumed = shuffled_run(new)
     assert load_checkpoint(path, **resumed) == 20
     served += serve(resumed["loader"])
-    assert sorted(served) == sorted(int(late[p][0]) for p in range(2000)) and len(set(served)) == 2000
-    assert late[1995] != old[1995]  # the change applied where nothing was trained
+    assert sorted(served) == sorted(int(new[p][0]) for p in range(2000)) and len(set(served)) == 2000
+    assert sum(v < 100000 for v in served) == 100 + 1800 * 9 // 10  # the new weights from position 200
     end = save_checkpoint(tmp_path / "end", 200, **resumed)
-    new = Mixture(src, [0.9, 0.1], 2000, seed=0, window=10, amends=late.plan, change_at=200)
-    changed = shuffled_run(new)
-    assert load_checkpoint(end, **changed) == 200  # at an epoch's end, any change_at fits
+    with pytest.raises(CheckpointError, match=r"committed mixture position 1999 .* pass change_at >= 2000"):
+        load_checkpoint(end, **shuffled_run(Mixture(src, [0.5, 0.5], 2000, seed=0, window=10, amends=new.plan,
+                                                    change_at=200)))
+    again = Mixture(src, [0.5, 0.5], 2000, seed=0, window=10, amends=new.plan, change_at=2200)
+    changed = shuffled_run(again)
+    assert load_checkpoint(end, **changed) == 200
     epoch_1 = serve(changed["loader"])
-    assert sorted(epoch_1) == sorted(int(new[p][0]) for p in range(2000)) and len(set(epoch_1)) == 2000
-    assert sum(v < 100000 for v in epoch_1) == 200 // 2 + 1800 * 9 // 10  # the new weights from position 200
+    assert sorted(epoch_1) == sorted(int(again[SampleIndex(p, epoch=1)][0]) for p in range(2000))
+    assert sum(v < 100000 for v in epoch_1) == 180 + 1800 // 2  # epoch 1's first 200 under 90/10, then 50/50
+    assert not set(served) & set(epoch_1) - {v for v in served if v < 100000}  # source 1's epoch not used up: new
 
 
 def ranks_of(mix, world, shuffle=True, batch_size=10):
@@ -368,18 +371,18 @@ def resumed_or_refused(old, new, state, world, shuffle, batch_size):
 
 def test_a_change_after_a_shuffled_resize_with_unequal_consumption_is_refused_or_serves_every_sample_once():
     """Issue 29's repro after a 2 -> 3 resize (78 samples served twice): two ranks that consumed different amounts,
-    merged; the change at 200 is refused naming the change_at that fits (one past the last trained mixture
-    position), which three ranks then finish with every position once and every sample of the new plan once."""
+    merged; a change inside what they trained is refused naming the change_at that fits (one past the last trained
+    mixture position: under shuffle=True, the last committed loader position), which three ranks then finish with
+    every position once and every sample of the new plan once."""
     src = [torch.utils.data.TensorDataset(torch.arange(10000) + 100000 * k) for k in range(2)]
     old = Mixture(src, [0.5, 0.5], 2000, seed=0, window=10)
     two = ranks_of(old, 2)
     trained = deliver(two[0], 10) + deliver(two[1], 7)
     state = merge_states([loader.state_dict() for loader in two], uneven=True)
     last = max(p for p, _ in trained)
-    new = Mixture(src, [0.9, 0.1], 2000, seed=0, window=10, amends=old.plan, change_at=200)
-    with pytest.raises(StateError, match=r"begins at position 200 .* epoch 0 committed positions of the loader's "
-                                         rf"shuffled order that hold mixture positions up to {last} under the old "
-                                         rf"plan: pass change_at >= {last + 1}\."):
+    assert last < 200  # the positions the two ranks trained, not a shuffled order's spread over the epoch
+    new = Mixture(src, [0.9, 0.1], 2000, seed=0, window=10, amends=old.plan, change_at=last // 10 * 10)
+    with pytest.raises(StateError, match=rf"committed mixture position {last} .* pass change_at >= {last + 1}$"):
         resumed_or_refused(old, new, state, 3, True, 10)
     late = Mixture(src, [0.9, 0.1], 2000, seed=0, window=10, amends=old.plan, change_at=last + 1)
     served = trained + resumed_or_refused(old, late, state, 3, True, 10)
@@ -410,8 +413,9 @@ def test_a_change_is_exact_or_refused_under_any_order_and_world_sizes(data):
     change_at = data.draw(st.integers(0, latest) | st.integers(min(last + 1, latest), latest), label="change_at")
     new = mixture(lengths, [2, 1], n, window=window, amends=old.plan, change_at=change_at)
     if last >= -(-change_at // window) * window:
-        fits = -(-(last + 1) // window) * window < n
-        with pytest.raises(StateError, match=rf"up to {last} under the old plan: " + (
+        fits = shuffle or -(-(last + 1) // window) * window < n  # shuffle=True: epoch 1 continues the stream
+        held = rf"committed mixture position {last} .*: " if shuffle else rf"up to {last} under the old plan: "
+        with pytest.raises(StateError, match=held + (
                 rf"pass change_at >= {last + 1}" if fits else r"no change_at fits before epoch 0 ends")):
             resumed_or_refused(old, new, state, after, shuffle, 2)
         return

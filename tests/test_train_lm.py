@@ -83,3 +83,25 @@ def test_flex_attention_masks_packed_documents_as_the_dense_mask_does():
     torch.testing.assert_close(flex, dense, rtol=1e-5, atol=1e-5)
     moved = (changed - flex).abs().amax(-1)[0] > 1e-6
     assert moved.tolist() == [False] * 12 + [True] * 11 + [False] * 10  # only document 1 from that token on
+
+
+def test_the_loss_controller_changes_the_weights_online_across_a_kill_and_a_resize(tmp_path, capsys):
+    """--control-every 2, one worker per rank: every second update, weights from the last update's loss per
+    source, applied from a window no rank has prefetched; the checkpoint carries them, rank 2 of 3 is killed
+    during step 7 and 2 ranks finish; the plan records each change (its step), the audit by source is clean and names them."""
+    run = tmp_path / "run"
+    argv = job(run, tmp_path / "data", "--control-every", "2", "--workers", "1")
+    first = run_generation(3, argv + ["--fail-at-step", "6", "--fail-rank", "2"], tmp_path / "logs1", example=EXAMPLE)
+    assert first[2] == -9, logs(tmp_path / "logs1")
+    assert run_generation(2, argv, tmp_path / "logs2", example=EXAMPLE) == [0, 0], logs(tmp_path / "logs2")
+    asked = [line for line in logs(tmp_path / "logs1")[0].splitlines() + logs(tmp_path / "logs2")[0].splitlines()
+             if "mixture: weights web/code" in line]
+    assert asked, logs(tmp_path / "logs2")[0]
+    run_dir_plan = run / "mixture.json"
+    plan = MixturePlan.load(run_dir_plan)
+    assert plan.requests and all(step % 2 == 0 for step, _ in plan.requests)
+    assert cli(["audit", str(run), "--mixture", str(run_dir_plan)]) == 0
+    out = capsys.readouterr().out
+    for step, window in plan.requests:  # none before code has targets (web alone for 6 windows)
+        assert f"weights changed online at step {step}: from position {window * 10} (window {window}" in out
+    assert "audit: every sample exactly once" in out

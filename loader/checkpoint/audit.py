@@ -31,7 +31,8 @@ class Grouping:
     """Groups of dataset indices to report separately, e.g. by source: their names, and each index's group."""
 
     names: Sequence[str]
-    of: Callable[[np.ndarray], np.ndarray]  # dataset indices -> group numbers
+    of: Callable[..., np.ndarray]  # dataset indices -> group numbers; with an `epoch` parameter, of that epoch (a
+    # mixture whose epochs continue its stream holds other samples at an index in each epoch)
     num_samples: int  # the dataset length it groups: the ledger's must be the same
     notes: Sequence[str] = ()  # lines printed above the table, e.g. where a mixture's schedule changed
 
@@ -140,13 +141,13 @@ class EpochAudit:
                 - len(self.requested) + len(self.served_anyway) - len(self.filtered))
 
 
-def _by_group(grouping: Grouping, num_samples: int, once: np.ndarray, skipped: Unseen,
+def _by_group(grouping: Grouping, epoch: int, num_samples: int, once: np.ndarray, skipped: Unseen,
               **offending: np.ndarray) -> tuple[GroupAudit, ...]:
     """Each group's expected count (all indices, in chunks), and its share of those seen once and the offending."""
-    size = len(grouping.names)
+    size, of = len(grouping.names), by_epoch(grouping.of)
 
     def tally_of(indices: np.ndarray) -> np.ndarray:
-        return np.bincount(grouping.of(indices), minlength=size) if len(indices) else np.zeros(size, np.int64)
+        return np.bincount(of(indices, epoch), minlength=size) if len(indices) else np.zeros(size, np.int64)
 
     def chunked(chunks: Iterator[np.ndarray]) -> np.ndarray:
         return sum((tally_of(chunk) for chunk in chunks), np.zeros(size, np.int64))
@@ -203,9 +204,9 @@ def audit_records(records: list[Record], dropped: dict[int, np.ndarray], num_sam
         finished = t.epoch in dropped or not len(unseen)
         skipped = Unseen(unseen if finished else EMPTY)
         once, duplicated, filtered = t.once, t.duplicated, t.filtered_once
-        groups = () if grouping is None else _by_group(grouping, num_samples, once, skipped, duplicated=duplicated,
-                                                       dropped=dropped_here, failed=t.failed, requested=asked,
-                                                       filtered=filtered)
+        groups = () if grouping is None else _by_group(grouping, t.epoch, num_samples, once, skipped,
+                                                       duplicated=duplicated, dropped=dropped_here, failed=t.failed,
+                                                       requested=asked, filtered=filtered)
         report.append(EpochAudit(
             epoch=t.epoch,
             expected=num_samples,

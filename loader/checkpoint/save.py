@@ -207,12 +207,37 @@ def _of_earlier_release(loader) -> str | None:
     return earlier() if callable(earlier) else None
 
 
-def check_dataset(saved: str | None, loader, where: str) -> None:
-    """A checkpoint's dataset fingerprint against this loader's: the same, the one before a change the dataset
-    declares (then `check_change` checks the progress), or the previous release's (`check_change` warns). A
-    StateError names `where`, both, and the files that changed where the dataset tells, otherwise: the same
-    positions would name other samples."""
-    current = dataset_fingerprint(loader)
+def _plan_record(loader) -> dict:
+    """The dataset's plan where it changed online (a Mixture's weights, `change_mixture`): JSON in the manifest, a
+    few hundred bytes, which `resume` hands back to the dataset before it checks the fingerprint."""
+    carried = getattr(loader.dataset, "carried_plan", None)
+    plan = carried() if callable(carried) else None
+    return {} if plan is None else {"mixture_plan": plan.to_dict()}
+
+
+def recorded_plan(extra: dict, loader, where: str):
+    """The plan with the online changes a checkpoint recorded, checked to extend this run's dataset's own (which
+    `load_checkpoint` then takes): the steps replayed after the restart train under the recorded weights. None
+    when it recorded none."""
+    recorded = extra.get("mixture_plan")
+    check = getattr(loader.dataset, "recorded_plan", None)
+    if recorded is None:
+        return None
+    if not callable(check):
+        raise StateError(f"{where}: the run changed a Mixture's weights online, but this loader's dataset is a "
+                         f"{type(loader.dataset).__name__}: resume it with the Mixture it trained")
+    try:
+        return check(recorded)
+    except ValueError as err:
+        raise StateError(f"{where}: {err}") from None
+
+
+def check_dataset(saved: str | None, loader, where: str, plan=None) -> None:
+    """A checkpoint's dataset fingerprint against this loader's (under `plan`, the one the checkpoint recorded, if
+    any): the same, the one before a change the dataset declares (then `check_change` checks the progress), or the
+    previous release's (`check_change` warns). A StateError names `where`, both, and the files that changed where
+    the dataset tells, otherwise: the same positions would name other samples."""
+    current = dataset_fingerprint(loader) if plan is None else loader.dataset.fingerprint(plan)
     if None not in (saved, current) and saved not in (current, _before_change(loader), _of_earlier_release(loader)):
         explain = getattr(loader.dataset, "explain_fingerprint", None)
         changed = (explain(saved) if callable(explain) else None) or (
@@ -384,6 +409,7 @@ def save_checkpoint(
         "progress_format": [FORMAT, VERSION],
         "fingerprint": _fingerprint_of(loader),
         "dataset": dataset_fingerprint(loader),
+        **_plan_record(loader),
         **(manifest_extra or {}),
     }
 
@@ -492,6 +518,8 @@ def load_checkpoint(
         if fresh_optimizer:
             optimizer.state.clear()  # get_state_dict gave it a state (a step with lr 0) to learn its layout
         raise
+    if parts["plan"] is not None:
+        loader.dataset.use_plan(parts["plan"])  # the weights changed online up to the checkpoint
     loader.load_state_dict(parts["progress"])
     loader.step = step  # the loop counts on from it (`ResumableDataLoader.step`)
     weights = parts["weights"]
@@ -519,8 +547,9 @@ def _read_checkpoint(path: Path, model, optimizer, loader, scheduler, scaler, gr
     verdict = broadcast(verdict, group)
     if verdict is not None:
         raise CheckpointError(verdict)
-    step = _agreed(path, group, lambda: _check_manifest(path, loader))
+    step, plan = _agreed(path, group, lambda: _check_manifest(path, loader))
     parts = _agreed(path, group, lambda: _read_small_parts(path, loader, scheduler, scaler, group))
+    parts["plan"] = plan
     parts["weights"] = _agreed(path, group, lambda: _read_weights(path, model, optimizer, group))
     return step, parts
 
@@ -547,8 +576,9 @@ def _agreed(path: Path, group, stage: Callable[[], Any]) -> Any:
     return value
 
 
-def _check_manifest(path: Path, loader) -> int:
-    """The manifest against this run: format, order fingerprint, dataset. Returns the step."""
+def _check_manifest(path: Path, loader) -> tuple[int, Any]:
+    """The manifest against this run: format, order fingerprint, dataset. Returns the step, and the dataset's plan
+    the checkpoint recorded (a Mixture changed online), None if none."""
     manifest = verify(path, check_checksums=False)
     extra = dict(manifest.extra)
     if extra.get("checkpoint_format") == 1:
@@ -567,10 +597,11 @@ def _check_manifest(path: Path, loader) -> int:
     try:
         if current is not None and extra.get("fingerprint") is not None:
             check_fingerprint(extra["fingerprint"], current, where=f"checkpoint {path}")
-        check_dataset(extra.get("dataset"), loader, f"checkpoint {path}")
+        plan = recorded_plan(extra, loader, f"checkpoint {path}")
+        check_dataset(extra.get("dataset"), loader, f"checkpoint {path}", plan)
     except StateError as err:
         raise CheckpointError(str(err)) from None
-    return manifest.step
+    return manifest.step, plan
 
 
 def _read_small_parts(path: Path, loader, scheduler, scaler, group) -> dict:

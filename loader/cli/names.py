@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
+
 from loader.checkpoint import audit
 from loader.checkpoint.ledger import LedgerError
 
@@ -18,6 +20,14 @@ def describe_by_key(shards: str):
         return f"{index} ({os.path.basename(shard)}:{key})"
 
     return describe
+
+
+def _in_epoch(plan, window: int) -> str:
+    """Where a change at `window` falls when the plan's loader epochs continue its stream: that epoch's position."""
+    if not plan.epochs_continue:
+        return ""
+    epoch, position = divmod(window * plan.window, plan.num_samples)
+    return f"; epoch {epoch}, position {position}"
 
 
 def read_plan(plan_path: str | os.PathLike):
@@ -38,10 +48,16 @@ def by_source(plan_path: str) -> tuple[audit.Grouping, object]:
     except ValueError as err:
         raise LedgerError(f"--mixture {err}") from None
 
-    def describe(position: int) -> str:
-        (source,), (index,) = plan.locate([position])
+    def describe(position: int, epoch: int = 0) -> str:
+        (source,), (index,) = plan.locate(plan.in_epoch([position], epoch))
         return f"{position} ({plan.names[source]}:{index})"
 
-    notes = [f"mixture schedule changed at position {k * plan.window} (window {k}): positions before it follow the "
-             f"plan before the change" for k in plan.changes]
+    online = {window: step for step, window in plan.requests}
+    counts, _ = plan.window_table(np.array(sorted(online), dtype=np.int64))
+    shares = {k: "/".join(map(str, row)) for k, row in zip(sorted(online), counts.tolist())}
+    notes = [f"mixture weights changed online at step {step}: from position {k * plan.window} (window {k}"
+             f"{_in_epoch(plan, k)}), {'/'.join(plan.names)} slots per window {shares[k]}"
+             for k, step in sorted(online.items(), key=lambda item: item[1])]
+    notes += [f"mixture schedule changed at position {k * plan.window} (window {k}{_in_epoch(plan, k)}): positions "
+              f"before it follow the plan before the change" for k in plan.changes if k not in online]
     return audit.Grouping(plan.names, plan.source_of, plan.num_samples, notes), describe

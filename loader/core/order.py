@@ -33,7 +33,8 @@ _SALT_SAMPLE = 0x73616D706C65
 _SALT_WINDOWS = 0x77696E646F7773
 _SALT_WORKERS = 0x776F726B657273
 
-SHUFFLE_MODES = ("none", "global", "blocks")
+SHUFFLE_MODES = ("none", "global", "blocks", "self")  # "self": the identity, the dataset orders itself
+IDENTITY = ("none", "self")  # the orders that leave every position where it is
 SCAN = 1 << 16  # positions mapped per step of `EpochOrder.last_index`: its memory stays bounded at any N
 ORDER_VERSION = 2  # bumped whenever the same (seed, epoch, position) would give another index: saved positions
 # mean the same samples only under the version that saved them (1: halves of ceil(sqrt N); 2: best-fitting halves)
@@ -276,7 +277,8 @@ class Lanes:
 class Order:
     """Which dataset index sits at each position of an epoch.
 
-    shuffle="none" is the identity; "global" permutes all of range(N); "blocks" permutes the blocks (e.g. shards),
+    shuffle="none" is the identity; "self" too, for a dataset that orders itself (a Mixture under shuffle=True,
+    whose every epoch is fresh: a distinct mode, so that a progress saved under a shuffled order is refused); "global" permutes all of range(N); "blocks" permutes the blocks (e.g. shards),
     then the positions inside each block, so a reader visits one block at a time and reads it sequentially-ish.
     `lanes` (optional) then interleaves contiguous parts of that order so that each rank reads one part.
     """
@@ -338,7 +340,7 @@ class EpochOrder:
         if self.order.lanes is not None:
             positions = self.order.lanes.inner(positions, self.order.num_samples)
         shuffle = self.order.shuffle
-        if shuffle == "none":
+        if shuffle in IDENTITY:
             return positions
         if shuffle == "global":
             return permute(positions, self.order.num_samples, self._keys).astype(np.int64)
@@ -355,7 +357,7 @@ class EpochOrder:
         through the same permutations run backwards, O(len(indices)) (and O(#blocks) once for blocks)."""
         indices = np.asarray(indices, dtype=np.int64)
         order = self.order
-        if order.shuffle == "none":
+        if order.shuffle in IDENTITY:
             positions = indices
         elif order.shuffle == "global":
             positions = permute(indices, order.num_samples, self._keys, inverse=True).astype(np.int64)
@@ -382,7 +384,7 @@ class EpochOrder:
         n = self.order.num_samples
         if not len(spans):
             return None
-        if self.order.shuffle == "none" and self.order.lanes is None:
+        if self.order.shuffle in IDENTITY and self.order.lanes is None:
             return int(spans[-1, 1]) - 1 if spans[-1, 1] > at else None
         forward = ((low, min(low + SCAN, high)) for start, high in spans.tolist() for low in range(start, high, SCAN))
         backward = ((max(at, top - SCAN), top) for top in range(n, at, -SCAN))

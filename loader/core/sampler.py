@@ -237,6 +237,34 @@ class ResumableSampler:
             return self._after_committed
         return self.view().plan.completed(self._position) == self._position
 
+    def undealt(self, ahead: int) -> tuple[int, int]:
+        """(position, updates): the first position of the current epoch after every position committed, or dealt to
+        any rank in micro-batches before its cursor + `ahead` (those the workers may have prefetched), rounded up to
+        the next whole update; and how many updates of this pass come before that update. The same on every rank
+        in lockstep at an update boundary, computed without communication; the epoch's length when none is left."""
+        view, k = self.view(), self.layout.grad_accum
+        first = -(-(self._position + ahead) // k) * k  # the first micro-batch of the first update dealt to no one
+        if first >= view.plan.batches_per_rank:
+            position = self.order.num_samples
+        else:  # rank 0's micro-batch of an update holds its lowest remaining index
+            (slot,), _ = view.plan.batch_bounds(0, np.array([first]))
+            position = int(view.remaining.positions(np.array([slot]))[0])
+        committed = whole(self.order.num_samples) if self._epoch < self._base.epoch else \
+            self._base.committed_in(self._epoch)
+        return max(position, int(committed[-1, 1]) if len(committed) else 0), first // k
+
+    def update_holding(self, position: int) -> int | None:
+        """The update of this pass (counted from its first) that holds the first remaining position >= `position`,
+        a position after everything committed (`undealt`); None when no update of the epoch holds one."""
+        view = self.view()
+        committed = view.remaining.count - self.order.num_samples  # minus the committed positions, all before
+        slot = position + committed
+        if slot >= view.plan.served:
+            return None
+        if slot >= view.plan.tail.start:
+            return view.plan.tail.first_batch // self.layout.grad_accum
+        return slot // self.layout.global_batch
+
     def next_indices(self) -> np.ndarray | None:
         """Dataset indices of the micro-batch the next delivery hands out (None if there is none): the one at the
         cursor, or the first of the next epoch when this rank's share is all handed out."""

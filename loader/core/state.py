@@ -131,6 +131,20 @@ def check_header(state: dict, kinds: tuple[str, ...], where: str) -> str:
     return kind
 
 
+def _shuffle_hint(saved: str, current: str) -> str:
+    """How to resume a progress saved under another shuffle mode; "self" is a loader with shuffle=True over a
+    dataset that orders itself (a Mixture)."""
+    if saved == "self":
+        return "the state was saved by a loader with shuffle=True over a Mixture (which orders itself): construct " \
+               "the loader with shuffle=True (and no shuffle_blocks or lanes)"
+    if current == "self":
+        return ("a loader with shuffle=True leaves the order to a Mixture (each epoch continues its stream, mixture "
+                "plan version 3) since this release; the saved state is of a loader that shuffled the mixture's "
+                "positions (an earlier release, or shuffle_blocks=/lanes=), whose positions name other samples here: "
+                "resume it with the release that saved it, or start the run anew")
+    return f"construct the loader with the shuffle mode {short(saved)} of the saved run"
+
+
 def check_fingerprint(saved: dict, current: dict, where: str = "state") -> None:
     """Positions mean the same dataset indices only if these match; say exactly which does not."""
     for name in FINGERPRINT_FIELDS:
@@ -142,7 +156,7 @@ def check_fingerprint(saved: dict, current: dict, where: str = "state") -> None:
             hint = {
                 "num_samples": "the dataset changed length; this progress cannot be applied to it",
                 "seed": f"construct the loader with seed={saved_value} to resume this run",
-                "shuffle": f"construct the loader with the shuffle mode {saved_value} of the saved run",
+                "shuffle": _shuffle_hint(saved.get(name), current[name]),
                 "blocks": "construct the loader with the shuffle_blocks of the saved run",
                 "order_version": "positions map to other samples under this release's order; resume with the "
                 "loader release that saved the state",

@@ -14,6 +14,11 @@ source's draws in position order, each run [e * len_s, (e + 1) * len_s) is a per
 Numbering draws in position order (not in the permuted order) is what keeps a source epoch that ends inside a
 window from lending one of its draws to the next epoch.
 
+Under a loader with shuffle=True the mixture orders itself: loader epoch e serves positions [e N, (e + 1) N) of one
+stream (`MixturePlan.epochs_continue`), so every epoch has windows of its own and each source's draws run on, and a
+loader position is a mixture position at any world size. An online change of weights (`change_weights`, asked by
+`ResumableDataLoader.change_mixture`) is a change of schedule from a window nothing was dealt from yet.
+
 A schedule makes counts[s] a function of the window k, piece by piece: constant, or a linear ramp from count vector
 A to B over L windows, whose window j holds c_s(j) = A_s + floor(P_s j / L) - floor(P_{s-1} j / L), where P_s is the
 sum of (B_t - A_t) over t <= s: each c_s(j) is the floor or the ceiling of A_s + (B_s - A_s) j / L, and they sum to M.
@@ -29,7 +34,7 @@ import json
 import os
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property
 from itertools import accumulate
 from typing import Any
@@ -54,6 +59,8 @@ SMALL_BATCH = 64  # up to this many positions inside one block, a batch is group
 # position), not by numpy (~6 us a batch in fixed costs)
 PLAN_KIND, PLAN_VERSION = "loader.MixturePlan", 1
 SCHEDULED_VERSION = 2  # a plan with a schedule: a release that reads version 1 only refuses it, never ignores it
+CONTINUING_VERSION = 3  # a plan whose loader epochs continue one stream (`epochs_continue`): positions of epoch e
+# name other samples than an earlier release would, so a release that reads versions 1 and 2 only refuses it
 _EXACT = 1e-6  # a weight times M within this of an integer counts as exact (weights written with 6 decimals)
 
 
@@ -224,6 +231,10 @@ class MixturePlan:
     shuffle: bool = True
     schedule: tuple[Piece, ...] = ()  # empty: `counts` in every window; else the pieces, `counts` window 0's
     changes: tuple[int, ...] = ()  # the windows at which the schedule was changed during the run
+    epochs_continue: bool = False  # loader epoch e serves positions [e N, (e + 1) N) of one stream (a loader with
+    # shuffle=True leaves the order to the mixture): every epoch has windows of its own, each source's draws run on
+    requests: tuple[tuple[int, int], ...] = ()  # (step, window) of each change made online: the step after whose
+    # update the loop asked for it, and the window from which it applies (`ResumableDataLoader.change_mixture`)
 
     def __post_init__(self) -> None:
         sources = len(self.names)
@@ -241,6 +252,14 @@ class MixturePlan:
             raise ValueError(f"counts: a window of {self.window} slots, more than the {LARGEST_WINDOW} a mixture has")
         if not is_int(self.seed):
             raise ValueError(f"seed must be an int, got {self.seed!r}")
+        if not isinstance(self.epochs_continue, bool):
+            raise ValueError(f"epochs_continue must be true or false, got {self.epochs_continue!r}")
+        pairs = [tuple(r) if isinstance(r, (list, tuple)) else () for r in self.requests]
+        if any(len(r) != 2 or not all(is_int(v) and 0 <= v <= MAX_SAMPLES for v in r) for r in pairs) or \
+                pairs != sorted(pairs) or [w for _, w in pairs] != sorted(w for _, w in pairs):
+            raise ValueError(f"requests must be increasing [step, window] pairs of non-negative ints, got "
+                             f"{list(self.requests)!r}")
+        object.__setattr__(self, "requests", tuple(pairs))
         if self.schedule:
             self._check_schedule()
 
@@ -273,6 +292,16 @@ class MixturePlan:
     @property
     def window(self) -> int:
         return sum(self.counts)
+
+    @property
+    def end(self) -> int:
+        """The positions there are: num_samples, or (epochs continuing) those of every epoch the stream may reach."""
+        return int(np.iinfo(np.int64).max) if self.epochs_continue else self.num_samples
+
+    def in_epoch(self, positions, epoch: int) -> np.ndarray:
+        """The stream positions of loader positions of `epoch`: offset by epoch * num_samples when epochs continue."""
+        positions = np.asarray(positions, dtype=np.int64)
+        return positions + epoch * self.num_samples if self.epochs_continue else positions
 
     @cached_property
     def _pieces(self) -> tuple[Piece, ...]:
@@ -335,9 +364,10 @@ class MixturePlan:
         """(draws of its source before the position's window, source, rank among the source's slots of the
         window) at each position."""
         positions = np.asarray(positions, dtype=np.int64)
-        if positions.size and (positions.min() < 0 or positions.max() >= self.num_samples):
-            bad = positions[(positions < 0) | (positions >= self.num_samples)][0]
-            raise IndexError(f"mixture position {bad} out of range for {self.num_samples} positions")
+        end = self.end
+        if positions.size and (positions.min() < 0 or positions.max() >= end):
+            bad = positions[(positions < 0) | (positions >= end)][0]
+            raise IndexError(f"mixture position {bad} out of range for {end} positions")
         windows, slot = np.divmod(positions, self.window)
         distinct, row = np.unique(windows, return_inverse=True)
         counts, drawn = self.window_table(distinct)
@@ -345,9 +375,10 @@ class MixturePlan:
         source = sources[row, slot]
         return drawn[row, source], source, ranks[row, slot]
 
-    def source_of(self, positions, *, names: bool = False) -> np.ndarray:
-        """The source at each position: its number, or with `names=True` the name the Mixture was given for it."""
-        sources = self._slots(positions)[1]
+    def source_of(self, positions, epoch: int = 0, *, names: bool = False) -> np.ndarray:
+        """The source at each position (of loader `epoch`: see `in_epoch`): its number, or with `names=True` the
+        name the Mixture was given for it."""
+        sources = self._slots(self.in_epoch(positions, epoch))[1]
         return np.asarray(self.names)[sources] if names else sources
 
     def locate(self, positions) -> tuple[np.ndarray, np.ndarray]:
@@ -392,32 +423,56 @@ class MixturePlan:
         pieces = tuple(_merged(kept + [cut] + [p for p in ahead if p.start > window]))
         changes = tuple(sorted({*self.changes, window} & {p.start for p in pieces}))
         return MixturePlan(self.names, self.lengths, pieces[0].first, self.num_samples, self.seed, self.shuffle,
-                           pieces if len(pieces) > 1 or 0 in pieces[0].first or changes else (), changes)
+                           pieces if len(pieces) > 1 or 0 in pieces[0].first or changes else (), changes,
+                           self.epochs_continue, self.requests)
+
+    def with_weights(self, weights: Sequence[float], window: int, step: int) -> MixturePlan:
+        """This plan with `weights` (zeros allowed: a source paused) from `window` on, each source's draws running
+        on, recorded as requested at `step`: an online change (`ResumableDataLoader.change_mixture`)."""
+        w = _normalised(weights, "weights", zero_ok=True)
+        if len(w) != len(self.names):
+            raise ValueError(f"{len(w)} weights for {len(self.names)} sources: pass one weight per source")
+        counts = _apportion(w, self.window)
+        plan = self.amended((Piece(0, 0, 1, counts, counts),), window)
+        return replace(plan, schedule=plan._pieces, requests=(*self.requests, (step, window)))
+
+    def extends(self, base: MixturePlan) -> bool:
+        """Whether this plan is `base` with online changes added: the same mixture, the same windows before the
+        first change that `base` has not made."""
+        ahead = self.requests[len(base.requests):]
+        if self.requests[:len(base.requests)] != base.requests or not ahead:
+            return self == base
+        same = replace(base.amended(self._pieces, ahead[0][1]), changes=self.changes, requests=self.requests)
+        return replace(same, schedule=same._pieces) == replace(self, schedule=self._pieces)
 
     def to_dict(self) -> dict:
         """The JSON form; a plan without a schedule is written as before schedules existed (same fingerprint)."""
         plain = {"kind": PLAN_KIND, "version": PLAN_VERSION, "order_version": ORDER_VERSION,
                  "names": list(self.names), "lengths": list(self.lengths), "counts": list(self.counts),
                  "num_samples": self.num_samples, "seed": self.seed, "shuffle": self.shuffle}
-        if not self.schedule:
+        if not self.schedule and not self.epochs_continue:
             return plain
-        return {**plain, "version": SCHEDULED_VERSION, "schedule": [p.to_json() for p in self.schedule],
-                "changes": list(self.changes)}
+        version = CONTINUING_VERSION if self.epochs_continue else SCHEDULED_VERSION
+        return {**plain, "version": version, "schedule": [p.to_json() for p in self.schedule],
+                "changes": list(self.changes), **({"epochs_continue": True} if self.epochs_continue else {}),
+                **({"requests": [list(r) for r in self.requests]} if self.requests else {})}
 
     @classmethod
     def from_dict(cls, data: dict, where: str = "mixture plan") -> MixturePlan:
         if not isinstance(data, dict):
             raise ValueError(f"{where}: holds a JSON {type(data).__name__}, not a mixture plan's object")
         found = tuple(data.get(k) for k in ("kind", "version", "order_version"))
-        readable = [(PLAN_KIND, v, ORDER_VERSION) for v in (PLAN_VERSION, SCHEDULED_VERSION)]
+        readable = [(PLAN_KIND, v, ORDER_VERSION) for v in (PLAN_VERSION, SCHEDULED_VERSION, CONTINUING_VERSION)]
         if found not in readable:
             raise ValueError(f"{where}: (kind, version, order_version) is {found}, this loader reads {readable}: "
                              "save the plan again with this version (Mixture.plan.save)")
         try:
             schedule = tuple(Piece(p["start"], p["anchor"], p["ramp"], tuple(p["from"]), tuple(p["to"]))
-                             for p in data["schedule"]) if found[1] == SCHEDULED_VERSION else ()
+                             for p in data["schedule"]) if found[1] != PLAN_VERSION else ()
             return cls(tuple(data["names"]), tuple(data["lengths"]), tuple(data["counts"]), data["num_samples"],
-                       data["seed"], data["shuffle"], schedule, tuple(data["changes"]) if schedule else ())
+                       data["seed"], data["shuffle"], schedule, tuple(data["changes"]) if schedule else (),
+                       found[1] == CONTINUING_VERSION and data["epochs_continue"],
+                       tuple(data.get("requests", ())) if schedule else ())
         except (KeyError, TypeError) as err:
             raise ValueError(f"{where}: no field {err}; the file is truncated or not a mixture plan") from None
 
@@ -471,10 +526,11 @@ def _amend(old: MixturePlan, new: MixturePlan, change_at: int) -> MixturePlan:
             raise ValueError(f"amends: the plan's {field} is {getattr(old, field)!r}, this mixture's "
                              f"{getattr(new, field)!r}: a change of schedule changes the weights only; build the "
                              f"mixture with the {field} of the run it continues")
-    if not is_int(change_at) or not 0 <= change_at < new.num_samples:
-        raise ValueError(f"change_at must be a position in [0, {new.num_samples}), got {change_at!r}")
+    end = old.end - (new.window if old.epochs_continue else 0)
+    if not is_int(change_at) or not 0 <= change_at < end:
+        raise ValueError(f"change_at must be a position in [0, {end}), got {change_at!r}")
     first = -(-change_at // new.window)
-    if first * new.window >= new.num_samples:  # else the change, accepted, would never apply
+    if first * new.window >= new.num_samples and not old.epochs_continue:  # else the change would never apply
         last = (new.num_samples - 1) // new.window * new.window
         raise ValueError(f"change_at={change_at} is inside the mixture's last window ({last} to "
                          f"{new.num_samples - 1}): a change applies from the first whole window at or after change_at, "
@@ -485,8 +541,9 @@ def _amend(old: MixturePlan, new: MixturePlan, change_at: int) -> MixturePlan:
 class Mixture(torch.utils.data.Dataset):
     """`num_samples` positions drawn from `sources` in the proportions `weights`, exactly per window of
     `mix.window` positions, each position a pure function of (seed, position) -> (source, index). The mixture
-    already interleaves: run it with shuffle=False (a loader shuffle permutes positions, the composition of every
-    window then no longer shows in the batches).
+    already interleaves: a loader with shuffle=True leaves the order to it (`continue_epochs`: loader epoch e is
+    its positions [e N, (e + 1) N), fresh windows, draws running on), one with shuffle=False serves its positions
+    in order, the same every epoch. `ResumableDataLoader.change_mixture` changes its weights from the training loop.
 
     Args:
         sources: map-style datasets (TokenSource, WebDatasetSource, Hugging Face `datasets.Dataset`, ...).
@@ -542,6 +599,7 @@ class Mixture(torch.utils.data.Dataset):
         self.amends = amends
         if amends is not None:
             self.plan = _amend(amends, self.plan, change_at)
+            self._change_at = -(-change_at // self.plan.window) * self.plan.window  # the first window it changes
         self._block = -(-BLOCK // self.plan.window) * self.plan.window  # whole windows
         self._cache: OrderedDict[int, np.ndarray] = OrderedDict()
         self._lists: tuple[int, list[int], list[int]] = _NO_LISTS
@@ -569,15 +627,61 @@ class Mixture(torch.utils.data.Dataset):
 
     @property
     def epoch_aware(self) -> bool:
-        """The loader's epoch reaches the sources (on each index) when one of them takes it (a PackedSource)."""
-        return any(getattr(source, "epoch_aware", False) for source in self.sources)
+        """The loader's epoch reaches the mixture (on each index) when its epochs continue, and its sources when one
+        of them takes it (a PackedSource)."""
+        return self.plan.epochs_continue or any(getattr(source, "epoch_aware", False) for source in self.sources)
+
+    def use_plan(self, plan: MixturePlan) -> None:
+        """From now on, `plan` (one of `change_weights`, checked by the caller), in this process."""
+        self.plan, self._lists = plan, _NO_LISTS
+        self._cache.clear()
+
+    def carried_plan(self) -> MixturePlan | None:
+        """The plan each batch carries to the workers (their copies were made at iter()): this one, once it holds an
+        online change; before, nothing (a batch costs no more than it did)."""
+        return self.plan if self.plan.requests else None
+
+    def change_weights(self, weights: Sequence[float], position: int, step: int) -> MixturePlan:
+        """The plan with `weights` from the first whole window at or after mixture `position` (nothing at or after
+        it trained or dispatched: the loader says where, `ResumableDataLoader.change_mixture`), recorded as asked
+        at `step`; `use_plan` makes it this mixture's."""
+        if not self.plan.epochs_continue and position >= len(self):
+            raise ValueError(f"no whole window of this epoch is left to change (the change would begin at position "
+                             f"{position} of {len(self)}): under shuffle=False every epoch serves the same "
+                             f"positions; change the weights earlier, or run the loader with shuffle=True (each epoch "
+                             f"continues the mixture's stream)")
+        return self.plan.with_weights(weights, -(-position // self.window), step)
+
+    def recorded_plan(self, recorded: dict) -> MixturePlan:
+        """The plan a checkpoint recorded (`MixturePlan.to_dict`, read as JSON, never unpickled), with the online
+        changes of the run it continues, for `use_plan`: refused unless it is this mixture's with changes added."""
+        plan = MixturePlan.from_dict(recorded, "the checkpoint's mixture plan")
+        if not plan.extends(self.plan):
+            raise StateError("the checkpoint's mixture plan (with the weights changed online) is not this mixture's "
+                             "plan with changes added: build the Mixture with the sources, weights or schedule, "
+                             "seed, window and num_samples of the run it resumes (and the loader's shuffle=)")
+        return plan
+
+    def continue_epochs(self) -> None:
+        """Serve a loader that leaves the order to this mixture (shuffle=True): loader epoch e is positions
+        [e N, (e + 1) N) of one stream, with windows (and so arrangements) of its own, each source's draws running
+        on. A loader position is then a mixture position, at any world size: a change of schedule is checked
+        against what was committed exactly, in O(intervals). Called by the loader, before its workers start."""
+        if self.plan.epochs_continue:
+            return
+        if self.amends is not None and not self.amends.epochs_continue:
+            raise StateError("amends= is a plan of a run whose loader had shuffle=False (its epochs repeat the same "
+                             "positions): continue it with shuffle=False")
+        self.plan = replace(self.plan, epochs_continue=True)
+        self._cache.clear()
+        self._lists = _NO_LISTS
 
     def _block_table(self, block: int) -> np.ndarray:
         """Rows (source, index) of a whole block of positions, kept for the next batches (two blocks per process):
         one array, so that a batch is looked up by one fancy index."""
         if block not in self._cache:
             low = block * self._block
-            self._cache[block] = np.stack(self.plan.locate(np.arange(low, min(low + self._block, len(self)))))
+            self._cache[block] = np.stack(self.plan.locate(np.arange(low, min(low + self._block, self.plan.end))))
             while len(self._cache) > 2:
                 self._cache.popitem(last=False)
         return self._cache[block]
@@ -589,7 +693,7 @@ class Mixture(torch.utils.data.Dataset):
             return np.zeros(0, np.int64), np.zeros(0, np.int64)
         low, high = min(positions), max(positions)
         first, last = low // self._block, high // self._block
-        if last - first > 1 or low < 0 or high >= self.plan.num_samples:
+        if last - first > 1 or low < 0 or high >= self.plan.end:
             return self.plan.locate(positions)
         table, origin = self._block_table(first), first * self._block
         if last != first:
@@ -614,7 +718,7 @@ class Mixture(torch.utils.data.Dataset):
         if 0 < len(positions) <= SMALL_BATCH:
             low, high = min(positions), max(positions)
             block = low // self._block
-            if low >= 0 and high < self.plan.num_samples and high // self._block == block:
+            if low >= 0 and high < self.plan.end and high // self._block == block:
                 sources, indices = self._block_lists(block)
                 origin, shares = block * self._block, {}
                 for row, position in enumerate(positions):
@@ -638,10 +742,24 @@ class Mixture(torch.utils.data.Dataset):
                 yield s, rows[low:high], indices[low:high]
             low = high
 
+    def _stream(self, positions: Sequence[int]) -> Sequence[int]:
+        """The mixture positions of a batch: the loader's positions of its epoch, offset by epoch * num_samples when
+        the plan's epochs continue (the epoch rides on each index, `loader.SampleIndex.epoch`). A worker's copy of
+        the mixture takes the plan the batch carries when it holds online changes this copy has not seen."""
+        carried = getattr(positions[0], "plan", None) if len(positions) else None
+        if carried is not None and carried is not self.plan and carried.requests != self.plan.requests:
+            self.use_plan(carried)
+        if not self.plan.epochs_continue or not len(positions):
+            return positions
+        n, epoch = self.plan.num_samples, getattr(positions[0], "epoch", 0)
+        if min(positions) < 0 or max(positions) >= n:
+            raise IndexError(f"mixture position {max(positions)} out of range for an epoch of {n} positions")
+        return [p + epoch * n for p in positions] if epoch else positions
+
     def _tokens(self, positions: Sequence[int]) -> torch.Tensor:
         """The int64 tensor (len(positions), seq_len + 1) of a batch of TokenSources, each filling its rows."""
         out = np.empty((len(positions), self._span), dtype=np.int64)
-        for s, rows, indices in self._shares(positions):
+        for s, rows, indices in self._shares(self._stream(positions)):
             self.sources[s]._fill(out, rows, indices)
         return torch.from_numpy(out)
 
@@ -661,7 +779,7 @@ class Mixture(torch.utils.data.Dataset):
             return Rows(self._tokens(positions))
         carried = len(positions) and hasattr(positions[0], "carried_to")  # the loader's SampleIndex
         out: list = [None] * len(positions)
-        for s, rows, indices in self._shares(positions):
+        for s, rows, indices in self._shares(self._stream(positions)):
             if carried:  # a source index carries its position's seed and epoch
                 indices = [positions[r].carried_to(i) for r, i in zip(rows, indices)]
             for row, sample in zip(rows, _fetch(self.sources[s], indices)):
@@ -671,9 +789,9 @@ class Mixture(torch.utils.data.Dataset):
     def __getitem__(self, position: int):
         return self.__getitems__([position])[0]
 
-    def sample_key(self, position: int) -> tuple[str, int]:
-        """(source name, index within the source): the identity of the sample at `position`."""
-        (source,), (index,) = self.locate([position])
+    def sample_key(self, position: int, epoch: int = 0) -> tuple[str, int]:
+        """(source name, index within the source): the identity of the sample at `position` of loader `epoch`."""
+        (source,), (index,) = self.locate(self.plan.in_epoch([position], epoch))
         return self.names[source], int(index)
 
     def fingerprint(self, plan: MixturePlan | None = None) -> str:
@@ -703,13 +821,18 @@ class Mixture(torch.utils.data.Dataset):
     def check_change(self, progress: dict, order: Order) -> None:
         """A progress saved before the change must have trained nothing at or after the change's first window:
         those positions were trained under the old plan, and the new one names other samples there. It commits
-        positions of the loader's `order`, which hold mixture positions through it: under a shuffled order, spread
-        over the whole mixture (`EpochOrder.last_index` finds the last one, in bounded memory)."""
-        if self.amends is None or not self.plan.changes or self.plan.changes[-1] in self.amends.changes:
+        positions of the loader's `order`, which hold mixture positions through it: when the plan's epochs continue
+        (a loader that leaves the order to the mixture), position p of epoch e is mixture position e N + p and every
+        epoch before the progress's was trained whole, so the check is exact in O(intervals); under a shuffled
+        order, they are spread over the whole mixture (`EpochOrder.last_index` finds the last one, in bounded
+        memory)."""
+        if self.amends is None or self.plan == self.amends:
             return
-        at = self.plan.changes[-1] * self.window
+        at = self._change_at
         saved = progress_of(progress)
         check_fingerprint(saved.fingerprint, order.fingerprint(), "the loader progress")
+        if self.plan.epochs_continue:
+            return self._check_continuing(saved, at)
         shuffled = order.shuffle != "none" or order.lanes is not None
         for epoch, spans in sorted(saved.committed.items()):  # epochs finished before it served the old plan whole
             last = order.for_epoch(epoch).last_index(spans, at)
@@ -724,10 +847,26 @@ class Mixture(torch.utils.data.Dataset):
                           f"mixture it trained with) and change from a checkpoint saved at its end, where any "
                           f"change_at fits")
             if shuffled:
-                advice += (". A Mixture interleaves its sources by itself: in a loader with shuffle=False (and no "
-                           "lanes) a change from just after what was committed fits")
+                advice += (". A Mixture interleaves its sources by itself: in a loader with shuffle=True (which leaves "
+                           "the order to it) or shuffle=False (and no lanes) a change from just after what was "
+                           "committed fits")
             raise StateError(f"the schedule change begins at position {at} (window {at // self.window}), but epoch "
                              f"{epoch} committed {held} under the old plan: {advice}")
+
+    def _check_continuing(self, saved, at: int) -> None:
+        """`check_change` where loader epoch e is mixture positions [e N, (e + 1) N): the last position trained is
+        the largest committed one, or the end of the epochs finished before the progress's."""
+        n = len(self)
+        last = saved.epoch * n - 1
+        for epoch, spans in saved.committed.items():
+            if len(spans):
+                last = max(last, epoch * n + int(spans[-1, 1]) - 1)
+        if last >= at:
+            epoch, position = divmod(last, n)
+            raise StateError(f"the schedule change begins at mixture position {at} (window {at // self.window}), but "
+                             f"the run committed mixture position {last} (epoch {epoch}, position {position}; loader "
+                             f"epoch e serves mixture positions from e * {n}) under the old plan: pass change_at >= "
+                             f"{last + 1}")
 
     def __getstate__(self) -> dict:
         return {**self.__dict__, "_cache": OrderedDict(), "_lists": _NO_LISTS}
