@@ -193,8 +193,10 @@ def simulate(data, dataset, batch_size, grad_accum, shuffle, drop_last, worlds, 
         counts = committed[epoch] + failed[epoch]
         if keep:
             kept, content = set(committed[epoch]), content_of(dataset)
-            assert all(map(keep.rule, content(sorted(kept)))), f"epoch {epoch}: a sample the filter drops was trained"
-            assert not any(map(keep.rule, content(sorted(filtered[epoch])))), f"epoch {epoch}: a kept one recorded"
+            assert all(map(keep.rule, content(sorted(kept), epoch))), \
+                f"epoch {epoch}: a sample the filter drops was trained"
+            assert not any(map(keep.rule, content(sorted(filtered[epoch]), epoch))), \
+                f"epoch {epoch}: a kept one recorded"
             counts += filtered[epoch]
         assert max(counts.values(), default=1) == 1, f"epoch {epoch}: duplicated {[i for i, c in counts.items() if c > 1]}"
         assert not failed[epoch] or bad & set(failed[epoch]), "only batches holding a bad index fail"
