@@ -78,12 +78,12 @@ def table(lengths: np.ndarray, max_tokens: int = MAX_TOKENS) -> list[tuple[str, 
     return rows
 
 
-def costs(lengths: np.ndarray, max_tokens: int = MAX_TOKENS) -> dict[str, float]:
+def costs(lengths: np.ndarray, max_tokens: int = MAX_TOKENS, draws: int = 2000) -> dict[str, float]:
     """Seconds a sample to make the batches (the one O(N) step) and seconds a batch to deal one (`members`)."""
     started = time.perf_counter()
     batches = TokenBudgetBatches(lengths, max_tokens)
     made = time.perf_counter() - started
-    ks = np.random.default_rng(2).integers(0, len(batches), 2000).tolist()
+    ks = np.random.default_rng(2).integers(0, len(batches), draws).tolist()
     started = time.perf_counter()
     for epoch, k in enumerate(ks):
         batches.members(k, epoch % 3)

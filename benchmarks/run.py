@@ -26,7 +26,7 @@ if __package__ in (None, ""):  # run as a script: make the repository root impor
 import torch  # noqa: E402
 
 from benchmarks import (  # noqa: E402
-    checkpoint, memory, packing, peers, plots, report, restart, resume, scale, throughput, tokens, training, wds,
+    checkpoint, features, memory, packing, peers, plots, report, restart, resume, scale, throughput, tokens, training, wds,
     wds_remote,
 )
 from benchmarks.config import Config, config_for  # noqa: E402
@@ -45,6 +45,8 @@ SECTIONS: tuple[tuple[str, str, Callable[[Config], dict]], ...] = (
      wds_remote.run),
     ("packing", "12. Document packing (padding against Grain's first and best fit, packed tokens/s against an in-order "
      "loop, memory at 1e9 documents)", packing.run),
+    ("features", "13. Filters, batch-size ramps, token-budget batches (cost per batch against the same loader without "
+     "them, state bytes, padding against a best fit)", features.run),
 )
 RESTART_TITLE = "9. Restart budget (replay plans from measured inputs; a measured elastic restart)"
 PEERS = ("peers", "10. Peers side by side: samples skipped or duplicated by a resume, resume time, state, memory, "
