@@ -236,6 +236,20 @@ def test_published_results_are_replaced_only_when_asked(tmp_path, monkeypatch):
 
 
 
+def test_a_note_on_the_run_is_kept_and_shown_under_the_header():
+    from benchmarks import report, run
+
+    assert run._arguments(["--smoke", "--device", "cpu"]).note is None
+    note = run._arguments(["--smoke", "--device", "cpu", "--note", "a shared VM, loaded"]).note
+    results = {"mode": "smoke", "note": note, "sections": {}, "plots": {},
+               "environment": {"device": "cpu", "device_name": "x", "torch": "t", "numpy": "n", "torchdata": "d",
+                               "webdataset": "w", "python": "p", "cpus_usable": 2, "git_commit": None,
+                               "git_dirty": False, "load_average_at_start": [7.7], "load_average_at_end": [6.6]},
+               "config": {"reps": 1, "warmup": 0}}
+    header = report.markdown(results).splitlines()
+    assert header[6] == "Note on this run: a shared VM, loaded" and "at start 7.70, at end 6.60" in header[2]
+
+
 def test_the_runner_also_starts_as_a_script(tmp_path):
     done = subprocess.run([sys.executable, str(REPO / "benchmarks" / "run.py"), "--help"], cwd=tmp_path,
                           capture_output=True, text=True, timeout=60)
