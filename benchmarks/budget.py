@@ -1,6 +1,7 @@
 """Token-budget batches: padding and batch count of `TokenBudgetBatches` (global length buckets) against an
 unbounded-buffer best fit and a sorted-buffer batcher (fairseq's `max_tokens`, Lhotse's dynamic bucketing), on
-synthetic lengths; the cost of a batch and of making the batches. `python -m benchmarks.budget [--samples N]`.
+synthetic lengths; the cost of a batch and of making the batches. `python -m benchmarks.budget [--samples N]`;
+section 13 of `python -m benchmarks` (`benchmarks.features`) reports its table with the suite's.
 
 The budget counts a batch padded: count x longest <= max_tokens (a length 0 counts 1). Best fit, unbounded buffer:
 all of the epoch's lengths sorted and cut greedily, the fewest batches any batcher makes (an optimal cut of sorted
