@@ -26,8 +26,8 @@ if __package__ in (None, ""):  # run as a script: make the repository root impor
 import torch  # noqa: E402
 
 from benchmarks import (  # noqa: E402
-    checkpoint, features, memory, packing, peers, plots, report, restart, resume, scale, throughput, tokens, training, wds,
-    wds_remote,
+    checkpoint, features, memory, packing, peers, plots, report, restart, resume, scale, throughput, tokens,
+    training, wds, wds_remote,
 )
 from benchmarks.config import Config, config_for  # noqa: E402
 from benchmarks.environment import environment, output_stem  # noqa: E402
