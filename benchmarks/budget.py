@@ -1,6 +1,7 @@
 """Token-budget batches: padding and batch count of `TokenBudgetBatches` (global length buckets) against an
 unbounded-buffer best fit and a sorted-buffer batcher (fairseq's `max_tokens`, Lhotse's dynamic bucketing), on
-synthetic lengths; the cost of a batch and of making the batches. `python -m benchmarks.budget [--samples N]`.
+synthetic lengths; the cost of a batch and of making the batches. `python -m benchmarks.budget [--samples N]`;
+section 13 of `python -m benchmarks` (`benchmarks.features`) reports its table with the suite's.
 
 The budget counts a batch padded: count x longest <= max_tokens (a length 0 counts 1). Best fit, unbounded buffer:
 all of the epoch's lengths sorted and cut greedily, the fewest batches any batcher makes (an optimal cut of sorted
@@ -78,12 +79,12 @@ def table(lengths: np.ndarray, max_tokens: int = MAX_TOKENS) -> list[tuple[str, 
     return rows
 
 
-def costs(lengths: np.ndarray, max_tokens: int = MAX_TOKENS) -> dict[str, float]:
+def costs(lengths: np.ndarray, max_tokens: int = MAX_TOKENS, draws: int = 2000) -> dict[str, float]:
     """Seconds a sample to make the batches (the one O(N) step) and seconds a batch to deal one (`members`)."""
     started = time.perf_counter()
     batches = TokenBudgetBatches(lengths, max_tokens)
     made = time.perf_counter() - started
-    ks = np.random.default_rng(2).integers(0, len(batches), 2000).tolist()
+    ks = np.random.default_rng(2).integers(0, len(batches), draws).tolist()
     started = time.perf_counter()
     for epoch, k in enumerate(ks):
         batches.members(k, epoch % 3)

@@ -38,7 +38,7 @@ def serialized_bytes(state: dict) -> dict:
     return {"json": as_json, "torch.save": buffer.getbuffer().nbytes}
 
 
-def _advance(loader, batches: int):
+def advance(loader, batches: int):
     """Deliver `batches` micro-batches (range first: zip then takes no batch beyond them) and return the loader."""
     for _ in zip(range(batches), loader):
         pass
@@ -52,7 +52,7 @@ def _rank_states(dataset, position: int, ahead: int) -> list[dict]:
     for rank, batches in ((0, 1 + ahead), (1, 1)):
         loader = ours(dataset, batch_size=BATCH, shuffle=True, rank=rank, world_size=2)
         loader.load_state_dict(base)
-        states.append(_advance(loader, batches).state_dict())
+        states.append(advance(loader, batches).state_dict())
     return states
 
 
@@ -63,7 +63,7 @@ def _case(cfg: Config, n: int, position: int, ahead: int) -> dict:
     merged = merge()
     resumed = ours(dataset, batch_size=BATCH, shuffle=True)
     resumed.load_state_dict(merged)
-    _advance(resumed, 1)
+    advance(resumed, 1)
     section = f"checkpoint N={count(n)} position={count(position)} ahead={ahead}"
     timed = partial(measure, reps=cfg.reps, warmup=cfg.warmup, section=section, unit="s/call")
     return {
@@ -82,8 +82,8 @@ def _side_by_side(cfg: Config, n: int) -> dict:
     """state_dict() latency of ours and StatefulDataLoader's after two batches of one N, interleaved."""
     dataset = IndexDataset(n)
     loaders = {
-        "ResumableDataLoader": _advance(ours(dataset, batch_size=BATCH, shuffle=True), 2),
-        "StatefulDataLoader": _advance(StatefulDataLoader(dataset, batch_size=BATCH, shuffle=True), 2),
+        "ResumableDataLoader": advance(ours(dataset, batch_size=BATCH, shuffle=True), 2),
+        "StatefulDataLoader": advance(StatefulDataLoader(dataset, batch_size=BATCH, shuffle=True), 2),
     }
     candidates = {name: partial(per_call, loader.state_dict, cfg.min_call_s) for name, loader in loaders.items()}
     section = f"checkpoint side by side N={count(n)}"

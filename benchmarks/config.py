@@ -64,6 +64,10 @@ class Config:
     store_ranks: tuple[int, ...]
     store_clients: int
     store_steps: int
+    # 13. features (issue 30): batches per timed pass of each loader; synthetic lengths whose token-budget padding
+    # is measured against a best fit
+    feature_batches: int
+    budget_samples: int
     measure_restart: bool = True
 
 
@@ -83,7 +87,7 @@ QUICK = Config(
     seq_len=2048, tokens_per_source=2**25, token_batch_sizes=(8, 32), mixture_positions=10**9,
     t_launch_s=10.0, checkpoint_interval=100,
     scale_worlds=tuple(4**k for k in range(9)), store_ranks=(1024, 4096, 16384, 65536), store_clients=1024,
-    store_steps=5,
+    store_steps=5, feature_batches=1000, budget_samples=200_000,
 )
 
 FULL = replace(
@@ -93,7 +97,7 @@ FULL = replace(
     stateful_resume_sizes=(10**4, 10**5, 10**6, 10**7, 5 * 10**7), stateful_budget_s=10.0,
     randperm_cap=10**8, memory_timeout_s=600.0,
     shards=16, samples_per_shard=2000,
-    tokens_per_source=2**26, token_batch_sizes=(8, 32, 128), store_steps=10,
+    tokens_per_source=2**26, token_batch_sizes=(8, 32, 128), store_steps=10, feature_batches=2000,
 )
 
 SMOKE = replace(
@@ -105,6 +109,7 @@ SMOKE = replace(
     shards=2, samples_per_shard=128, sample_bytes=256,
     seq_len=64, tokens_per_source=2**14, token_batch_sizes=(8,),
     scale_worlds=(1, 4, 16, 64, 256), store_ranks=(256, 1024), store_clients=8, store_steps=3,
+    feature_batches=20, budget_samples=2000,
     measure_restart=False,
 )
 

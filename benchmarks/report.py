@@ -49,7 +49,7 @@ def _header(results: dict) -> list[str]:
         "rounds' quartiles straddle a target, it reads \"not resolved\"."
         + (" A smoke run (one repetition, tiny sizes) shows that the suite runs: its figures are not graded against "
            "the targets." if results["mode"] == "smoke" else ""),
-    ]
+    ] + (["", f"Note on this run: {note}"] if (note := results.get("note")) else [])
 
 
 def markdown(results: dict) -> str:

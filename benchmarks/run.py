@@ -1,5 +1,5 @@
 """The runner: `python -m benchmarks [--quick | --smoke] [--peers | --sections KEY ...] [--device cpu|cuda]
-[--out DIR] [--overwrite] [--t-launch S]`, or `python benchmarks/run.py` with the same options.
+[--out DIR] [--overwrite] [--t-launch S] [--note TEXT]`, or `python benchmarks/run.py` with the same options.
 
 Runs the sections in order, then the restart plan from their numbers, and writes <out>/<stem>.json, .md and one
 PNG per section (stem: cpu-<hostname> or cuda-<gpu name>). `--sections` runs only those (stem <stem>-<keys>);
@@ -26,8 +26,8 @@ if __package__ in (None, ""):  # run as a script: make the repository root impor
 import torch  # noqa: E402
 
 from benchmarks import (  # noqa: E402
-    checkpoint, memory, packing, peers, plots, report, restart, resume, scale, throughput, tokens, training, wds,
-    wds_remote,
+    checkpoint, features, memory, packing, peers, plots, report, restart, resume, scale, throughput, tokens,
+    training, wds, wds_remote,
 )
 from benchmarks.config import Config, config_for  # noqa: E402
 from benchmarks.environment import environment, output_stem  # noqa: E402
@@ -45,6 +45,8 @@ SECTIONS: tuple[tuple[str, str, Callable[[Config], dict]], ...] = (
      wds_remote.run),
     ("packing", "12. Document packing (padding against Grain's first and best fit, packed tokens/s against an in-order "
      "loop, memory at 1e9 documents)", packing.run),
+    ("features", "13. Filters, batch-size ramps, token-budget batches (cost per batch against the same loader without "
+     "them, state bytes, padding against a best fit)", features.run),
 )
 RESTART_TITLE = "9. Restart budget (replay plans from measured inputs; a measured elastic restart)"
 PEERS = ("peers", "10. Peers side by side: samples skipped or duplicated by a resume, resume time, state, memory, "
@@ -71,6 +73,8 @@ def _arguments(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--out", type=Path, help="default: a temporary directory with --smoke, else benchmarks/results")
     parser.add_argument("--overwrite", action="store_true", help="replace the results published in benchmarks/results")
     parser.add_argument("--t-launch", type=float, default=10.0, help="relaunch seconds for the restart plan")
+    parser.add_argument("--note", help="a line on the run the environment does not record (the machine shared with "
+                                       "other work, say): kept in the JSON and shown under the table's header")
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: torch.cuda.is_available() is False here")
@@ -90,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     mode = "smoke" if args.smoke else "quick" if args.quick else "full"
     cfg = config_for(mode, args.device, args.t_launch)
     results = {"mode": mode, "config": dataclasses.asdict(cfg), "environment": environment(args.device),
-               "sections": {}}
+               "note": args.note, "sections": {}}
     sections = results["sections"]
     chosen = [s for s in SECTIONS + OPT_IN if s[0] in args.sections] if args.sections else SECTIONS
     with_restart = {"training", "resume"} <= {key for key, _, _ in chosen}

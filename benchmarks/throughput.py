@@ -21,7 +21,7 @@ import os
 import resource
 import time
 from functools import partial
-from typing import Iterator
+from typing import Any, Callable, Iterator
 
 from torch.utils.data import DataLoader
 
@@ -53,11 +53,13 @@ def rate(candidate: Candidate, dataset, **kwargs) -> float:
     return rates(candidate, dataset, **kwargs)["wall"]
 
 
-def timed_pass(batches: Iterator, num_workers: int, name: str) -> dict[str, float]:
-    """Samples per wall-clock second and per CPU second (this process and its child processes: the workers) of the
-    rest of a pass once each of `num_workers` workers delivered its first batch, up to the arrival of the last
-    batch. What a loader does after it (the end of the pass: `RandomSampler` draws the next pass's whole
-    permutation there, workers shut down) is left out for every candidate, as start-up is."""
+def timed_pass(batches: Iterator, num_workers: int, name: str,
+               count: Callable[[Any], int] = batch_len) -> dict[str, float]:
+    """Samples (what `count` counts of a batch: 1 for batches) per wall-clock second and per CPU second (this process
+    and its child processes: the workers) of the rest of a pass once each of `num_workers` workers delivered its
+    first batch, up to the arrival of the last batch. What a loader does after it (the end of the pass:
+    `RandomSampler` draws the next pass's whole permutation there, workers shut down) is left out for every
+    candidate, as start-up is."""
     for _ in range(max(1, num_workers)):
         next(batches)
     children, reaped = descendants(), _reaped_s()
@@ -65,7 +67,7 @@ def timed_pass(batches: Iterator, num_workers: int, name: str) -> dict[str, floa
     start = end = time.perf_counter()
     samples = 0
     for batch in batches:
-        samples += batch_len(batch)
+        samples += count(batch)
         end, cpu_end = time.perf_counter(), time.process_time()
     if not samples:
         raise ValueError(f"{name}: nothing came after the start-up batches; use more samples")

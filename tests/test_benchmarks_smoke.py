@@ -16,7 +16,7 @@ pytestmark = pytest.mark.slow  # the benchmark runner as a process of its own (t
 
 REPO = Path(__file__).resolve().parent.parent
 SECTIONS = ("throughput", "training", "checkpoint", "resume", "memory", "webdataset", "tokens", "remote", "packing",
-            "restart")
+            "features", "restart")
 LOADERS = {"DataLoader", "ResumableDataLoader", "ResumableDataLoader+state_dict", "StatefulDataLoader+state_dict"}
 
 
@@ -132,6 +132,37 @@ def test_remote_compares_the_same_loaders_and_counts_bytes(results):
     assert max(per_node["2"]) < 1.5 and per_node["None"] == [2.0, 2.0]  # lanes: about its share; else everything
 
 
+def test_features_measure_each_capability_against_the_loader_without_it(results):
+    features = results["sections"]["features"]
+    assert [case["capability"].split(" ")[0] for case in features["cases"]] == ["filter", "batch-size", "token"]
+    for case in features["cases"]:
+        for clock in ("wall", "cpu"):
+            measured = case["costs"][clock]
+            assert set(measured["us_per_batch"]) == {"with", "without"}
+            assert all(_positive(v["median"]) for v in measured["us_per_batch"].values())
+            assert _positive(measured["cost_ratio"]["median"])
+        for which in ("with", "without"):
+            assert set(case["state_bytes"][which]) == {"one rank", "merged, 4 ranks uneven"}
+            assert all(_positive(n) for n in case["state_bytes"][which].values())
+    assert len(features["tables"]) == 2 + len(features["cases"])  # a row per capability under the header
+    for batchers in features["padding"].values():  # the best fit first: no batcher makes fewer batches
+        assert batchers[0]["batcher"].startswith("best fit")
+        assert all(b["batches"] >= batchers[0]["batches"] and 0 <= b["padding"] < 1 for b in batchers)
+
+
+def test_a_feature_cost_ratio_straddling_1_reads_not_resolved():
+    """The issue states no bound for a feature's cost: its ratio is read against 1, as a target's would be."""
+    from benchmarks import features, report
+    from benchmarks.timing import summary
+
+    straddling = features._ratio_row("cost", summary([0.9, 0.95, 1.05, 1.1]))
+    above = features._ratio_row("cost", summary([1.2, 1.25, 1.3, 1.4]))
+    assert straddling["resolved"] is False and straddling["met"] is None and "resolved" not in above
+    assert straddling["target"] == above["target"] == "reported"
+    lines = report._table([straddling, above], graded=True)
+    assert "not resolved (quartiles 0.938 - 1.06)" in lines[2] and lines[3].endswith("| reported |  |")
+
+
 def test_restart_is_labelled_a_plan(results):
     restart = results["sections"]["restart"]
     assert "not a measured restart" in restart["kind"]
@@ -203,6 +234,20 @@ def test_published_results_are_replaced_only_when_asked(tmp_path, monkeypatch):
     assert run._arguments(["--quick", "--device", "cpu", "--overwrite"]).out == tmp_path
     assert run._arguments(["--quick", "--device", "cpu", "--out", str(tmp_path)]).out == tmp_path
 
+
+
+def test_a_note_on_the_run_is_kept_and_shown_under_the_header():
+    from benchmarks import report, run
+
+    assert run._arguments(["--smoke", "--device", "cpu"]).note is None
+    note = run._arguments(["--smoke", "--device", "cpu", "--note", "a shared VM, loaded"]).note
+    results = {"mode": "smoke", "note": note, "sections": {}, "plots": {},
+               "environment": {"device": "cpu", "device_name": "x", "torch": "t", "numpy": "n", "torchdata": "d",
+                               "webdataset": "w", "python": "p", "cpus_usable": 2, "git_commit": None,
+                               "git_dirty": False, "load_average_at_start": [7.7], "load_average_at_end": [6.6]},
+               "config": {"reps": 1, "warmup": 0}}
+    header = report.markdown(results).splitlines()
+    assert header[6] == "Note on this run: a shared VM, loaded" and "at start 7.70, at end 6.60" in header[2]
 
 
 def test_the_runner_also_starts_as_a_script(tmp_path):
