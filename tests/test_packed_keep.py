@@ -10,9 +10,18 @@ import torch
 from loader import ResumableDataLoader, merge_states
 from loader.checkpoint import audit
 from loader.checkpoint.ledger import Ledger
-from loader.sources import TokenSource
-from loader.sources.packing import PackedSource
-from tests.test_packing import BIN_MODES, EOS, corpus, owned_tokens, packed  # noqa: F401 (corpus: a fixture)
+from tests.test_packing import (
+    BIN_MODES,
+    EOS,
+    packed,
+    trained_across_4_3_2,
+    write_documents,
+)
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    return write_documents(tmp_path_factory.mktemp("keep"))
 
 
 def documents_of(stream):
@@ -36,28 +45,6 @@ def expected_kept(source, stream, mask):
     return Counter(pairs[:len(source) * source.seq_len] if source.mode == "concat" else pairs)
 
 
-def resumed_4_3_2(source, stream):
-    """4 ranks stop unevenly, 3 resume from the merged state and stop unevenly, 2 finish: the (document, offset)
-    of every token trained in epoch 0."""
-    trained, state = [], None
-    for world, stops in ((4, (5, 3, 4, 6)), (3, (2, 4, 3)), (2, None)):
-        loaders = [ResumableDataLoader(source, batch_size=3, shuffle=True, seed=7, rank=r, world_size=world)
-                   for r in range(world)]
-        for rank, loader in enumerate(loaders):
-            if state is not None:
-                loader.load_state_dict(state)
-            for step, batch in enumerate(loader):
-                if loader.epoch:  # a small source's epoch 0 ended before this stage: the next is not counted
-                    break
-                rows = loader.last_indices().tolist()
-                samples = {row: {k: v[i] for k, v in batch.items()} for i, row in enumerate(rows)}
-                trained += owned_tokens(source, stream, rows, samples)
-                if stops is not None and step + 1 == stops[rank]:
-                    break
-        state = merge_states([loader.state_dict() for loader in loaders], uneven=True)
-    return Counter(trained)
-
-
 @pytest.mark.parametrize("kind", ("nothing", "some", "all_but_one"))
 @pytest.mark.parametrize("mode", ("concat",) + BIN_MODES)
 def test_every_kept_token_once_per_epoch_across_a_4_3_2_resume_and_the_dropped_recorded(corpus, mode, kind):
@@ -65,7 +52,7 @@ def test_every_kept_token_once_per_epoch_across_a_4_3_2_resume_and_the_dropped_r
     starts, lengths = documents_of(stream)
     mask = mask_of(kind, lengths)
     source = packed(corpus, mode, keep=mask)
-    counts = resumed_4_3_2(source, stream)
+    counts = trained_across_4_3_2(source, stream)
     assert max(counts.values()) == 1, "a token trained twice"
     assert counts == expected_kept(source, stream, mask)
     assert source.filtered_documents(0).tolist() == starts[~mask].tolist()

@@ -13,11 +13,12 @@ from __future__ import annotations
 
 import hashlib
 import os
-from typing import Any, Callable, Union
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
-KeepArg = Union[np.ndarray, str, os.PathLike, Callable[[np.ndarray], np.ndarray]]
+KeepArg = np.ndarray | str | os.PathLike | Callable[[np.ndarray], np.ndarray]
 
 
 def document_table(documents: Any) -> tuple[np.ndarray, np.ndarray]:

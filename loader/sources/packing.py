@@ -322,8 +322,8 @@ class PackedSource(torch.utils.data.Dataset):
         return getattr(row, "epoch", self.epoch) if epoch is None else epoch
 
     def window_span(self, window: int, epoch: int | None = None) -> list[tuple[int, int]]:
-        """The token ranges of window `window` of `epoch` (default: the default epoch) in the concatenation: one, or
-        two where it wraps past the end."""
+        """The token ranges of window `window` of `epoch` (default: the default epoch) in the concatenation (of the
+        kept documents under keep=): one, or two where it wraps past the end."""
         tokens, size = self._stream.tokens, self.window_tokens
         shift = int(sample_seed(self.seed, self._epoch_of(epoch), _SHIFT)) % tokens
         start = (shift + window * size) % tokens
