@@ -69,6 +69,14 @@ def test_every_document_token_once_per_epoch_across_a_4_3_2_resume(corpus, mode)
     """4 ranks stop unevenly, 3 resume from the merged state and stop unevenly, 2 finish: counted by (document,
     offset), every token of the epoch is trained exactly once, and each batch row holds its pieces' tokens."""
     source, (_, stream) = packed(corpus, mode), corpus
+    counts = trained_across_4_3_2(source, stream)
+    assert max(counts.values()) == 1, "a token trained twice"
+    assert counts == expected_tokens(source, stream)
+
+
+def trained_across_4_3_2(source, stream):
+    """4 ranks stop unevenly, 3 resume from the merged state and stop unevenly, 2 finish: the (document, offset)
+    of every token trained in epoch 0, each batch row checked to hold its pieces' tokens."""
     trained, state = [], None
     for world, stops in ((4, (5, 3, 4, 6)), (3, (2, 4, 3)), (2, None)):
         loaders = [ResumableDataLoader(source, batch_size=3, shuffle=True, seed=7, rank=r, world_size=world)
@@ -77,15 +85,15 @@ def test_every_document_token_once_per_epoch_across_a_4_3_2_resume(corpus, mode)
             if state is not None:
                 loader.load_state_dict(state)
             for step, batch in enumerate(loader):
+                if loader.epoch:  # a small source's epoch 0 ended before this stage: the next is not counted
+                    break
                 rows = loader.last_indices().tolist()
                 samples = {row: {k: v[i] for k, v in batch.items()} for i, row in enumerate(rows)}
                 trained += owned_tokens(source, stream, rows, samples)
                 if stops is not None and step + 1 == stops[rank]:
                     break
         state = merge_states([loader.state_dict() for loader in loaders], uneven=True)
-    counts = Counter(trained)
-    assert max(counts.values()) == 1, "a token trained twice"
-    assert counts == expected_tokens(source, stream)
+    return Counter(trained)
 
 
 def test_a_row_is_a_pure_function_of_seed_epoch_and_position(corpus):

@@ -16,7 +16,7 @@ import inspect
 import sys
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Callable, Iterator, Sequence
+from typing import Callable, Iterator, Protocol, Sequence
 
 import numpy as np
 
@@ -253,10 +253,21 @@ EXIT_STATUSES = f"""exit statuses:
   {UNFINISHED}: an epoch unfinished, nothing duplicated so far (the job stopped mid-epoch, or is still running)"""
 
 
-def main(run_dir: str, limit: int = 20, describe: Callable[..., str] = str, grouping: Grouping | None = None) -> int:
+class FilteredDocuments(Protocol):
+    """A source that filters documents before it forms its samples (`PackedSource(keep=)`): the documents it
+    dropped in an epoch (consumed by no sample, never trained) and their names."""
+
+    def filtered_documents(self, epoch: int) -> np.ndarray: ...
+
+    def describe_document(self, start: int) -> str: ...
+
+
+def main(run_dir: str, limit: int = 20, describe: Callable[..., str] = str, grouping: Grouping | None = None,
+         documents: FilteredDocuments | None = None) -> int:
     """Print the audit; `describe` names a sample (e.g. by its shard and key; with an `epoch` parameter, as the
     sample was in that epoch, e.g. a packed row: see `by_epoch`), `grouping` adds a row per group (e.g.
-    per source of a mixture) under each epoch's. Returns the exit status: EXACTLY_ONCE (every epoch finished, every
+    per source of a mixture) under each epoch's, `documents` (a `PackedSource` with keep=) lists per epoch the
+    documents it filtered by policy before packing. Returns the exit status: EXACTLY_ONCE (every epoch finished, every
     sample once), FAILED (a sample skipped or duplicated), NO_LEDGER (nothing to audit, or a ledger file unreadable or
     inconsistent), or UNFINISHED (an epoch in
     progress, nothing duplicated so far: a crashed job never restarted, or one still running)."""
@@ -288,6 +299,11 @@ def main(run_dir: str, limit: int = 20, describe: Callable[..., str] = str, grou
             print(f"      skipped on request (never served, not trained): {_listed(e.requested, limit, name, e.epoch)}")
         if len(e.filtered):
             print(f"      filtered by policy (consumed, not trained): {_listed(e.filtered, limit, name, e.epoch)}")
+        dropped_documents = np.zeros(0, np.int64) if documents is None else documents.filtered_documents(e.epoch)
+        if len(dropped_documents):
+            shown = ", ".join(map(documents.describe_document, dropped_documents[:limit].tolist()))
+            more = f", ... ({len(dropped_documents)} in all)" if len(dropped_documents) > limit else ""
+            print(f"      documents filtered by policy before packing (keep=, never trained): {shown}{more}")
         if len(e.served_anyway):
             print(f"      served although skipped on request: {_listed(e.served_anyway, limit, name, e.epoch)}")
     if not all(e.clean for e in report):
@@ -309,4 +325,8 @@ def main(run_dir: str, limit: int = 20, describe: Callable[..., str] = str, grou
     filtered = sum(len(e.filtered) for e in report)
     if filtered:
         print(f"audit: {filtered} sample(s) filtered by policy (the loader's filter=), not trained")
+    if documents is not None and report:
+        count = sum(len(documents.filtered_documents(e.epoch)) for e in report)
+        print(f"audit: {count} document(s) filtered by policy before packing (keep=, over {len(report)} "
+              f"epoch(s)), not trained")
     return EXACTLY_ONCE

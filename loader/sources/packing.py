@@ -36,11 +36,13 @@ import torch.utils.data
 from loader.core.checks import check_positive_int
 from loader.core.order import Order, sample_seed, window_arrangements
 from loader.core.state import StateError, progress_of
+from loader.sources.kept import KeepArg, KeptDocuments, document_table, keep_mask, mask_digest
 
 __all__ = ["MODES", "ArrowDocuments", "Documents", "PackedSource", "label_mask", "pack", "row_metadata"]
 
 MODES = ("concat", "first_fit", "best_fit")
 _SHIFT, _ARRANGE = -1, -2  # sample_seed indices of the epoch's window shift and of its window arrangements
+_KEEP = "+keep:"  # what precedes the keep= mask's digest in the fingerprint
 CACHED_WINDOWS = 4  # window layouts kept per process: rows of a window come together with shuffle_blocks=R
 
 
@@ -235,6 +237,12 @@ class PackedSource(torch.utils.data.Dataset):
             Under a ResumableDataLoader every row index carries the epoch of its batch, which is used instead: each
             epoch of the loader packs its own rows, with no rebuild.
         pad_id: the token of padding columns.
+        keep: which documents to pack (a filter before rows are formed): a bool array of one entry per document
+            (documents in stream order), the path of a .npy of one (memory-mapped), or a vectorised predicate of
+            the documents' lengths array returning one. The rows pack the kept documents' concatenation (padding
+            stays about 1 - fill); `filtered_documents()` names the others, the audit lists them as filtered by
+            policy (`audit.main(..., filtered_documents=source.filtered_documents)`), and the mask's content is
+            part of the fingerprint: a resume with another mask is refused, naming it.
 
     Sample p: {"tokens": int64 [seq_len + 1], "segment_ids": int64 [seq_len + 1] (0, 1, ... per document piece,
     -1 for padding), "positions": int64 [seq_len + 1] (restart at 0 at each piece), "cu_seqlens": int32
@@ -254,6 +262,7 @@ class PackedSource(torch.utils.data.Dataset):
         seed: int = 0,
         epoch: int = 0,
         pad_id: int = 0,
+        keep: KeepArg | None = None,
     ) -> None:
         seq_len = getattr(documents, "seq_len", None) if seq_len is None else seq_len
         if seq_len is None:
@@ -275,7 +284,13 @@ class PackedSource(torch.utils.data.Dataset):
         self.documents, self.seq_len, self.mode, self.seed, self.epoch, self.pad_id = \
             documents, seq_len, mode, seed, epoch, pad_id
         self.capacity, self.rows_per_window, self.fill = seq_len + 1, rows_per_window, fill
-        tokens = documents.tokens
+        self._stream, self._keep, self._dropped = documents, None, (np.zeros(0, np.int64),) * 2
+        if keep is not None:
+            starts, lengths = document_table(documents)
+            mask, name = keep_mask(keep, lengths)
+            self._stream = KeptDocuments(documents, starts, lengths, mask)
+            self._keep, self._dropped = (name, mask_digest(mask)), (starts[~mask], lengths[~mask])
+        tokens = self._stream.tokens
         if tokens < (self.capacity if mode == "concat" else 1):
             raise ValueError(f"{tokens} tokens are too few for one row of seq_len + 1 = {self.capacity}")
         if mode == "concat":
@@ -307,9 +322,9 @@ class PackedSource(torch.utils.data.Dataset):
         return getattr(row, "epoch", self.epoch) if epoch is None else epoch
 
     def window_span(self, window: int, epoch: int | None = None) -> list[tuple[int, int]]:
-        """The token ranges of window `window` of `epoch` (default: the default epoch) in the concatenation: one, or
-        two where it wraps past the end."""
-        tokens, size = self.documents.tokens, self.window_tokens
+        """The token ranges of window `window` of `epoch` (default: the default epoch) in the concatenation (of the
+        kept documents under keep=): one, or two where it wraps past the end."""
+        tokens, size = self._stream.tokens, self.window_tokens
         shift = int(sample_seed(self.seed, self._epoch_of(epoch), _SHIFT)) % tokens
         start = (shift + window * size) % tokens
         end = start + (size if window < self.windows - 1 else tokens - (self.windows - 1) * size)
@@ -319,10 +334,10 @@ class PackedSource(torch.utils.data.Dataset):
         """The window's pieces in data order: (start token, length, start of its document)."""
         starts, lengths, documents = [], [], []
         for low, high in self.window_span(window, epoch):
-            inner = self.documents.document_starts(low + 1, high)
+            inner = self._stream.document_starts(low + 1, high)
             bounds = np.unique(np.concatenate(([low], inner, [high]))).astype(np.int64)
             piece_start, piece_length = _cut(bounds, self.capacity)
-            first = self.documents.document_start(low)
+            first = self._stream.document_start(low)
             owner = np.searchsorted(bounds, piece_start, side="right") - 1
             doc = bounds[owner]
             doc[owner == 0] = first
@@ -357,9 +372,9 @@ class PackedSource(torch.utils.data.Dataset):
         """(column, start token, length, document start) of each segment of the row in `epoch`, in column order."""
         if self.mode == "concat":
             low, high = row * self.seq_len, row * self.seq_len + self.capacity
-            bounds = np.unique(np.concatenate(([low], self.documents.document_starts(low + 1, high), [high])))
+            bounds = np.unique(np.concatenate(([low], self._stream.document_starts(low + 1, high), [high])))
             docs = bounds[:-1].copy()
-            docs[0] = self.documents.document_start(low)
+            docs[0] = self._stream.document_start(low)
             return np.stack([bounds[:-1] - low, bounds[:-1], np.diff(bounds), docs], 1)
         window, at = divmod(row, self.rows_per_window)
         table, begins = self.layout(window, epoch)
@@ -373,7 +388,8 @@ class PackedSource(torch.utils.data.Dataset):
         parts = self._row_parts(self._check(row), self._epoch_of(epoch, row)).tolist()
         if self.mode == "concat":
             parts = [[c, s, min(n, self.seq_len - c), d] for c, s, n, d in parts if c < self.seq_len]
-        return [(d, s - d, n, c) for c, s, n, d in parts]
+        original = self._stream.original if self._keep else int
+        return [(original(d), s - d, n, c) for c, s, n, d in parts]
 
     def sample_key(self, row: int, epoch: int | None = None) -> tuple[str, ...]:
         """The identity of row `row` in `epoch`: each piece's first token (as the documents name it) and length."""
@@ -390,7 +406,7 @@ class PackedSource(torch.utils.data.Dataset):
             parts = self._row_parts(self._check(row), self._epoch_of(None, row))
             tokens = np.full(self.capacity, self.pad_id, np.int64)
             for column, start, length, _ in parts.tolist():
-                tokens[column:column + length] = self.documents.read_tokens(start, start + length)
+                tokens[column:column + length] = self._stream.read_tokens(start, start + length)
             samples.append({"tokens": torch.from_numpy(tokens), **row_metadata(parts[:, 2], self.seq_len)})
         return samples
 
@@ -409,7 +425,7 @@ class PackedSource(torch.utils.data.Dataset):
             rows, tokens = rows + len(begins) - 1, tokens + int(table[:, 3].sum())
             docs, counts = np.unique(table[:, 4], return_counts=True)
             documents += len(docs)
-            edges += sum(self.documents.document_start(low) != low for low, _ in self.window_span(window, epoch))
+            edges += sum(self._stream.document_start(low) != low for low, _ in self.window_span(window, epoch))
             long += int((counts > 1).sum())
             pieces = len(self._pieces(window, self._epoch_of(epoch))[1])
             split += len(table) - pieces
@@ -430,28 +446,54 @@ class PackedSource(torch.utils.data.Dataset):
     def fingerprint(self) -> str:
         """Digest of the documents' fingerprint and the packing's parameters, for the checkpoint manifest: the
         same in every epoch (the rows of each epoch are a function of these and the epoch the loader saves).
-        Documents that name their changed files (a TokenSource's tags) lend it their tags, to name them here too."""
+        Documents that name their changed files (a TokenSource's tags) lend it their tags, to name them here too.
+        Under `keep=`, the mask's digest follows (`+keep:DIGEST`), to name a changed mask."""
         documents = self.documents.fingerprint()
         tags = documents.partition("-")[2] if hasattr(self.documents, "explain_fingerprint") else ""
-        return self._digest(documents) + (f"-{tags}" if tags else "")
+        keep = f"{_KEEP}{self._keep[1]}" if self._keep else ""
+        return self._digest(documents) + (f"-{tags}" if tags else "") + keep
 
     def explain_fingerprint(self, saved: str) -> str | None:
-        """Which document files changed since a checkpoint of fingerprint `saved`, where the documents tell."""
+        """Which document files, or whether the keep= mask, changed since a checkpoint of fingerprint `saved`, where
+        the documents and the mask's digest tell."""
+        saved, _, mask = saved.partition(_KEEP)
+        changed = []
+        if mask != (self._keep[1] if self._keep else ""):
+            changed.append(f"the keep= mask {self._keep[0]} changed since the checkpoint was saved (digest "
+                           f"{mask or 'none: no mask'} then, {self._keep[1]} now), so its rows would hold other "
+                           f"documents" if self._keep else "the checkpoint was saved with a keep= mask (digest "
+                           f"{mask}) and this PackedSource has none, so its rows would hold other documents")
         explain = getattr(self.documents, "explain_fingerprint", None)
-        return explain(saved) if callable(explain) else None
+        files = explain(saved) if callable(explain) else None
+        return "; ".join(changed + ([files] if files else [])) or None
 
     def fingerprint_of_earlier_release(self) -> str | None:
         """The fingerprint the previous release recorded, where the documents' differs (a TokenSource's held no
-        content then): such a checkpoint resumes as it would have there, with a warning."""
+        content then): such a checkpoint resumes as it would have there, with a warning. None under keep=, which
+        no earlier release had."""
         documents = self._documents_of_earlier_release()
-        return None if documents is None else self._digest(documents)
+        return None if documents is None or self._keep else self._digest(documents)
 
-    def fingerprint_before_change(self) -> str:
+    def fingerprint_before_change(self) -> str | None:
         """The fingerprint a checkpoint of a release that packed every epoch with `epoch=` holds (it had the epoch
         in it, and the documents' fingerprint of then): such a checkpoint resumes here when its progress fits
-        (`check_change`)."""
+        (`check_change`). None under keep=, which no such release had."""
+        if self._keep:
+            return None
         documents = self._documents_of_earlier_release()
         return self._digest(self.documents.fingerprint() if documents is None else documents, epoch=self.epoch)
+
+    def filtered_documents(self, epoch: int | None = None) -> np.ndarray:
+        """The start tokens of the documents `keep=` drops (empty without it), ascending: the same in every epoch
+        (`epoch` is taken for the audit, which asks per epoch)."""
+        return self._dropped[0]
+
+    def describe_document(self, start: int) -> str:
+        """A filtered document by its first token, as the documents name it, and its length (the audit's name)."""
+        at = int(np.searchsorted(self._dropped[0], start))
+        if at == len(self._dropped[0]) or self._dropped[0][at] != start:
+            raise ValueError(f"no filtered document starts at token {start}")
+        return f"{self.documents.describe_token(int(start))}+{int(self._dropped[1][at])}"
 
     def check_change(self, progress: dict, order: Order) -> None:
         """A checkpoint of an earlier release packed every epoch of the loader with `epoch=` E; this release packs

@@ -1,0 +1,99 @@
+"""Documents filtered before packing: the kept documents of a token stream as a token stream of their own.
+
+Why over the kept documents' concatenation: `PackedSource`'s windows are fixed in token space. Over the
+concatenation of all documents, a filter that drops a share f of the tokens would leave every window about f
+emptier (a 50% quality filter: half of every row padding; a mask keeping one document: rows of padding only), and
+the source as long as unfiltered. Over the kept documents' concatenation, padding stays about 1 - fill whatever the
+filter drops, and rows are still a pure function of (seed, epoch, row, data), resumed in O(1). The cost is paid once,
+at construction: one pass over the documents' starts and the mask (O(documents)), and the kept documents' starts and
+prefix sums held (two int64 per kept document).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+KeepArg = np.ndarray | str | os.PathLike | Callable[[np.ndarray], np.ndarray]
+
+
+def document_table(documents: Any) -> tuple[np.ndarray, np.ndarray]:
+    """Every document's start token and length, in stream order (document k is the k-th start)."""
+    starts = np.union1d([0], documents.document_starts(0, documents.tokens)).astype(np.int64)
+    return starts, np.diff(np.append(starts, documents.tokens))
+
+
+def keep_mask(keep: KeepArg, lengths: np.ndarray) -> tuple[np.ndarray, str]:
+    """The boolean mask of `keep` (a bool array of one entry per document, a .npy file of one, memory-mapped, or a
+    vectorised predicate of the documents' lengths) and a name for it, checked against the document count."""
+    if isinstance(keep, (str, os.PathLike)):
+        name = os.fspath(keep)
+        try:
+            mask = np.load(name, mmap_mode="r", allow_pickle=False)
+        except (OSError, ValueError) as err:
+            raise ValueError(f"keep={name!r}: not a readable .npy mask ({err})") from None
+    elif callable(keep):
+        name = f"keep={getattr(keep, '__qualname__', type(keep).__name__)}(lengths)"
+        mask = np.asarray(keep(lengths.copy()))
+    else:
+        name, mask = "keep= (the mask array)", np.asarray(keep)
+    if mask.dtype != np.bool_ or mask.shape != lengths.shape:
+        raise ValueError(f"{name}: must be a bool array of one entry per document ({len(lengths)} documents), got "
+                         f"{mask.dtype} of shape {mask.shape}")
+    if not mask.any():
+        raise ValueError(f"{name} keeps no document of {len(lengths)}: nothing to pack")
+    return mask, name
+
+
+def mask_digest(mask: np.ndarray) -> str:
+    """Digest of the mask's whole content (a bit per document: 125 MB hashed for 1e9 documents, once)."""
+    return hashlib.sha256(np.packbits(mask).tobytes() + str(len(mask)).encode()).hexdigest()[:12]
+
+
+class KeptDocuments:
+    """The documents a mask keeps, concatenated: the `Documents` methods over token positions of that
+    concatenation, each read and named through the underlying documents (`original` maps a position back)."""
+
+    def __init__(self, documents: Any, starts: np.ndarray, lengths: np.ndarray, mask: np.ndarray) -> None:
+        self.documents = documents
+        self.starts = starts[mask]
+        self.bases = np.concatenate(([0], np.cumsum(lengths[mask]))).astype(np.int64)
+        self.tokens = int(self.bases[-1])
+
+    def _document(self, token: int) -> int:
+        return int(np.searchsorted(self.bases, token, side="right")) - 1
+
+    def original(self, token: int) -> int:
+        """The position in the underlying documents of this position of the kept ones."""
+        document = self._document(token)
+        return int(self.starts[document]) + token - int(self.bases[document])
+
+    def read_tokens(self, low: int, high: int) -> np.ndarray:
+        if not 0 <= low <= high <= self.tokens:
+            raise IndexError(f"tokens [{low}, {high}) out of range for {self.tokens} kept tokens")
+        out, at = [np.zeros(0, np.int64)], low
+        while at < high:
+            document = self._document(at)
+            end = min(high, int(self.bases[document + 1]))
+            start = self.original(at)
+            out.append(self.documents.read_tokens(start, start + end - at))
+            at = end
+        return np.concatenate(out)
+
+    def document_starts(self, low: int, high: int) -> np.ndarray:
+        low, high = max(low, 0), min(high, self.tokens)
+        found = self.bases[np.searchsorted(self.bases, low):np.searchsorted(self.bases, high)]
+        return np.unique(found)  # an empty document starts where the next one does: once
+
+    def document_start(self, token: int) -> int:
+        return int(self.bases[self._document(token)])
+
+    def describe_token(self, token: int) -> str:
+        return self.documents.describe_token(self.original(token))
+
+    def fingerprint(self) -> str:
+        return self.documents.fingerprint()
