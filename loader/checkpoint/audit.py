@@ -1,9 +1,9 @@
 """`python -m loader audit RUN_DIR`: per epoch, was every sample seen exactly once across all restarts?
 
-Reads the identity ledger (`loader.checkpoint.ledger`) of a run, across generations and world sizes. An epoch is finished
-when the ledger records its end (`read_run`), or when nothing of it is left unseen; for an epoch still in progress
-only duplicates can be judged. With a `Grouping` (e.g. the sources of a mixture), each epoch also gets one row per
-group.
+Reads the identity ledger (`loader.checkpoint.ledger`) of a run, across generations and world sizes. An epoch is
+finished when the ledger records its end (`read_run`), or when nothing of it is left unseen; for an epoch still in
+progress only duplicates can be judged. With a `Grouping` (e.g. the sources of a mixture), each epoch also gets one
+row per group.
 
 Memory follows what the ledger recorded, not the dataset's length N: the records (8 bytes an index, as on disk), the
 sorted distinct indices of one epoch at a time, and the samples never seen kept as intervals. A ledger of a few
@@ -15,8 +15,8 @@ from __future__ import annotations
 import inspect
 import sys
 from collections import defaultdict
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Iterator, Sequence
 
 import numpy as np
 
@@ -185,8 +185,10 @@ def audit(run_dir, grouping: Grouping | None = None) -> list[EpochAudit]:
     inconsistent, named with its field) before judging anything."""
     run = read_run(run_dir)
     if grouping is not None and grouping.num_samples != run.num_samples:
-        raise LedgerError(f"the grouping describes a dataset of {grouping.num_samples} samples, the ledger of {run_dir} "
-                         f"one of {run.num_samples}: pass the one this run trained on")
+        raise LedgerError(
+            f"the grouping describes a dataset of {grouping.num_samples} samples, the ledger of {run_dir} "
+            f"one of {run.num_samples}: pass the one this run trained on"
+        )
     return audit_records([r for r in run.records if r.counted], run.dropped, run.num_samples, grouping, run.requested)
 
 

@@ -71,7 +71,10 @@ def _generations(run_dir) -> list[Path]:
 
 
 class Ledger:
-    """This rank's append-only record for one generation. Attach it with `loader.checkpoint.ledger = Ledger.open(...)`."""
+    """This rank's append-only record for one generation.
+
+    Attach it with `loader.checkpoint.ledger = Ledger.open(...)`.
+    """
 
     def __init__(self, run_dir, path: Path, resumed_step: int):
         self.run_dir, self.path, self.step = Path(run_dir), path, resumed_step
@@ -86,14 +89,14 @@ class Ledger:
         return int(self.path.parent.name[4:])
 
     @classmethod
-    def open(cls, run_dir, resumed_step: int, num_samples: int, group=None) -> "Ledger":
+    def open(cls, run_dir, resumed_step: int, num_samples: int, group=None) -> Ledger:
         """Start a new generation (rank 0 creates it, every rank learns its number, or its error); a collective when
         torch.distributed is initialised."""
         made = from_rank0(lambda: _new_generation(run_dir, resumed_step, world_size(group), num_samples), group)
         return cls(run_dir, made / f"rank-{rank(group):05d}.bin", resumed_step)
 
     @classmethod
-    def open_attempts(cls, run_dir, num_samples: int, name: str) -> "Ledger":
+    def open_attempts(cls, run_dir, num_samples: int, name: str) -> Ledger:
         """This process's own generation of attempts (no collective: the processes of a torchft job share no
         group that outlives a membership change); `name` says whose it is (e.g. its replica group and rank)."""
         path = _new_generation(run_dir, 0, 1, num_samples, attempts=name)

@@ -22,10 +22,11 @@ import io
 import json
 import random
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from errno import errorcode
 from pathlib import Path
-from typing import Any, Callable, NoReturn
+from typing import Any, NoReturn
 
 import numpy as np
 import torch
@@ -94,8 +95,8 @@ def global_progress(loader, group=None) -> dict:
 
 
 def _rng_state() -> dict:
-    """This process's generators as plain data: torch's CPU, numpy's and random's as `loader.streams.rng` packs them, and
-    each CUDA device's in base64."""
+    """This process's generators as plain data: torch's CPU, numpy's and random's as `loader.streams.rng` packs them,
+    and each CUDA device's in base64."""
     cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []
     return {"cpu": rng_state(), "cuda": [base64.b64encode(s.numpy().tobytes()).decode("ascii") for s in cuda]}
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from loader.core.checks import check_num_samples, check_positive_int
-from loader.core.progress import contains, total
+from loader.core.progress import contains
 
 ROUNDS = 6
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
@@ -313,7 +313,7 @@ class Order:
         return {"num_samples": self.num_samples, "seed": self.seed, "shuffle": self.shuffle, "blocks": blocks,
                 "order_version": ORDER_VERSION, "lanes": lanes}
 
-    def for_epoch(self, epoch: int) -> "EpochOrder":
+    def for_epoch(self, epoch: int) -> EpochOrder:
         return EpochOrder(self, epoch)
 
 

@@ -11,17 +11,28 @@ from __future__ import annotations
 import copy
 import warnings
 from collections import deque
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
-from typing import Iterator
 
 import numpy as np
 
 from loader.core.checks import check_rank, is_int
 from loader.core.order import EpochOrder, Order
-from loader.core.partition import Layout, plan_at
+from loader.core.partition import EpochPlan, Layout, plan_at
 from loader.core.progress import EMPTY, Remaining, contains, difference, spans_of, union, whole
-from loader.core.state import (MAX_EPOCHS_AHEAD, Progress, RankProgress, base_digest, check_fingerprint,
-                                check_schedule, merge, progress_of, rank_state, short)
+from loader.core.state import (
+    MAX_EPOCHS_AHEAD,
+    Progress,
+    RankProgress,
+    base_digest,
+    check_fingerprint,
+    check_schedule,
+    merge,
+    progress_of,
+    rank_state,
+    short,
+)
+
 
 class AbandonedEpochWarning(UserWarning):
     """set_epoch() left an epoch part way through: the rest of it is never trained in this run. Said because an
@@ -171,7 +182,7 @@ class ResumableSampler:
         """Nothing of the current epoch is handed out on this rank (an epoch restored as finished excepted)."""
         return self._position == 0 and self._epoch >= self._base.epoch
 
-    def next_pass(self) -> "ResumableSampler":
+    def next_pass(self) -> ResumableSampler:
         """A copy of this sampler as a pass started now would find it (after `begin_pass`), to tell what that pass
         yields without starting it."""
         ahead = copy.copy(self)

@@ -17,9 +17,9 @@ import hashlib
 import itertools
 import json
 import reprlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Callable
 
 import numpy as np
 
@@ -203,17 +203,25 @@ class Progress:
             "epoch": self.epoch,
             "committed": [[e, intervals_to_json(spans)] for e, spans in sorted(self.committed.items())],
             "finished": [{"epoch": e, "dropped": intervals_to_json(dropped)} for e, dropped in self.finished],
-            "end_of_epoch": None if self.end_of_epoch is None else {"epoch": self.epoch - 1, "ended": self.end_of_epoch},
+            "end_of_epoch": None
+            if self.end_of_epoch is None
+            else {"epoch": self.epoch - 1, "ended": self.end_of_epoch},
             "done_in_epoch": self.done_in_epoch,
             "samples_done_in_epoch": self.samples_done_in_epoch,
-            **({"skipped": [[e, intervals_to_json(spans)] for e, spans in sorted(self.skipped.items())]}
-               if self.skipped else {}),  # absent when empty: a state without skips reads as before them
-            **({"batch_schedule": [list(point) for point in self.schedule], "step": self.step}
-               if self.schedule is not None else {}),  # absent without a ramp: such a state reads as before them
+            **(
+                {"skipped": [[e, intervals_to_json(spans)] for e, spans in sorted(self.skipped.items())]}
+                if self.skipped
+                else {}
+            ),  # absent when empty: a state without skips reads as before them
+            **(
+                {"batch_schedule": [list(point) for point in self.schedule], "step": self.step}
+                if self.schedule is not None
+                else {}
+            ),  # absent without a ramp: such a state reads as before them
         }
 
     @classmethod
-    def from_dict(cls, state: dict, where: str = "state") -> "Progress":
+    def from_dict(cls, state: dict, where: str = "state") -> Progress:
         """Checks what every merge keeps true: committed epochs from `epoch` to at most MAX_EPOCHS_AHEAD after it,
         each once; finished epochs before `epoch`, in increasing order; and no more micro-batches or samples done
         in the cursor epoch than it has committed positions."""
@@ -234,7 +242,9 @@ class Progress:
         if len(set(epochs)) < len(epochs):
             twice = next(e for e, count in collections.Counter(epochs).items() if count > 1)
             raise StateError(f"{where}.committed lists epoch {twice} twice: the state is corrupted")
-        spans = intervals_from_json([entry[1] for entry in entries], n, lambda i: f"{where}.committed[epoch {epochs[i]}]")
+        spans = intervals_from_json(
+            [entry[1] for entry in entries], n, lambda i: f"{where}.committed[epoch {epochs[i]}]"
+        )
         committed = dict(zip(epochs, spans))
         records = _get(state, "finished", list, where)
         _check_count(records, f"{where}.finished")
@@ -354,7 +364,7 @@ class RankProgress:
         return state if self.out_of_step is None else {**state, "lockstep": self.out_of_step}
 
     @classmethod
-    def from_dict(cls, state: dict, where: str = "state", parsed: dict | None = None) -> "RankProgress":
+    def from_dict(cls, state: dict, where: str = "state", parsed: dict | None = None) -> RankProgress:
         """`parsed` (id of a base dict -> its Progress, checked layout fields -> their Layout) parses a base, and a
         layout, shared by many states only once."""
         check_header(state, ("rank",), where)

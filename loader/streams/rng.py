@@ -12,7 +12,7 @@ import functools
 import random
 import struct
 import sys
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 import torch
