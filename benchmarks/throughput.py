@@ -20,8 +20,8 @@ from __future__ import annotations
 import os
 import resource
 import time
+from collections.abc import Iterator
 from functools import partial
-from typing import Iterator
 
 from torch.utils.data import DataLoader
 
