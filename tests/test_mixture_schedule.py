@@ -3,7 +3,6 @@ explicit change of schedule in a running job that keeps the past and repeats or 
 
 import json
 import math
-import re
 from collections import Counter
 from fractions import Fraction
 
@@ -234,7 +233,9 @@ def test_changes_accumulate_and_anything_but_the_weights_is_refused_naming_the_f
     # found by the explore profile: a change_at inside the last window was accepted and never applied
     window = old.plan.window
     last = 119 // window * window
-    assert scheduled([9, 4], [{"weights": [1, 3]}], 120, amends=old.plan, change_at=last).plan.changes == (last // window,)
+    assert scheduled([9, 4], [{"weights": [1, 3]}], 120, amends=old.plan, change_at=last).plan.changes == (
+        last // window,
+    )
     with pytest.raises(ValueError, match=rf"change_at={last + 1} is inside the mixture's last window .* pass "
                                          rf"change_at <= {last}"):
         scheduled([9, 4], first, 120, amends=old.plan, change_at=last + 1)
@@ -285,8 +286,8 @@ def test_the_audit_shows_the_change_and_every_sample_once_across_it_at_another_w
     """Two updates under the old weights at 1 rank, the change at the position they reached, the rest at 2 ranks:
     the audit by source is clean and says where the schedule changed."""
     from loader.cli.main import main as cli
-    from tests.test_audit_by_source import run
     from tests.conftest import IndexDataset
+    from tests.test_audit_by_source import run
 
     sources = [IndexDataset(30), IndexDataset(7), IndexDataset(100)]
     old = Mixture(sources, [0.5, 0.2, 0.3], 97, seed=4, names=["web", "code", "books"])
