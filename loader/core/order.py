@@ -68,7 +68,7 @@ def _stream_key(seed: int, epoch: int, salt: int) -> np.uint64:
     return key[0]
 
 
-def _round_keys(stream_key: np.ndarray) -> np.ndarray:
+def _round_keys(stream_key: np.ndarray | np.uint64) -> np.ndarray:
     """Keys of shape (ROUNDS, *stream_key.shape): a splitmix64 sequence per stream key."""
     steps = np.arange(1, ROUNDS + 1, dtype=np.uint64).reshape((ROUNDS,) + (1,) * np.ndim(stream_key))
     with np.errstate(over="ignore"):

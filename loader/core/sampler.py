@@ -103,7 +103,8 @@ class ResumableSampler:
         step `first_step` (default: the one after the current epoch's last update, the natural advance)."""
         if first_step is None:
             first_step = self._first_step + self.view().plan.updates
-        self._epoch, self._position, self._view, self._first_step = epoch, 0, None, first_step
+        self._view: EpochView | None = None  # made by view() on first use
+        self._epoch, self._position, self._first_step = epoch, 0, first_step
         self._ended = ended  # the current pass handed out its end: the next pass starts the next epoch
         self._last_delivered: int | None = None  # micro-batch number of the batch delivered last in this epoch
         # position 0 follows whole updates committed earlier in this epoch (a resumed state): an update is complete

@@ -481,8 +481,8 @@ def merge(ranks: list[RankProgress], uneven: bool = False) -> Progress:
     counts = np.fromiter((r.completed for r in ranks), dtype=np.int64, count=len(ranks))
     epoch, finished, last, plans = base.epoch, [], int(epochs.max()), {}
     committed = {e: spans for e, spans in base.committed.items() if e > last}  # ahead of every rank: untouched
-    fresh, fresh_plans = Remaining(EMPTY, n), {}  # every epoch the base committed nothing in, and its plans (one
-    # without a batch-size ramp; one per stretch of the schedule the epoch starts in with one)
+    fresh = Remaining(EMPTY, n)  # every epoch the base committed nothing in, and its plans (one without a batch-size
+    fresh_plans: dict[tuple, EpochPlan] = {}  # ramp; one per stretch of the schedule the epoch starts in with one)
     walked: dict[tuple | None, tuple[np.ndarray, np.ndarray]] = {}  # such an epoch's (spans, their complement) per
     # plan and completed counts: a rank thousands of epochs ahead of its base walks them at the cost of one
     drift, limit, everyone_in = 0, drift_limit(len(ranks)), int(epochs.min())
@@ -536,11 +536,11 @@ def merge(ranks: list[RankProgress], uneven: bool = False) -> Progress:
     if cursor in plans:
         done = _done_in(plans[cursor], _completed_in(plans[cursor], cursor, epochs, counts), [r.rank for r in ranks])
     before = (base.done_in_epoch, base.samples_done_in_epoch) if cursor == base.cursor_epoch else (0, 0)
-    finished = tuple(finished) or base.finished
-    listed = {e for e, _ in finished}
+    finished_now = tuple(finished) or base.finished
+    listed = {e for e, _ in finished_now}
     skipped = {e: spans for e, spans in base.skipped.items() if e >= epoch or e in listed}
     step = base.step if base.schedule is None else _merged_step(base, plans, first_steps, epochs, counts)
-    return Progress(base.fingerprint, epoch, committed, finished, end_of_epoch, before[0] + done[0],
+    return Progress(base.fingerprint, epoch, committed, finished_now, end_of_epoch, before[0] + done[0],
                     before[1] + done[1], skipped, base.schedule, step)
 
 
@@ -619,13 +619,12 @@ def progress_of(state) -> Progress:
     elif isinstance(state, dict) and state.get("kind") == "rank":
         alone = RankProgress.from_dict(state)
         if alone.out_of_step is not None and alone.layout.world_size > 1:
-            raise _not_standing_for_all(alone)
+            raise _not_standing_for_all(alone, alone.out_of_step)
         return merge([alone])
     return Progress.from_dict(state)
 
 
-def _not_standing_for_all(alone: RankProgress) -> StateError:
-    mark = alone.out_of_step
+def _not_standing_for_all(alone: RankProgress, mark: dict) -> StateError:
     return StateError(
         f"this is rank {alone.rank}'s state alone, taken after rank {mark['rank']} had completed {mark['updates']} "
         f"optimizer updates and rank {alone.rank} {mark['own_updates']}: the ranks were not in lockstep (or it was "
