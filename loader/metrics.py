@@ -196,6 +196,8 @@ class Monitor:
         """The open step is complete at `now` (the loader calls this for an epoch's last, shorter update). Returns
         as `handed`."""
         start = self._start
+        if start is None:  # every caller has a batch in the step (in_step > 0), which opened it
+            raise RuntimeError("Monitor.close: no step is open (a step opens with its first handed or failed batch)")
         end = (now, self.batches, self.failed_batches, self.failed_samples, self.wait_seconds, self.bytes,
                self.records, self.filtered, self._segment)  # self._mark(now), without the call: once a batch at
         # grad_accum=1

@@ -15,7 +15,7 @@ from __future__ import annotations
 import inspect
 import sys
 from collections import defaultdict
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -148,7 +148,7 @@ def _by_group(grouping: Grouping, num_samples: int, once: np.ndarray, skipped: U
     def tally_of(indices: np.ndarray) -> np.ndarray:
         return np.bincount(grouping.of(indices), minlength=size) if len(indices) else np.zeros(size, np.int64)
 
-    def chunked(chunks: Iterator[np.ndarray]) -> np.ndarray:
+    def chunked(chunks: Iterable[np.ndarray]) -> np.ndarray:
         return sum((tally_of(chunk) for chunk in chunks), np.zeros(size, np.int64))
 
     expected = chunked(Unseen(np.array([[0, num_samples]], np.int64)).chunks(GROUP_CHUNK))

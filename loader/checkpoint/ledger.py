@@ -223,7 +223,7 @@ def _new_generation(run_dir, resumed_step: int, world_size: int, num_samples: in
             break
         except FileExistsError:
             number += 1
-    meta = {"resumed_step": resumed_step, "world_size": world_size, "num_samples": num_samples}
+    meta: dict[str, int | str] = {"resumed_step": resumed_step, "world_size": world_size, "num_samples": num_samples}
     if attempts is not None:
         meta["attempts"] = attempts
     (path / "meta.json").write_text(json.dumps(meta))
@@ -400,7 +400,8 @@ def read_run(run_dir) -> RunLedger:
         if generation.attempts is not None:
             continue
         cutoff = min((g.resumed_step for g in launches if g.number > generation.number), default=float("inf"))
-        ranks, ends = set(range(generation.world_size)), defaultdict(dict)
+        ranks = set(range(generation.world_size))
+        ends: defaultdict[int, dict[int, np.ndarray]] = defaultdict(dict)
         for file, rank_number in _rank_files(path):
             ranks.add(rank_number)
             raw = _read_file(file, n, where)
@@ -430,7 +431,8 @@ def read_generations(run_dir) -> tuple[list[Generation], list[Record]]:
 def _attempt_records(generations: list[tuple[Generation, Path]], num_samples: int, where: str) -> list[Record]:
     """The records of attempts generations, each counted when its attempt is its step's committed attempt with
     the largest key (see the module); a process's records before its first ATTEMPT belong to none."""
-    tried, committed = [], {}
+    tried = []
+    committed: dict[int, tuple[int, ...]] = {}
     for generation, path in generations:
         key = None
         for step, epoch, payload, flags in _read_file(path / "rank-00000.bin", num_samples, where):

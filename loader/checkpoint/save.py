@@ -277,7 +277,7 @@ class _Failed:
     os_error: OSError | None
 
 
-def _os_cause(err: BaseException) -> OSError | None:
+def _os_cause(err: BaseException | None) -> OSError | None:
     """The first OSError with an errno in `err`'s chain (itself, then its __cause__ or __context__): a failed write
     often surfaces wrapped in another exception."""
     seen = set()
@@ -297,7 +297,7 @@ def _describe(err: BaseException) -> str:
     cause = _os_cause(err)
     if cause is None:
         return f"{type(err).__name__}: {err}"
-    text = f"{errorcode.get(cause.errno, cause.errno)} ({cause.strerror})"
+    text = f"{errorcode.get(cause.errno or 0, cause.errno)} ({cause.strerror})"  # errno is set (_os_cause)
     text += "" if cause.filename is None else f" at {cause.filename}"
     return text if cause is err else f"{text}, raised as {type(err).__name__}: {err}"
 
@@ -576,7 +576,7 @@ def _check_manifest(path: Path, loader) -> int:
 
 def _read_small_parts(path: Path, loader, scheduler, scaler, group) -> dict:
     """Loader progress, RNG states, scheduler and scaler: read (a collective), then validated."""
-    state = {"loader": {"progress": ""}, "rng": {"all": ""}, "extras": {"blob": b""}}
+    state: dict[str, dict[str, Any]] = {"loader": {"progress": ""}, "rng": {"all": ""}, "extras": {"blob": b""}}
     _load(state, path, group)
     extras = load_plain(io.BytesIO(state["extras"]["blob"]), "the scheduler and scaler states")
     for name, target in (("scheduler", scheduler), ("scaler", scaler)):

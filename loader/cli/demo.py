@@ -106,7 +106,7 @@ class Agent:
         threading.Thread(target=self._read, args=(lines,), daemon=True).start()
 
     def _read(self, lines: queue.Queue) -> None:
-        for line in self.process.stdout:
+        for line in self.process.stdout or ():  # a pipe: stdout=PIPE above
             lines.put((time.monotonic(), self.name, line.rstrip()))
 
     def signal(self, sig: int) -> None:

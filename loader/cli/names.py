@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 
 from loader.checkpoint import audit
 from loader.checkpoint.ledger import LedgerError
@@ -20,7 +21,7 @@ def describe_by_key(shards: str):
     return describe
 
 
-def by_source(plan_path: str) -> tuple[audit.Grouping, object]:
+def by_source(plan_path: str) -> tuple[audit.Grouping, Callable[[int], str]]:
     """The run's mixture plan as the audit's grouping (a row per source) and a describer (position, source, index);
     a LedgerError names the plan file and what is wrong with it."""
     from loader.sources import MixturePlan
