@@ -56,7 +56,7 @@ class FeatureStream(IterableDataset):
     def __len__(self) -> int:
         return len(self.rows)
 
-    def __iter__(self) -> "_Rows":
+    def __iter__(self) -> _Rows:
         info = get_worker_info()
         return _Rows(self.rows, *((info.id, info.num_workers) if info else (0, 1)))
 
@@ -65,7 +65,7 @@ class _Rows:
     def __init__(self, rows: FeatureDataset, worker: int, workers: int):
         self.rows, self.indices, self.i = rows, range(worker, len(rows), workers), 0
 
-    def __iter__(self) -> "_Rows":
+    def __iter__(self) -> _Rows:
         return self
 
     def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:

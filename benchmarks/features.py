@@ -14,9 +14,10 @@ the token budget against an unbounded-buffer best fit and a sorted buffer (`benc
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, Callable
+from typing import Any
 
 from benchmarks import budget
 from benchmarks.checkpoint import advance, serialized_bytes

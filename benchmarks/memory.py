@@ -12,8 +12,8 @@ import json
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from benchmarks.config import Config
 from benchmarks.progress import say

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from benchmarks.rows import count
 
@@ -151,9 +151,18 @@ def _holes(ax, section: dict) -> None:
            "holes (intervals) in the committed progress", "bytes")
 
 
-_DRAW: dict[str, Callable] = {"throughput": _bars, "training": _bars, "checkpoint": _checkpoint,
-                              "resume": _resume, "memory": _memory, "webdataset": _bars, "tokens": _bars, "remote": _bars,
-                              "peers": _peers, "scale": _scale}
+_DRAW: dict[str, Callable] = {
+    "throughput": _bars,
+    "training": _bars,
+    "checkpoint": _checkpoint,
+    "resume": _resume,
+    "memory": _memory,
+    "webdataset": _bars,
+    "tokens": _bars,
+    "remote": _bars,
+    "peers": _peers,
+    "scale": _scale,
+}
 # One curve per plot as well, <stem>-<section>-<curve>.png: what a reader checks first, on a log axis.
 _CURVES: dict[str, dict[str, Callable]] = {
     "peers": {"resume-vs-n": _peers_resume},

@@ -1,4 +1,5 @@
-"""9. Restart budget: `loader.checkpoint.replay.replay_plan` fed with what this run measured, and a real elastic restart.
+"""9. Restart budget: `loader.checkpoint.replay.replay_plan` fed with what this run measured, and a real elastic
+restart.
 
 The plan: t_step is our step time from benchmark 2; t_load is our resume (load_state_dict -> first batch) at the
 largest position of benchmark 4, the loader's share of loading a checkpoint (the model's share is not in it);

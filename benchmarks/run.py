@@ -17,8 +17,8 @@ import os
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 if __package__ in (None, ""):  # run as a script: make the repository root importable, as `python -m` does
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -26,8 +26,21 @@ if __package__ in (None, ""):  # run as a script: make the repository root impor
 import torch  # noqa: E402
 
 from benchmarks import (  # noqa: E402
-    checkpoint, features, memory, packing, peers, plots, report, restart, resume, scale, throughput, tokens,
-    training, wds, wds_remote,
+    checkpoint,
+    features,
+    memory,
+    packing,
+    peers,
+    plots,
+    report,
+    restart,
+    resume,
+    scale,
+    throughput,
+    tokens,
+    training,
+    wds,
+    wds_remote,
 )
 from benchmarks.config import Config, config_for  # noqa: E402
 from benchmarks.environment import environment, output_stem  # noqa: E402

@@ -18,7 +18,7 @@ import gc
 import os
 import random
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 import torch

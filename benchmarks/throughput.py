@@ -20,8 +20,9 @@ from __future__ import annotations
 import os
 import resource
 import time
+from collections.abc import Callable, Iterator
 from functools import partial
-from typing import Any, Callable, Iterator
+from typing import Any
 
 from torch.utils.data import DataLoader
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import gc
 import time
-from typing import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 import torch

@@ -25,8 +25,8 @@ import os
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from functools import partial
-from typing import Callable
 from pathlib import Path
 
 import numpy as np
@@ -303,7 +303,7 @@ def _mapping_costs(cfg: Config, paths: list[Path]) -> list[dict]:
     }
     points = []
     for what, (work, positions) in cases.items():
-        stats = measure(what, lambda: per_call(work, cfg.min_call_s) / positions * 1e9, cfg.reps, cfg.warmup,
+        stats = measure(what, lambda: per_call(work, cfg.min_call_s) / positions * 1e9, cfg.reps, cfg.warmup,  # noqa: B023
                         "tokens position -> (source, index)", "ns")
         points.append({"what": what, "ns_per_position": stats})
     return points

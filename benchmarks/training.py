@@ -8,9 +8,9 @@ the model and the loader share the cores, so only the ratio of our loader to Dat
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from functools import partial
-from typing import Iterable, Iterator
 
 import torch
 from torch import nn

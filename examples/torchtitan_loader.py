@@ -2,9 +2,9 @@
 debug model trained on pre-tokenized token files, checkpointed by torchtitan's CheckpointManager, which saves the
 loader's progress under its `dataloader` key. Run from the repository root, e.g. at 2 data-parallel ranks:
 
-    torchrun --nproc_per_node 2 -m torchtitan.train --module examples.torchtitan_loader --config llama3_debugmodel_loader \
-        --dump_folder /tmp/run --hf_assets_path ./tokenizer --dataloader.dataset_path 'data/*.bin' \
-        --dataloader.ledger_dir /tmp/run --training.global_batch_size 16
+    torchrun --nproc_per_node 2 -m torchtitan.train --module examples.torchtitan_loader \
+        --config llama3_debugmodel_loader --dump_folder /tmp/run --hf_assets_path ./tokenizer \
+        --dataloader.dataset_path 'data/*.bin' --dataloader.ledger_dir /tmp/run --training.global_batch_size 16
     # killed, or finished its steps: relaunch at any --nproc_per_node (--training.steps more), it resumes from the
     # newest checkpoint in /tmp/run/checkpoint; then `python -m loader audit /tmp/run` counts every window trained
 

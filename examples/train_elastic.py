@@ -27,10 +27,11 @@ import signal
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -126,7 +127,9 @@ class FaultInjector:
 
     def armed(self, step: int, rank: int) -> bool:
         a = self.args
-        return a.fail_at_step is not None and step == a.fail_at_step and rank == a.fail_rank and not self.marker.exists()
+        return (
+            a.fail_at_step is not None and step == a.fail_at_step and rank == a.fail_rank and not self.marker.exists()
+        )
 
     def strike_mid_step(self, step: int, rank: int) -> None:
         if self.args.fail_mode in IN_SAVE or not self.armed(step, rank):
@@ -174,7 +177,9 @@ def _one_gpu_per_rank() -> bool:
 
 def train(args, make_task: Callable[[argparse.Namespace], Task] = regression_task) -> int:
     rank, world = dist.get_rank(), dist.get_world_size()
-    device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}") if _one_gpu_per_rank() else torch.device("cpu")
+    device = (
+        torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}") if _one_gpu_per_rank() else torch.device("cpu")
+    )
     torch.manual_seed(args.seed)
     task = make_task(args)
     model = task.model.to(device)

@@ -43,10 +43,10 @@ except ImportError:
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling example, also when loaded by path
 import train_elastic  # noqa: E402
+from train_elastic import log  # noqa: E402
 
 from loader.sources import Mixture, TokenSource  # noqa: E402
 from loader.sources.packing import PackedSource, label_mask  # noqa: E402
-from train_elastic import log  # noqa: E402
 
 VOCAB, EOS = 64, 0
 NAMES = ("web", "code")

@@ -12,7 +12,8 @@ step counts only when `optimizer.step()` commits; a failed commit deals the same
 group the ranks average their gradients over the group's own process group (FSDP would shard instead); across
 groups the Manager averages them. `--ledger` records what each process trained for `python -m loader audit RUN_DIR`.
 Rank 0 of each group prints its steps (the quorum, its samples and loss, whether the step committed); torchft's own
-INFO lines (every quorum and commit) are left out unless RUST_LOG=info is set. Fault injection: `--fail-at-step S` SIGKILLs this process in step S, after its backward, before the allreduce.
+INFO lines (every quorum and commit) are left out unless RUST_LOG=info is set. Fault injection: `--fail-at-step S`
+SIGKILLs this process in step S, after its backward, before the allreduce.
 `--wait-before S:PATH` waits (bounded) before step S until PATH exists, e.g. until another group has started.
 CPU and gloo here; the loader is the same on GPUs.
 """

@@ -1,10 +1,10 @@
 """ResumableDataLoader: torch's DataLoader, driven by a resumable rank sampler, counting what it delivers.
 
 Workers, pinning, prefetching and collation stay torch's own (default_collate, except that a batch a source already
-made as one tensor, a `loader.core.rows.Rows`, is that tensor rather than a stacked copy of it). The loader replaces only
-the order (a lazy batch sampler over the committed progress) and counts a batch when `next()` hands it to the caller,
-never when a worker fetched it. With in-order delivery, the k-th batch out is the k-th index list in, so the count is
-exact.
+made as one tensor, a `loader.core.rows.Rows`, is that tensor rather than a stacked copy of it). The loader replaces
+only the order (a lazy batch sampler over the committed progress) and counts a batch when `next()` hands it to the
+caller, never when a worker fetched it. With in-order delivery, the k-th batch out is the k-th index list in, so the
+count is exact.
 """
 
 from __future__ import annotations
@@ -14,8 +14,9 @@ import copyreg
 import pickle
 import warnings
 import weakref
+from collections.abc import Callable, Iterator
 from time import perf_counter
-from typing import Any, Callable, Iterator, NamedTuple, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 import numpy as np
 import torch
@@ -57,7 +58,7 @@ class SampleIndex(int):
     epoch: int
     plan: Any  # a dataset's plan that changed while its workers run (a Mixture's weights changed online)
 
-    def __new__(cls, index: int, seed: int | None = None, epoch: int | None = None) -> "SampleIndex":
+    def __new__(cls, index: int, seed: int | None = None, epoch: int | None = None) -> SampleIndex:
         obj = super().__new__(cls, index)
         if seed is not None:
             obj.seed = seed
@@ -68,7 +69,7 @@ class SampleIndex(int):
     def __getnewargs__(self) -> tuple[int]:
         return (int(self),)  # the attributes travel in __dict__
 
-    def carried_to(self, index: int) -> "SampleIndex":
+    def carried_to(self, index: int) -> SampleIndex:
         """Another index with what this one carries: a mixture's index into one of its sources."""
         obj = int.__new__(type(self), index)
         obj.__dict__.update(self.__dict__)
@@ -133,7 +134,7 @@ class _RankIndices:
     (`loader.sampler.set_epoch(e)`, `len(loader.sampler)` in samples). With batch_size=None torch iterates it too,
     taking one index per delivered item."""
 
-    def __init__(self, batches, loader: "ResumableDataLoader"):
+    def __init__(self, batches, loader: ResumableDataLoader):
         # the loader weakly: it holds this as its sampler, and a cycle would leave the loader, and its persistent
         # workers, alive until the garbage collector happened to run. A sampler kept after its loader went answers
         # from the progress alone
@@ -288,7 +289,7 @@ class _Delivery:
     over (and, with persistent workers, would read from the newest one's reset worker iterator). torch's
     iterator attributes (`_workers`, `_num_workers`, ...) are forwarded, for the tools that read them."""
 
-    def __init__(self, inner, loader: "ResumableDataLoader", iteration: int):
+    def __init__(self, inner, loader: ResumableDataLoader, iteration: int):
         self._inner, self._loader, self._iteration = inner, loader, iteration
         loader.__dict__["_active"] = weakref.ref(self)  # what `close()` stops
         self._stopped: str | None = None  # why this iterator may not go on, if it may not
@@ -315,7 +316,7 @@ class _Delivery:
         inner._num_yielded += 1
         return batch
 
-    def __iter__(self) -> "_Delivery":
+    def __iter__(self) -> _Delivery:
         return self
 
     def __getattr__(self, name: str):
@@ -1212,7 +1213,7 @@ class ResumableDataLoader(DataLoader[T_co]):
         if self.ledger is not None:
             self.ledger.close()
 
-    def __enter__(self) -> "ResumableDataLoader":
+    def __enter__(self) -> ResumableDataLoader:
         return self
 
     def __exit__(self, *exc_info) -> None:

@@ -18,7 +18,8 @@ from __future__ import annotations
 import math
 import os
 import warnings
-from typing import Any, Callable, NamedTuple, TypeVar
+from collections.abc import Callable
+from typing import Any, NamedTuple, TypeVar
 
 T = TypeVar("T")
 
@@ -195,6 +196,8 @@ class Monitor:
         """The open step is complete at `now` (the loader calls this for an epoch's last, shorter update). Returns
         as `handed`."""
         start = self._start
+        if start is None:  # every caller has a batch in the step (in_step > 0), which opened it
+            raise RuntimeError("Monitor.close: no step is open (a step opens with its first handed or failed batch)")
         end = (now, self.batches, self.failed_batches, self.failed_samples, self.wait_seconds, self.bytes,
                self.records, self.filtered, self._segment)  # self._mark(now), without the call: once a batch at
         # grad_accum=1
@@ -314,5 +317,5 @@ def stall_message(streak: Streak, rank: int, num_workers: int, shuffle: str, bef
         f"rank {rank}: the training loop waited for data {streak.ratio:.0%} of the time over the last {streak.steps} "
         f"steps ({streak.wait_seconds / streak.steps:.3g} s of each {streak.step_seconds / streak.steps:.3g} s "
         f"step): the loader limits training. Likely cause: " + "; or ".join(causes) + ". (The thresholds: "
-        f"dl.monitor.configure(stall_ratio=, stall_steps=, stall_min_seconds=); stall_steps=None: no warning.)"
+        "dl.monitor.configure(stall_ratio=, stall_steps=, stall_min_seconds=); stall_steps=None: no warning.)"
     )

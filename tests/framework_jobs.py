@@ -14,8 +14,8 @@ import json
 import os
 import signal
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -73,7 +73,7 @@ def job_loader(grad_accum: int) -> ResumableDataLoader:
 
 
 def train_epochs(dl: ResumableDataLoader, optimizer: torch.optim.Optimizer, args: argparse.Namespace,
-                 log: "TrainedLog", step: int, backward: Callable[[torch.Tensor, torch.Tensor, bool], None],
+                 log: TrainedLog, step: int, backward: Callable[[torch.Tensor, torch.Tensor, bool], None],
                  checkpoint: Callable[[int], None]) -> None:
     """The plain loop the Accelerate and DCP jobs share: `backward(x, y, sync)` with gradient sync only on an
     update's last micro-batch, the optimizer step when the loader says the update is complete, then

@@ -15,9 +15,9 @@ import sys
 import threading
 import time
 import urllib.request
+from collections.abc import Iterator
 from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Iterator
 
 from tests.distributed import free_port
 
@@ -43,7 +43,7 @@ def moto_server() -> Iterator[str]:
                 break
             except OSError:
                 if proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"moto_server did not start on port {port} (exit code {proc.poll()})")
+                    raise RuntimeError(f"moto_server did not start on port {port} (exit code {proc.poll()})") from None
                 time.sleep(0.05)
         yield endpoint
     finally:
@@ -62,7 +62,7 @@ def s3_options(endpoint: str, **config) -> dict:
 class _Handler(BaseHTTPRequestHandler):
     """GET and HEAD of files under the server's root with ETag, Last-Modified, Accept-Ranges and single ranges."""
 
-    server: "RangeHTTPServer"
+    server: RangeHTTPServer
     protocol_version = "HTTP/1.1"
     _RANGE = re.compile(r"bytes=(\d*)-(\d*)$")
 

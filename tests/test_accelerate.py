@@ -10,8 +10,8 @@ from accelerate import Accelerator  # noqa: E402
 
 from loader import ResumableDataLoader  # noqa: E402
 from tests.conftest import IndexDataset  # noqa: E402
-from tests.launch import launch  # noqa: E402
 from tests.framework_jobs import assert_exactly_once, resumed_step  # noqa: E402
+from tests.launch import launch  # noqa: E402
 
 
 def test_prepare_refuses_the_loader_and_says_what_to_do_instead():

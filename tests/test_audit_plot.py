@@ -14,8 +14,7 @@ from tests.conftest import IndexDataset
 from tests.test_audit import skipped_and_duplicated
 
 pytest.importorskip("matplotlib", reason="the picture needs matplotlib: pip install 'loader[bench]'")
-from loader.cli.plot import (  # noqa: E402 - after the skip
-    CATEGORIES, DROPPED, DUPLICATED, FILTERED, ONCE, SKIPPED, categories_of, plot)
+from loader.cli.plot import CATEGORIES, DROPPED, DUPLICATED, FILTERED, ONCE, SKIPPED, categories_of, plot  # noqa: E402 - after the skip
 
 PNG = b"\x89PNG\r\n\x1a\n"
 

@@ -18,11 +18,19 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from loader import ContinuedPassWarning, ResumableDataLoader
-from loader.checkpoint.publish import (MANIFEST_NAME, CheckpointError, CheckpointWarning, latest, list_checkpoints,
-                                      publish, verify)
+from loader.checkpoint.publish import (
+    MANIFEST_NAME,
+    CheckpointError,
+    CheckpointWarning,
+    latest,
+    list_checkpoints,
+    publish,
+    verify,
+)
 from loader.checkpoint.save import load_checkpoint, resume, save_checkpoint
 from tests.conftest import IndexDataset
 from tests.test_dataloader import Stream
+
 
 def make(seed=0, n=60):
     torch.manual_seed(0)
@@ -207,7 +215,9 @@ def test_a_stream_progress_that_cannot_be_repartitioned_changes_nothing(tmp_path
 def test_missing_parts_are_clear_errors(tmp_path):
     objects = make()
     train(objects, 2)
-    path = save_checkpoint(tmp_path, 1, model=objects["model"], optimizer=objects["optimizer"], loader=objects["loader"])
+    path = save_checkpoint(
+        tmp_path, 1, model=objects["model"], optimizer=objects["optimizer"], loader=objects["loader"]
+    )
     target = make()
     before = (target["loader"].state_dict(), target["model"].weight.clone())
     with pytest.raises(CheckpointError, match="has no scheduler state"):

@@ -9,8 +9,16 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset
 
-from loader import AbandonedEpochWarning, ContinuedPassWarning, ResumableDataLoader, SampleIndex, StateError, merge_states, sample_seed
 import loader.core.sampler as sampler_module
+from loader import (
+    AbandonedEpochWarning,
+    ContinuedPassWarning,
+    ResumableDataLoader,
+    SampleIndex,
+    StateError,
+    merge_states,
+    sample_seed,
+)
 from tests.conftest import IndexDataset
 
 
@@ -113,7 +121,9 @@ def test_final_short_update_completes_at_the_end_of_the_epoch():
     assert merge_states([dl.state_dict()])["epoch"] == 1
 
 
-@pytest.mark.parametrize("workers", [dict(), dict(num_workers=2, persistent_workers=True, multiprocessing_context="fork")])
+@pytest.mark.parametrize(
+    "workers", [dict(), dict(num_workers=2, persistent_workers=True, multiprocessing_context="fork")]
+)
 def test_a_new_iterator_supersedes_the_old_one_instead_of_double_counting(workers):
     kw = dict(batch_size=3, shuffle=True, seed=5, **workers)
     reference = as_lists(batches(ResumableDataLoader(IndexDataset(30), **kw)))
@@ -182,7 +192,9 @@ class SlowDataset(IndexDataset):
 def test_batches_do_not_depend_on_workers_or_timing(workers):
     num_workers, persistent = workers
     kw = dict(batch_size=3, shuffle=True, seed=9)
-    reference = as_lists(batches(ResumableDataLoader(SlowDataset(30), **kw)) + batches(ResumableDataLoader(SlowDataset(30), **kw)))
+    reference = as_lists(
+        batches(ResumableDataLoader(SlowDataset(30), **kw)) + batches(ResumableDataLoader(SlowDataset(30), **kw))
+    )
     extra = dict(num_workers=num_workers, persistent_workers=persistent)
     if num_workers:
         extra["multiprocessing_context"] = "fork"
@@ -222,7 +234,10 @@ def test_set_epoch():
 
 def test_drop_last_drops_the_same_positions_and_records_them():
     def run():
-        ranks = [ResumableDataLoader(IndexDataset(53), batch_size=4, shuffle=True, drop_last=True, rank=r, world_size=2) for r in range(2)]
+        ranks = [
+            ResumableDataLoader(IndexDataset(53), batch_size=4, shuffle=True, drop_last=True, rank=r, world_size=2)
+            for r in range(2)
+        ]
         delivered = sorted(i for dl in ranks for b in dl for i in b.tolist())
         return delivered, merge_states([dl.state_dict() for dl in ranks])
 
@@ -292,7 +307,12 @@ def test_sample_seeds_reach_the_dataset_independent_of_rank_and_worker():
 
 def test_global_batch_is_the_same_before_and_after_a_resize():
     def updates(world, accum, state=None, count=None):
-        ranks = [ResumableDataLoader(IndexDataset(96), batch_size=2, shuffle=True, rank=r, world_size=world, grad_accum=accum) for r in range(world)]
+        ranks = [
+            ResumableDataLoader(
+                IndexDataset(96), batch_size=2, shuffle=True, rank=r, world_size=world, grad_accum=accum
+            )
+            for r in range(world)
+        ]
         for dl in ranks:
             if state:
                 dl.load_state_dict(state)
@@ -331,7 +351,10 @@ def corrupt(state, path, value):
 @pytest.mark.parametrize(
     "make_bad, message",
     [
-        (lambda s: corrupt(s, ["base", "fingerprint", "num_samples"], 60), "num_samples is 60 in the saved state but 50"),
+        (
+            lambda s: corrupt(s, ["base", "fingerprint", "num_samples"], 60),
+            "num_samples is 60 in the saved state but 50",
+        ),
         (lambda s: corrupt(s, ["base", "fingerprint", "seed"], 2), "seed is 2 .* but 1 .* seed=2"),
         (lambda s: corrupt(s, ["base", "fingerprint", "shuffle"], "none"), "shuffle is 'none' .* but 'global'"),
         # a state saved before the order's version was recorded: version 1, whose positions mean other samples

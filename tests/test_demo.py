@@ -33,7 +33,9 @@ def demo_output(demos, *flags: str) -> str:
     assert done.returncode == 0, out + done.stderr
     assert f"run directory: {directory} (kept after the demo: rm -r {directory})\n" in out
     assert out.endswith(f"and remove it when done with\n  rm -r {directory}\n")  # what it leaves, and how to remove it
-    assert re.search(r"node A: .*TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 .* -m torch.distributed.run .*--nproc-per-node=3", out)
+    assert re.search(
+        r"node A: .*TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 .* -m torch.distributed.run .*--nproc-per-node=3", out
+    )
     assert re.search(r"node B: .* -m torch.distributed.run .*--nproc-per-node=1 .*--fail-at-step", out)
     audit_again = re.findall(r"^  (.* -m loader audit .*)$", out, re.MULTILINE)[-1]  # the command it prints, run
     again = subprocess.run(audit_again, shell=True, capture_output=True, text=True, timeout=120)

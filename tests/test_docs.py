@@ -25,9 +25,9 @@ import signal
 import subprocess
 import sys
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import pytest
 
@@ -97,6 +97,7 @@ def doc_setup(smaller: dict[str, str] | None = None):
 def _one_rank_group() -> None:
     """A real gloo group of one rank, as torchrun would have set up before the script's loop."""
     import torch.distributed as dist
+
     from tests.distributed import free_port
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
@@ -118,6 +119,7 @@ def training() -> dict:
     checkpoint taken by an earlier launch (one batch into the epoch)."""
     import torch
     from torch.nn.parallel import DistributedDataParallel as DDP
+
     from loader import ResumableDataLoader
 
     _one_rank_group()
@@ -139,6 +141,7 @@ def training() -> dict:
 def ledger() -> dict:
     """A run directory whose ledger holds one finished epoch, trained and checkpointed in one process."""
     import torch
+
     from loader import ResumableDataLoader
     from loader.checkpoint import Ledger, save_checkpoint
 
@@ -185,6 +188,7 @@ def shards() -> dict:
 def s3() -> dict:
     """8 shards in a bucket of moto's S3 server on loopback, running until the block's interpreter exits."""
     import fsspec
+
     from tests.servers import CREDENTIALS, moto_server, s3_options, upload
 
     _jpeg_shards("local", 8)
@@ -257,9 +261,14 @@ def dcp() -> dict:
     """torchtitan's objects in a one-rank gloo group: the model and optimizers as DCP Statefuls, a loader of 6
     steps, the training step, and a checkpoint every 3 steps."""
     import torch
-    from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
-                                                         set_model_state_dict, set_optimizer_state_dict)
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        get_optimizer_state_dict,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
     from torch.distributed.checkpoint.stateful import Stateful
+
     from loader import ResumableDataLoader
 
     _one_rank_group()

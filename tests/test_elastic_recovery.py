@@ -91,7 +91,9 @@ def test_same_world_size_restart_after_sigkill_is_bitwise_equal(tmp_path, refere
     assert run_generation(2, job(run, "--snapshot-dir", str(tmp_path / "snapshots")), tmp_path / "logs2") == [0, 0]
     assert "resumed at step 6" in logs(tmp_path / "logs2")[0]
     for step in range(7, STEPS_PER_EPOCH + 1):  # every step after the restart, model and optimizer
-        assert_bitwise_equal(snapshot(tmp_path / "snapshots", step), snapshot(reference / "snapshots", step), f"step {step}")
+        assert_bitwise_equal(
+            snapshot(tmp_path / "snapshots", step), snapshot(reference / "snapshots", step), f"step {step}"
+        )
     assert_audit_clean(run)
 
 
@@ -120,7 +122,9 @@ def test_two_failures_in_a_row_shrink_4_3_2_and_still_every_sample_once(tmp_path
 
 def test_kill_during_checkpoint_write_falls_back_to_the_previous_checkpoint(tmp_path, reference):
     run = tmp_path / "run"
-    codes = run_generation(2, job(run, "--fail-at-step", "6", "--fail-rank", "0", "--fail-mode", "checkpoint"), tmp_path / "logs1")
+    codes = run_generation(
+        2, job(run, "--fail-at-step", "6", "--fail-rank", "0", "--fail-mode", "checkpoint"), tmp_path / "logs1"
+    )
     assert codes[0] == -9
     torn = [p.name for p in run.iterdir() if ".tmp-" in p.name]
     assert torn and torn[0].startswith("step-000000006.tmp-")  # the data files were written, the manifest not
@@ -169,7 +173,9 @@ def test_several_agents_sharing_their_store_are_told_how_to_restart_safely(monke
 
 
 def test_exception_and_clean_exhaustion_are_told_apart_in_the_logs(tmp_path):
-    failed = run_generation(2, job(tmp_path / "a", "--fail-at-step", "2", "--fail-rank", "1", "--fail-mode", "exception"), tmp_path / "la")
+    failed = run_generation(
+        2, job(tmp_path / "a", "--fail-at-step", "2", "--fail-rank", "1", "--fail-mode", "exception"), tmp_path / "la"
+    )
     assert failed[1] == 1
     text = logs(tmp_path / "la")
     assert "FAILED during step 3: RuntimeError: injected failure during step 3" in text[1]

@@ -6,7 +6,6 @@ import hashlib
 import json
 from collections import Counter
 
-import numpy as np
 import pytest
 import torch
 
@@ -119,9 +118,16 @@ def test_a_mixture_passes_the_epoch_to_its_packed_sources(tmp_path):
 def legacy_fingerprint(source, epoch):
     """The fingerprint a release that packed every epoch with PackedSource(epoch=) wrote: its layout held the epoch
     (and the TokenSource's fingerprint of then, without the files' content)."""
-    layout = {"documents": source.documents.fingerprint_of_earlier_release(), "seq_len": source.seq_len, "mode": source.mode,
-              "rows_per_window": source.rows_per_window, "fill": source.fill, "seed": source.seed, "epoch": epoch,
-              "pad_id": source.pad_id}
+    layout = {
+        "documents": source.documents.fingerprint_of_earlier_release(),
+        "seq_len": source.seq_len,
+        "mode": source.mode,
+        "rows_per_window": source.rows_per_window,
+        "fill": source.fill,
+        "seed": source.seed,
+        "epoch": epoch,
+        "pad_id": source.pad_id,
+    }
     return hashlib.sha256(json.dumps(layout).encode()).hexdigest()[:16]
 
 

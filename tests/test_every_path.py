@@ -9,15 +9,14 @@ import itertools
 import os
 import signal
 import time
-import weakref
 import warnings
+import weakref
 from collections import Counter
 from datetime import timedelta
 
 import numpy as np
 import pytest
 import torch
-
 import torch.distributed as dist
 
 from loader import AbandonedEpochWarning, ContinuedPassWarning, ResumableDataLoader, StateError, merge_states
@@ -326,7 +325,7 @@ def test_rank_zeros_state_of_a_lockstep_run_resumes_exactly_at_any_world_size(ol
     ranks = [ResumableDataLoader(IndexDataset(n), rank=r, world_size=old_world, **kw) for r in range(old_world)]
     iterators = [iter(dl) for dl in ranks]
     trained = []
-    for step in range(3 * grad_accum):  # lockstep: every rank one micro-batch per micro-step
+    for _ in range(3 * grad_accum):  # lockstep: every rank one micro-batch per micro-step
         trained += [next(it).tolist() for it in iterators]
     checkpoint = {"loader": ranks[0].state_dict()}  # what scripts and frameworks save: rank 0's state
     resumed = [ResumableDataLoader(IndexDataset(n), rank=r, world_size=new_world, **kw) for r in range(new_world)]

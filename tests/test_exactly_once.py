@@ -109,7 +109,8 @@ class SimulatedRank:
                 self.pending.append((self.dl.epoch, ids, failed))
             else:
                 ids = self.dl.last_indices().tolist()
-                assert np.atleast_1d(np.asarray(batch)).tolist() == self.content(ids, self.dl.epoch)  # batch_size=None: a sample
+                # batch_size=None: a sample
+                assert np.atleast_1d(np.asarray(batch)).tolist() == self.content(ids, self.dl.epoch)
                 self.in_pass += 1
                 self.pending.append((self.dl.epoch, ids, committed))
                 if filtered is not None:  # under filter=: the members it dropped, recorded at the same update
@@ -198,7 +199,9 @@ def simulate(data, dataset, batch_size, grad_accum, shuffle, drop_last, worlds, 
             assert not any(map(keep.rule, content(sorted(filtered[epoch]), epoch))), \
                 f"epoch {epoch}: a kept one recorded"
             counts += filtered[epoch]
-        assert max(counts.values(), default=1) == 1, f"epoch {epoch}: duplicated {[i for i, c in counts.items() if c > 1]}"
+        assert max(counts.values(), default=1) == 1, (
+            f"epoch {epoch}: duplicated {[i for i, c in counts.items() if c > 1]}"
+        )
         assert not failed[epoch] or bad & set(failed[epoch]), "only batches holding a bad index fail"
         event(f"failed samples: {'some' if failed[epoch] else 'none'}")
         assert not bad & set(committed[epoch]), f"epoch {epoch}: a bad sample was delivered"
@@ -222,7 +225,9 @@ RUNS = dict(  # a dataset size, the loader's arguments and at least three restar
 
 @settings(max_examples=300, deadline=None)
 @given(data=st.data(), **RUNS)
-def test_every_sample_committed_exactly_once_across_restarts(data, n, batch_size, grad_accum, shuffle, drop_last, worlds):
+def test_every_sample_committed_exactly_once_across_restarts(
+    data, n, batch_size, grad_accum, shuffle, drop_last, worlds
+):
     simulate(data, IndexDataset(n), batch_size, grad_accum, shuffle, drop_last, worlds, num_workers=0)
 
 
@@ -242,7 +247,9 @@ def test_exactly_once_with_worker_processes(data, n, batch_size, grad_accum, wor
 
 @settings(max_examples=100, deadline=None)
 @given(data=st.data(), lengths=st.lists(st.integers(1, 40), min_size=1, max_size=3), **RUNS)
-def test_mixtures_are_exactly_once_across_restarts(data, lengths, n, batch_size, grad_accum, shuffle, drop_last, worlds):
+def test_mixtures_are_exactly_once_across_restarts(
+    data, lengths, n, batch_size, grad_accum, shuffle, drop_last, worlds
+):
     """Random weights, source lengths (sources shorter than their share repeat, epoch by epoch), world sizes and
     uneven stops: every mixture position is committed once, and each batch holds the samples located there."""
     weights = data.draw(st.lists(st.floats(0.1, 5.0), min_size=len(lengths), max_size=len(lengths)), label="weights")

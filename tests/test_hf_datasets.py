@@ -70,7 +70,10 @@ def test_a_mixture_batch_with_an_arrow_component_equals_its_positions_one_by_one
     np.arange(500, dtype=np.uint16).tofile(tmp_path / "tokens.bin")
     files = TokenSource(tmp_path / "tokens.bin", seq_len=SEQ, dtype="uint16")
     mix = Mixture([files, arrow["web"], arrow["code"]], [0.4, 0.4, 0.2], num_samples=300, seed=6)
-    as_tokens = lambda samples: [(s["input_ids"] if isinstance(s, dict) else s).tolist() for s in samples]
+
+    def as_tokens(samples):
+        return [(s["input_ids"] if isinstance(s, dict) else s).tolist() for s in samples]
+
     rng = np.random.default_rng(1)
     for batch in [list(range(300))] + [rng.integers(0, 300, size).tolist() for size in (1, 8, 32)]:
         assert as_tokens(mix.__getitems__(batch)) == as_tokens([mix[p] for p in batch])

@@ -10,16 +10,18 @@ from torch.utils.data import DataLoader
 
 pytest.importorskip("lightning", reason="lightning is not installed: pip install -e '.[lightning]'")
 
-from lightning.pytorch import Trainer  # noqa: E402
-from lightning.pytorch import Callback, LightningModule  # noqa: E402
+from lightning.pytorch import (  # noqa: E402
+    Callback,
+    LightningModule,
+    Trainer,  # noqa: E402
+)
 from lightning.pytorch.callbacks import GradientAccumulationScheduler  # noqa: E402
 
 from loader import ResumableDataLoader  # noqa: E402
 from loader.integrations.lightning import ResumableLoaderCallback  # noqa: E402
+from tests.framework_jobs import Indexed, assert_exactly_once, resumed_step  # noqa: E402
 from tests.launch import launch  # noqa: E402
 from tests.lightning_job import Regression  # noqa: E402
-from tests.framework_jobs import Indexed, assert_exactly_once, resumed_step  # noqa: E402
-
 
 
 def run(run_dir, launch_number, devices, *extra, timeout=240):

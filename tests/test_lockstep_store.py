@@ -177,7 +177,7 @@ def test_ranks_train_on_exactly_once_when_a_standalone_store_host_stops():
     finally:
         _end(processes)
     trained = []
-    for rank, (before, state, after, warned) in sorted(results.items()):
+    for _rank, (before, state, after, warned) in sorted(results.items()):
         assert len(warned) == 1 and "did not answer" in warned[0], warned  # once: the check is off after it
         assert "lockstep" not in state and len(before) == 5 and len(after) == 10
         trained += before

@@ -14,9 +14,9 @@ from collections import Counter
 import numpy as np
 import pytest
 import torch
-from torch.utils.data import Dataset
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from torch.utils.data import Dataset
 
 from loader import ContinuedPassWarning, ResumableDataLoader, merge_states
 from loader.dataloader import WorkerInitError
@@ -345,7 +345,9 @@ def test_operation_sequences_commit_every_index_exactly_once(data, n, batch_size
         job.step(committed, dropped)
     for epoch in range(last + 1):
         counts = committed.get(epoch, Counter())
-        assert max(counts.values(), default=1) == 1, f"epoch {epoch}: repeated {[i for i, c in counts.items() if c > 1]}"
+        assert max(counts.values(), default=1) == 1, (
+            f"epoch {epoch}: repeated {[i for i, c in counts.items() if c > 1]}"
+        )
         spans = np.asarray(dropped[epoch], dtype=np.int64).reshape(-1, 2)
         positions = np.concatenate([np.arange(a, b) for a, b in spans] + [np.zeros(0, np.int64)])
         dropped_ids = set(job.loaders[0].resumable_sampler.order.for_epoch(epoch)(positions).tolist())
@@ -394,6 +396,7 @@ def _rank_0_is_a_rank():
 
 def _change_at_0_changes_from_the_first_window():
     from torch.utils.data import TensorDataset
+
     from loader.sources import Mixture
     sources = [TensorDataset(torch.arange(100)), TensorDataset(torch.arange(100))]
     old = Mixture(sources, [0.5, 0.5], 40, window=10)

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from loader import ResumableDataLoader, SampleIndex
 from loader.core.rows import batch_reader, collate
-from loader.sources import Mixture, TokenFileError, TokenSource
+from loader.sources import Mixture, TokenFileError
 from loader.sources.mixture import BLOCK
 from tests.test_mixture import fused_mixture, general
 

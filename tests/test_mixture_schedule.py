@@ -3,7 +3,6 @@ explicit change of schedule in a running job that keeps the past and repeats or 
 
 import json
 import math
-import re
 from collections import Counter
 from fractions import Fraction
 
@@ -234,7 +233,9 @@ def test_changes_accumulate_and_anything_but_the_weights_is_refused_naming_the_f
     # found by the explore profile: a change_at inside the last window was accepted and never applied
     window = old.plan.window
     last = 119 // window * window
-    assert scheduled([9, 4], [{"weights": [1, 3]}], 120, amends=old.plan, change_at=last).plan.changes == (last // window,)
+    assert scheduled([9, 4], [{"weights": [1, 3]}], 120, amends=old.plan, change_at=last).plan.changes == (
+        last // window,
+    )
     with pytest.raises(ValueError, match=rf"change_at={last + 1} is inside the mixture's last window .* pass "
                                          rf"change_at <= {last}"):
         scheduled([9, 4], first, 120, amends=old.plan, change_at=last + 1)
@@ -285,8 +286,8 @@ def test_the_audit_shows_the_change_and_every_sample_once_across_it_at_another_w
     """Two updates under the old weights at 1 rank, the change at the position they reached, the rest at 2 ranks:
     the audit by source is clean and says where the schedule changed."""
     from loader.cli.main import main as cli
-    from tests.test_audit_by_source import run
     from tests.conftest import IndexDataset
+    from tests.test_audit_by_source import run
 
     sources = [IndexDataset(30), IndexDataset(7), IndexDataset(100)]
     old = Mixture(sources, [0.5, 0.2, 0.3], 97, seed=4, names=["web", "code", "books"])
@@ -323,8 +324,9 @@ def test_a_change_under_shuffle_true_fits_just_after_what_was_committed(tmp_path
     run = shuffled_run(old)
     served = serve(run["loader"], 20)
     path = save_checkpoint(tmp_path / "mid", 20, **run)
-    with pytest.raises(CheckpointError, match=r"begins at mixture position 150 \(window 15\), but the run committed "
-                                              r"mixture position 199 \(epoch 0, position 199; .* pass change_at >= 200"):
+    refused = (r"begins at mixture position 150 \(window 15\), but the run committed mixture position 199 "
+               r"\(epoch 0, position 199; .* pass change_at >= 200")
+    with pytest.raises(CheckpointError, match=refused):
         load_checkpoint(path, **shuffled_run(Mixture(src, [0.9, 0.1], 2000, seed=0, window=10, amends=old.plan,
                                                      change_at=150)))
     new = Mixture(src, [0.9, 0.1], 2000, seed=0, window=10, amends=old.plan, change_at=200)

@@ -8,10 +8,17 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from loader import ResumableDataLoader
-from loader.core.checks import MAX_SAMPLES
 from loader.core import order as order_module
+from loader.core.checks import MAX_SAMPLES
 from loader.core.order import (
-    SHUFFLE_MODES, Lanes, Order, _halves, block_sizes_for_window, epoch_round_keys, permute, sample_seed,
+    SHUFFLE_MODES,
+    Lanes,
+    Order,
+    _halves,
+    block_sizes_for_window,
+    epoch_round_keys,
+    permute,
+    sample_seed,
     window_arrangements,
 )
 from loader.core.progress import spans_of

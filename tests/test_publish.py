@@ -24,9 +24,9 @@ from loader.checkpoint.publish import (
     MANIFEST_NAME,
     CheckpointError,
     CheckpointWarning,
+    _sealed,
     latest,
     list_checkpoints,
-    _sealed,
     publish,
     verify,
 )
@@ -291,8 +291,12 @@ def test_a_step_published_again_sets_the_earlier_one_aside_and_the_newest_public
     (aside,) = _aside(tmp_path, 2)
     assert [str(w.message) for w in caught] == [
         f"step 2 is published again: the earlier {path} ({state}) was moved aside to {aside}, which is never "
-        + ("loaded; inspect it, then delete it (a later save deletes it once it is not among the newest 3 broken "
-           "directories moved aside: keep_quarantined=3)" if broken else "loaded, nor deleted; inspect it, then delete it")
+        + (
+            "loaded; inspect it, then delete it (a later save deletes it once it is not among the newest 3 broken "
+            "directories moved aside: keep_quarantined=3)"
+            if broken
+            else "loaded, nor deleted; inspect it, then delete it"
+        )
     ]
     assert snapshot(aside) == first  # kept for inspection, byte for byte
     assert latest(tmp_path) == path and set(verify(path).files) == {"model.pt"}  # the newest publication

@@ -18,7 +18,9 @@ import numpy as np
 import pytest
 
 pytest.importorskip("s3fs", reason='the remote-shard tests need s3fs and moto\'s S3 server: pip install -e ".[test]"')
-pytest.importorskip("moto.server", reason='the remote-shard tests need s3fs and moto\'s S3 server: pip install -e ".[test]"')
+pytest.importorskip(
+    "moto.server", reason='the remote-shard tests need s3fs and moto\'s S3 server: pip install -e ".[test]"'
+)
 
 import fsspec  # noqa: E402
 import webdataset as wds  # noqa: E402
@@ -244,7 +246,7 @@ def test_a_cache_that_could_stall_the_node_s_readers_is_refused_at_iter(s3, shar
     source._remote.cache.wait_s = 3.0
     (dl,) = loaders(source, 1, **kw)
     least = shards_of_cache(shard_dir, 3)
-    refused = r"of the 2 processes reading remote shards .* at least .*\(%d bytes\)" % least
+    refused = rf"of the 2 processes reading remote shards .* at least .*\({least} bytes\)"
     with pytest.raises(ValueError, match=refused):
         iter(dl)
     source = remote_source(s3, tmp_path / "enough", cache_limit=least, prefetch=0)
@@ -256,7 +258,7 @@ def test_a_cache_that_could_stall_the_node_s_readers_is_refused_at_iter(s3, shar
 
 def test_a_cache_too_small_for_the_shards_in_flight_is_refused(s3, shard_dir, tmp_path):
     least = minimum(shard_dir, prefetch=3)
-    with pytest.raises(ValueError, match=r"prefetch=3 more .* at least .*\(%d bytes\)" % least):
+    with pytest.raises(ValueError, match=rf"prefetch=3 more .* at least .*\({least} bytes\)"):
         remote_source(s3, tmp_path, cache_limit=least - 1, prefetch=3)
     assert remote_source(s3, tmp_path, cache_limit=least, prefetch=3).shard_sizes[0] == PER_SHARD
 

@@ -41,7 +41,9 @@ def rank_positions(draw, deal, lengths):
         positions = []
         for worker in range(deal.workers):
             tasks = deal.tasks(epoch, rank, worker)
-            choices = [None, "ended"] + [(t, o) for t, (s, start) in enumerate(tasks) for o in range(start, lengths[s] + 1)]
+            choices = [None, "ended"] + [
+                (t, o) for t, (s, start) in enumerate(tasks) for o in range(start, lengths[s] + 1)
+            ]
             positions.append(draw(st.sampled_from(choices)))
         ranks.append(RankShards(rank, epoch, positions))
     return ranks
@@ -262,8 +264,13 @@ def test_a_webdataset_pipeline_resumes_at_another_world_size(tmp_path):
     from tests.test_webdataset_source import make_dataset
 
     urls = make_dataset(tmp_path / "data", [5, 0, 3, 8, 1], seed=2)
-    keys = sorted(key for url in urls for key, _ in wds.DataPipeline(wds.SimpleShardList([url]),
-                                                                      wds.tarfile_to_samples(), wds.to_tuple("__key__", "cls")))
+    keys = sorted(
+        key
+        for url in urls
+        for key, _ in wds.DataPipeline(
+            wds.SimpleShardList([url]), wds.tarfile_to_samples(), wds.to_tuple("__key__", "cls")
+        )
+    )
 
     def pipeline_loaders(world, num_workers):
         stream = WebDatasetShards(urls, wds.to_tuple("__key__", "cls"))

@@ -1,6 +1,7 @@
 """Edges of streams that the other stream tests do not reach: shards that fail as they are opened or at the end of
-a pass, ranks dealt no shard, a worker process that dies and a worker_init_fn that raises. Every test counts every record: delivered exactly once, or lost loudly with the
-batch that failed, the same whether or not the run was resumed.
+a pass, ranks dealt no shard, a worker process that dies and a worker_init_fn that raises. Every test counts every
+record: delivered exactly once, or lost loudly with the batch that failed, the same whether or not the run was
+resumed.
 """
 
 import os
@@ -104,13 +105,14 @@ def test_a_state_after_the_last_record_before_the_end_of_the_pass_ends_that_epoc
 
     first = loader()
     assert len(take(first, 5)) == 5  # every record, and no StopIteration yet: the pass of epoch 0 has not ended
+    seen = []
     for rank in range(new_world):
         resumed = loader(rank, new_world, new_workers)
         resumed.load_state_dict(first.state_dict())
         assert list(resumed) == [] and resumed.epoch == 0  # the rest of epoch 0: nothing, as if never stopped
         epoch_1 = [record for batch in resumed for record in batch]
         assert resumed.epoch == 1
-        seen = seen + epoch_1 if rank else epoch_1
+        seen += epoch_1
     assert sorted(seen) == every_record([5, 4])
 
 

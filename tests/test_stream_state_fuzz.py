@@ -16,12 +16,12 @@ refused on load or resumes as it says.
 import copy
 import itertools
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import pytest
-from hypothesis import HealthCheck, given, settings
 import torch
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import tests.streams as tests_streams
@@ -242,7 +242,7 @@ def test_a_field_that_may_be_one_of_two_types_names_both_when_it_is_neither():
         ResumableDataLoader(list(range(10)), batch_size=2).load_state_dict(state)
 
 
-# -- what the fuzzer found, one plain test each -------------------------------------------------------------------------
+# -- what the fuzzer found, one plain test each ------------------------------------------------------------------------
 
 
 def saved(kind=Plain, **kw):

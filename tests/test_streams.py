@@ -19,8 +19,18 @@ from torch.utils.data import get_worker_info
 from loader import ContinuedPassWarning, ResumableDataLoader, StateError
 from loader.streams import rng
 from loader.streams.rng import UNCHANGED, RngWatch, rng_state, set_rng_state
-from tests.streams import (FORK, Continuing, DatasetState, Failing, IteratorState, NowAndThen, Plain, SelfIterating,
-                           ids, share)
+from tests.streams import (
+    FORK,
+    Continuing,
+    DatasetState,
+    Failing,
+    IteratorState,
+    NowAndThen,
+    Plain,
+    SelfIterating,
+    ids,
+    share,
+)
 
 KINDS = [Plain, IteratorState, DatasetState, SelfIterating]
 SETUPS = {
@@ -169,7 +179,7 @@ def test_an_interrupt_in_the_main_process_serves_the_batch_again(kind):
     assert delivered == list(ResumableDataLoader(kind(20), batch_size=3, collate_fn=list))
 
 
-# -- StatefulDataLoader's protocol --------------------------------------------------------------------------------------
+# -- StatefulDataLoader's protocol -------------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("setup", ["main process", "3 persistent workers, prefetch 3"])
@@ -501,7 +511,7 @@ def test_a_stream_goes_through_save_checkpoint_and_resume(tmp_path):
     assert seen + list(restored["loader"]) == reference
 
 
-# -- records of any type ------------------------------------------------------------------------------------------------
+# -- records of any type -----------------------------------------------------------------------------------------------
 
 
 class Arrays(Plain):

@@ -18,8 +18,8 @@ import torch
 from loader import ResumableDataLoader
 from loader.checkpoint.publish import CheckpointWarning
 from loader.checkpoint.save import check_change, check_dataset, dataset_fingerprint
-from loader.core.state import StateError
 from loader.core.rows import Rows, collate
+from loader.core.state import StateError
 from loader.sources import TokenFileError, TokenSource
 from loader.sources.tokens import GATHER_ROWS
 from tests.conftest import assert_batches_match_torch, outcomes
@@ -92,8 +92,10 @@ def test_a_batch_equals_its_samples_one_by_one_for_random_batches(tmp_path, docu
     batches = [boundary, list(range(len(src))), inside, inside[::-1]]
     batches += [rng.integers(0, len(src), size).tolist() for size in (1, 2, GATHER_ROWS - 1, GATHER_ROWS, 33)]
     batches += [rng.permutation(boundary + rng.integers(0, len(src), 10).tolist()).tolist() for _ in range(5)]
-    as_lists = lambda samples: [s.tolist() if torch.is_tensor(s) else {k: v.tolist() for k, v in s.items()}
-                                for s in samples]
+
+    def as_lists(samples):
+        return [s.tolist() if torch.is_tensor(s) else {k: v.tolist() for k, v in s.items()} for s in samples]
+
     worker = pickle.loads(pickle.dumps(src))
     for batch in batches:
         expected = as_lists([src[i] for i in batch])

@@ -88,7 +88,8 @@ def test_flex_attention_masks_packed_documents_as_the_dense_mask_does():
 def test_the_loss_controller_changes_the_weights_online_across_a_kill_and_a_resize(tmp_path, capsys):
     """--control-every 2, one worker per rank: every second update, weights from the last update's loss per
     source, applied from a window no rank has prefetched; the checkpoint carries them, rank 2 of 3 is killed
-    during step 7 and 2 ranks finish; the plan records each change (its step), the audit by source is clean and names them."""
+    during step 7 and 2 ranks finish; the plan records each change (its step), the audit by source is clean and
+    names them."""
     run = tmp_path / "run"
     argv = job(run, tmp_path / "data", "--control-every", "2", "--workers", "1")
     first = run_generation(3, argv + ["--fail-at-step", "6", "--fail-rank", "2"], tmp_path / "logs1", example=EXAMPLE)

@@ -80,8 +80,8 @@ def test_a_changed_dataset_is_refused_by_the_state(source, tmp_path):
 
 
 def test_the_audit_names_offending_samples_by_shard_and_key(source, tmp_path, capsys):
-    from loader.cli.main import main as cli
     from loader.checkpoint.ledger import Ledger
+    from loader.cli.main import main as cli
 
     ledger = Ledger.open(tmp_path / "run", 0, len(source))
     ledger.record(0, np.array([3, 3]), True)
@@ -94,8 +94,8 @@ def test_the_audit_names_offending_samples_by_shard_and_key(source, tmp_path, ca
 def test_a_checkpoint_of_other_shards_is_refused(source, tmp_path):
     import shutil
 
-    from loader.checkpoint.save import load_checkpoint, save_checkpoint
     from loader.checkpoint.publish import CheckpointError
+    from loader.checkpoint.save import load_checkpoint, save_checkpoint
 
     model = torch.nn.Linear(1, 1)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)

@@ -7,9 +7,10 @@ import importlib.metadata
 import itertools
 import pickle
 import traceback
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator, Protocol, Sequence
+from typing import Any, Protocol
 
 from benchmarks.peers.samples import ids
 

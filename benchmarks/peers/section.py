@@ -59,7 +59,9 @@ def _resume_ms(section: dict, key: str) -> list[str]:
 
 def _memory_mb(section: dict, key: str) -> list[str]:
     points = {p["n"]: p for p in section["memory"].get("points", {}).get(key, [])}
-    return [_mb(points[n]["added_bytes"]) if "added_bytes" in points.get(n, {}) else "—" for n in section["memory_sizes"]]
+    return [
+        _mb(points[n]["added_bytes"]) if "added_bytes" in points.get(n, {}) else "—" for n in section["memory_sizes"]
+    ]
 
 
 def _mb(added: int) -> str:
@@ -98,9 +100,12 @@ def not_measured(section: dict) -> list[str]:
     """Why a cost cell is "—": each stop of the resume sweep and each memory point not taken."""
     lines = [f"- {_name(key)}: resume from N={count(stop['n'])} on: {stop['why']}"
              for key, stop in section["resume"]["stopped"].items()]
-    lines += [f"- {_name(key)}: memory at N={count(p['n'])}: {p.get('error') or 'ran past ' + str(p['timed_out_s']) + ' s'}"
-              for key, points in section["memory"].get("points", {}).items() for p in points
-              if "added_bytes" not in p]
+    lines += [
+        f"- {_name(key)}: memory at N={count(p['n'])}: {p.get('error') or 'ran past ' + str(p['timed_out_s']) + ' s'}"
+        for key, points in section["memory"].get("points", {}).items()
+        for p in points
+        if "added_bytes" not in p
+    ]
     return ["", "Not measured (\"—\"):", ""] + lines if lines else []
 
 
@@ -128,16 +133,19 @@ def throughput_note(section: dict) -> list[str]:
 
 
 def _script(pc: PeersConfig) -> str:
-    return (f"N = {pc.n:,} samples whose item is its index, shuffled, global batch {GLOBAL_BATCH} at every world size "
-            f"(micro-batch 48 / (W x grad_accum)); 4 ranks stop after {pc.stop_updates} optimizer updates "
-            f"({pc.stop_updates * GLOBAL_BATCH:,} samples), save as the system documents, and a new launch at W "
-            "ranks runs to the end of the epoch. Uneven: rank 1 one micro-batch ahead of rank 0 and rank 2 one "
-            "behind at the stop (DDP Join, uneven inputs). Global batch 48→96: the restart runs at a global batch of "
-            f"96 after {Fault(4, 4, batch_after=96).updates(pc.stop_updates)} updates of 48 (an odd count: a batch-size ramp's step; ours is given the "
-            "schedule as a BatchPolicy ramp, every other system the new batch size at the restart). A cell is "
-            "skipped / duplicated samples over the whole epoch, counted by identity; \"no restart\" is the epoch "
-            "run uninterrupted (the system's own tail handling: padding with repeats, or drops; the second column "
-            "says which), so a resume's own loss is a cell's skips beyond its \"no restart\" ones.")
+    return (
+        f"N = {pc.n:,} samples whose item is its index, shuffled, global batch {GLOBAL_BATCH} at every world size "
+        f"(micro-batch 48 / (W x grad_accum)); 4 ranks stop after {pc.stop_updates} optimizer updates "
+        f"({pc.stop_updates * GLOBAL_BATCH:,} samples), save as the system documents, and a new launch at W "
+        "ranks runs to the end of the epoch. Uneven: rank 1 one micro-batch ahead of rank 0 and rank 2 one "
+        "behind at the stop (DDP Join, uneven inputs). Global batch 48→96: the restart runs at a global batch of "
+        f"96 after {Fault(4, 4, batch_after=96).updates(pc.stop_updates)} updates of 48 (an odd count: a batch-size "
+        "ramp's step; ours is given the "
+        "schedule as a BatchPolicy ramp, every other system the new batch size at the restart). A cell is "
+        'skipped / duplicated samples over the whole epoch, counted by identity; "no restart" is the epoch '
+        "run uninterrupted (the system's own tail handling: padding with repeats, or drops; the second column "
+        "says which), so a resume's own loss is a cell's skips beyond its \"no restart\" ones."
+    )
 
 
 def errors(section: dict) -> list[str]:

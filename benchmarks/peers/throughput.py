@@ -12,8 +12,8 @@ its own pass last that long (from a short probe pass). A rate does not depend on
 from __future__ import annotations
 
 import os
+from collections.abc import Callable, Iterable
 from functools import partial
-from typing import Callable, Iterable
 
 from torch.utils.data import DataLoader
 

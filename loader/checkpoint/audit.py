@@ -1,9 +1,9 @@
 """`python -m loader audit RUN_DIR`: per epoch, was every sample seen exactly once across all restarts?
 
-Reads the identity ledger (`loader.checkpoint.ledger`) of a run, across generations and world sizes. An epoch is finished
-when the ledger records its end (`read_run`), or when nothing of it is left unseen; for an epoch still in progress
-only duplicates can be judged. With a `Grouping` (e.g. the sources of a mixture), each epoch also gets one row per
-group.
+Reads the identity ledger (`loader.checkpoint.ledger`) of a run, across generations and world sizes. An epoch is
+finished when the ledger records its end (`read_run`), or when nothing of it is left unseen; for an epoch still in
+progress only duplicates can be judged. With a `Grouping` (e.g. the sources of a mixture), each epoch also gets one
+row per group.
 
 Memory follows what the ledger recorded, not the dataset's length N: the records (8 bytes an index, as on disk), the
 sorted distinct indices of one epoch at a time, and the samples never seen kept as intervals. A ledger of a few
@@ -15,8 +15,9 @@ from __future__ import annotations
 import inspect
 import sys
 from collections import defaultdict
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Iterator, Protocol, Sequence
+from typing import Any, Protocol, TypeVar
 
 import numpy as np
 
@@ -24,6 +25,7 @@ from loader.checkpoint.ledger import LedgerError, Record, read_run
 from loader.core.progress import EMPTY, complement, spans_of, total
 
 GROUP_CHUNK = 1 << 18  # indices grouped per call: bounds the memory a grouping function may take
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -149,7 +151,7 @@ def _by_group(grouping: Grouping, epoch: int, num_samples: int, once: np.ndarray
     def tally_of(indices: np.ndarray) -> np.ndarray:
         return np.bincount(of(indices, epoch), minlength=size) if len(indices) else np.zeros(size, np.int64)
 
-    def chunked(chunks: Iterator[np.ndarray]) -> np.ndarray:
+    def chunked(chunks: Iterable[np.ndarray]) -> np.ndarray:
         return sum((tally_of(chunk) for chunk in chunks), np.zeros(size, np.int64))
 
     expected = chunked(Unseen(np.array([[0, num_samples]], np.int64)).chunks(GROUP_CHUNK))
@@ -186,8 +188,10 @@ def audit(run_dir, grouping: Grouping | None = None) -> list[EpochAudit]:
     inconsistent, named with its field) before judging anything."""
     run = read_run(run_dir)
     if grouping is not None and grouping.num_samples != run.num_samples:
-        raise LedgerError(f"the grouping describes a dataset of {grouping.num_samples} samples, the ledger of {run_dir} "
-                         f"one of {run.num_samples}: pass the one this run trained on")
+        raise LedgerError(
+            f"the grouping describes a dataset of {grouping.num_samples} samples, the ledger of {run_dir} "
+            f"one of {run.num_samples}: pass the one this run trained on"
+        )
     return audit_records([r for r in run.records if r.counted], run.dropped, run.num_samples, grouping, run.requested)
 
 
@@ -224,7 +228,7 @@ def audit_records(records: list[Record], dropped: dict[int, np.ndarray], num_sam
     return report
 
 
-def by_epoch(describe: Callable[..., str]) -> Callable[[int, int], str]:
+def by_epoch(describe: Callable[..., T]) -> Callable[[Any, int], T]:
     """`describe` as a function of (index, epoch): a describer with an `epoch` parameter (`PackedSource.describe`,
     whose rows hold other documents in each epoch) names an index as the ledger's epoch had it; any other names it
     alike in every epoch."""
@@ -300,7 +304,7 @@ def main(run_dir: str, limit: int = 20, describe: Callable[..., str] = str, grou
         if len(e.filtered):
             print(f"      filtered by policy (consumed, not trained): {_listed(e.filtered, limit, name, e.epoch)}")
         dropped_documents = np.zeros(0, np.int64) if documents is None else documents.filtered_documents(e.epoch)
-        if len(dropped_documents):
+        if documents is not None and len(dropped_documents):
             shown = ", ".join(map(documents.describe_document, dropped_documents[:limit].tolist()))
             more = f", ... ({len(dropped_documents)} in all)" if len(dropped_documents) > limit else ""
             print(f"      documents filtered by policy before packing (keep=, never trained): {shown}{more}")

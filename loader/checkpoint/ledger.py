@@ -71,7 +71,10 @@ def _generations(run_dir) -> list[Path]:
 
 
 class Ledger:
-    """This rank's append-only record for one generation. Attach it with `loader.checkpoint.ledger = Ledger.open(...)`."""
+    """This rank's append-only record for one generation.
+
+    Attach it with `loader.checkpoint.ledger = Ledger.open(...)`.
+    """
 
     def __init__(self, run_dir, path: Path, resumed_step: int):
         self.run_dir, self.path, self.step = Path(run_dir), path, resumed_step
@@ -86,14 +89,14 @@ class Ledger:
         return int(self.path.parent.name[4:])
 
     @classmethod
-    def open(cls, run_dir, resumed_step: int, num_samples: int, group=None) -> "Ledger":
+    def open(cls, run_dir, resumed_step: int, num_samples: int, group=None) -> Ledger:
         """Start a new generation (rank 0 creates it, every rank learns its number, or its error); a collective when
         torch.distributed is initialised."""
         made = from_rank0(lambda: _new_generation(run_dir, resumed_step, world_size(group), num_samples), group)
         return cls(run_dir, made / f"rank-{rank(group):05d}.bin", resumed_step)
 
     @classmethod
-    def open_attempts(cls, run_dir, num_samples: int, name: str) -> "Ledger":
+    def open_attempts(cls, run_dir, num_samples: int, name: str) -> Ledger:
         """This process's own generation of attempts (no collective: the processes of a torchft job share no
         group that outlives a membership change); `name` says whose it is (e.g. its replica group and rank)."""
         path = _new_generation(run_dir, 0, 1, num_samples, attempts=name)
@@ -220,7 +223,7 @@ def _new_generation(run_dir, resumed_step: int, world_size: int, num_samples: in
             break
         except FileExistsError:
             number += 1
-    meta = {"resumed_step": resumed_step, "world_size": world_size, "num_samples": num_samples}
+    meta: dict[str, int | str] = {"resumed_step": resumed_step, "world_size": world_size, "num_samples": num_samples}
     if attempts is not None:
         meta["attempts"] = attempts
     (path / "meta.json").write_text(json.dumps(meta))
@@ -397,7 +400,8 @@ def read_run(run_dir) -> RunLedger:
         if generation.attempts is not None:
             continue
         cutoff = min((g.resumed_step for g in launches if g.number > generation.number), default=float("inf"))
-        ranks, ends = set(range(generation.world_size)), defaultdict(dict)
+        ranks = set(range(generation.world_size))
+        ends: defaultdict[int, dict[int, np.ndarray]] = defaultdict(dict)
         for file, rank_number in _rank_files(path):
             ranks.add(rank_number)
             raw = _read_file(file, n, where)
@@ -427,7 +431,8 @@ def read_generations(run_dir) -> tuple[list[Generation], list[Record]]:
 def _attempt_records(generations: list[tuple[Generation, Path]], num_samples: int, where: str) -> list[Record]:
     """The records of attempts generations, each counted when its attempt is its step's committed attempt with
     the largest key (see the module); a process's records before its first ATTEMPT belong to none."""
-    tried, committed = [], {}
+    tried = []
+    committed: dict[int, tuple[int, ...]] = {}
     for generation, path in generations:
         key = None
         for step, epoch, payload, flags in _read_file(path / "rank-00000.bin", num_samples, where):

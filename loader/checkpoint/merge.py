@@ -10,12 +10,11 @@ peer whose state differs is refused, never merged silently.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 from loader.core.checks import is_int
 from loader.core.state import StateError, check_header, merge_rank_states, short
 from loader.streams.state import merge_stream_states
-
 
 _OBSERVED = ("lockstep",)  # what a state saw of the other ranks when it was taken, not its progress: peers that
 # looked at different moments may differ in it

@@ -111,10 +111,12 @@ class PlainReader(FileSystemReader):
     def read_metadata(self, *args: Any, **kwargs: Any) -> dcp_metadata.Metadata:
         path = self._get_metadata_path(kwargs.get("rank"))
         with self.fs.create_stream(path, "rb") as stream:
-            metadata = read_metadata(stream, f"checkpoint file {path}")
-        if getattr(metadata, "storage_meta", None) is None:  # as DCP's reader does
-            metadata.storage_meta = dcp_metadata.StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
+            # torch annotates create_stream as io.IOBase; it yields the file opened in binary mode, an IO[bytes]
+            metadata = read_metadata(stream, f"checkpoint file {path}")  # type: ignore[arg-type]
+        storage_meta = getattr(metadata, "storage_meta", None)
+        if storage_meta is None:  # as DCP's reader does
+            storage_meta = metadata.storage_meta = dcp_metadata.StorageMeta()
+        storage_meta.load_id = self.load_id
         return metadata
 
 
@@ -149,7 +151,7 @@ class PlainLoadPlanner(DefaultLoadPlanner):
     def load_bytes(self, read_item, value: io.BytesIO) -> None:
         fqn = read_item.dest_index.fqn
         *parents, last = self.mappings[fqn]  # where the flattened key sits in the caller's nested state
-        target = self.original_state_dict
+        target: Any = self.original_state_dict  # nested dicts and lists, by str and int keys
         for key in parents:
             target = target[key]
         target[last] = load_plain(value, f"entry {fqn!r}")

@@ -36,11 +36,12 @@ import secrets
 import shutil
 import socket
 import warnings
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any, Callable, Iterator, Mapping
+from typing import Any
 
 FORMAT_VERSION = 2  # 2: the manifest carries its own sha256; 1 (read, never written) did not
 MANIFEST_NAME = "manifest.json"

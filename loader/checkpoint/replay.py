@@ -39,8 +39,8 @@ def restart_cost(s_done: int, s_ckpt: int, t_step: float, t_launch: float, t_loa
             f"s_ckpt={s_ckpt} is after s_done={s_done}: a checkpoint cannot be newer than the progress it saved; "
             f"pass the step the failed run had reached as s_done"
         )
-    for name, value in (("t_step", t_step), ("t_launch", t_launch), ("t_load", t_load)):
-        _check_seconds(name, value, allow_zero=True)
+    for name, seconds in (("t_step", t_step), ("t_launch", t_launch), ("t_load", t_load)):
+        _check_seconds(name, seconds, allow_zero=True)
     return RestartCost(replay_s=float((s_done - s_ckpt) * t_step), launch_s=float(t_launch), load_s=float(t_load))
 
 

@@ -22,10 +22,11 @@ import io
 import json
 import random
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from errno import errorcode
 from pathlib import Path
-from typing import Any, Callable, NoReturn
+from typing import Any, NoReturn
 
 import numpy as np
 import torch
@@ -94,8 +95,8 @@ def global_progress(loader, group=None) -> dict:
 
 
 def _rng_state() -> dict:
-    """This process's generators as plain data: torch's CPU, numpy's and random's as `loader.streams.rng` packs them, and
-    each CUDA device's in base64."""
+    """This process's generators as plain data: torch's CPU, numpy's and random's as `loader.streams.rng` packs them,
+    and each CUDA device's in base64."""
     cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []
     return {"cpu": rng_state(), "cuda": [base64.b64encode(s.numpy().tobytes()).decode("ascii") for s in cuda]}
 
@@ -301,7 +302,7 @@ class _Failed:
     os_error: OSError | None
 
 
-def _os_cause(err: BaseException) -> OSError | None:
+def _os_cause(err: BaseException | None) -> OSError | None:
     """The first OSError with an errno in `err`'s chain (itself, then its __cause__ or __context__): a failed write
     often surfaces wrapped in another exception."""
     seen = set()
@@ -321,7 +322,7 @@ def _describe(err: BaseException) -> str:
     cause = _os_cause(err)
     if cause is None:
         return f"{type(err).__name__}: {err}"
-    text = f"{errorcode.get(cause.errno, cause.errno)} ({cause.strerror})"
+    text = f"{errorcode.get(cause.errno or 0, cause.errno)} ({cause.strerror})"  # errno is set (_os_cause)
     text += "" if cause.filename is None else f" at {cause.filename}"
     return text if cause is err else f"{text}, raised as {type(err).__name__}: {err}"
 
@@ -606,7 +607,7 @@ def _check_manifest(path: Path, loader) -> tuple[int, Any]:
 
 def _read_small_parts(path: Path, loader, scheduler, scaler, group) -> dict:
     """Loader progress, RNG states, scheduler and scaler: read (a collective), then validated."""
-    state = {"loader": {"progress": ""}, "rng": {"all": ""}, "extras": {"blob": b""}}
+    state: dict[str, dict[str, Any]] = {"loader": {"progress": ""}, "rng": {"all": ""}, "extras": {"blob": b""}}
     _load(state, path, group)
     extras = load_plain(io.BytesIO(state["extras"]["blob"]), "the scheduler and scaler states")
     for name, target in (("scheduler", scheduler), ("scaler", scaler)):

@@ -23,8 +23,8 @@ import tempfile
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import torch
 
@@ -36,7 +36,8 @@ PROJECT = Path(__file__).resolve().parents[2]  # the checkout: the example and t
 EXAMPLE = PROJECT / "examples" / "train_elastic.py"
 LM_EXAMPLE = PROJECT / "examples" / "train_lm.py"
 JOB = ["--samples", "480", "--global-batch", "24", "--micro-batch", "2", "--checkpoint-every", "3", "--ledger"]
-RDZV = "last_call_timeout=5,keep_alive_interval=1,keep_alive_max_attempt=2,join_timeout=60"  # 5 s: both nodes join the first round
+# 5 s: both nodes join the first round
+RDZV = "last_call_timeout=5,keep_alive_interval=1,keep_alive_max_attempt=2,join_timeout=60"
 FAIL_AT_STEP = 8
 STEP_LINE = re.compile(r"\[rank 0\] step (\d+) ")
 SAVED_LINE = re.compile(r"\[rank 0\] checkpoint of step \d+ saved in ([\d.]+) s")
@@ -57,7 +58,12 @@ def _job_environment() -> dict:
     """What the demo adds to the environment: the workers import this very `loader` (first on their path),
     installed or not, whatever else is installed; the rendezvous store setting that makes restarts clean here."""
     path = os.pathsep.join(p for p in (str(PROJECT), os.environ.get("PYTHONPATH", "")) if p)
-    return {"PYTHONPATH": path, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    return {
+        "PYTHONPATH": path,
+        "PYTHONUNBUFFERED": "1",
+        "OMP_NUM_THREADS": "1",
+        "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
+    }
 
 
 def _environment() -> dict:
@@ -100,7 +106,7 @@ class Agent:
         threading.Thread(target=self._read, args=(lines,), daemon=True).start()
 
     def _read(self, lines: queue.Queue) -> None:
-        for line in self.process.stdout:
+        for line in self.process.stdout or ():  # a pipe: stdout=PIPE above
             lines.put((time.monotonic(), self.name, line.rstrip()))
 
     def signal(self, sig: int) -> None:

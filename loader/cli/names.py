@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 
 import numpy as np
 
@@ -40,7 +41,7 @@ def read_plan(plan_path: str | os.PathLike):
         raise ValueError(str(err) if os.fspath(plan_path) in str(err) else f"{plan_path}: {err}") from None
 
 
-def by_source(plan_path: str) -> tuple[audit.Grouping, object]:
+def by_source(plan_path: str) -> tuple[audit.Grouping, Callable[..., str]]:
     """The run's mixture plan as the audit's grouping (a row per source) and a describer (position, source, index);
     a LedgerError names the plan file and what is wrong with it."""
     try:

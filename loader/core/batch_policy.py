@@ -79,11 +79,11 @@ class BatchPolicy:
         """The global batch by step, as (first step, global batch) pairs; with ``amends``, the amended schedule's
         pairs before ``change_at``, then the new one's from there."""
         new = ((0, self.global_batch),) if is_int(self.global_batch) else self.global_batch
-        if self.amends is None:
+        change_at = self.change_at  # set with amends or not at all (__post_init__)
+        if self.amends is None or change_at is None:
             return new
-        at = _at(new, self.change_at)
-        return (*(p for p in self.amends if p[0] < self.change_at), (self.change_at, at),
-                *(p for p in new if p[0] > self.change_at))
+        at = _at(new, change_at)
+        return (*(p for p in self.amends if p[0] < change_at), (change_at, at), *(p for p in new if p[0] > change_at))
 
     def at(self, step: int) -> int:
         """The global batch of optimizer step `step` (counted from 0)."""

@@ -1,7 +1,13 @@
 """Argument checks shared by the modules, so every one reports a bad value the same way."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from typing_extensions import TypeIs  # typing.TypeIs from Python 3.13
 
 
-def is_int(value) -> bool:
+def is_int(value: object) -> TypeIs[int]:
     """A real int: bools are ints to Python but never a count, a rank or a size."""
     return isinstance(value, int) and not isinstance(value, bool)
 

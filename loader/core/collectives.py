@@ -7,7 +7,8 @@ tests, offline tools) must run the same code unchanged.
 from __future__ import annotations
 
 import pickle
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch.distributed as dist
 

@@ -34,7 +34,7 @@ class Sifted:
     def __init__(self, batch: Any, kept: np.ndarray):
         self.batch, self.kept = batch, kept
 
-    def pin_memory(self) -> "Sifted":
+    def pin_memory(self) -> Sifted:
         """torch's pin-memory thread pins what this holds (it calls this method of an object it does not know)."""
         from torch.utils.data._utils.pin_memory import pin_memory
 

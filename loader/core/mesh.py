@@ -10,7 +10,7 @@ batches without communicating, and progress is one record per dp rank (see `load
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch.distributed as dist
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from loader.core.checks import check_num_samples, check_positive_int
-from loader.core.progress import contains, total
+from loader.core.progress import contains
 
 ROUNDS = 6
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
@@ -69,7 +69,7 @@ def _stream_key(seed: int, epoch: int, salt: int) -> np.uint64:
     return key[0]
 
 
-def _round_keys(stream_key: np.ndarray) -> np.ndarray:
+def _round_keys(stream_key: np.ndarray | np.uint64) -> np.ndarray:
     """Keys of shape (ROUNDS, *stream_key.shape): a splitmix64 sequence per stream key."""
     steps = np.arange(1, ROUNDS + 1, dtype=np.uint64).reshape((ROUNDS,) + (1,) * np.ndim(stream_key))
     with np.errstate(over="ignore"):
@@ -278,8 +278,9 @@ class Order:
     """Which dataset index sits at each position of an epoch.
 
     shuffle="none" is the identity; "self" too, for a dataset that orders itself (a Mixture under shuffle=True,
-    whose every epoch is fresh: a distinct mode, so that a progress saved under a shuffled order is refused); "global" permutes all of range(N); "blocks" permutes the blocks (e.g. shards),
-    then the positions inside each block, so a reader visits one block at a time and reads it sequentially-ish.
+    whose every epoch is fresh: a distinct mode, so that a progress saved under a shuffled order is refused);
+    "global" permutes all of range(N); "blocks" permutes the blocks (e.g. shards), then the positions inside each
+    block, so a reader visits one block at a time and reads it sequentially-ish.
     `lanes` (optional) then interleaves contiguous parts of that order so that each rank reads one part.
     """
 
@@ -315,7 +316,7 @@ class Order:
         return {"num_samples": self.num_samples, "seed": self.seed, "shuffle": self.shuffle, "blocks": blocks,
                 "order_version": ORDER_VERSION, "lanes": lanes}
 
-    def for_epoch(self, epoch: int) -> "EpochOrder":
+    def for_epoch(self, epoch: int) -> EpochOrder:
         return EpochOrder(self, epoch)
 
 

@@ -32,7 +32,7 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass, replace
 from functools import cached_property
-from typing import NamedTuple
+from typing import NamedTuple, overload
 
 import numpy as np
 
@@ -106,8 +106,10 @@ class EpochPlan:
             n, per_update = update - s.updates[-1], W * s.ks[-1] * B
             if (self.remaining - s.starts[-1]) // per_update < n:
                 break
-            s.updates.append(update), s.batches.append(s.batches[-1] + n * s.ks[-1])
-            s.starts.append(s.starts[-1] + n * per_update), s.ks.append(k)
+            s.updates.append(update)
+            s.batches.append(s.batches[-1] + n * s.ks[-1])
+            s.starts.append(s.starts[-1] + n * per_update)
+            s.ks.append(k)
         return s
 
     @cached_property
@@ -173,7 +175,11 @@ class EpochPlan:
         """Remaining indices [0, served) are dealt out; [served, remaining) are dropped by policy."""
         return self.tail.start + self.tail.share * self.layout.world_size + self.tail.extra
 
-    def _tail_share(self, rank: int) -> int:
+    @overload
+    def _tail_share(self, rank: int) -> int: ...
+    @overload
+    def _tail_share(self, rank: np.ndarray) -> np.ndarray: ...
+    def _tail_share(self, rank: int | np.ndarray) -> int | np.ndarray:
         return self.tail.share + (rank < self.tail.extra)
 
     def batch_bounds(self, rank: int | np.ndarray, batches: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

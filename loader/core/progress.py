@@ -93,7 +93,7 @@ class Remaining:
         gap = np.searchsorted(self._offsets, j, side="right") - 1
         return self._gap_starts[gap] + (j - self._offsets[gap])
 
-    def covering_spans(self, spans: np.ndarray) -> np.ndarray:
+    def covering_spans(self, spans: np.ndarray | list[list[int]]) -> np.ndarray:
         """Position intervals [pos(a), pos(b - 1) + 1) for remaining-index intervals [a, b).
 
         They also cover committed positions lying between pos(a) and pos(b - 1), so the result is exact only

@@ -11,17 +11,28 @@ from __future__ import annotations
 import copy
 import warnings
 from collections import deque
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
-from typing import Iterator
 
 import numpy as np
 
 from loader.core.checks import check_rank, is_int
 from loader.core.order import EpochOrder, Order
-from loader.core.partition import Layout, plan_at
+from loader.core.partition import EpochPlan, Layout, plan_at
 from loader.core.progress import EMPTY, Remaining, contains, difference, spans_of, union, whole
-from loader.core.state import (MAX_EPOCHS_AHEAD, Progress, RankProgress, base_digest, check_fingerprint,
-                                check_schedule, merge, progress_of, rank_state, short)
+from loader.core.state import (
+    MAX_EPOCHS_AHEAD,
+    Progress,
+    RankProgress,
+    base_digest,
+    check_fingerprint,
+    check_schedule,
+    merge,
+    progress_of,
+    rank_state,
+    short,
+)
+
 
 class AbandonedEpochWarning(UserWarning):
     """set_epoch() left an epoch part way through: the rest of it is never trained in this run. Said because an
@@ -92,7 +103,8 @@ class ResumableSampler:
         step `first_step` (default: the one after the current epoch's last update, the natural advance)."""
         if first_step is None:
             first_step = self._first_step + self.view().plan.updates
-        self._epoch, self._position, self._view, self._first_step = epoch, 0, None, first_step
+        self._view: EpochView | None = None  # made by view() on first use
+        self._epoch, self._position, self._first_step = epoch, 0, first_step
         self._ended = ended  # the current pass handed out its end: the next pass starts the next epoch
         self._last_delivered: int | None = None  # micro-batch number of the batch delivered last in this epoch
         # position 0 follows whole updates committed earlier in this epoch (a resumed state): an update is complete
@@ -171,7 +183,7 @@ class ResumableSampler:
         """Nothing of the current epoch is handed out on this rank (an epoch restored as finished excepted)."""
         return self._position == 0 and self._epoch >= self._base.epoch
 
-    def next_pass(self) -> "ResumableSampler":
+    def next_pass(self) -> ResumableSampler:
         """A copy of this sampler as a pass started now would find it (after `begin_pass`), to tell what that pass
         yields without starting it."""
         ahead = copy.copy(self)

@@ -17,9 +17,9 @@ import hashlib
 import itertools
 import json
 import reprlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Callable
 
 import numpy as np
 
@@ -131,7 +131,7 @@ def check_header(state: dict, kinds: tuple[str, ...], where: str) -> str:
     return kind
 
 
-def _shuffle_hint(saved: str, current: str) -> str:
+def _shuffle_hint(saved: object, current: str) -> str:
     """How to resume a progress saved under another shuffle mode; "self" is a loader with shuffle=True over a
     dataset that orders itself (a Mixture)."""
     if saved == "self":
@@ -217,17 +217,25 @@ class Progress:
             "epoch": self.epoch,
             "committed": [[e, intervals_to_json(spans)] for e, spans in sorted(self.committed.items())],
             "finished": [{"epoch": e, "dropped": intervals_to_json(dropped)} for e, dropped in self.finished],
-            "end_of_epoch": None if self.end_of_epoch is None else {"epoch": self.epoch - 1, "ended": self.end_of_epoch},
+            "end_of_epoch": None
+            if self.end_of_epoch is None
+            else {"epoch": self.epoch - 1, "ended": self.end_of_epoch},
             "done_in_epoch": self.done_in_epoch,
             "samples_done_in_epoch": self.samples_done_in_epoch,
-            **({"skipped": [[e, intervals_to_json(spans)] for e, spans in sorted(self.skipped.items())]}
-               if self.skipped else {}),  # absent when empty: a state without skips reads as before them
-            **({"batch_schedule": [list(point) for point in self.schedule], "step": self.step}
-               if self.schedule is not None else {}),  # absent without a ramp: such a state reads as before them
+            **(
+                {"skipped": [[e, intervals_to_json(spans)] for e, spans in sorted(self.skipped.items())]}
+                if self.skipped
+                else {}
+            ),  # absent when empty: a state without skips reads as before them
+            **(
+                {"batch_schedule": [list(point) for point in self.schedule], "step": self.step}
+                if self.schedule is not None
+                else {}
+            ),  # absent without a ramp: such a state reads as before them
         }
 
     @classmethod
-    def from_dict(cls, state: dict, where: str = "state") -> "Progress":
+    def from_dict(cls, state: dict, where: str = "state") -> Progress:
         """Checks what every merge keeps true: committed epochs from `epoch` to at most MAX_EPOCHS_AHEAD after it,
         each once; finished epochs before `epoch`, in increasing order; and no more micro-batches or samples done
         in the cursor epoch than it has committed positions."""
@@ -248,7 +256,9 @@ class Progress:
         if len(set(epochs)) < len(epochs):
             twice = next(e for e, count in collections.Counter(epochs).items() if count > 1)
             raise StateError(f"{where}.committed lists epoch {twice} twice: the state is corrupted")
-        spans = intervals_from_json([entry[1] for entry in entries], n, lambda i: f"{where}.committed[epoch {epochs[i]}]")
+        spans = intervals_from_json(
+            [entry[1] for entry in entries], n, lambda i: f"{where}.committed[epoch {epochs[i]}]"
+        )
         committed = dict(zip(epochs, spans))
         records = _get(state, "finished", list, where)
         _check_count(records, f"{where}.finished")
@@ -368,7 +378,7 @@ class RankProgress:
         return state if self.out_of_step is None else {**state, "lockstep": self.out_of_step}
 
     @classmethod
-    def from_dict(cls, state: dict, where: str = "state", parsed: dict | None = None) -> "RankProgress":
+    def from_dict(cls, state: dict, where: str = "state", parsed: dict | None = None) -> RankProgress:
         """`parsed` (id of a base dict -> its Progress, checked layout fields -> their Layout) parses a base, and a
         layout, shared by many states only once."""
         check_header(state, ("rank",), where)
@@ -485,8 +495,8 @@ def merge(ranks: list[RankProgress], uneven: bool = False) -> Progress:
     counts = np.fromiter((r.completed for r in ranks), dtype=np.int64, count=len(ranks))
     epoch, finished, last, plans = base.epoch, [], int(epochs.max()), {}
     committed = {e: spans for e, spans in base.committed.items() if e > last}  # ahead of every rank: untouched
-    fresh, fresh_plans = Remaining(EMPTY, n), {}  # every epoch the base committed nothing in, and its plans (one
-    # without a batch-size ramp; one per stretch of the schedule the epoch starts in with one)
+    fresh = Remaining(EMPTY, n)  # every epoch the base committed nothing in, and its plans (one without a batch-size
+    fresh_plans: dict[tuple, EpochPlan] = {}  # ramp; one per stretch of the schedule the epoch starts in with one)
     walked: dict[tuple | None, tuple[np.ndarray, np.ndarray]] = {}  # such an epoch's (spans, their complement) per
     # plan and completed counts: a rank thousands of epochs ahead of its base walks them at the cost of one
     drift, limit, everyone_in = 0, drift_limit(len(ranks)), int(epochs.min())
@@ -540,11 +550,11 @@ def merge(ranks: list[RankProgress], uneven: bool = False) -> Progress:
     if cursor in plans:
         done = _done_in(plans[cursor], _completed_in(plans[cursor], cursor, epochs, counts), [r.rank for r in ranks])
     before = (base.done_in_epoch, base.samples_done_in_epoch) if cursor == base.cursor_epoch else (0, 0)
-    finished = tuple(finished) or base.finished
-    listed = {e for e, _ in finished}
+    finished_now = tuple(finished) or base.finished
+    listed = {e for e, _ in finished_now}
     skipped = {e: spans for e, spans in base.skipped.items() if e >= epoch or e in listed}
     step = base.step if base.schedule is None else _merged_step(base, plans, first_steps, epochs, counts)
-    return Progress(base.fingerprint, epoch, committed, finished, end_of_epoch, before[0] + done[0],
+    return Progress(base.fingerprint, epoch, committed, finished_now, end_of_epoch, before[0] + done[0],
                     before[1] + done[1], skipped, base.schedule, step)
 
 
@@ -623,13 +633,12 @@ def progress_of(state) -> Progress:
     elif isinstance(state, dict) and state.get("kind") == "rank":
         alone = RankProgress.from_dict(state)
         if alone.out_of_step is not None and alone.layout.world_size > 1:
-            raise _not_standing_for_all(alone)
+            raise _not_standing_for_all(alone, alone.out_of_step)
         return merge([alone])
     return Progress.from_dict(state)
 
 
-def _not_standing_for_all(alone: RankProgress) -> StateError:
-    mark = alone.out_of_step
+def _not_standing_for_all(alone: RankProgress, mark: dict) -> StateError:
     return StateError(
         f"this is rank {alone.rank}'s state alone, taken after rank {mark['rank']} had completed {mark['updates']} "
         f"optimizer updates and rank {alone.rank} {mark['own_updates']}: the ranks were not in lockstep (or it was "

@@ -17,8 +17,9 @@ batches of participant 0 so that its forward and backward run (torchft zeroes it
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, Iterator, NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 

@@ -32,7 +32,8 @@ import functools
 import hashlib
 import heapq
 import json
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import torch

@@ -6,8 +6,8 @@ of (seed, position) inherits it whole, and nothing (no sample list of 1e9 entrie
 Positions fall into windows of M = sum(counts) positions; every window holds exactly counts[s] slots of source s
 (counts: the weights apportioned to M by largest remainder, so |counts[s] - w_s * M| < 1, and exactly w_s * M when
 the weights are multiples of 1/M, which the default window picks when it can). Inside window k the slots are
-arranged by a keyed permutation of range(M) (loader.core.order.window_arrangements, keyed by (seed, k)). The m-th slot of
-source s in window k, in position order, is that source's draw j = counts[s] * k + m; draw j is index
+arranged by a keyed permutation of range(M) (loader.core.order.window_arrangements, keyed by (seed, k)). The m-th slot
+of source s in window k, in position order, is that source's draw j = counts[s] * k + m; draw j is index
 Order(len_s, seed_s).for_epoch(j // len_s)(j % len_s) (evaluated for many epochs in one pass with
 loader.core.order.epoch_round_keys): a source that runs out continues with its next epoch in a new order, and taking a
 source's draws in position order, each run [e * len_s, (e + 1) * len_s) is a permutation.
@@ -559,10 +559,10 @@ class Mixture(torch.utils.data.Dataset):
             "windows": n} a linear ramp.
         amends, change_at: change the schedule (or weights) of a running job: `amends` is the plan it trained with
             (`MixturePlan.load` of the saved mixture.json), `change_at` a position after every mixture position it
-            trained (under a shuffled loader order those are spread over the whole epoch: `check_change`). Windows before the first whole window from `change_at` keep the old plan (refused when
-            none follows), the rest follow the new one, each source's draws running on; the plan records the
-            change (`plan.changes`), and a checkpoint saved under the old plan resumes (anything else about the
-            mixture must stay the same).
+            trained (under a shuffled loader order those are spread over the whole epoch: `check_change`). Windows
+            before the first whole window from `change_at` keep the old plan (refused when none follows), the rest
+            follow the new one, each source's draws running on; the plan records the change (`plan.changes`), and
+            a checkpoint saved under the old plan resumes (anything else about the mixture must stay the same).
     """
 
     def __init__(

@@ -27,7 +27,8 @@ import bisect
 import hashlib
 import json
 from collections import OrderedDict
-from typing import Any, Protocol, Sequence
+from collections.abc import Sequence
+from typing import Any, Protocol
 
 import numpy as np
 import torch

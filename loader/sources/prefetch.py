@@ -3,8 +3,9 @@
 The loader's order is a pure function of (seed, epoch, position), so the batches it will dispatch are known
 before they are. ``Prefetcher.follow`` passes them through unchanged while reading ahead in them, and a thread
 keeps the copies of the shards they need in the node's cache, soonest first (``depth`` downloads at once): those
-of the batches in flight (dispatched to workers, not yet delivered), then ``depth`` more. The plan it publishes tells the cache which
-shards this rank needs and in what order; a shard no plan names (read already this epoch) is evicted first.
+of the batches in flight (dispatched to workers, not yet delivered), then ``depth`` more. The plan it publishes tells
+the cache which shards this rank needs and in what order; a shard no plan names (read already this epoch) is evicted
+first.
 """
 
 from __future__ import annotations

@@ -534,5 +534,7 @@ def load_or_build_index(shard: str, cache_dir: str | None = None, rebuild: bool 
         except OSError as exn:  # e.g. read-only shard directory: try the next location
             errors.append(f"{path}: {exn}")
     else:
-        warnings.warn(f"could not cache the index of {shard} ({'; '.join(errors)}); it will be rebuilt next time")
+        warnings.warn(
+            f"could not cache the index of {shard} ({'; '.join(errors)}); it will be rebuilt next time", stacklevel=1
+        )
     return index, True

@@ -20,9 +20,9 @@ import resource
 import struct
 import threading
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import torch
@@ -116,7 +116,7 @@ class _Maps:
     def __len__(self) -> int:
         return len(self._mapped)
 
-    def add(self, mapped: "_Mapped") -> None:
+    def add(self, mapped: _Mapped) -> None:
         with self._lock:
             self._mapped.append(mapped)
             while len(self._mapped) > self.limit:

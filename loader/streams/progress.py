@@ -12,8 +12,9 @@ A plain stream resumes at the same world size and number of workers; a sharded s
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from functools import cached_property
-from typing import Any, Callable
+from typing import Any
 
 from loader.core.checks import is_int
 from loader.core.sampler import warn_abandoned
@@ -21,8 +22,17 @@ from loader.core.state import StateError
 from loader.streams.rng import UNCHANGED
 from loader.streams.shards import ShardProgress, is_sharded, shard_digest
 from loader.streams.source import Plan, StreamSource, check_loadable, is_stateful, standing
-from loader.streams.state import (RankStream, Shards, check_identity, check_payloads, rank_streams, regathered,
-                                 stream_identity, stream_state, worker_snapshot)
+from loader.streams.state import (
+    RankStream,
+    Shards,
+    check_identity,
+    check_payloads,
+    rank_streams,
+    regathered,
+    stream_identity,
+    stream_state,
+    worker_snapshot,
+)
 
 _ENDED_ELSEWHERE = worker_snapshot(0, True, None, None, [0, 0], None)
 

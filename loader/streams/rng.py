@@ -12,7 +12,7 @@ import functools
 import random
 import struct
 import sys
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -105,9 +105,10 @@ def _numpy_gaussian(generator) -> tuple | None:
             places.add(_only_place(ctypes.string_at(id(generator), type(generator).__basicsize__), has_gauss, gauss))
     finally:
         generator.set_state(saved)
-    if len(places) != 1 or None in places:
+    place = places.pop() if len(places) == 1 else None
+    if place is None:
         return None
-    at = id(generator) + places.pop()
+    at = id(generator) + place
     return ctypes.c_int.from_address(at - 8), ctypes.c_double.from_address(at)
 
 
@@ -131,7 +132,8 @@ def _python_reader() -> Callable[[], tuple]:
     words = (ctypes.c_char * (size - 4)).from_address(at + 4)
 
     def read() -> tuple:
-        return words.raw, pos.value, generator.gauss_next
+        # typeshed leaves out gauss_next, which random.Random sets in seed() and setstate()
+        return words.raw, pos.value, generator.gauss_next  # type: ignore[attr-defined]
 
     return read if read() == _python_state() else _python_state
 

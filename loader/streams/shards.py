@@ -12,8 +12,8 @@ shuffle=True): global worker g = rank * workers + worker reads every G-th unfini
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Iterator, Sequence
 
 import numpy as np
 from torch.utils.data import IterableDataset, get_worker_info

@@ -16,8 +16,9 @@ import copy
 import dataclasses
 import itertools
 import sys
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import torch.utils.data._utils.worker as torch_worker
 from torch._utils import ExceptionWrapper
@@ -102,7 +103,7 @@ class StreamSource(IterableDataset):
 
     # -- opening a worker's pass at a snapshot ------------------------------------------------------------------
 
-    def _open(self, epoch: int, pass_id: int, origin: dict | None, latest: dict | None) -> "_Batches":
+    def _open(self, epoch: int, pass_id: int, origin: dict | None, latest: dict | None) -> _Batches:
         if self.deal is not None:
             batches = self._open_shards(epoch, pass_id, origin, latest)
         elif _holds_states(latest):
@@ -118,7 +119,7 @@ class StreamSource(IterableDataset):
         self._live = batches if get_worker_info() is None else None
         return batches
 
-    def _open_at_origin(self, pass_id: int, origin: dict | None) -> "_Batches":
+    def _open_at_origin(self, pass_id: int, origin: dict | None) -> _Batches:
         """The pass as it began: the dataset as the previous pass left it (a dataset that is its own iterator gets
         that pass's iterator state, loaded after an __iter__, as StatefulDataLoader does), the random state of then,
         and a new __iter__ (which may reset the dataset, or draw)."""
@@ -128,7 +129,7 @@ class StreamSource(IterableDataset):
         iterator = iter(self.dataset)
         return _Batches(self, pass_id, iterator, iterator, 0)
 
-    def _open_shards(self, epoch: int, pass_id: int, origin: dict | None, latest: dict | None) -> "_Batches":
+    def _open_shards(self, epoch: int, pass_id: int, origin: dict | None, latest: dict | None) -> _Batches:
         tasks = self.deal.tasks(epoch, self.rank, self._worker)
         if latest is not None:
             _set_rng(latest)
@@ -255,7 +256,7 @@ class _ShardReader:
         self.dataset, self.tasks, self.task, self.offset = dataset, tasks, task, offset
         self._records, self.done = None, not tasks
 
-    def __iter__(self) -> "_ShardReader":
+    def __iter__(self) -> _ShardReader:
         return self
 
     def __next__(self):
@@ -318,7 +319,7 @@ class _Batches:
         """Whether this live iterator (main process) stands exactly where `latest` does, so it can just go on."""
         return self.clean and pass_id == self.pass_id and self.count == (0 if latest is None else latest["batches"])
 
-    def __iter__(self) -> "_Batches":
+    def __iter__(self) -> _Batches:
         return self
 
     def __next__(self) -> tuple:

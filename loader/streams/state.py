@@ -26,21 +26,21 @@ import numpy as np
 import torch
 
 from loader.core.checks import is_int
-from loader.streams.shards import EpochShards, RankShards, ShardDeal, ShardProgress, merge
+from loader.core.progress import normalize
 from loader.core.state import (
     FORMAT,
     LARGEST,
     MAX_EPOCHS_AHEAD,
     VERSION,
     StateError,
-    check_header,
     _check_ranks,
     _get,
-    short,
+    check_header,
     intervals_from_json,
     intervals_to_json,
+    short,
 )
-from loader.core.progress import normalize
+from loader.streams.shards import EpochShards, RankShards, ShardDeal, ShardProgress, merge
 
 SNAPSHOT_KEYS = ("batches", "ended", "dataset", "iterator", "shard", "rng", "check")
 STATE_KEYS = ("format", "version", "kind", "world_size", "rank", "epoch", "batches", "exhausted", "ended",
@@ -161,7 +161,7 @@ def _identity(value, where: str) -> dict | None:
     return value
 
 
-def check_payloads(ranks: list["RankStream"], dataset, stateful: bool) -> None:
+def check_payloads(ranks: list[RankStream], dataset, stateful: bool) -> None:
     """A snapshot may hold a dataset state only for a dataset with load_state_dict (`stateful`), and an iterator state
     only where __iter__ is no generator function (a generator keeps no state): anything else would fail in a
     worker, after the state was accepted."""
@@ -210,7 +210,7 @@ def _progress_from_dict(value, count: int, where: str) -> ShardProgress:
         e = _get(entry, "epoch", int, at)
         if e < epoch or e in epochs or e - epoch > MAX_EPOCHS_AHEAD:
             raise StateError(f"{at}.epoch is {e}: epochs must be distinct and from {epoch} on")
-        (spans,) = intervals_from_json([_get(entry, "done", list, at)], count, lambda _: f"{at}.done")
+        (spans,) = intervals_from_json([_get(entry, "done", list, at)], count, lambda _: f"{at}.done")  # noqa: B023 (called here)
         done = set(np.concatenate([np.arange(a, b) for a, b in spans]).tolist()) if len(spans) else set()
         offsets = {}
         for pair in _get(entry, "offsets", list, at):
@@ -246,7 +246,7 @@ class Shards:
         return checksum(self.serialised)
 
     @classmethod
-    def from_dict(cls, value, where: str) -> "Shards":
+    def from_dict(cls, value, where: str) -> Shards:
         count = _get(value, "count", int, where)
         digest = _get(value, "digest", str, where)
         seed = _get(value, "seed", int, where)
@@ -257,7 +257,7 @@ class Shards:
     def deal(self, world_size: int, workers: int) -> ShardDeal:
         return ShardDeal(self.base, world_size, workers, self.seed, self.shuffle)
 
-    def from_epoch(self, epoch: int) -> "Shards":
+    def from_epoch(self, epoch: int) -> Shards:
         """These shards with no progress from `epoch` on, which set_epoch() starts from its start: a base of a
         resize past it would otherwise deal none of its shards (or only the rest), as no loader of the same layout
         does."""
@@ -290,7 +290,7 @@ class RankStream:
                             self.shards, self.stream)
 
     @classmethod
-    def from_dict(cls, state, where: str = "state") -> "RankStream":
+    def from_dict(cls, state, where: str = "state") -> RankStream:
         check_header(state, ("stream",), where)
         for field in ("num_workers", "check"):
             if field not in state:
@@ -311,7 +311,9 @@ class RankStream:
         for name in ("origins", "workers"):
             value = _get(state, name, list, where)
             if len(value) != count:
-                raise StateError(f"{where}.{name} has {len(value)} entries for {count} worker(s): the state is corrupted")
+                raise StateError(
+                    f"{where}.{name} has {len(value)} entries for {count} worker(s): the state is corrupted"
+                )
             lists[name] = tuple(_snapshot(v, f"{where}.{name}[{i}]", shards is not None, rank)
                                 for i, v in enumerate(value))
         next_worker = _get(state, "next_worker", int, where)
