@@ -64,13 +64,17 @@ def check(out: Path, version: str) -> None:
     venv = out / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)], check=True)
     python = venv / "bin" / "python"
-    subprocess.run([python, "-m", "pip", "install", "-q", "--no-deps", "--no-index", "--ignore-installed",
-                    str(wheel)], check=True)
-    check = ("import pathlib, sys, loader; here = pathlib.Path(loader.__file__).parent; "
-             "assert here.is_relative_to(sys.prefix), here; assert (here / 'py.typed').is_file(); "
-             "print(loader.__version__)")
-    found = subprocess.run([python, "-I", "-c", check], check=True, capture_output=True, text=True,
-                           cwd=out).stdout.strip()
+    subprocess.run(
+        [python, "-m", "pip", "install", "-q", "--no-deps", "--no-index", "--ignore-installed", str(wheel)], check=True
+    )
+    check = (
+        "import pathlib, sys, loader; here = pathlib.Path(loader.__file__).parent; "
+        "assert here.is_relative_to(sys.prefix), here; assert (here / 'py.typed').is_file(); "
+        "print(loader.__version__)"
+    )
+    found = subprocess.run(
+        [python, "-I", "-c", check], check=True, capture_output=True, text=True, cwd=out
+    ).stdout.strip()
     if found != version:
         fail(f"the installed wheel's loader.__version__ is {found!r}, not {version!r}")
     print(f"{sdist.name} and {wheel.name} ({len(names)} files): installed in a fresh venv, loader {found} imports")

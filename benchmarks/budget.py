@@ -29,8 +29,10 @@ def distributions(samples: int) -> dict[str, np.ndarray]:
     """SFT-like (log-normal, median 256 tokens, a tail past the budget) and speech-like (gamma frames, 1-30 s at
     100 frames/s) lengths, seeded."""
     rng = np.random.default_rng(0)
-    return {"sft log-normal (median 256)": rng.lognormal(np.log(256), 1.0, samples).astype(np.int64),
-            "speech gamma (mean 800 frames)": np.clip(rng.gamma(2.0, 400.0, samples), 100, 3000).astype(np.int64)}
+    return {
+        "sft log-normal (median 256)": rng.lognormal(np.log(256), 1.0, samples).astype(np.int64),
+        "speech gamma (mean 800 frames)": np.clip(rng.gamma(2.0, 400.0, samples), 100, 3000).astype(np.int64),
+    }
 
 
 def greedy_cut(sorted_lengths: np.ndarray, max_tokens: int) -> list[int]:
@@ -38,8 +40,10 @@ def greedy_cut(sorted_lengths: np.ndarray, max_tokens: int) -> list[int]:
     longer sample alone). Optimal for sorted lengths: a longer prefix never needs more batches after it."""
     lengths, sizes, start = np.maximum(sorted_lengths, 1).tolist(), [], 0
     while start < len(lengths):
-        stop = bisect.bisect_right(range(start, len(lengths)), max_tokens,
-                                   key=lambda j: (j - start + 1) * lengths[j]) + start
+        stop = (
+            bisect.bisect_right(range(start, len(lengths)), max_tokens, key=lambda j: (j - start + 1) * lengths[j])
+            + start
+        )
         stop = max(stop, start + 1)
         sizes.append(stop - start)
         start = stop
@@ -50,8 +54,11 @@ def measure_cut(lengths: np.ndarray, sizes: list[int], max_tokens: int) -> dict[
     """Batches, padding and fill of sorted lengths cut into batches of these sizes."""
     cuts = np.concatenate(([0], np.cumsum(sizes)[:-1]))
     padded = int((np.maximum.reduceat(np.maximum(lengths, 1), cuts) * np.asarray(sizes)).sum())
-    return {"batches": len(sizes), "padding": 1 - int(lengths.sum()) / padded,
-            "fill": padded / (len(sizes) * max_tokens)}
+    return {
+        "batches": len(sizes),
+        "padding": 1 - int(lengths.sum()) / padded,
+        "fill": padded / (len(sizes) * max_tokens),
+    }
 
 
 def best_fit(lengths: np.ndarray, max_tokens: int) -> dict[str, float]:
@@ -61,7 +68,7 @@ def best_fit(lengths: np.ndarray, max_tokens: int) -> dict[str, float]:
 
 def sorted_buffer(lengths: np.ndarray, max_tokens: int, buffer: int = BUFFER) -> dict[str, float]:
     shuffled = lengths[np.random.default_rng(1).permutation(len(lengths))]
-    windows = [np.sort(shuffled[low:low + buffer]) for low in range(0, len(lengths), buffer)]
+    windows = [np.sort(shuffled[low : low + buffer]) for low in range(0, len(lengths), buffer)]
     ordered = np.concatenate(windows)
     return measure_cut(ordered, [s for w in windows for s in greedy_cut(w, max_tokens)], max_tokens)
 
@@ -73,8 +80,10 @@ def ours(lengths: np.ndarray, max_tokens: int, buckets) -> dict[str, float]:
 
 def table(lengths: np.ndarray, max_tokens: int = MAX_TOKENS) -> list[tuple[str, dict[str, float]]]:
     """(batcher, measures) rows for these lengths, the best fit first."""
-    rows = [("best fit, unbounded buffer", best_fit(lengths, max_tokens)),
-            (f"sorted buffer of {BUFFER} (fairseq, Lhotse)", sorted_buffer(lengths, max_tokens))]
+    rows = [
+        ("best fit, unbounded buffer", best_fit(lengths, max_tokens)),
+        (f"sorted buffer of {BUFFER} (fairseq, Lhotse)", sorted_buffer(lengths, max_tokens)),
+    ]
     rows += [(f"ours, buckets={buckets}", ours(lengths, max_tokens, buckets)) for buckets in (1.05, 1.1, 1.25, None)]
     return rows
 
@@ -88,8 +97,11 @@ def costs(lengths: np.ndarray, max_tokens: int = MAX_TOKENS, draws: int = 2000) 
     started = time.perf_counter()
     for epoch, k in enumerate(ks):
         batches.members(k, epoch % 3)
-    return {"make_s_per_sample": made / len(lengths), "batch_s": (time.perf_counter() - started) / len(ks),
-            "index_bytes_per_sample": batches.index.itemsize}
+    return {
+        "make_s_per_sample": made / len(lengths),
+        "batch_s": (time.perf_counter() - started) / len(ks),
+        "index_bytes_per_sample": batches.index.itemsize,
+    }
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -104,8 +116,10 @@ def main(argv: list[str] | None = None) -> None:
         for what, m in rows:
             print(f"{what:44} {m['batches']:8d} {m['batches'] / least - 1:9.2%} {m['padding']:8.2%} {m['fill']:6.1%}")
     measured = costs(distributions(samples)["sft log-normal (median 256)"])
-    print(f"\nmaking the batches: {measured['make_s_per_sample'] * 1e6:.2f} us a sample (once), index "
-          f"{measured['index_bytes_per_sample']} bytes a sample; a batch: {measured['batch_s'] * 1e6:.0f} us")
+    print(
+        f"\nmaking the batches: {measured['make_s_per_sample'] * 1e6:.2f} us a sample (once), index "
+        f"{measured['index_bytes_per_sample']} bytes a sample; a batch: {measured['batch_s'] * 1e6:.0f} us"
+    )
 
 
 if __name__ == "__main__":

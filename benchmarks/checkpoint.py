@@ -98,22 +98,40 @@ def _rows(lockstep: list[dict], uneven: list[dict], side: list[dict]) -> list[di
     rows = [
         row(f"state_dict() N={count(large['n'])} lockstep", large["state_dict_s"], "us", scale=1e6),
         row(f"state_dict() N={count(large['n'])} / N={count(small['n'])}", flat, "ratio", "<= 1.5"),
-        row(f"state bytes (json) N={count(large['n'])} lockstep", single(large["state_bytes"]["json"]), "B",
-            LOCKSTEP_BYTES_TARGET),
+        row(
+            f"state bytes (json) N={count(large['n'])} lockstep",
+            single(large["state_bytes"]["json"]),
+            "B",
+            LOCKSTEP_BYTES_TARGET,
+        ),
         row(f"merge_states() 2 ranks N={count(large['n'])} lockstep", large["merge_states_s"], "us", scale=1e6),
     ]
     for case in uneven[-1:]:
         rows += [
-            row(f"state_dict() ahead={case['ahead']} ({case['intervals']} intervals)", case["state_dict_s"], "us",
-                scale=1e6),
+            row(
+                f"state_dict() ahead={case['ahead']} ({case['intervals']} intervals)",
+                case["state_dict_s"],
+                "us",
+                scale=1e6,
+            ),
             row(f"state bytes (json) ahead={case['ahead']}", single(case["state_bytes"]["json"]), "B"),
             row(f"merge_states() ahead={case['ahead']}", case["merge_states_s"], "us", scale=1e6),
         ]
     for case in side:
-        rows.append(row(f"StatefulDataLoader / ours state_dict() N={count(case['n'])}",
-                        case["ratios"]["StatefulDataLoader"], "ratio"))
-        rows.append(row(f"StatefulDataLoader state bytes (torch.save) N={count(case['n'])}",
-                        single(case["bytes"]["StatefulDataLoader"]["torch.save"]), "B"))
+        rows.append(
+            row(
+                f"StatefulDataLoader / ours state_dict() N={count(case['n'])}",
+                case["ratios"]["StatefulDataLoader"],
+                "ratio",
+            )
+        )
+        rows.append(
+            row(
+                f"StatefulDataLoader state bytes (torch.save) N={count(case['n'])}",
+                single(case["bytes"]["StatefulDataLoader"]["torch.save"]),
+                "B",
+            )
+        )
     return rows
 
 
@@ -122,5 +140,10 @@ def run(cfg: Config) -> dict:
     largest = max(cfg.state_sizes)
     uneven = [_case(cfg, largest, largest // 2, k) for k in cfg.ahead]
     side = [_side_by_side(cfg, n) for n in cfg.stateful_state_sizes]
-    return {"batch_size": BATCH, "lockstep": lockstep, "uneven": uneven, "stateful": side,
-            "rows": _rows(lockstep, uneven, side)}
+    return {
+        "batch_size": BATCH,
+        "lockstep": lockstep,
+        "uneven": uneven,
+        "stateful": side,
+        "rows": _rows(lockstep, uneven, side),
+    }

@@ -74,18 +74,24 @@ def ramp(batches: int) -> Capability:
     def plain(rank: int, world_size: int) -> ResumableDataLoader:
         return make(rank, world_size, grad_accum=g1 // (world_size * BATCH))
 
-    return Capability(f"batch-size ramp {g1} -> {g2}", partial(make, batch_policy=policy), plain,
-                      f"a fixed global batch of {g1} (grad_accum)")
+    return Capability(
+        f"batch-size ramp {g1} -> {g2}",
+        partial(make, batch_policy=policy),
+        plain,
+        f"a fixed global batch of {g1} (grad_accum)",
+    )
 
 
 def token_budget(batches: int) -> Capability:
     lengths = budget.distributions(batches * PER_BUDGET)[SFT]
     batched = TokenBudgetBatches(lengths, budget.MAX_TOKENS)
     size = max(1, round(len(lengths) / len(batched)))
-    return Capability(f"token budget {budget.MAX_TOKENS} ({SFT})",
-                      partial(_loader, batched, batch_size=None, shuffle=True),
-                      partial(_loader, IndexDataset(len(lengths)), batch_size=size, shuffle=True),
-                      f"batches of {size} indices (the budget's mean)")
+    return Capability(
+        f"token budget {budget.MAX_TOKENS} ({SFT})",
+        partial(_loader, batched, batch_size=None, shuffle=True),
+        partial(_loader, IndexDataset(len(lengths)), batch_size=size, shuffle=True),
+        f"batches of {size} indices (the budget's mean)",
+    )
 
 
 CAPABILITIES = (filters, ramp, token_budget)
@@ -106,12 +112,24 @@ def _pass(make: Make) -> dict[str, float]:
 
 def costs(cfg: Config, capability: Capability) -> dict:
     """The two loaders interleaved; per clock, each one's µs per batch and the per-round cost ratio with / without."""
-    measured = compare_each({WITH: partial(_pass, capability.feature), WITHOUT: partial(_pass, capability.plain)},
-                            WITHOUT, cfg.reps, cfg.warmup, f"features {capability.name}", RATES)
-    return {clock: {"us_per_batch": {name: summary([1e6 / rate for rate in rates])
-                                     for name, rates in result["samples"].items()},
-                    "cost_ratio": ratio_of(result, WITHOUT, WITH), "rates": result}
-            for clock, result in measured.items()}
+    measured = compare_each(
+        {WITH: partial(_pass, capability.feature), WITHOUT: partial(_pass, capability.plain)},
+        WITHOUT,
+        cfg.reps,
+        cfg.warmup,
+        f"features {capability.name}",
+        RATES,
+    )
+    return {
+        clock: {
+            "us_per_batch": {
+                name: summary([1e6 / rate for rate in rates]) for name, rates in result["samples"].items()
+            },
+            "cost_ratio": ratio_of(result, WITHOUT, WITH),
+            "rates": result,
+        }
+        for clock, result in measured.items()
+    }
 
 
 def state_bytes(make: Make) -> dict[str, int]:
@@ -125,8 +143,10 @@ def state_bytes(make: Make) -> dict[str, int]:
 
 def padding(samples: int) -> dict[str, list]:
     """Per length distribution, each batcher's batches, padding and fill (`benchmarks.budget.table`)."""
-    return {name: [{"batcher": what, **measures} for what, measures in budget.table(lengths)]
-            for name, lengths in budget.distributions(samples).items()}
+    return {
+        name: [{"batcher": what, **measures} for what, measures in budget.table(lengths)]
+        for name, lengths in budget.distributions(samples).items()
+    }
 
 
 def _ratio_row(what: str, stats: dict) -> dict:
@@ -143,13 +163,22 @@ def _shown(stats: dict) -> str:
 
 def _rows(case: dict) -> list[dict]:
     name, measured = case["capability"], case["costs"]
-    rows = [_ratio_row(f"{name}: cost per batch with / without, {clock}", measured[clock]["cost_ratio"])
-            for clock in ("wall", "cpu")]
-    rows += [row(f"{name}: CPU µs per batch, {which}", measured["cpu"]["us_per_batch"][which], "µs")
-             for which in (WITH, WITHOUT)]
-    rows += [{**row(f"{name}: state bytes, {kind}, {which}", single(case["state_bytes"][which][kind]), "B"),
-              "target": REPORTED if which == WITH else None}
-             for kind in case["state_bytes"][WITH] for which in (WITH, WITHOUT)]
+    rows = [
+        _ratio_row(f"{name}: cost per batch with / without, {clock}", measured[clock]["cost_ratio"])
+        for clock in ("wall", "cpu")
+    ]
+    rows += [
+        row(f"{name}: CPU µs per batch, {which}", measured["cpu"]["us_per_batch"][which], "µs")
+        for which in (WITH, WITHOUT)
+    ]
+    rows += [
+        {
+            **row(f"{name}: state bytes, {kind}, {which}", single(case["state_bytes"][which][kind]), "B"),
+            "target": REPORTED if which == WITH else None,
+        }
+        for kind in case["state_bytes"][WITH]
+        for which in (WITH, WITHOUT)
+    ]
     return rows
 
 
@@ -159,20 +188,35 @@ def _padding_rows(tables: dict[str, list]) -> list[dict]:
         best = batchers[0]
         for entry in batchers:
             ours_ = entry["batcher"].startswith("ours")
-            rows.append({**row(f"token budget, {name}: padding, {entry['batcher']}", single(entry["padding"]), "%",
-                               scale=100), "target": REPORTED if ours_ else None})
+            rows.append(
+                {
+                    **row(
+                        f"token budget, {name}: padding, {entry['batcher']}", single(entry["padding"]), "%", scale=100
+                    ),
+                    "target": REPORTED if ours_ else None,
+                }
+            )
             if entry is not best:
-                rows.append({**row(f"token budget, {name}: batches / best fit's, {entry['batcher']}",
-                                   single(entry["batches"] / best["batches"]), "ratio"),
-                             "target": REPORTED if ours_ else None})
+                rows.append(
+                    {
+                        **row(
+                            f"token budget, {name}: batches / best fit's, {entry['batcher']}",
+                            single(entry["batches"] / best["batches"]),
+                            "ratio",
+                        ),
+                        "target": REPORTED if ours_ else None,
+                    }
+                )
     return rows
 
 
 def _table(cases: list[dict], tables: dict[str, list]) -> list[str]:
     """One row per capability: its cost, state bytes and (the token budget) padding against the best fit."""
-    lines = ["| capability | against | cost per batch, with / without: wall; CPU | CPU µs per batch, with; without "
-             "| state bytes, one rank; merged 4 ranks uneven (without) | padding; batches against the best fit |",
-             "| --- | --- | --- | --- | --- | --- |"]
+    lines = [
+        "| capability | against | cost per batch, with / without: wall; CPU | CPU µs per batch, with; without "
+        "| state bytes, one rank; merged 4 ranks uneven (without) | padding; batches against the best fit |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
     for case in cases:
         cpu, states = case["costs"]["cpu"], case["state_bytes"]
         per_batch = "; ".join(number(cpu["us_per_batch"][w]["median"]) for w in (WITH, WITHOUT))
@@ -181,8 +225,10 @@ def _table(cases: list[dict], tables: dict[str, list]) -> list[str]:
         if case["capability"].startswith("token budget"):
             default = next(b for b in tables[SFT] if b["batcher"] == "ours, buckets=1.1")
             best = tables[SFT][0]
-            pad = (f"{default['padding']:.2%} (best fit {best['padding']:.2%}); "
-                   f"{default['batches'] / best['batches']:.3f}× ({SFT})")
+            pad = (
+                f"{default['padding']:.2%} (best fit {best['padding']:.2%}); "
+                f"{default['batches'] / best['batches']:.3f}× ({SFT})"
+            )
         ratios = "; ".join(_shown(case["costs"][clock]["cost_ratio"]) for clock in ("wall", "cpu"))
         lines.append(f"| {case['capability']} | {case['without']} | {ratios} | {per_batch} | {state} | {pad} |")
     return lines
@@ -192,11 +238,23 @@ def run(cfg: Config) -> dict:
     cases = []
     for capability_of in CAPABILITIES:
         small, timed = capability_of(STATE_BATCHES), capability_of(cfg.feature_batches)
-        cases.append({"capability": timed.name, "without": timed.without,
-                      "costs": costs(cfg, timed),
-                      "state_bytes": {WITH: state_bytes(small.feature), WITHOUT: state_bytes(small.plain)}})
+        cases.append(
+            {
+                "capability": timed.name,
+                "without": timed.without,
+                "costs": costs(cfg, timed),
+                "state_bytes": {WITH: state_bytes(small.feature), WITHOUT: state_bytes(small.plain)},
+            }
+        )
     tables = padding(cfg.budget_samples)
     rows = [r for case in cases for r in _rows(case)] + _padding_rows(tables)
-    return {"cases": cases, "padding": tables, "tables": _table(cases, tables),
-            "notes": ["Targets: issue 30 states none for these figures (\"reported\"); a cost ratio whose rounds' "
-                      "quartiles straddle 1 reads \"not resolved\"."], "rows": rows}
+    return {
+        "cases": cases,
+        "padding": tables,
+        "tables": _table(cases, tables),
+        "notes": [
+            'Targets: issue 30 states none for these figures ("reported"); a cost ratio whose rounds\' '
+            'quartiles straddle 1 reads "not resolved".'
+        ],
+        "rows": rows,
+    }

@@ -98,10 +98,21 @@ def run(cfg: Config) -> dict:
     if not sys.platform.startswith("linux"):
         return {"skipped": "needs Linux /proc/self/status to read the peak RSS", "rows": []}
     caps = {"ResumableDataLoader": max(cfg.memory_sizes), "torch.randperm": cfg.randperm_cap}
-    points = {kind: [_measure(kind, n, cfg.memory_timeout_s) for n in cfg.memory_sizes if n <= caps[kind]]
-              for kind in KINDS}
-    rows = [row(f"{kind} N={count(p['n'])}", single(p["added_bytes"]), "MB", TARGET if kind == KINDS[0] else None,
-                scale=1e-6) for kind in KINDS for p in points[kind] if "added_bytes" in p]
+    points = {
+        kind: [_measure(kind, n, cfg.memory_timeout_s) for n in cfg.memory_sizes if n <= caps[kind]] for kind in KINDS
+    }
+    rows = [
+        row(
+            f"{kind} N={count(p['n'])}",
+            single(p["added_bytes"]),
+            "MB",
+            TARGET if kind == KINDS[0] else None,
+            scale=1e-6,
+        )
+        for kind in KINDS
+        for p in points[kind]
+        if "added_bytes" in p
+    ]
     return {"points": points, "randperm_cap": cfg.randperm_cap, "rows": rows}
 
 

@@ -49,7 +49,7 @@ def write_documents(path: Path, tokens: int, seq_len: int) -> np.ndarray:
     """EOS-terminated documents of log-normal lengths filling about `tokens` tokens; returns their lengths."""
     rng = np.random.default_rng(0)
     lengths = np.maximum(1, rng.lognormal(np.log(seq_len / 6), 1.0, tokens // (seq_len // 4) + 1).astype(np.int64))
-    lengths = lengths[:max(1, int(np.searchsorted(np.cumsum(lengths + 1), tokens)))]
+    lengths = lengths[: max(1, int(np.searchsorted(np.cumsum(lengths + 1), tokens)))]
     stream = rng.integers(1, 50000, int((lengths + 1).sum()), dtype=np.uint16)
     stream[np.cumsum(lengths + 1) - 1] = EOS
     stream.tofile(path)
@@ -89,7 +89,7 @@ def plain_loop(memmap: np.ndarray, lengths: np.ndarray, seq_len: int, rows: int)
     for length in pieces_of(lengths, capacity).tolist():
         if sum(row_lengths) + length > capacity:
             padded = np.zeros(capacity, np.int64)
-            padded[:sum(row_lengths)] = np.concatenate(row_tokens)
+            padded[: sum(row_lengths)] = np.concatenate(row_tokens)
             batch.append({"tokens": torch.from_numpy(padded), **row_metadata(row_lengths, seq_len)})
             tokens, row_tokens, row_lengths = tokens + sum(row_lengths), [], []
             if len(batch) == BATCH:
@@ -97,7 +97,7 @@ def plain_loop(memmap: np.ndarray, lengths: np.ndarray, seq_len: int, rows: int)
                 batch, rows = [], rows - BATCH
                 if rows <= 0:
                     break
-        row_tokens.append(memmap[at:at + length].astype(np.int64))
+        row_tokens.append(memmap[at : at + length].astype(np.int64))
         row_lengths.append(length)
         at += length
     return tokens / (time.perf_counter() - start)
@@ -165,13 +165,20 @@ def run(cfg: Config) -> dict:
         pieces, capacity = pieces_of(lengths, seq_len + 1), seq_len + 1
         say("packing", f"{len(lengths)} documents, {int(lengths.sum())} tokens, {len(pieces)} pieces")
         try:
-            padding, notes = {"grain first fit": grain_padding(pieces, capacity, False),
-                              "grain best fit": grain_padding(pieces, capacity, True)}, []
+            padding, notes = (
+                {
+                    "grain first fit": grain_padding(pieces, capacity, False),
+                    "grain best fit": grain_padding(pieces, capacity, True),
+                },
+                [],
+            )
         except ImportError as err:  # a peer, not a dependency: the section runs without it, as the peers' does
-            padding, notes = {}, [f"Grain not run ({err}): pip install -e \".[peers]\" to compare its packers"]
+            padding, notes = {}, [f'Grain not run ({err}): pip install -e ".[peers]" to compare its packers']
             say("packing", notes[0])
-        padding |= {f"ours first fit, fill {FILL}": ours_padding(source, seq_len, "first_fit", FILL),
-                   **{f"ours best fit, fill {fill}": ours_padding(source, seq_len, "best_fit", fill) for fill in FILLS}}
+        padding |= {
+            f"ours first fit, fill {FILL}": ours_padding(source, seq_len, "first_fit", FILL),
+            **{f"ours best fit, fill {fill}": ours_padding(source, seq_len, "best_fit", fill) for fill in FILLS},
+        }
         long = float((lengths > capacity).mean())
         memmap = np.memmap(path, np.uint16, mode="r")
         candidates = {
@@ -188,21 +195,53 @@ def run(cfg: Config) -> dict:
     rows = [row(f"padding: {name} (R = {ROWS})", single(p["padding"]), "%", scale=100) for name, p in padding.items()]
     if "grain best fit" in padding:
         ours_best = padding[f"ours best fit, fill {FILL}"]["padding"] - padding["grain best fit"]["padding"]
-        rows.append(row(f"padding: ours best fit, fill {FILL} - Grain best fit", single(ours_best), "points",
-                        PADDING_TARGET, scale=100))
-    rows += [row(f"documents split: {name} (window edges + split to fit)",
-                 single(p["cut_at_window_edges"] + p["split_to_fit"]), "%", scale=100)
-             for name, p in padding.items() if name.startswith("ours")]
+        rows.append(
+            row(
+                f"padding: ours best fit, fill {FILL} - Grain best fit",
+                single(ours_best),
+                "points",
+                PADDING_TARGET,
+                scale=100,
+            )
+        )
+    rows += [
+        row(
+            f"documents split: {name} (window edges + split to fit)",
+            single(p["cut_at_window_edges"] + p["split_to_fit"]),
+            "%",
+            scale=100,
+        )
+        for name, p in padding.items()
+        if name.startswith("ours")
+    ]
     rows.append(row("documents longer than seq_len + 1 (cut into rows by both)", single(long), "%", scale=100))
-    rows += [row(f"packed tokens/s: {name} / {PLAIN}", ratio, "ratio",
-                 THROUGHPUT_TARGET if name.endswith("=R") else None) for name, ratio in speed["ratios"].items()]
+    rows += [
+        row(f"packed tokens/s: {name} / {PLAIN}", ratio, "ratio", THROUGHPUT_TARGET if name.endswith("=R") else None)
+        for name, ratio in speed["ratios"].items()
+    ]
     if "timed_out_s" not in memory:
         say("packing", f"{count(documents)} documents: +{memory['added_bytes'] / 1e6:.2f} MB")
-        rows.append(row(f"memory: resume a {count(documents)}-document packed source at its middle, one batch",
-                        single(memory["added_bytes"]), "MB", MEMORY_TARGET, scale=1e-6))
-    return {"seq_len": seq_len, "documents": len(lengths), "rows_per_window": ROWS, "fill": FILL,
-            "padding": padding, "longer_than_a_row": long, "throughput": speed, "memory": memory, "rows": rows,
-            "notes": notes}
+        rows.append(
+            row(
+                f"memory: resume a {count(documents)}-document packed source at its middle, one batch",
+                single(memory["added_bytes"]),
+                "MB",
+                MEMORY_TARGET,
+                scale=1e-6,
+            )
+        )
+    return {
+        "seq_len": seq_len,
+        "documents": len(lengths),
+        "rows_per_window": ROWS,
+        "fill": FILL,
+        "padding": padding,
+        "longer_than_a_row": long,
+        "throughput": speed,
+        "memory": memory,
+        "rows": rows,
+        "notes": notes,
+    }
 
 
 if __name__ == "__main__":

@@ -54,16 +54,22 @@ def _resume(figure, section: dict) -> None:
     series = {f"ours, N={count(section['n'])}": ([p["position"] for p in ours], [p["seconds"]["median"] for p in ours])}
     theirs = section["stateful"]
     series["StatefulDataLoader, N=2*position"] = (
-        [p["position"] for p in theirs], [p["values"]["StatefulDataLoader"]["median"] for p in theirs])
+        [p["position"] for p in theirs],
+        [p["values"]["StatefulDataLoader"]["median"] for p in theirs],
+    )
     _lines(ax, series, "resumed position", "load_state_dict -> first batch (s)", "symlog")
     ax.axhline(0.01, color="gray", linestyle="--", linewidth=0.8)
 
 
 def _memory(figure, section: dict) -> None:
     ax = figure.subplots()
-    series = {kind: ([p["n"] for p in points if "added_bytes" in p], [p["added_bytes"] / 1e6 for p in points
-                                                                       if "added_bytes" in p])
-              for kind, points in section["points"].items()}
+    series = {
+        kind: (
+            [p["n"] for p in points if "added_bytes" in p],
+            [p["added_bytes"] / 1e6 for p in points if "added_bytes" in p],
+        )
+        for kind, points in section["points"].items()
+    }
     _lines(ax, series, "N (samples in the epoch)", "peak RSS added (MB)")
     ax.axhline(1.0, color="gray", linestyle="--", linewidth=0.8)
 
@@ -74,9 +80,13 @@ def _bars(figure, section: dict) -> None:
 
 def _peers_resume(ax, section: dict) -> None:
     """Resume time against N, a line per system, up to where its budget stopped it."""
-    resume = {key: ([p["n"] for p in section["resume"]["points"] if key in p["values"]],
-                    [p["values"][key]["median"] for p in section["resume"]["points"] if key in p["values"]])
-              for key in section["exactly_once"]}
+    resume = {
+        key: (
+            [p["n"] for p in section["resume"]["points"] if key in p["values"]],
+            [p["values"][key]["median"] for p in section["resume"]["points"] if key in p["values"]],
+        )
+        for key in section["exactly_once"]
+    }
     _lines(ax, resume, "N (resumed at N/2)", "build + load -> first batch (s)")
 
 
@@ -86,17 +96,24 @@ def _peers(figure, section: dict) -> None:
     left, middle, right = figure.subplots(1, 3)
     keys = list(section["exactly_once"])
     _peers_resume(left, section)
-    memory = {key: ([p["n"] for p in points if "added_bytes" in p], [max(p["added_bytes"], 1e3) / 1e6 for p in points
-                                                                      if "added_bytes" in p])
-              for key, points in section["memory"].get("points", {}).items()}
+    memory = {
+        key: (
+            [p["n"] for p in points if "added_bytes" in p],
+            [max(p["added_bytes"], 1e3) / 1e6 for p in points if "added_bytes" in p],
+        )
+        for key, points in section["memory"].get("points", {}).items()
+    }
     _lines(middle, memory, "N (resumed at N/2)", "peak RSS added (MB, floor 1 kB)")
     cases = section["throughput"]
     width = 0.8 / max(1, len(keys))
     for i, key in enumerate(keys):
         medians = [case["ratios"].get(key, {}).get("median", 0.0) for case in cases]
         right.bar([c + i * width for c in range(len(cases))], medians, width, label=key)
-    right.set_xticks([c + 0.4 - width / 2 for c in range(len(cases))],
-                     [f"{case['kind']}\nworkers={case['num_workers']}" for case in cases], fontsize=7)
+    right.set_xticks(
+        [c + 0.4 - width / 2 for c in range(len(cases))],
+        [f"{case['kind']}\nworkers={case['num_workers']}" for case in cases],
+        fontsize=7,
+    )
     right.set_yscale("log")
     right.axhline(1.0, color="black", linewidth=0.8)
     right.set_ylabel("throughput / DataLoader")
@@ -105,9 +122,15 @@ def _peers(figure, section: dict) -> None:
 def _scale_seconds(ax, section: dict) -> None:
     points = section["points"]
     worlds = [p["world"] for p in points]
-    times = {name: (worlds, [p[key]["median"] for p in points]) for name, key in (
-        ("merge_states, lockstep", "merge_lockstep_s"), ("merge_states, uneven", "merge_uneven_s"),
-        ("validation of the merged state", "validate_s"), ("load + first batch, one rank", "load_s"))}
+    times = {
+        name: (worlds, [p[key]["median"] for p in points])
+        for name, key in (
+            ("merge_states, lockstep", "merge_lockstep_s"),
+            ("merge_states, uneven", "merge_uneven_s"),
+            ("validation of the merged state", "validate_s"),
+            ("load + first batch, one rank", "load_s"),
+        )
+    }
     _lines(ax, times, "world size W (ranks simulated)", "seconds (median)")
     ax.axhline(1.0, color="gray", linestyle="--", linewidth=0.8)
 
@@ -135,10 +158,14 @@ def _scale(figure, section: dict) -> None:
     costs = {}
     for protocol in ("every rank, every update", "turns"):
         costs[f"requests per step, {protocol}"] = (
-            ranks, [p[protocol]["requests_per_step"]["median"] for p in store["points"]])
+            ranks,
+            [p[protocol]["requests_per_step"]["median"] for p in store["points"]],
+        )
         costs[f"step (ms), {protocol}"] = (ranks, [p[protocol]["step_s"]["median"] * 1e3 for p in store["points"]])
-    costs["step (ms), the harness alone"] = (ranks, [p["none (the harness alone)"]["step_s"]["median"] * 1e3
-                                                     for p in store["points"]])
+    costs["step (ms), the harness alone"] = (
+        ranks,
+        [p["none (the harness alone)"]["step_s"]["median"] * 1e3 for p in store["points"]],
+    )
     _lines(right, costs, f"ranks simulated on {store['clients']:,} TCPStore clients", "lockstep check, per step")
 
 
@@ -146,9 +173,15 @@ def _holes(ax, section: dict) -> None:
     """State bytes against the holes a rank ahead leaves (section 3: two ranks, rank 0 ahead by k)."""
     cases = section["uneven"]
     holes = [max(1, c["intervals"]) for c in cases]
-    _lines(ax, {"a rank's state after resuming (JSON)": (holes, [c["state_bytes"]["json"] for c in cases]),
-                "merged state (JSON)": (holes, [c["merged_bytes"]["json"] for c in cases])},
-           "holes (intervals) in the committed progress", "bytes")
+    _lines(
+        ax,
+        {
+            "a rank's state after resuming (JSON)": (holes, [c["state_bytes"]["json"] for c in cases]),
+            "merged state (JSON)": (holes, [c["merged_bytes"]["json"] for c in cases]),
+        },
+        "holes (intervals) in the committed progress",
+        "bytes",
+    )
 
 
 _DRAW: dict[str, Callable] = {

@@ -46,9 +46,13 @@ def _header(results: dict) -> list[str]:
         "",
         f"Ratios are medians of per-round ratios of candidates run interleaved in one process ({cfg['reps']} rounds "
         f"after {cfg['warmup']} warm-up); the spread is their min - max. Targets are read, not asserted: where the "
-        "rounds' quartiles straddle a target, it reads \"not resolved\"."
-        + (" A smoke run (one repetition, tiny sizes) shows that the suite runs: its figures are not graded against "
-           "the targets." if results["mode"] == "smoke" else ""),
+        'rounds\' quartiles straddle a target, it reads "not resolved".'
+        + (
+            " A smoke run (one repetition, tiny sizes) shows that the suite runs: its figures are not graded against "
+            "the targets."
+            if results["mode"] == "smoke"
+            else ""
+        ),
     ] + (["", f"Note on this run: {note}"] if (note := results.get("note")) else [])
 
 

@@ -33,8 +33,14 @@ def _plan(cfg: Config, training: dict, resume: dict) -> dict:
     if "stateful_extrapolated_s" in resume:
         loads["StatefulDataLoader (t_load extrapolated)"] = resume["stateful_extrapolated_s"]["seconds"]
     plans = {name: replay_plan(s_done, s_ckpt, t_step, cfg.t_launch_s, t_load) for name, t_load in loads.items()}
-    inputs = {"s_done": s_done, "s_ckpt": s_ckpt, "t_step_s": t_step, "t_launch_s": cfg.t_launch_s,
-              "t_load_s": loads, "position": resume["ours"][-1]["position"]}
+    inputs = {
+        "s_done": s_done,
+        "s_ckpt": s_ckpt,
+        "t_step_s": t_step,
+        "t_launch_s": cfg.t_launch_s,
+        "t_load_s": loads,
+        "position": resume["ours"][-1]["position"],
+    }
     rows = [row(f"planned restart with {name}", single(seconds), "s") for name, seconds in plans.items()]
     return {"inputs": inputs, "plans_s": plans, "rows": rows}
 
@@ -55,5 +61,9 @@ def run(cfg: Config, training: dict, resume: dict) -> dict:
     if not cfg.measure_restart:
         return {"kind": "plan from measured inputs, not a measured restart", **plan}
     measured = _measured(cfg)
-    return {"kind": "plan from measured inputs, and a measured elastic restart", **plan, **measured,
-            "rows": plan["rows"] + measured["rows"]}
+    return {
+        "kind": "plan from measured inputs, and a measured elastic restart",
+        **plan,
+        **measured,
+        "rows": plan["rows"] + measured["rows"],
+    }

@@ -80,14 +80,21 @@ def run(cfg: Config) -> dict:
     stateful, stopped = _stateful_sweep(cfg)
     first, last = ours_points[0], ours_points[-1]
     rows = [
-        row(f"ours at position {count(p['position'])} of {count(cfg.resume_n)}", p["seconds"], "ms", LATENCY_TARGET,
-            scale=1e3)
+        row(
+            f"ours at position {count(p['position'])} of {count(cfg.resume_n)}",
+            p["seconds"],
+            "ms",
+            LATENCY_TARGET,
+            scale=1e3,
+        )
         for p in ours_points
     ]
     flat = single(last["seconds"]["median"] / first["seconds"]["median"])
     rows.append(row(f"ours at {count(last['position'])} / at {count(first['position'])}", flat, "ratio", FLAT_TARGET))
-    rows += [row(f"{THEIRS} / ours at {count(p['position'])} of {count(p['n'])}", p["ratios"][THEIRS], "ratio")
-             for p in stateful]
+    rows += [
+        row(f"{THEIRS} / ours at {count(p['position'])} of {count(p['n'])}", p["ratios"][THEIRS], "ratio")
+        for p in stateful
+    ]
     result = {"n": cfg.resume_n, "batch_size": BATCH, "ours": ours_points, "stateful": stateful, "stopped": stopped}
     if stateful:
         top = stateful[-1]
@@ -98,6 +105,11 @@ def run(cfg: Config) -> dict:
             "position": last["position"],
             "seconds": per_position * last["position"],
         }
-        rows.append(row(f"{THEIRS} at {count(last['position'])} (extrapolated, not measured)",
-                        single(per_position * last["position"]), "s"))
+        rows.append(
+            row(
+                f"{THEIRS} at {count(last['position'])} (extrapolated, not measured)",
+                single(per_position * last["position"]),
+                "s",
+            )
+        )
     return {**result, "rows": rows}

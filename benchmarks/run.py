@@ -54,20 +54,41 @@ SECTIONS: tuple[tuple[str, str, Callable[[Config], dict]], ...] = (
     ("memory", "5. Order memory (peak RSS added by the order and first batch)", memory.run),
     ("webdataset", "6. WebDataset (samples/s ratio to webdataset.WebDataset, sequential)", wds.run),
     ("tokens", "7. LM data (tokens/s ratio to a plain memmap loop; mixture memory and position cost)", tokens.run),
-    ("remote", "8. Remote shards on a loopback S3 endpoint (samples/s ratio to webdataset streaming them)",
-     wds_remote.run),
-    ("packing", "12. Document packing (padding against Grain's first and best fit, packed tokens/s against an in-order "
-     "loop, memory at 1e9 documents)", packing.run),
-    ("features", "13. Filters, batch-size ramps, token-budget batches (cost per batch against the same loader without "
-     "them, state bytes, padding against a best fit)", features.run),
+    (
+        "remote",
+        "8. Remote shards on a loopback S3 endpoint (samples/s ratio to webdataset streaming them)",
+        wds_remote.run,
+    ),
+    (
+        "packing",
+        "12. Document packing (padding against Grain's first and best fit, packed tokens/s against an in-order "
+        "loop, memory at 1e9 documents)",
+        packing.run,
+    ),
+    (
+        "features",
+        "13. Filters, batch-size ramps, token-budget batches (cost per batch against the same loader without "
+        "them, state bytes, padding against a best fit)",
+        features.run,
+    ),
 )
 RESTART_TITLE = "9. Restart budget (replay plans from measured inputs; a measured elastic restart)"
-PEERS = ("peers", "10. Peers side by side: samples skipped or duplicated by a resume, resume time, state, memory, "
-         "throughput", peers.run)
-SCALE = ("scale", "11. Data parallelism at scale (65,536 ranks simulated: merge, gather bytes, validation, load; "
-         "the lockstep check's store at 1,024 clients)", scale.run)
-PEERS_EXACT = ("peers-exact", "10. Peers, exactly once alone: samples skipped or duplicated by a resume, by identity "
-               "(counts only, no timings)", peers.run_exact)
+PEERS = (
+    "peers",
+    "10. Peers side by side: samples skipped or duplicated by a resume, resume time, state, memory, throughput",
+    peers.run,
+)
+SCALE = (
+    "scale",
+    "11. Data parallelism at scale (65,536 ranks simulated: merge, gather bytes, validation, load; "
+    "the lockstep check's store at 1,024 clients)",
+    scale.run,
+)
+PEERS_EXACT = (
+    "peers-exact",
+    "10. Peers, exactly once alone: samples skipped or duplicated by a resume, by identity (counts only, no timings)",
+    peers.run_exact,
+)
 OPT_IN = (PEERS, PEERS_EXACT, SCALE)  # run only when chosen with --sections
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -78,16 +99,26 @@ def _arguments(argv: list[str] | None) -> argparse.Namespace:
     mode.add_argument("--quick", action="store_true", help="a few minutes on 2 CPU cores")
     mode.add_argument("--smoke", action="store_true", help="seconds: tiny sizes, one repetition, no grading (CI)")
     only = parser.add_mutually_exclusive_group()
-    only.add_argument("--peers", action="store_true",
-                      help="only the peers section: other loaders side by side (pip install -e '.[peers]')")
-    only.add_argument("--sections", nargs="+", choices=[key for key, _, _ in SECTIONS + OPT_IN],
-                      help="run only these (the restart plan needs training and resume)")
+    only.add_argument(
+        "--peers",
+        action="store_true",
+        help="only the peers section: other loaders side by side (pip install -e '.[peers]')",
+    )
+    only.add_argument(
+        "--sections",
+        nargs="+",
+        choices=[key for key, _, _ in SECTIONS + OPT_IN],
+        help="run only these (the restart plan needs training and resume)",
+    )
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--out", type=Path, help="default: a temporary directory with --smoke, else benchmarks/results")
     parser.add_argument("--overwrite", action="store_true", help="replace the results published in benchmarks/results")
     parser.add_argument("--t-launch", type=float, default=10.0, help="relaunch seconds for the restart plan")
-    parser.add_argument("--note", help="a line on the run the environment does not record (the machine shared with "
-                                       "other work, say): kept in the JSON and shown under the table's header")
+    parser.add_argument(
+        "--note",
+        help="a line on the run the environment does not record (the machine shared with "
+        "other work, say): kept in the JSON and shown under the table's header",
+    )
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: torch.cuda.is_available() is False here")
@@ -106,8 +137,13 @@ def main(argv: list[str] | None = None) -> int:
     args = _arguments(argv)
     mode = "smoke" if args.smoke else "quick" if args.quick else "full"
     cfg = config_for(mode, args.device, args.t_launch)
-    results = {"mode": mode, "config": dataclasses.asdict(cfg), "environment": environment(args.device),
-               "note": args.note, "sections": {}}
+    results = {
+        "mode": mode,
+        "config": dataclasses.asdict(cfg),
+        "environment": environment(args.device),
+        "note": args.note,
+        "sections": {},
+    }
     sections = results["sections"]
     chosen = [s for s in SECTIONS + OPT_IN if s[0] in args.sections] if args.sections else SECTIONS
     with_restart = {"training", "resume"} <= {key for key, _, _ in chosen}

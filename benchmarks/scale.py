@@ -93,6 +93,7 @@ def _world(cfg: Config, world: int) -> dict:
 
 # -- the store ------------------------------------------------------------------------------------------------------
 
+
 class CountingStore:
     """A store client that counts the requests sent through it (one thread uses it at a time)."""
 
@@ -177,8 +178,11 @@ def _store(cfg: Config) -> dict:
         port = ports.get(timeout=60)
         start = time.perf_counter()
         with ThreadPoolExecutor(min(128, cfg.store_clients)) as pool:  # connections made one by one can stall
-            clients = list(pool.map(lambda _: CountingStore(dist.TCPStore("127.0.0.1", port, is_master=False)),
-                                    range(cfg.store_clients)))
+            clients = list(
+                pool.map(
+                    lambda _: CountingStore(dist.TCPStore("127.0.0.1", port, is_master=False)), range(cfg.store_clients)
+                )
+            )
         say("scale", f"{cfg.store_clients} store clients connected in {time.perf_counter() - start:.1f} s")
         points = []
         for world in cfg.store_ranks:
@@ -186,8 +190,11 @@ def _store(cfg: Config) -> dict:
             for protocol in PROTOCOLS:
                 point[protocol] = _steps(clients, world, cfg.store_steps + 1, protocol)
                 result = point[protocol]
-                say("scale", f"store, {world:,} ranks, {protocol}: {result['requests_per_step']['median']:,.0f} "
-                             f"requests and {result['step_s']['median'] * 1e3:.1f} ms a step")
+                say(
+                    "scale",
+                    f"store, {world:,} ranks, {protocol}: {result['requests_per_step']['median']:,.0f} "
+                    f"requests and {result['step_s']['median'] * 1e3:.1f} ms a step",
+                )
             points.append(point)
         return {"clients": cfg.store_clients, "steps": cfg.store_steps, "points": points}
     finally:
@@ -196,6 +203,7 @@ def _store(cfg: Config) -> dict:
 
 
 # -- the section ----------------------------------------------------------------------------------------------------
+
 
 def _exponent(points: list[dict], key: str) -> float:
     """How the time grows between the two largest W (1: linear, 2: quadratic), from each one's fastest run: the
@@ -224,15 +232,22 @@ def _rows(points: list[dict], store: dict) -> list[dict]:
     per_rank = largest["gather_bytes_per_rank"] / smallest["gather_bytes_per_rank"]
     rows = [
         row(f"merge_states, {w}, lockstep", largest["merge_lockstep_s"], "s", SECONDS_TARGET),
-        row(f"merge_states, {w}, {UPDATES}-{UPDATES + SPREAD} micro-batches each ({largest['intervals']:,} "
-            f"intervals)", largest["merge_uneven_s"], "s", SECONDS_TARGET),
+        row(
+            f"merge_states, {w}, {UPDATES}-{UPDATES + SPREAD} micro-batches each ({largest['intervals']:,} intervals)",
+            largest["merge_uneven_s"],
+            "s",
+            SECONDS_TARGET,
+        ),
         row(f"validation of that merged state, {w}", largest["validate_s"], "s", SECONDS_TARGET),
         row(f"load + first batch on one rank, {w}", largest["load_s"], "s", SECONDS_TARGET),
-        row(f"merge time growth exponent (fastest runs), uneven, W={points[-2]['world']:,} -> {largest['world']:,} "
+        row(
+            f"merge time growth exponent (fastest runs), uneven, W={points[-2]['world']:,} -> {largest['world']:,} "
             f"(1: linear)",
-            single(_exponent(points, "merge_uneven_s")), "exponent", "<= 1.3"),
-        row(f"gather bytes per rank (detached, holes in the base), {w}", single(largest["gather_bytes_per_rank"]),
-            "B"),
+            single(_exponent(points, "merge_uneven_s")),
+            "exponent",
+            "<= 1.3",
+        ),
+        row(f"gather bytes per rank (detached, holes in the base), {w}", single(largest["gather_bytes_per_rank"]), "B"),
         row(f"gather bytes per rank, {w} / W={smallest['world']:,}", single(per_rank), "ratio", "<= 1.1"),
         row(f"merged state bytes, {w}, uneven", single(largest["merged_bytes"]["uneven"]), "B"),
     ]
@@ -240,12 +255,23 @@ def _rows(points: list[dict], store: dict) -> list[dict]:
         rows += _store_rows(point)
     exact = store["points"][-1][PROTOCOLS[1]]  # the most requests per step: the store's rate under load
     rows += [
-        row(f"store requests/s served, {store['clients']:,} client threads, {store['points'][-1]['ranks']:,} ranks "
-            f"every update", single(exact["requests_per_s"]), "requests/s"),
-        row("store time per step at 65,536 ranks, every rank every update (65,536 requests at that rate)",
-            single(65_536 / exact["requests_per_s"]), "s"),
-        row(f"store time per step at any W, turns ({EXACT} requests at most, at that rate)",
-            single(EXACT / exact["requests_per_s"]), "ms", scale=1e3),
+        row(
+            f"store requests/s served, {store['clients']:,} client threads, {store['points'][-1]['ranks']:,} ranks "
+            f"every update",
+            single(exact["requests_per_s"]),
+            "requests/s",
+        ),
+        row(
+            "store time per step at 65,536 ranks, every rank every update (65,536 requests at that rate)",
+            single(65_536 / exact["requests_per_s"]),
+            "s",
+        ),
+        row(
+            f"store time per step at any W, turns ({EXACT} requests at most, at that rate)",
+            single(EXACT / exact["requests_per_s"]),
+            "ms",
+            scale=1e3,
+        ),
     ]
     return rows
 
@@ -253,5 +279,12 @@ def _rows(points: list[dict], store: dict) -> list[dict]:
 def run(cfg: Config) -> dict:
     points = [_world(cfg, world) for world in cfg.scale_worlds]
     store = _store(cfg)
-    return {"n": N, "batch_size": BATCH, "updates": UPDATES, "spread": SPREAD, "points": points, "store": store,
-            "rows": _rows(points, store)}
+    return {
+        "n": N,
+        "batch_size": BATCH,
+        "updates": UPDATES,
+        "spread": SPREAD,
+        "points": points,
+        "store": store,
+        "rows": _rows(points, store),
+    }

@@ -57,14 +57,19 @@ def _ablated(part: str | None) -> Callable[..., DataLoader]:
             rng.RngWatch.state = lambda self: _CHECK(self) if self._raw is None else rng.UNCHANGED
         elif part == "snapshot":
             stream_source._Batches.snapshot = lambda self, ended: (
-                _SNAPSHOT(self, ended) if ended or self.count < 2 else _CONSTANT)
+                _SNAPSHOT(self, ended) if ended or self.count < 2 else _CONSTANT
+            )
         return ours(dataset, **kwargs)
 
     return make
 
 
-CANDIDATES = {"DataLoader": DataLoader, "ours": _ablated(None), "ours-rng": _ablated("rng"),
-              "ours-snapshot": _ablated("snapshot")}
+CANDIDATES = {
+    "DataLoader": DataLoader,
+    "ours": _ablated(None),
+    "ours-rng": _ablated("rng"),
+    "ours-snapshot": _ablated("snapshot"),
+}
 
 
 def _thread_ns(pids: list[int]) -> np.ndarray:
@@ -126,8 +131,13 @@ def main() -> None:
     for name, values in samples.items():
         values = np.array(values)
         median, difference = np.median(values, axis=0), np.median(values - base, axis=0)
-        print(f"{name:14s} " + " | ".join(f"{m:7.1f}" for m in median) + " ; "
-              + " | ".join(f"{d:+6.1f}" for d in difference) + f" ; total {difference.sum():+6.1f}")
+        print(
+            f"{name:14s} "
+            + " | ".join(f"{m:7.1f}" for m in median)
+            + " ; "
+            + " | ".join(f"{d:+6.1f}" for d in difference)
+            + f" ; total {difference.sum():+6.1f}"
+        )
 
 
 if __name__ == "__main__":

@@ -54,8 +54,9 @@ def rate(candidate: Candidate, dataset, **kwargs) -> float:
     return rates(candidate, dataset, **kwargs)["wall"]
 
 
-def timed_pass(batches: Iterator, num_workers: int, name: str,
-               count: Callable[[Any], int] = batch_len) -> dict[str, float]:
+def timed_pass(
+    batches: Iterator, num_workers: int, name: str, count: Callable[[Any], int] = batch_len
+) -> dict[str, float]:
     """Samples (what `count` counts of a batch: 1 for batches) per wall-clock second and per CPU second (this process
     and its child processes: the workers) of the rest of a pass once each of `num_workers` workers delivered its
     first batch, up to the arrival of the last batch. What a loader does after it (the end of the pass:
@@ -134,8 +135,17 @@ def _case(cfg: Config, cost: str, busy_us: float, num_workers: int, stream: bool
     candidates = {c.name: partial(rates, c, dataset, **kwargs) for c in CANDIDATES + controls}
     load = os.getloadavg()[0]
     result = compare_each(candidates, TORCH.name, cfg.reps, cfg.warmup, f"throughput {label}", RATES)
-    case = {"label": label, "busy_us": busy_us, "dataset_size": size, "stream": stream, "graded": not crowded,
-            "load_average": [load, os.getloadavg()[0]], **kwargs, **result["wall"], "per_cpu_second": result["cpu"]}
+    case = {
+        "label": label,
+        "busy_us": busy_us,
+        "dataset_size": size,
+        "stream": stream,
+        "graded": not crowded,
+        "load_average": [load, os.getloadavg()[0]],
+        **kwargs,
+        **result["wall"],
+        "per_cpu_second": result["cpu"],
+    }
     if crowded:
         measured = (TORCH, TORCH_AGAIN, OURS_CHECKPOINTING)
         costs = {c.name: partial(cpu_per_batch, c, dataset, **kwargs) for c in measured}
@@ -152,8 +162,12 @@ def ratio_rows(case: dict, baseline: str, target: str) -> Iterator[dict]:
     (baseline's / the candidate's: above 1 is cheaper)."""
     for name, ratio in case["ratios"].items():
         ours = name.startswith(OURS.name)
-        yield row(f"{case['label']}: {name} / {baseline}", ratio, "ratio",
-                  target if ours and case.get("graded", True) else None)
+        yield row(
+            f"{case['label']}: {name} / {baseline}",
+            ratio,
+            "ratio",
+            target if ours and case.get("graded", True) else None,
+        )
     for name, ratio in case.get("per_cpu_second", {}).get("ratios", {}).items():
         ours = name.startswith(OURS.name)
         yield row(f"{case['label']}: {name} / {baseline}, per CPU second", ratio, "ratio", target if ours else None)
@@ -163,7 +177,11 @@ def ratio_rows(case: dict, baseline: str, target: str) -> Iterator[dict]:
 
 def run(cfg: Config) -> dict:
     costs = (("cheap", 0.0), ("expensive", cfg.busy_us))
-    cases = [_case(cfg, cost, busy_us, workers, stream) for stream in (False, True) for cost, busy_us in costs
-             for workers in cfg.workers]
+    cases = [
+        _case(cfg, cost, busy_us, workers, stream)
+        for stream in (False, True)
+        for cost, busy_us in costs
+        for workers in cfg.workers
+    ]
     rows = [r for case in cases for r in ratio_rows(case, TORCH.name, STREAM_TARGET if case["stream"] else OURS_TARGET)]
     return {"cases": cases, "rows": rows}

@@ -85,8 +85,9 @@ def interleave(
                 value = _without_gc(candidates[name])
                 done += 1
                 bar.update()
-                shown = (", ".join(f"{k} {v:.4g}" for k, v in value.items()) if isinstance(value, dict)
-                         else f"{value:.4g}")
+                shown = (
+                    ", ".join(f"{k} {v:.4g}" for k, v in value.items()) if isinstance(value, dict) else f"{value:.4g}"
+                )
                 say(section, f"{name} {tag}: {shown} {unit} ({done}/{total})")
                 if round_ >= warmup:
                     samples[name].append(value)
@@ -104,9 +105,7 @@ def ratio_of(result: dict, numerator: str, denominator: str) -> dict:
     return summary([a / b for a, b in zip(samples[numerator], samples[denominator])])
 
 
-def compare(
-    candidates: Mapping[str, Measure], baseline: str, reps: int, warmup: int, section: str, unit: str
-) -> dict:
+def compare(candidates: Mapping[str, Measure], baseline: str, reps: int, warmup: int, section: str, unit: str) -> dict:
     """Interleave the candidates; summarise each one and its per-round ratio to the baseline (candidate / baseline)."""
     return _result(interleave(candidates, reps, warmup, section, unit), baseline, unit)
 
@@ -117,8 +116,10 @@ def compare_each(
     """`compare` of candidates that measure several things in one run (`units`: each one's unit): one result per
     measurement, all from the same interleaved rounds, so their per-round ratios pair up."""
     samples = interleave(candidates, reps, warmup, section, "; ".join(units.values()))
-    return {key: _result({name: [one[key] for one in values] for name, values in samples.items()}, baseline, unit)
-            for key, unit in units.items()}
+    return {
+        key: _result({name: [one[key] for one in values] for name, values in samples.items()}, baseline, unit)
+        for key, unit in units.items()
+    }
 
 
 def _result(samples: dict[str, list[float]], baseline: str, unit: str) -> dict:

@@ -84,7 +84,7 @@ def plain_loop(batches: Pairs, seq_len: int) -> float:
     """Tokens/s of the limit: slice, cast, stack, for the given samples."""
     start, tokens = time.perf_counter(), 0
     for batch in batches:
-        tokens += torch.stack([torch.from_numpy(m[o:o + seq_len + 1].astype(np.int64)) for m, o in batch]).numel()
+        tokens += torch.stack([torch.from_numpy(m[o : o + seq_len + 1].astype(np.int64)) for m, o in batch]).numel()
     return tokens / (time.perf_counter() - start)
 
 
@@ -100,10 +100,10 @@ def through(make_loader) -> float:
 
 def _compare(cfg: Config, label: str, dataset, shuffle: bool, pairs: list[tuple[np.ndarray, int]], batch: int) -> dict:
     """Our loader, torch's and the plain loop over the same samples; ratios to the plain loop."""
-    batches = [pairs[k:k + batch] for k in range(batch, len(pairs) // batch * batch, batch)]  # after the first
+    batches = [pairs[k : k + batch] for k in range(batch, len(pairs) // batch * batch, batch)]  # after the first
     kwargs = dict(batch_size=batch, shuffle=shuffle, drop_last=True)
     first = next(iter(ours(dataset, **kwargs)))
-    expected = torch.stack([torch.from_numpy(m[o:o + cfg.seq_len + 1].astype(np.int64)) for m, o in pairs[:batch]])
+    expected = torch.stack([torch.from_numpy(m[o : o + cfg.seq_len + 1].astype(np.int64)) for m, o in pairs[:batch]])
     assert torch.equal(first, expected), "the plain loop would read other samples than the loader"
     candidates = {
         PLAIN: partial(plain_loop, batches, cfg.seq_len),
@@ -112,8 +112,10 @@ def _compare(cfg: Config, label: str, dataset, shuffle: bool, pairs: list[tuple[
     }
     result = compare(candidates, PLAIN, cfg.reps, cfg.warmup, f"tokens {label}", "tokens/s")
     graded = batch >= TARGET_FROM_BATCH
-    rows = [row(f"{label}: {name} / {PLAIN}", ratio, "ratio", TARGET if name == OURS and graded else None)
-            for name, ratio in result["ratios"].items()]
+    rows = [
+        row(f"{label}: {name} / {PLAIN}", ratio, "ratio", TARGET if name == OURS and graded else None)
+        for name, ratio in result["ratios"].items()
+    ]
     return {"label": label, "batch_size": batch, "samples": len(pairs), **result, "rows": rows}
 
 
@@ -148,7 +150,7 @@ def cpu_per_call(fn: Callable[[], object], calls: int) -> float:
 def plain_batches(pairs: list[tuple[np.ndarray, int]], batch: int, seq_len: int):
     """The plain loop's batches: nanoGPT's get_batch for the given samples."""
     for k in range(0, len(pairs) - batch + 1, batch):
-        yield torch.stack([torch.from_numpy(m[o:o + seq_len + 1].astype(np.int64)) for m, o in pairs[k:k + batch]])
+        yield torch.stack([torch.from_numpy(m[o : o + seq_len + 1].astype(np.int64)) for m, o in pairs[k : k + batch]])
 
 
 def loader_batches(dataset, shuffle: bool, batch: int, count: int):
@@ -168,12 +170,13 @@ def graded(what: str, stats: dict, target: str) -> dict:
     return result
 
 
-def _overhead(cfg: Config, label: str, dataset, shuffle: bool, pairs: list[tuple[np.ndarray, int]],
-              seq_len: int, batch: int) -> dict:
+def _overhead(
+    cfg: Config, label: str, dataset, shuffle: bool, pairs: list[tuple[np.ndarray, int]], seq_len: int, batch: int
+) -> dict:
     """CPU per batch of ours and of the plain loop over the same samples, interleaved; the overhead per round
     (graded at OVERHEAD_BATCH) and the tokens/s ratio on CPU time (graded from TARGET_FROM_BATCH)."""
     count = min(OVERHEAD_BATCHES, len(pairs) // batch - 1)
-    plain = pairs[batch:(count + 1) * batch]  # the loader's batches after its first
+    plain = pairs[batch : (count + 1) * batch]  # the loader's batches after its first
     candidates = {
         PLAIN: lambda: cpu_per_batch(plain_batches(plain, batch, seq_len)),
         OURS: lambda: cpu_per_batch(loader_batches(dataset, shuffle, batch, count)),
@@ -186,13 +189,26 @@ def _overhead(cfg: Config, label: str, dataset, shuffle: bool, pairs: list[tuple
     overhead = summary([a - b for a, b in zip(samples[OURS], samples[PLAIN])])
     shape = f"{label}, batch {batch} x {seq_len + 1}"
     what = f"{shape}: CPU per batch, {OURS} - {PLAIN}"
-    rows = [graded(what, overhead, OVERHEAD_TARGET) if batch == OVERHEAD_BATCH else row(what, overhead, "us",
-                                                                                         scale=1e6),
-            row(f"{shape}: CPU per batch, {PLAIN}", result["values"][PLAIN], "us", scale=1e6),
-            row(f"{shape}: tokens/s on CPU time, {OURS} / {PLAIN}", ratio_of(result, PLAIN, OURS), "ratio",
-                TARGET if batch >= TARGET_FROM_BATCH else None)]
-    return {"label": label, "batch_size": batch, "seq_len": seq_len, "batches": count, **result,
-            "overhead": overhead, "load_average": load, "rows": rows}
+    rows = [
+        graded(what, overhead, OVERHEAD_TARGET) if batch == OVERHEAD_BATCH else row(what, overhead, "us", scale=1e6),
+        row(f"{shape}: CPU per batch, {PLAIN}", result["values"][PLAIN], "us", scale=1e6),
+        row(
+            f"{shape}: tokens/s on CPU time, {OURS} / {PLAIN}",
+            ratio_of(result, PLAIN, OURS),
+            "ratio",
+            TARGET if batch >= TARGET_FROM_BATCH else None,
+        ),
+    ]
+    return {
+        "label": label,
+        "batch_size": batch,
+        "seq_len": seq_len,
+        "batches": count,
+        **result,
+        "overhead": overhead,
+        "load_average": load,
+        "rows": rows,
+    }
 
 
 def _fetch_only(dataset, batch_ids: list[int]) -> Callable[[], object]:
@@ -235,7 +251,7 @@ def _breakdown(cfg: Config, label: str, dataset, shuffle: bool, seq_len: int) ->
             else:
                 tokens = src._files[files[0]].array()
                 for r, offset in zip(rows, offsets):
-                    out[r] = tokens[offset:offset + seq_len + 1]
+                    out[r] = tokens[offset : offset + seq_len + 1]
 
     batch = collate(Rows(torch.from_numpy(out)))
     sampler = iter(ResumableSampler(Order(10**12, 0, "global" if shuffle else "none"), Layout(1, 1, 8, False), 0))
@@ -246,27 +262,31 @@ def _breakdown(cfg: Config, label: str, dataset, shuffle: bool, seq_len: int) ->
             pass
 
     parts = {
-        "torch's record_function around next() (torch's iterator; the loader skips it unless a profiler runs)":
-            record_function,
-        "torch's fetcher + the loader's collate around __getitems__ (a source without batch_reader)":
-            _fetch_only(dataset, ids),
+        (
+            "torch's record_function around next() (torch's iterator; the loader skips it unless a profiler runs)"
+        ): record_function,
+        "torch's fetcher + the loader's collate around __getitems__ (a source without batch_reader)": _fetch_only(
+            dataset, ids
+        ),
         "the sampler: the next index list": partial(next, sampler),
         "locating the samples (file, offset)" + (": Mixture._shares" if mixture else ""): locate,
         "file checks (size before, state after, per file read)": checks,
         "copies into the batch (numpy)": copies,
-        "Rows of the batch + collate (torch.from_numpy, unbind; a source without batch_reader)":
-            lambda: collate(Rows(torch.from_numpy(out))),
+        "Rows of the batch + collate (torch.from_numpy, unbind; a source without batch_reader)": lambda: collate(
+            Rows(torch.from_numpy(out))
+        ),
         "progress and metrics (_deliver)": lambda: loader._deliver(time.perf_counter(), batch),
-        "the source's whole read (its batch_reader, else __getitems__)":
-            partial(batch_reader(dataset) or dataset.__getitems__, ids),
+        "the source's whole read (its batch_reader, else __getitems__)": partial(
+            batch_reader(dataset) or dataset.__getitems__, ids
+        ),
     }
     calls = max(10, int(cfg.min_call_s * 1e5))  # ~2000 in a quick run: milliseconds of CPU per measurement
     rows = []
     for what, fn in parts.items():
-        stats = measure(what, partial(cpu_per_call, fn, calls), cfg.reps, cfg.warmup, f"tokens breakdown {label}",
-                        "CPU s")
-        rows.append(row(f"{label}, batch {OVERHEAD_BATCH} x {seq_len + 1}, per batch: {what}", stats, "us",
-                        scale=1e6))
+        stats = measure(
+            what, partial(cpu_per_call, fn, calls), cfg.reps, cfg.warmup, f"tokens breakdown {label}", "CPU s"
+        )
+        rows.append(row(f"{label}, batch {OVERHEAD_BATCH} x {seq_len + 1}, per batch: {what}", stats, "us", scale=1e6))
     return rows
 
 
@@ -294,17 +314,29 @@ def _mapping_costs(cfg: Config, paths: list[Path]) -> list[dict]:
     scattered = rng.integers(0, cfg.mixture_positions, 64)
     in_order = [list(range(p, p + 8)) for p in range(middle, middle + 4 * BLOCK, 8)]  # 4 blocks: refills included
     cases = {
-        f"plan.locate of a block of {BLOCK} positions in order (what the cache computes)":
-            (lambda: mix.plan.locate(np.arange(middle, middle + BLOCK)), BLOCK),
-        "plan.locate of 64 scattered positions (a shuffled mixture: no cache)":
-            (lambda: mix.plan.locate(scattered), 64),
-        "Mixture.locate of batches of 8 positions in order (through the cache)":
-            (lambda: [mix.locate(batch) for batch in in_order], 8 * len(in_order)),
+        f"plan.locate of a block of {BLOCK} positions in order (what the cache computes)": (
+            lambda: mix.plan.locate(np.arange(middle, middle + BLOCK)),
+            BLOCK,
+        ),
+        "plan.locate of 64 scattered positions (a shuffled mixture: no cache)": (
+            lambda: mix.plan.locate(scattered),
+            64,
+        ),
+        "Mixture.locate of batches of 8 positions in order (through the cache)": (
+            lambda: [mix.locate(batch) for batch in in_order],
+            8 * len(in_order),
+        ),
     }
     points = []
     for what, (work, positions) in cases.items():
-        stats = measure(what, lambda: per_call(work, cfg.min_call_s) / positions * 1e9, cfg.reps, cfg.warmup,  # noqa: B023
-                        "tokens position -> (source, index)", "ns")
+        stats = measure(
+            what,
+            lambda: per_call(work, cfg.min_call_s) / positions * 1e9,  # noqa: B023 - called in this iteration
+            cfg.reps,
+            cfg.warmup,
+            "tokens position -> (source, index)",
+            "ns",
+        )
         points.append({"what": what, "ns_per_position": stats})
     return points
 
@@ -321,8 +353,12 @@ def _overheads(cfg: Config, paths: list[Path]) -> list[dict]:
     cases = []
     for label, dataset, shuffle, pairs in (
         ("TokenSource, shuffled", sources[0], True, [(memmaps[0], i * seq_len) for i in order.tolist()]),
-        ("Mixture of 3 TokenSources", mix, False,
-         [(memmaps[s], i * seq_len) for s, i in zip(source.tolist(), index.tolist())]),
+        (
+            "Mixture of 3 TokenSources",
+            mix,
+            False,
+            [(memmaps[s], i * seq_len) for s, i in zip(source.tolist(), index.tolist())],
+        ),
     ):
         for batch in sorted({OVERHEAD_BATCH, *(b for b in cfg.token_batch_sizes if b >= TARGET_FROM_BATCH)}):
             cases.append(_overhead(cfg, label, dataset, shuffle, pairs, seq_len, batch))
@@ -344,8 +380,15 @@ def run(cfg: Config) -> dict:
         memory = None
     else:
         say("tokens", f"mixture of {count(cfg.mixture_positions)} positions: +{memory['added_bytes'] / 1e6:.2f} MB")
-        rows.append(row(f"memory: resume a {count(cfg.mixture_positions)}-position mixture at its middle, one batch",
-                        single(memory["added_bytes"]), "MB", MEMORY_TARGET, scale=1e-6))
+        rows.append(
+            row(
+                f"memory: resume a {count(cfg.mixture_positions)}-position mixture at its middle, one batch",
+                single(memory["added_bytes"]),
+                "MB",
+                MEMORY_TARGET,
+                scale=1e-6,
+            )
+        )
     rows += [row(f"position -> (source, index): {p['what']}", p["ns_per_position"], "ns") for p in mapping]
     shape = {"seq_len": cfg.seq_len, "tokens_per_source": cfg.tokens_per_source, "weights": dict(zip(NAMES, WEIGHTS))}
     return {**shape, "overhead": overheads, "cases": cases, "memory": memory, "mapping": mapping, "rows": rows}

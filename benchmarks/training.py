@@ -92,8 +92,12 @@ def _run(cfg: Config) -> dict:
     candidates.update({c.name: partial(_with_loader, trainer, c, dataset, **kwargs) for c in CANDIDATES})
     if cuda:  # pinned memory on (above) and off: what the copy to the device costs each loader
         unpinned = {**kwargs, "pin_memory": False}
-        candidates.update({f"{c.name}, {UNPINNED}": partial(_with_loader, trainer, c, dataset, **unpinned)
-                           for c in (TORCH, OURS_CHECKPOINTING)})
+        candidates.update(
+            {
+                f"{c.name}, {UNPINNED}": partial(_with_loader, trainer, c, dataset, **unpinned)
+                for c in (TORCH, OURS_CHECKPOINTING)
+            }
+        )
     result = compare(candidates, RESIDENT, cfg.reps, cfg.warmup, "training", "s/step")
     rows = [
         row(f"{name} step / limit", ratio, "ratio", TARGET if cuda and name == OURS_CHECKPOINTING.name else None)

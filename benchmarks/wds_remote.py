@@ -81,8 +81,9 @@ def _case(cfg: Config, signed: list[str], remote, local, cache_dir: str, num_wor
 def _downloaded_per_epoch(cfg: Config, source, cache_dir: str, dataset_bytes: int) -> list[float]:
     """Bytes downloaded in each of two epochs (the first from a cold cache) / the dataset's bytes."""
     _clear_copies(cache_dir)
-    loader = ours(source, batch_size=cfg.batch_size, shuffle=True, shuffle_blocks=source.shard_sizes,
-                  num_workers=max(cfg.workers))
+    loader = ours(
+        source, batch_size=cfg.batch_size, shuffle=True, shuffle_blocks=source.shard_sizes, num_workers=max(cfg.workers)
+    )
     ratios = []
     for _ in range(2):
         before = source.cache_stats().get("downloaded_bytes", 0)
@@ -101,8 +102,16 @@ def _downloaded_per_node(cfg: Config, nodes: list[tuple], dataset_bytes: int, la
     for rank, (source, cache_dir) in enumerate(nodes):
         _clear_copies(cache_dir)
         before = source.cache_stats().get("downloaded_bytes", 0)
-        loader = ours(source, batch_size=cfg.batch_size, shuffle=True, shuffle_blocks=source.shard_sizes,
-                      num_workers=max(cfg.workers), rank=rank, world_size=NODES, lanes=lanes)
+        loader = ours(
+            source,
+            batch_size=cfg.batch_size,
+            shuffle=True,
+            shuffle_blocks=source.shard_sizes,
+            num_workers=max(cfg.workers),
+            rank=rank,
+            world_size=NODES,
+            lanes=lanes,
+        )
         for _ in loader:
             pass
         shares.append((source.cache_stats()["downloaded_bytes"] - before) * NODES / dataset_bytes)
@@ -118,8 +127,9 @@ def run(cfg: Config) -> dict:
 
     with tempfile.TemporaryDirectory(prefix="loader-bench-remote-") as directory, moto_server() as endpoint:
         os.makedirs(os.path.join(directory, "shards"))
-        local_urls = write_shards(os.path.join(directory, "shards"), cfg.shards, cfg.samples_per_shard,
-                                  cfg.sample_bytes)
+        local_urls = write_shards(
+            os.path.join(directory, "shards"), cfg.shards, cfg.samples_per_shard, cfg.sample_bytes
+        )
         options = s3_options(endpoint)
         fs, _ = fsspec.url_to_fs("s3://bench", **options)
         upload(fs, os.path.join(directory, "shards"), "bench")
@@ -130,36 +140,87 @@ def run(cfg: Config) -> dict:
         cached = max(PREFETCH + 2, 2 * (max(cfg.workers) - 1) + 1)  # the smallest accepted: see WebDatasetSource
         limit = cached * (-(-max(sizes) // 4096) + 1) * 4096 + 2 * 4096  # a copy in whole blocks, and its checksum
         start = time.perf_counter()
-        remote = WebDatasetSource([f"s3://bench/{name}" for name in names], decode=autodecode.Decoder([]),
-                                  keys=KEYS, storage_options=options, cache_dir=cache_dir, cache_limit=limit,
-                                  prefetch=PREFETCH, progress=False)
+        remote = WebDatasetSource(
+            [f"s3://bench/{name}" for name in names],
+            decode=autodecode.Decoder([]),
+            keys=KEYS,
+            storage_options=options,
+            cache_dir=cache_dir,
+            cache_limit=limit,
+            prefetch=PREFETCH,
+            progress=False,
+        )
         index_s = time.perf_counter() - start
         index_bytes = remote.cache_stats()["index_bytes"]
         local = WebDatasetSource(local_urls, decode=autodecode.Decoder([]), keys=KEYS, progress=False)
         cases = [_case(cfg, signed, remote, local, cache_dir, workers) for workers in cfg.workers]
         per_epoch = _downloaded_per_epoch(cfg, remote, cache_dir, dataset_bytes)
-        nodes = [(WebDatasetSource([f"s3://bench/{name}" for name in names], decode=autodecode.Decoder([]), keys=KEYS,
-                                   storage_options=options, cache_dir=node_dir, cache_limit=limit, prefetch=PREFETCH,
-                                   progress=False), node_dir)
-                 for node_dir in (os.path.join(directory, f"node{r}") for r in range(NODES))]
+        nodes = [
+            (
+                WebDatasetSource(
+                    [f"s3://bench/{name}" for name in names],
+                    decode=autodecode.Decoder([]),
+                    keys=KEYS,
+                    storage_options=options,
+                    cache_dir=node_dir,
+                    cache_limit=limit,
+                    prefetch=PREFETCH,
+                    progress=False,
+                ),
+                node_dir,
+            )
+            for node_dir in (os.path.join(directory, f"node{r}") for r in range(NODES))
+        ]
         per_node = {lanes: _downloaded_per_node(cfg, nodes, dataset_bytes, lanes) for lanes in (NODES, None)}
     rows = []
     for case in cases:
         for name, ratio in case["ratios"].items():
-            rows.append(row(f"{case['label']}: {name} / {STREAM.name}", ratio, "ratio",
-                            TARGET if name == OURS_REMOTE.name else None))
+            rows.append(
+                row(
+                    f"{case['label']}: {name} / {STREAM.name}",
+                    ratio,
+                    "ratio",
+                    TARGET if name == OURS_REMOTE.name else None,
+                )
+            )
     cache_label = f"cache_limit {cached} shards, {cfg.shards} shards, workers={max(cfg.workers)}"
-    rows.append(row(f"bytes downloaded, epoch 1 (cold cache) / dataset bytes, {cache_label}", single(per_epoch[0]),
-                    "ratio", BYTES_TARGET))
-    rows.append(row(f"bytes downloaded, epoch 2 / dataset bytes, {cache_label}", single(per_epoch[1]), "ratio",
-                    BYTES_TARGET))
-    rows.append(row("bytes read by ranged requests to index / dataset bytes", single(index_bytes / dataset_bytes),
-                    "ratio"))
+    rows.append(
+        row(
+            f"bytes downloaded, epoch 1 (cold cache) / dataset bytes, {cache_label}",
+            single(per_epoch[0]),
+            "ratio",
+            BYTES_TARGET,
+        )
+    )
+    rows.append(
+        row(f"bytes downloaded, epoch 2 / dataset bytes, {cache_label}", single(per_epoch[1]), "ratio", BYTES_TARGET)
+    )
+    rows.append(
+        row("bytes read by ranged requests to index / dataset bytes", single(index_bytes / dataset_bytes), "ratio")
+    )
     for lanes, shares in per_node.items():
-        rows.append(row(f"bytes downloaded per node, epoch / node's share, {NODES} nodes, lanes={lanes}, "
-                        f"{cache_label}", single(max(shares)), "ratio", NODE_TARGET if lanes else None))
-    shape = {"shards": cfg.shards, "samples_per_shard": cfg.samples_per_shard, "sample_bytes": cfg.sample_bytes,
-             "dataset_bytes": dataset_bytes, "cache_limit": limit, "prefetch": PREFETCH}
-    return {**shape, "index_build_s": index_s, "index_bytes": index_bytes, "downloaded_per_epoch": per_epoch,
-            "downloaded_per_node_share": {str(lanes): shares for lanes, shares in per_node.items()},
-            "cases": cases, "rows": rows}
+        rows.append(
+            row(
+                f"bytes downloaded per node, epoch / node's share, {NODES} nodes, lanes={lanes}, {cache_label}",
+                single(max(shares)),
+                "ratio",
+                NODE_TARGET if lanes else None,
+            )
+        )
+    shape = {
+        "shards": cfg.shards,
+        "samples_per_shard": cfg.samples_per_shard,
+        "sample_bytes": cfg.sample_bytes,
+        "dataset_bytes": dataset_bytes,
+        "cache_limit": limit,
+        "prefetch": PREFETCH,
+    }
+    return {
+        **shape,
+        "index_build_s": index_s,
+        "index_bytes": index_bytes,
+        "downloaded_per_epoch": per_epoch,
+        "downloaded_per_node_share": {str(lanes): shares for lanes, shares in per_node.items()},
+        "cases": cases,
+        "rows": rows,
+    }

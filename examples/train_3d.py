@@ -67,10 +67,12 @@ def build_mesh(args, device: torch.device):
     world = dist.get_world_size()
     shard = args.dp_shard if args.dp_shard > 0 else world // (args.dp_replicate * args.tp)
     if args.dp_replicate * shard * args.tp != world:
-        raise SystemExit(f"--dp-replicate {args.dp_replicate} x --dp-shard {shard} x --tp {args.tp} is not the "
-                         f"world size {world}")
-    return init_device_mesh(device.type, (args.dp_replicate, shard, args.tp),
-                            mesh_dim_names=("dp_replicate", "dp_shard", "tp"))
+        raise SystemExit(
+            f"--dp-replicate {args.dp_replicate} x --dp-shard {shard} x --tp {args.tp} is not the world size {world}"
+        )
+    return init_device_mesh(
+        device.type, (args.dp_replicate, shard, args.tp), mesh_dim_names=("dp_replicate", "dp_shard", "tp")
+    )
 
 
 def build_model(world_mesh, device: torch.device) -> torch.nn.Module:
@@ -102,11 +104,13 @@ def train(args) -> None:
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
     accum = args.global_batch // (args.micro_batch * dp)
     if accum * args.micro_batch * dp != args.global_batch:
-        raise SystemExit(f"--global-batch {args.global_batch} is not a multiple of --micro-batch x dp = "
-                         f"{args.micro_batch * dp}")
+        raise SystemExit(
+            f"--global-batch {args.global_batch} is not a multiple of --micro-batch x dp = {args.micro_batch * dp}"
+        )
     dataset = Regression(args.samples)
-    loader = ResumableDataLoader(dataset, batch_size=args.micro_batch, shuffle=True, seed=args.seed,
-                                 grad_accum=accum, dp_mesh=dp_mesh)
+    loader = ResumableDataLoader(
+        dataset, batch_size=args.micro_batch, shuffle=True, seed=args.seed, grad_accum=accum, dp_mesh=dp_mesh
+    )
     state = {"train": ModelAndOptimizer(model, optimizer), "dataloader": LoaderState(loader)}
 
     step, found = 0, newest_checkpoint(args.run_dir)
@@ -115,8 +119,10 @@ def train(args) -> None:
         step = int(found.name[5:])
     rank = dist.get_rank()
     if rank == 0:
-        log(f"mesh {tuple(world_mesh.mesh.shape)} (dp_replicate, dp_shard, tp), grad_accum {accum}, resumed at "
-            f"step {step}, epoch {loader.epoch}")
+        log(
+            f"mesh {tuple(world_mesh.mesh.shape)} (dp_replicate, dp_shard, tp), grad_accum {accum}, resumed at "
+            f"step {step}, epoch {loader.epoch}"
+        )
     if args.ledger and world_mesh["tp"].get_local_rank() == 0:  # one peer per data-parallel rank writes it
         loader.ledger = Ledger.open(args.run_dir, step, len(dataset), group=dp_flat.get_group())
     scale = dp / args.global_batch  # FSDP averages gradients over dp: each update's is the mean over its samples

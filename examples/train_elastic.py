@@ -86,8 +86,9 @@ def regression_task(args) -> Task:
     return Task(Regression(args.samples), model, loss)
 
 
-def parse_args(argv=None, add_arguments: Callable[[argparse.ArgumentParser], None] | None = None,
-               description: str | None = __doc__) -> argparse.Namespace:
+def parse_args(
+    argv=None, add_arguments: Callable[[argparse.ArgumentParser], None] | None = None, description: str | None = __doc__
+) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--run-dir", required=True, type=Path)
     p.add_argument("--samples", type=int, default=480)
@@ -104,9 +105,12 @@ def parse_args(argv=None, add_arguments: Callable[[argparse.ArgumentParser], Non
     p.add_argument("--uneven", type=int, default=0, help="rank r stops r * UNEVEN steps early (DDP Join)")
     p.add_argument("--fail-at-step", type=int, help="fail during the step after this many completed steps")
     p.add_argument("--fail-rank", type=int, default=0)
-    p.add_argument("--fail-mode", choices=("sigkill", "node", "hang", "exception", *IN_SAVE), default="sigkill",
-                   help="node: SIGKILL this rank's torchrun agent, then the rank: the node is gone for good; hang: "
-                   "SIGSTOP both")
+    p.add_argument(
+        "--fail-mode",
+        choices=("sigkill", "node", "hang", "exception", *IN_SAVE),
+        default="sigkill",
+        help="node: SIGKILL this rank's torchrun agent, then the rank: the node is gone for good; hang: SIGSTOP both",
+    )
     p.add_argument("--timeout", type=float, default=60.0, help="seconds a collective may wait for a dead peer")
     if add_arguments is not None:
         add_arguments(p)
@@ -189,15 +193,24 @@ def train(args, make_task: Callable[[argparse.Namespace], Task] = regression_tas
     policy = BatchPolicy(args.global_batch, args.micro_batch)
     accum = policy.grad_accum(world)
     dataset = task.dataset
-    loader = ResumableDataLoader(dataset, batch_size=args.micro_batch, shuffle=task.shuffle, seed=args.seed,
-                                 grad_accum=accum, num_workers=args.workers, drop_last=True)
+    loader = ResumableDataLoader(
+        dataset,
+        batch_size=args.micro_batch,
+        shuffle=task.shuffle,
+        seed=args.seed,
+        grad_accum=accum,
+        num_workers=args.workers,
+        drop_last=True,
+    )
     objects = dict(model=ddp, optimizer=optimizer, loader=loader, scheduler=scheduler)
     if task.controller is not None:
         task.controller.bind(loader)
     started = time.perf_counter()
     step = resume(args.run_dir, **objects)  # and loader.step, which counts on from it
-    log(f"world size {world}, grad_accum {accum}, resumed at step {step}, epoch {loader.epoch} "
-        f"(checkpoint load {time.perf_counter() - started:.3f} s)")
+    log(
+        f"world size {world}, grad_accum {accum}, resumed at step {step}, epoch {loader.epoch} "
+        f"(checkpoint load {time.perf_counter() - started:.3f} s)"
+    )
     if args.ledger:
         loader.ledger = Ledger.open(args.run_dir, step, len(dataset))
     faults = FaultInjector(args)
@@ -224,8 +237,10 @@ def train(args, make_task: Callable[[argparse.Namespace], Task] = regression_tas
                     task.controller.after_update(step)
                 if args.snapshot_dir is not None and rank == 0:
                     args.snapshot_dir.mkdir(parents=True, exist_ok=True)
-                    torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()},
-                               args.snapshot_dir / f"step-{step:05d}.pt")
+                    torch.save(
+                        {"model": model.state_dict(), "optimizer": optimizer.state_dict()},
+                        args.snapshot_dir / f"step-{step:05d}.pt",
+                    )
                 if step % args.checkpoint_every == 0 and not args.uneven:  # a joined rank takes no collective
                     faults.strike_in_checkpoint(step, rank)
                     started = time.perf_counter()

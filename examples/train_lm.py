@@ -50,9 +50,11 @@ from loader.sources.packing import PackedSource, label_mask  # noqa: E402
 
 VOCAB, EOS = 64, 0
 NAMES = ("web", "code")
-SCHEDULE = [{"weights": [1, 0], "windows": 6},                 # windows of 10 positions: a warm-up on web text alone,
-            {"from": [1, 0], "to": [0.7, 0.3], "windows": 12},  # code rising,
-            {"weights": [0.7, 0.3]}]                            # then 70/30 to the end
+SCHEDULE = [
+    {"weights": [1, 0], "windows": 6},  # windows of 10 positions: a warm-up on web text alone,
+    {"from": [1, 0], "to": [0.7, 0.3], "windows": 12},  # code rising,
+    {"weights": [0.7, 0.3]},
+]  # then 70/30 to the end
 ROWS_PER_WINDOW, FILL = 16, 0.95  # packing: each window of 0.95 * 16 rows' tokens packs into 16 rows
 
 
@@ -139,8 +141,9 @@ class TinyLM(torch.nn.Module):
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, segment_ids: torch.Tensor) -> torch.Tensor:
         if self.attention == "flex":
             batch, length = tokens.shape
-            block_mask = create_block_mask(document_causal(segment_ids), batch, None, length, length,
-                                           device=tokens.device)
+            block_mask = create_block_mask(
+                document_causal(segment_ids), batch, None, length, length, device=tokens.device
+            )
             flex = _compiled_flex_attention() if tokens.is_cuda else flex_attention
             attend = functools.partial(flex, block_mask=block_mask)
         else:
@@ -157,19 +160,28 @@ def mixture(args) -> Mixture:
     if not (data_dir / "code-000.bin").exists() and dist.get_rank() == 0:
         write_corpora(data_dir)
     dist.barrier()  # a file rewritten under a reader would be refused by TokenSource: write once, then read
-    sources = {name: PackedSource(TokenSource(str(data_dir / f"{name}-*.bin"), seq_len=args.seq_len, dtype="uint16",
-                                              eos_id=EOS), mode="best_fit", rows_per_window=ROWS_PER_WINDOW,
-                                  fill=FILL, seed=args.seed)
-               for name in NAMES}
-    mix = Mixture(list(sources.values()), None, num_samples=args.samples, seed=args.seed, names=list(sources),
-                  schedule=SCHEDULE)
+    sources = {
+        name: PackedSource(
+            TokenSource(str(data_dir / f"{name}-*.bin"), seq_len=args.seq_len, dtype="uint16", eos_id=EOS),
+            mode="best_fit",
+            rows_per_window=ROWS_PER_WINDOW,
+            fill=FILL,
+            seed=args.seed,
+        )
+        for name in NAMES
+    }
+    mix = Mixture(
+        list(sources.values()), None, num_samples=args.samples, seed=args.seed, names=list(sources), schedule=SCHEDULE
+    )
     if dist.get_rank() == 0:
         mix.plan.save(args.run_dir / "mixture.json")  # for `python -m loader audit RUN_DIR --mixture ...`
         for name, packed in sources.items():
             s = packed.stats()
-            log(f"data: {name} packed best fit into {len(packed)} rows of {packed.capacity} tokens: padding "
+            log(
+                f"data: {name} packed best fit into {len(packed)} rows of {packed.capacity} tokens: padding "
                 f"{s['padding']:.1%}; of {s['documents']} documents {s['cut_at_window_edges']:.1%} cut at a window's "
-                f"edge, {s['cut_in_rows']:.1%} in several rows, {s['split_to_fit']:.1%} split to fit")
+                f"edge, {s['cut_in_rows']:.1%} in several rows, {s['split_to_fit']:.1%} split to fit"
+            )
         log(f"data: {mix.plan.describe()}")
     return mix
 
@@ -210,41 +222,60 @@ class LossController:
         weights = (1 + 9 * mean / mean.sum()).round().int().tolist()
         change = self.loader.change_mixture(weights)
         if change is not None and dist.get_rank() == 0:
-            log(f"mixture: weights {'/'.join(self.names)} {weights} from position {change.position} (step "
-                f"{change.step}), losses {[round(v, 3) for v in mean.tolist()]}")
+            log(
+                f"mixture: weights {'/'.join(self.names)} {weights} from position {change.position} (step "
+                f"{change.step}), losses {[round(v, 3) for v in mean.tolist()]}"
+            )
 
 
 def lm_task(args) -> train_elastic.Task:
-    controller = LossController(NAMES, args.control_every, args.run_dir / "mixture.json") if args.control_every \
-        else None
+    controller = (
+        LossController(NAMES, args.control_every, args.run_dir / "mixture.json") if args.control_every else None
+    )
 
     def loss(model, batch, device):
         tokens, segments = batch["tokens"].to(device), batch["segment_ids"].to(device)
         logits = model(tokens[:, :-1], batch["positions"][:, :-1].to(device), segments[:, :-1])
         per_target = F.cross_entropy(logits.reshape(-1, VOCAB), tokens[:, 1:].reshape(-1), reduction="none")
         counted = label_mask(segments).reshape(tokens.shape[0], -1)  # no target across a piece's end or padding
-        per_row = (per_target.view_as(counted) * counted)
+        per_row = per_target.view_as(counted) * counted
         if controller is not None:
             controller.observe(per_row.sum(1), counted.sum(1))
         return per_row.sum()
 
     if args.attention == "flex" and (flex_attention is None or not train_elastic._one_gpu_per_rank()):
-        raise SystemExit(f"train_lm.py: --attention flex needs torch >= 2.5 (this is {torch.__version__}) and a GPU "
-                         "per rank (torch's FlexAttention has no backward on the CPU); use --attention dense, the "
-                         "same mask for scaled_dot_product_attention")
+        raise SystemExit(
+            f"train_lm.py: --attention flex needs torch >= 2.5 (this is {torch.__version__}) and a GPU "
+            "per rank (torch's FlexAttention has no backward on the CPU); use --attention dense, the "
+            "same mask for scaled_dot_product_attention"
+        )
     args.run_dir.mkdir(parents=True, exist_ok=True)
-    return train_elastic.Task(mixture(args), TinyLM(args.seq_len, attention=args.attention), loss,
-                              items_per_sample=args.seq_len, shuffle=True, controller=controller)
+    return train_elastic.Task(
+        mixture(args),
+        TinyLM(args.seq_len, attention=args.attention),
+        loss,
+        items_per_sample=args.seq_len,
+        shuffle=True,
+        controller=controller,
+    )
 
 
 def add_arguments(p) -> None:
     p.add_argument("--seq-len", type=int, default=32)
-    p.add_argument("--attention", choices=("dense", "flex"), default="dense",
-                   help="flex: create_block_mask + flex_attention (CUDA); dense: the same mask for SDPA (default)")
+    p.add_argument(
+        "--attention",
+        choices=("dense", "flex"),
+        default="dense",
+        help="flex: create_block_mask + flex_attention (CUDA); dense: the same mask for SDPA (default)",
+    )
     p.add_argument("--data-dir", type=Path, help="where the token files are (made if missing); default RUN_DIR/data")
-    p.add_argument("--control-every", type=int, default=0,
-                   help="every N updates, mixture weights from the last update's loss per source (LossController; "
-                        "default 0: the schedule alone)")
+    p.add_argument(
+        "--control-every",
+        type=int,
+        default=0,
+        help="every N updates, mixture weights from the last update's loss per source (LossController; "
+        "default 0: the schedule alone)",
+    )
     p.set_defaults(lr=0.5)
 
 

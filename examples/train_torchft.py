@@ -57,8 +57,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--ledger", action="store_true", help="record every trained sample index for the audit")
     p.add_argument("--timeout", type=float, default=10.0, help="seconds a collective may wait for a dead peer")
     p.add_argument("--fail-at-step", type=int, help="SIGKILL this process in this step, before its allreduce")
-    p.add_argument("--wait-before", action="append", default=[], metavar="STEP:PATH",
-                   help="before step STEP, wait until PATH exists (at most a minute)")
+    p.add_argument(
+        "--wait-before",
+        action="append",
+        default=[],
+        metavar="STEP:PATH",
+        help="before step STEP, wait until PATH exists (at most a minute)",
+    )
     return p.parse_args(argv)
 
 
@@ -82,23 +87,38 @@ def main(argv=None) -> int:
     torch.set_num_threads(1)
     timeout = timedelta(seconds=args.timeout)
     store = dist.TCPStore("127.0.0.1", args.store_port, is_master=rank == 0, wait_for_workers=False, timeout=timeout)
-    dist.init_process_group("gloo", store=dist.PrefixStore("group", store), rank=rank, world_size=size,
-                            timeout=timeout)
+    dist.init_process_group("gloo", store=dist.PrefixStore("group", store), rank=rank, world_size=size, timeout=timeout)
     torch.manual_seed(args.seed)  # every group starts from the same model: no step-0 sync (init_sync=False)
     model = torch.nn.Sequential(torch.nn.Linear(FEATURES, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
     inner = torch.optim.SGD(model.parameters(), lr=0.05)
     manager = Manager(
-        pg=ProcessGroupGloo(timeout=timeout), min_replica_size=1, init_sync=False,
+        pg=ProcessGroupGloo(timeout=timeout),
+        min_replica_size=1,
+        init_sync=False,
         load_state_dict=lambda state: (model.load_state_dict(state["model"]), inner.load_state_dict(state["optim"])),
         state_dict=lambda: {"model": model.state_dict(), "optim": inner.state_dict()},
-        replica_id=f"group{args.group}", store_addr="127.0.0.1", store_port=args.store_port, rank=rank,
-        world_size=size, lighthouse_addr=args.lighthouse, timeout=timeout, quorum_timeout=3 * timeout,
+        replica_id=f"group{args.group}",
+        store_addr="127.0.0.1",
+        store_port=args.store_port,
+        rank=rank,
+        world_size=size,
+        lighthouse_addr=args.lighthouse,
+        timeout=timeout,
+        quorum_timeout=3 * timeout,
         connect_timeout=timeout,
     )
     optimizer = OptimizerWrapper(manager, inner)
     dataset = Regression(args.samples)
-    dl = ManagedLoader(manager, dataset, global_batch=args.global_batch, batch_size=args.micro_batch,
-                       group_rank=rank, group_size=size, shuffle=True, seed=args.seed)
+    dl = ManagedLoader(
+        manager,
+        dataset,
+        global_batch=args.global_batch,
+        batch_size=args.micro_batch,
+        group_rank=rank,
+        group_size=size,
+        shuffle=True,
+        seed=args.seed,
+    )
     if args.ledger:
         dl.ledger = Ledger.open_attempts(args.run_dir, len(dataset), f"group{args.group}-rank{rank}")
     waits = {int(step): Path(path) for step, path in (w.split(":", 1) for w in args.wait_before)}
@@ -123,8 +143,11 @@ def main(argv=None) -> int:
             optimizer.step()  # commits only if every group's step went through; else the step is dealt again
             if rank == 0:
                 outcome = "committed" if manager.current_step() > step else "not committed: dealt again"
-                log(args.group, f"step {step + 1}: {manager.num_participants()} group(s) in the quorum, {trained} "
-                                f"samples on rank 0, its loss {total:.4f}, {outcome}")
+                log(
+                    args.group,
+                    f"step {step + 1}: {manager.num_participants()} group(s) in the quorum, {trained} "
+                    f"samples on rank 0, its loss {total:.4f}, {outcome}",
+                )
             if rank == 0:
                 with open(args.run_dir / f"progress-{args.group}.txt", "a") as out:
                     out.write(f"{manager.current_step()}\n")

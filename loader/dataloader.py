@@ -158,17 +158,24 @@ class ContinuedPassWarning(UserWarning):
     consumed, so a batch that was only looked at (`next(iter(loader))`) is never trained."""
 
 
-_INTERRUPTED = ("this iterator was interrupted inside next(): take a new iter(), which serves the interrupted batch "
-                "again")
-_WORKER_DIED = ("a worker process of this iterator died (torch raised it above): torch would go on past the batches "
-                "that worker held, so the batches out would no longer be the index lists counted (a stream's pass "
-                "would end without that worker's records). Take a new iter(), which starts new workers and serves "
-                "every batch not delivered")
-_CLOSED = ("the ResumableDataLoader was closed (close(), or the end of its with block) and this iterator's workers "
-           "shut down: take a new iter(), which starts new workers and serves every batch not delivered")
-_WORKER_INIT_FAILED = ("a worker's worker_init_fn raised (above): no batch failed, nothing was counted, and this "
-                       "iterator's workers are shut down. Take a new iter(), which starts new workers (running "
-                       "worker_init_fn again) and serves every batch not delivered")
+_INTERRUPTED = (
+    "this iterator was interrupted inside next(): take a new iter(), which serves the interrupted batch again"
+)
+_WORKER_DIED = (
+    "a worker process of this iterator died (torch raised it above): torch would go on past the batches "
+    "that worker held, so the batches out would no longer be the index lists counted (a stream's pass "
+    "would end without that worker's records). Take a new iter(), which starts new workers and serves "
+    "every batch not delivered"
+)
+_CLOSED = (
+    "the ResumableDataLoader was closed (close(), or the end of its with block) and this iterator's workers "
+    "shut down: take a new iter(), which starts new workers and serves every batch not delivered"
+)
+_WORKER_INIT_FAILED = (
+    "a worker's worker_init_fn raised (above): no batch failed, nothing was counted, and this "
+    "iterator's workers are shut down. Take a new iter(), which starts new workers (running "
+    "worker_init_fn again) and serves every batch not delivered"
+)
 
 
 class WorkerInitError(RuntimeError):
@@ -198,10 +205,16 @@ def _init_error_type(original: type) -> _InitErrorType:
     made = _INIT_ERROR_TYPES.get(original)
     if made is None:
         name = f"WorkerInitError[{original.__qualname__}]"
-        made = _InitErrorType(name, (WorkerInitError, original), dict(
-            __module__=__name__, __qualname__=name, original=original,
-            __str__=BaseException.__str__,  # the message: the original's own may read fields a message does not set
-        ))
+        made = _InitErrorType(
+            name,
+            (WorkerInitError, original),
+            dict(
+                __module__=__name__,
+                __qualname__=name,
+                original=original,
+                __str__=BaseException.__str__,  # the message: the original's own may read fields a message does not set
+            ),
+        )
         _INIT_ERROR_TYPES[original] = made
     return made
 
@@ -446,18 +459,24 @@ def _unwrapped(error: BaseException | ExceptionWrapper) -> BaseException:
 def _check_filter(keep, filtered: str, batch_size: int | None, dataset) -> None:
     """filter= and filtered= as `loader.core.filtering` can apply them."""
     if filtered not in (REMOVED, MASKED):
-        raise ValueError(f"filtered must be {REMOVED!r} (a batch holds its kept samples) or {MASKED!r} (every member, "
-                         f"with the verdicts in loader.last_kept()), got {filtered!r}")
+        raise ValueError(
+            f"filtered must be {REMOVED!r} (a batch holds its kept samples) or {MASKED!r} (every member, "
+            f"with the verdicts in loader.last_kept()), got {filtered!r}"
+        )
     if keep is None:
         return
     if not callable(keep):
         raise ValueError(f"filter must be a function of (index, sample) returning whether to keep it, got {keep!r}")
     if batch_size is None:
-        raise ValueError("filter= needs batches (batch_size=None delivers single samples, and a filtered one would "
-                         "leave a rank with nothing to deliver): pass a batch_size, e.g. 1")
+        raise ValueError(
+            "filter= needs batches (batch_size=None delivers single samples, and a filtered one would "
+            "leave a rank with nothing to deliver): pass a batch_size, e.g. 1"
+        )
     if isinstance(dataset, IterableDataset) and filtered == MASKED:
-        raise ValueError("filtered='masked' keeps a map-style batch's members: a stream's batches are made of the "
-                         "records its filter keeps, full, so leave filtered at its default")
+        raise ValueError(
+            "filtered='masked' keeps a map-style batch's members: a stream's batches are made of the "
+            "records its filter keeps, full, so leave filtered at its default"
+        )
 
 
 def _as_is(data):
@@ -476,15 +495,18 @@ def _default_rank_and_world(rank: int | None, world_size: int | None) -> tuple[i
     return rank, world_size
 
 
-def _order_for(num_samples: int, shuffle: bool, seed: int, shuffle_blocks, lanes: Lanes | None,
-               orders_itself: bool = False) -> Order:
+def _order_for(
+    num_samples: int, shuffle: bool, seed: int, shuffle_blocks, lanes: Lanes | None, orders_itself: bool = False
+) -> Order:
     """The loader's order; for a dataset that orders itself (a Mixture) under shuffle=True, the identity of mode
     "self": each epoch is the dataset's own (`continue_epochs`), and a loader position is the dataset's position."""
     if shuffle and orders_itself:
         if shuffle_blocks is not None or lanes is not None:
-            raise ValueError("shuffle=True leaves the order to a Mixture (each epoch continues its stream, windows "
-                             "arranged by its seed), so that a change of its weights is exact at any world size: "
-                             "shuffle_blocks= and lanes= would scatter its positions again; drop them")
+            raise ValueError(
+                "shuffle=True leaves the order to a Mixture (each epoch continues its stream, windows "
+                "arranged by its seed), so that a change of its weights is exact at any world size: "
+                "shuffle_blocks= and lanes= would scatter its positions again; drop them"
+            )
         return Order(num_samples, seed, "self")
     if not shuffle:
         if shuffle_blocks is not None:
@@ -505,8 +527,7 @@ def _lanes_for(lanes: int | None, lane_chunk: int | None, batch_size: int) -> La
     return Lanes(lanes, batch_size if lane_chunk is None else lane_chunk)
 
 
-def _policy_grad_accum(policy: BatchPolicy, batch_size: int | None, grad_accum: int, world_size: int,
-                       dataset) -> int:
+def _policy_grad_accum(policy: BatchPolicy, batch_size: int | None, grad_accum: int, world_size: int, dataset) -> int:
     """K at step 0 under `policy`, after refusing what it cannot serve: a policy deals each step's samples by its
     global batch, at every step of its schedule and the world size the job runs at (checked now, for every step)."""
     if not isinstance(policy, BatchPolicy):
@@ -514,15 +535,21 @@ def _policy_grad_accum(policy: BatchPolicy, batch_size: int | None, grad_accum: 
     if isinstance(dataset, IterableDataset):
         raise ValueError("batch_policy needs a map-style dataset: a stream's steps are not positions the loader deals")
     if batch_size != policy.micro_batch:
-        raise ValueError(f"batch_size={batch_size!r} but batch_policy.micro_batch={policy.micro_batch}: pass "
-                         f"batch_size={policy.micro_batch} (the micro-batch of every rank and micro-step)")
+        raise ValueError(
+            f"batch_size={batch_size!r} but batch_policy.micro_batch={policy.micro_batch}: pass "
+            f"batch_size={policy.micro_batch} (the micro-batch of every rank and micro-step)"
+        )
     if grad_accum != 1:
-        raise ValueError(f"grad_accum={grad_accum!r} with a batch_policy: leave it out, K follows from the policy "
-                         f"(loader.grad_accum says the current one)")
+        raise ValueError(
+            f"grad_accum={grad_accum!r} with a batch_policy: leave it out, K follows from the policy "
+            f"(loader.grad_accum says the current one)"
+        )
     if policy.allow_global_batch_change:
-        raise ValueError("batch_policy with allow_global_batch_change=True: the loader deals each step's samples by "
-                         "the policy's global batch, so it must be served exactly; for a changed global batch pass "
-                         "grad_accum=policy.grad_accum(world_size) instead of batch_policy")
+        raise ValueError(
+            "batch_policy with allow_global_batch_change=True: the loader deals each step's samples by "
+            "the policy's global batch, so it must be served exactly; for a changed global batch pass "
+            "grad_accum=policy.grad_accum(world_size) instead of batch_policy"
+        )
     policy.check_world_size(world_size)
     return policy.schedule[0][1] // (world_size * policy.micro_batch)
 
@@ -662,12 +689,15 @@ class ResumableDataLoader(DataLoader[T_co]):
                 raise ValueError("sample_seeds, shuffle_blocks and lanes need a map-style dataset (random access)")
             sharded = is_sharded(dataset)  # the loader deals its shards, in an order it may shuffle
             self.resumable_sampler = None
-            self._stream = StreamProgress(dataset, world_size, rank, grad_accum, num_workers, persistent_workers,
-                                          seed, bool(shuffle) and sharded)
-            super().__init__(dataset, batch_size=batch_size, shuffle=None if sharded else shuffle,
-                             drop_last=drop_last, **common)
-            self._stream.attach(batch_size, drop_last, self.collate_fn,
-                                worker_init_fn and _GuardedInit(worker_init_fn), filter)
+            self._stream = StreamProgress(
+                dataset, world_size, rank, grad_accum, num_workers, persistent_workers, seed, bool(shuffle) and sharded
+            )
+            super().__init__(
+                dataset, batch_size=batch_size, shuffle=None if sharded else shuffle, drop_last=drop_last, **common
+            )
+            self._stream.attach(
+                batch_size, drop_last, self.collate_fn, worker_init_fn and _GuardedInit(worker_init_fn), filter
+            )
             return
         self._stream = None
         if batch_size is not None and (collate_fn is None or collate_fn is default_collate):
@@ -678,13 +708,19 @@ class ResumableDataLoader(DataLoader[T_co]):
         if orders_itself:
             dataset.continue_epochs()  # before the epoch-awareness is read: its epochs take the loader's
         schedule = None if batch_policy is None else batch_policy.schedule
-        amended = None if batch_policy is None or batch_policy.amends is None else (
-            batch_policy.amends, batch_policy.change_at)
+        amended = (
+            None
+            if batch_policy is None or batch_policy.amends is None
+            else (batch_policy.amends, batch_policy.change_at)
+        )
         self.resumable_sampler = ResumableSampler(order, layout, rank, schedule, amended)
         self._lockstep = LockstepWatch(_identity(order, layout))
         carried = getattr(dataset, "carried_plan", None)
-        self._carry = (seed if sample_seeds else None, bool(getattr(dataset, "epoch_aware", False)),
-                       carried if callable(carried) else None)
+        self._carry = (
+            seed if sample_seeds else None,
+            bool(getattr(dataset, "epoch_aware", False)),
+            carried if callable(carried) else None,
+        )
         self._carries = self._carry != (None, False, None)  # seed 0, the default, is a seed too
         indices = _Carrying(self.resumable_sampler, *self._carry) if self._carries else self.resumable_sampler
         dispatched = indices
@@ -808,8 +844,16 @@ class ResumableDataLoader(DataLoader[T_co]):
                 f"shuffle_blocks was given as block sizes summing to {old}: build a new ResumableDataLoader with block "
                 f"sizes for {new} (an int window follows the length)"
             )
-        sampler.follow_length(_order_for(new, sampler.order.shuffle != "none", self.seed, self._shuffle_blocks,
-                                         self._lanes, sampler.order.shuffle == "self"))
+        sampler.follow_length(
+            _order_for(
+                new,
+                sampler.order.shuffle != "none",
+                self.seed,
+                self._shuffle_blocks,
+                self._lanes,
+                sampler.order.shuffle == "self",
+            )
+        )
         return True
 
     def _next_pass(self) -> ResumableSampler:
@@ -856,8 +900,13 @@ class ResumableDataLoader(DataLoader[T_co]):
             seed = worker_seed(self.seed, self.epoch, self._rank if sampler is None else sampler.rank, start)
             view.__dict__["generator"] = torch.Generator().manual_seed(seed)
         if self._stream is not None:
-            view.__dict__.update(dataset=self._stream.source, batch_sampler=None, collate_fn=_as_is, drop_last=False,
-                                 worker_init_fn=self._stream.source.init_worker)
+            view.__dict__.update(
+                dataset=self._stream.source,
+                batch_sampler=None,
+                collate_fn=_as_is,
+                drop_last=False,
+                worker_init_fn=self._stream.source.init_worker,
+            )
         else:
             view.__dict__.update(self._read_as())
             if self.worker_init_fn is not None:
@@ -872,8 +921,10 @@ class ResumableDataLoader(DataLoader[T_co]):
         `Sifting` view of the dataset that also collates, so each batch comes back with the filter's verdicts."""
         if self._filter is None:
             return {"dataset": self.dataset, "collate_fn": self.collate_fn}
-        return {"dataset": Sifting(self.dataset, self._filter[0], self.collate_fn, self._filter[1]),
-                "collate_fn": _as_is}
+        return {
+            "dataset": Sifting(self.dataset, self._filter[0], self.collate_fn, self._filter[1]),
+            "collate_fn": _as_is,
+        }
 
     def _supersede(self) -> None:
         """From now on, only an iterator made after this call delivers."""
@@ -951,8 +1002,12 @@ class ResumableDataLoader(DataLoader[T_co]):
         metrics = getattr(self.dataset, "metrics", None)
         if not callable(metrics):
             return {}
-        return self.monitor.source.call(f"the dataset's own metrics() ({type(self.dataset).__name__}.metrics)",
-                                        lambda: dict(metrics()), {}, "its source/... counters are left out")
+        return self.monitor.source.call(
+            f"the dataset's own metrics() ({type(self.dataset).__name__}.metrics)",
+            lambda: dict(metrics()),
+            {},
+            "its source/... counters are left out",
+        )
 
     def _stalled(self) -> None:
         """A stall streak began (note the source's counters), or reached the monitor's length (warn)."""
@@ -961,8 +1016,9 @@ class ResumableDataLoader(DataLoader[T_co]):
             monitor.streak_source = self._source_metrics()
         if monitor.warns():
             shuffle = "stream" if self._stream is not None else self.resumable_sampler.order.shuffle
-            message = stall_message(monitor.streak, self._rank, self.num_workers, shuffle, monitor.streak_source,
-                                    self._source_metrics())
+            message = stall_message(
+                monitor.streak, self._rank, self.num_workers, shuffle, monitor.streak_source, self._source_metrics()
+            )
             warnings.warn(message, DataStallWarning, stacklevel=4)
 
     def metrics(self) -> dict:
@@ -1025,7 +1081,8 @@ class ResumableDataLoader(DataLoader[T_co]):
         batched = self.batch_size is not None
         read = self._read_as()
         batch = _MapDatasetFetcher(read["dataset"], batched, read["collate_fn"], self.drop_last).fetch(
-            ids if batched else ids[0])
+            ids if batched else ids[0]
+        )
         return batch.batch if type(batch) is Sifted else batch
 
     def __len__(self) -> int:
@@ -1114,20 +1171,28 @@ class ResumableDataLoader(DataLoader[T_co]):
         under the new weights (None when that lies past this epoch)."""
         change = getattr(self.dataset, "change_weights", None)
         if not callable(change) or self._stream is not None:
-            raise TypeError("change_mixture changes a loader.sources.Mixture's weights; this loader's dataset is "
-                            f"a {type(self.dataset).__name__}")
+            raise TypeError(
+                "change_mixture changes a loader.sources.Mixture's weights; this loader's dataset is "
+                f"a {type(self.dataset).__name__}"
+            )
         step, sampler = self.step, self.resumable_sampler
         if sampler.order.lanes is not None:
-            raise ValueError("change_mixture needs loader positions that are mixture positions: lanes= spread them "
-                             "over the epoch; build the loader without lanes (shuffle=True leaves the order to the "
-                             "Mixture)")
+            raise ValueError(
+                "change_mixture needs loader positions that are mixture positions: lanes= spread them "
+                "over the epoch; build the loader without lanes (shuffle=True leaves the order to the "
+                "Mixture)"
+            )
         if step is None:
-            raise ValueError("change_mixture needs the loader's step (the plan records the step each change was "
-                             "asked at, so that a replayed step takes the recorded weights): resume with "
-                             "loader.checkpoint.resume, or set loader.step")
+            raise ValueError(
+                "change_mixture needs the loader's step (the plan records the step each change was "
+                "asked at, so that a replayed step takes the recorded weights): resume with "
+                "loader.checkpoint.resume, or set loader.step"
+            )
         if sampler.view().plan.completed(sampler.handed_out) != sampler.handed_out:
-            raise ValueError("change_mixture in the middle of an optimizer update: call it after the update's last "
-                             "micro-batch (loader.update_complete)")
+            raise ValueError(
+                "change_mixture in the middle of an optimizer update: call it after the update's last "
+                "micro-batch (loader.update_complete)"
+            )
         requests = self.dataset.plan.requests
         if requests and step <= requests[-1][0]:
             return None
@@ -1137,16 +1202,20 @@ class ResumableDataLoader(DataLoader[T_co]):
         if self.dataset.plan.epochs_continue:
             position += epoch * sampler.order.num_samples
         elif epoch > 0:
-            raise ValueError(f"change_mixture in epoch {epoch} of a loader with shuffle=False, whose every epoch "
-                             f"serves the same positions (trained in epoch 0 under the weights of then): change the "
-                             f"weights online in epoch 0, or run the loader with shuffle=True (each epoch continues "
-                             f"the mixture's stream)")
+            raise ValueError(
+                f"change_mixture in epoch {epoch} of a loader with shuffle=False, whose every epoch "
+                f"serves the same positions (trained in epoch 0 under the weights of then): change the "
+                f"weights online in epoch 0, or run the loader with shuffle=True (each epoch continues "
+                f"the mixture's stream)"
+            )
         plan = change(weights, position, step)
         window = plan.requests[-1][1]
         if _distributed() and len(set(all_gather(plan.fingerprint()))) > 1:
-            raise ValueError(f"change_mixture at step {step}: the ranks asked for different weights (or have "
-                             f"different num_workers or prefetch_factor): pass every rank the same weights (all-reduce "
-                             f"the controller's inputs)")
+            raise ValueError(
+                f"change_mixture at step {step}: the ranks asked for different weights (or have "
+                f"different num_workers or prefetch_factor): pass every rank the same weights (all-reduce "
+                f"the controller's inputs)"
+            )
         self.dataset.use_plan(plan)
         at = window * plan.window
         local = at - epoch * sampler.order.num_samples if plan.epochs_continue else at
@@ -1180,8 +1249,10 @@ class ResumableDataLoader(DataLoader[T_co]):
     def _verdicts(self) -> tuple[np.ndarray, np.ndarray]:
         """The indices of the batch just delivered that the filter kept, and those it dropped."""
         if self._stream is not None:
-            raise TypeError("an IterableDataset has no sample indices: its records the filter dropped are counted "
-                            "(metrics()['filtered'], ['total/filtered']), not named")
+            raise TypeError(
+                "an IterableDataset has no sample indices: its records the filter dropped are counted "
+                "(metrics()['filtered'], ['total/filtered']), not named"
+            )
         ids = self.resumable_sampler.last_indices()
         if self._kept is None:
             return ids, ids[:0]
@@ -1238,8 +1309,9 @@ class ResumableDataLoader(DataLoader[T_co]):
                 state = {**state, "lockstep": mark}
         return state
 
-    def skip(self, *, updates: int | range | None = None, positions=None, indices=None,
-             epoch: int | None = None) -> np.ndarray:
+    def skip(
+        self, *, updates: int | range | None = None, positions=None, indices=None, epoch: int | None = None
+    ) -> np.ndarray:
         """Skip data deterministically, e.g. around a loss spike after a rewind to a checkpoint: `updates=n` the
         next n optimizer updates (`range(a, b)`: updates a..b-1 counted from the next one, 0), `positions=` (a
         range or integers) of `epoch` (default: the epoch the next batch comes from), or `indices=`: dataset indices

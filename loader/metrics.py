@@ -25,8 +25,18 @@ T = TypeVar("T")
 
 # the keys of dl.metrics(): the last completed step's values, which a restart may emit again for the same step (a
 # consumer keeps the last one), and this launch's totals, which count the work of this process only
-STEP_KEYS = ("batches", "samples", "failed_batches", "filtered", "wait_seconds", "step_seconds", "stall_ratio",
-             "samples_per_second", "bytes", "bytes_per_second")
+STEP_KEYS = (
+    "batches",
+    "samples",
+    "failed_batches",
+    "filtered",
+    "wait_seconds",
+    "step_seconds",
+    "stall_ratio",
+    "samples_per_second",
+    "bytes",
+    "bytes_per_second",
+)
 TOTAL_KEYS = ("batches", "samples", "failed_batches", "filtered", "wait_seconds", "bytes")
 STALL_RATIO = 0.5  # defaults of the stall warning: a step waited more than this share of its time...
 STALL_MIN_SECONDS = 0.01  # ...and at least this long (a wait of microseconds costs nothing, whatever its share)...
@@ -57,9 +67,13 @@ class Retrying:
             result = function()
         except Exception as err:
             if not self.failing:
-                warnings.warn(f"{what} raised {type(err).__name__}: {err}. Training goes on and the loader keeps "
-                              f"counting, but {lost}; it is tried again at each call (this warning comes again only "
-                              f"if it fails after having worked)", MetricsWarning, stacklevel=3)
+                warnings.warn(
+                    f"{what} raised {type(err).__name__}: {err}. Training goes on and the loader keeps "
+                    f"counting, but {lost}; it is tried again at each call (this warning comes again only "
+                    f"if it fails after having worked)",
+                    MetricsWarning,
+                    stacklevel=3,
+                )
             self.failing = True
             return default
         self.failing = False
@@ -136,8 +150,14 @@ class Monitor:
         self.streak_source: dict = {}  # the source's counters as the streak began (the loader notes them)
         self.source = Retrying()  # the dataset's own metrics(), which must not stop the loop (see Retrying)
 
-    def configure(self, *, stall_ratio: float = STALL_RATIO, stall_steps: int | None = STALL_STEPS,
-                  stall_min_seconds: float = STALL_MIN_SECONDS, count_bytes: bool = False) -> None:
+    def configure(
+        self,
+        *,
+        stall_ratio: float = STALL_RATIO,
+        stall_steps: int | None = STALL_STEPS,
+        stall_min_seconds: float = STALL_MIN_SECONDS,
+        count_bytes: bool = False,
+    ) -> None:
         """The stall watch: a step is stalled when the training loop waited for data more than `stall_ratio` of its
         time and at least `stall_min_seconds`; `stall_steps` stalled steps in a row raise a `DataStallWarning`
         (once per streak; None: never). `count_bytes`: also sum the bytes of the tensors in every batch delivered
@@ -145,8 +165,9 @@ class Monitor:
         not given to their defaults."""
         if not (isinstance(stall_ratio, (int, float)) and 0 <= stall_ratio < 1):
             raise ValueError(f"stall_ratio must be a number in [0, 1), got {stall_ratio!r}")
-        if stall_steps is not None and (isinstance(stall_steps, bool) or not isinstance(stall_steps, int)
-                                        or stall_steps < 1):
+        if stall_steps is not None and (
+            isinstance(stall_steps, bool) or not isinstance(stall_steps, int) or stall_steps < 1
+        ):
             raise ValueError(f"stall_steps must be a positive int, or None for no stall warning, got {stall_steps!r}")
         if not (isinstance(stall_min_seconds, (int, float)) and stall_min_seconds >= 0):
             raise ValueError(f"stall_min_seconds must be a number >= 0, got {stall_min_seconds!r}")
@@ -154,8 +175,17 @@ class Monitor:
         self.stall_steps = stall_steps or 0  # 0: no streak reaches it
 
     def _mark(self, at: float) -> tuple:
-        return (at, self.batches, self.failed_batches, self.failed_samples, self.wait_seconds, self.bytes,
-                self.records, self.filtered, self._segment)
+        return (
+            at,
+            self.batches,
+            self.failed_batches,
+            self.failed_samples,
+            self.wait_seconds,
+            self.bytes,
+            self.records,
+            self.filtered,
+            self._segment,
+        )
 
     # -- per batch: O(1) -------------------------------------------------------------------------------------------
 
@@ -198,16 +228,29 @@ class Monitor:
         start = self._start
         if start is None:  # every caller has a batch in the step (in_step > 0), which opened it
             raise RuntimeError("Monitor.close: no step is open (a step opens with its first handed or failed batch)")
-        end = (now, self.batches, self.failed_batches, self.failed_samples, self.wait_seconds, self.bytes,
-               self.records, self.filtered, self._segment)  # self._mark(now), without the call: once a batch at
+        end = (
+            now,
+            self.batches,
+            self.failed_batches,
+            self.failed_samples,
+            self.wait_seconds,
+            self.bytes,
+            self.records,
+            self.filtered,
+            self._segment,
+        )  # self._mark(now), without the call: once a batch at
         # grad_accum=1
         self._last, self._start, self.in_step = (start, end), end, 0
         self.updates += 1
         wait, seconds = end[4] - start[4], now - start[0]
         if wait >= self.stall_min_seconds and wait > self.stall_ratio * seconds:
             s = self.streak
-            self.streak = Streak(s.steps + 1, s.wait_seconds + wait, s.step_seconds + seconds,
-                                 s.batches + end[1] + end[2] - start[1] - start[2])
+            self.streak = Streak(
+                s.steps + 1,
+                s.wait_seconds + wait,
+                s.step_seconds + seconds,
+                s.batches + end[1] + end[2] - start[1] - start[2],
+            )
             return self.streak.steps == 1 or self.streak.steps == self.stall_steps
         if self.streak.steps:
             self.streak = Streak()
@@ -245,8 +288,13 @@ class Monitor:
     def samples(self) -> int:
         """Samples delivered by this launch (failed batches' and filtered ones excepted)."""
         segment, handed = self._segment, self.batches + self.failed_batches
-        return (self._earlier_samples + segment.samples(segment.handed, handed) - self.failed_samples + self.records
-                - self.filtered)
+        return (
+            self._earlier_samples
+            + segment.samples(segment.handed, handed)
+            - self.failed_samples
+            + self.records
+            - self.filtered
+        )
 
     def snapshot(self) -> dict:
         """The last closed step's values (None before the first) and this launch's totals, as one flat dict."""
@@ -254,22 +302,41 @@ class Monitor:
         if self._last is not None:
             start, end = self._last
             seconds, batches, failed, failed_samples, wait, nbytes, records, filtered = (
-                b - a for a, b in zip(start, end[:8]))
+                b - a for a, b in zip(start, end[:8])
+            )
             samples = end[8].samples(start[1] + start[2], end[1] + end[2]) - failed_samples + records - filtered
             rate = 1 / seconds if seconds > 0 else 0.0
-            step.update(batches=batches, samples=samples, failed_batches=failed, filtered=filtered, wait_seconds=wait,
-                        step_seconds=seconds, stall_ratio=wait * rate, samples_per_second=samples * rate)
+            step.update(
+                batches=batches,
+                samples=samples,
+                failed_batches=failed,
+                filtered=filtered,
+                wait_seconds=wait,
+                step_seconds=seconds,
+                stall_ratio=wait * rate,
+                samples_per_second=samples * rate,
+            )
             if self.count_bytes:
                 step.update(bytes=nbytes, bytes_per_second=nbytes * rate)
-        totals = {"batches": self.batches, "samples": self.samples, "failed_batches": self.failed_batches,
-                  "filtered": self.filtered, "wait_seconds": self.wait_seconds,
-                  "bytes": self.bytes if self.count_bytes else None}
-        return {"updates": self.updates, **step, "resume_seconds": self.resume_seconds,
-                **{f"total/{key}": totals[key] for key in TOTAL_KEYS}}
+        totals = {
+            "batches": self.batches,
+            "samples": self.samples,
+            "failed_batches": self.failed_batches,
+            "filtered": self.filtered,
+            "wait_seconds": self.wait_seconds,
+            "bytes": self.bytes if self.count_bytes else None,
+        }
+        return {
+            "updates": self.updates,
+            **step,
+            "resume_seconds": self.resume_seconds,
+            **{f"total/{key}": totals[key] for key in TOTAL_KEYS},
+        }
 
 
-def stall_causes(streak: Streak, num_workers: int, cpus: int, shuffle: str, source_delta: dict,
-                 source: dict) -> list[str]:
+def stall_causes(
+    streak: Streak, num_workers: int, cpus: int, shuffle: str, source_delta: dict, source: dict
+) -> list[str]:
     """The likely causes of a stall, most likely first, from what the loader knows: its workers and their pace
     against the `cpus` it may use, the shuffle, and the counters of its source (`dataset.metrics()`: `cache_misses`
     and `downloaded_bytes` during the streak, in `source_delta`; `remote_shards`, in `source`)."""
@@ -293,14 +360,18 @@ def stall_causes(streak: Streak, num_workers: int, cpus: int, shuffle: str, sour
     # up with a loop that takes one every `compute`, W' >= that / compute
     loading = num_workers * per_batch if num_workers else wait
     needed = math.ceil(loading / compute) if compute > 0 else math.inf
-    where = (f"no workers: each batch loads in the training process (num_workers=0), {wait:.3g} s per batch"
-             if num_workers == 0 else
-             f"too few workers: num_workers={num_workers} delivered a batch every {per_batch:.3g} s")
+    where = (
+        f"no workers: each batch loads in the training process (num_workers=0), {wait:.3g} s per batch"
+        if num_workers == 0
+        else f"too few workers: num_workers={num_workers} delivered a batch every {per_batch:.3g} s"
+    )
     if needed <= cpus:
         causes.append(f"{where}, and the loop trains on one in {compute:.3g} s: num_workers={needed} would keep up")
     else:
-        causes.append(f"{where}, and the loop trains on one in {compute:.3g} s: keeping up takes more workers than "
-                      f"the {cpus} CPUs this process may use; make __getitem__ or collate_fn cheaper")
+        causes.append(
+            f"{where}, and the loop trains on one in {compute:.3g} s: keeping up takes more workers than "
+            f"the {cpus} CPUs this process may use; make __getitem__ or collate_fn cheaper"
+        )
     return causes
 
 

@@ -32,8 +32,13 @@ def pytest_collection_modifyitems(config, items):
             done.add(test)
             own = test._hypothesis_internal_use_settings
             test._hypothesis_internal_use_settings = settings(
-                own, max_examples=own.max_examples * EXPLORE_FACTOR, derandomize=False, database=None,
-                deadline=None, print_blob=True)
+                own,
+                max_examples=own.max_examples * EXPLORE_FACTOR,
+                derandomize=False,
+                database=None,
+                deadline=None,
+                print_blob=True,
+            )
     config.hook.pytest_deselected(items=[item for item in items if item not in kept])
     items[:] = kept
 

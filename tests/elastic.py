@@ -52,12 +52,14 @@ def _reporting_teardown(destroy):
     def destroy_process_group(*args, **kwargs):
         print(held_at_teardown(), flush=True)
         return destroy(*args, **kwargs)
+
     return destroy_process_group
 
 
 def _rank_main(rank, world_size, port, argv, log_dir, example, collector=True):
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.update(
+        RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
+    )
     import torch
     import torch.distributed as dist
 
@@ -76,15 +78,23 @@ def _rank_main(rank, world_size, port, argv, log_dir, example, collector=True):
     os._exit(code)
 
 
-def run_generation(world_size: int, argv: list[str], log_dir: Path, timeout: float = 120.0,
-                   example: Path = EXAMPLE, collector: bool = True) -> list[int | None]:
+def run_generation(
+    world_size: int,
+    argv: list[str],
+    log_dir: Path,
+    timeout: float = 120.0,
+    example: Path = EXAMPLE,
+    collector: bool = True,
+) -> list[int | None]:
     """Run one launch of the job; returns each rank's exit code (negative: killed by that signal). `collector`:
     False runs the ranks without the automatic garbage collector."""
     log_dir.mkdir(parents=True, exist_ok=True)
     ctx = mp.get_context("fork")
     port = free_port()
-    procs = [ctx.Process(target=_rank_main, args=(r, world_size, port, argv, str(log_dir), example, collector))
-             for r in range(world_size)]
+    procs = [
+        ctx.Process(target=_rank_main, args=(r, world_size, port, argv, str(log_dir), example, collector))
+        for r in range(world_size)
+    ]
     for p in procs:
         p.start()
     deadline = time.monotonic() + timeout

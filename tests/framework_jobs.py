@@ -72,9 +72,15 @@ def job_loader(grad_accum: int) -> ResumableDataLoader:
     return ResumableDataLoader(Indexed(SAMPLES), batch_size=4, shuffle=True, seed=7, grad_accum=grad_accum)
 
 
-def train_epochs(dl: ResumableDataLoader, optimizer: torch.optim.Optimizer, args: argparse.Namespace,
-                 log: TrainedLog, step: int, backward: Callable[[torch.Tensor, torch.Tensor, bool], None],
-                 checkpoint: Callable[[int], None]) -> None:
+def train_epochs(
+    dl: ResumableDataLoader,
+    optimizer: torch.optim.Optimizer,
+    args: argparse.Namespace,
+    log: TrainedLog,
+    step: int,
+    backward: Callable[[torch.Tensor, torch.Tensor, bool], None],
+    checkpoint: Callable[[int], None],
+) -> None:
     """The plain loop the Accelerate and DCP jobs share: `backward(x, y, sync)` with gradient sync only on an
     update's last micro-batch, the optimizer step when the loader says the update is complete, then
     `checkpoint(step)` every --every steps."""
@@ -135,7 +141,7 @@ def trained_counts(run_dir: Path) -> dict[int, Counter]:
     starts = {n: json.loads((root / f"launch-{n:03d}-start.json").read_text())["step"] for n in launches}
     counts: dict[int, Counter] = {}
     for i, launch in enumerate(launches):
-        cutoff = min((starts[later] for later in launches[i + 1:]), default=float("inf"))
+        cutoff = min((starts[later] for later in launches[i + 1 :]), default=float("inf"))
         for path in sorted(root.glob(f"launch-{launch:03d}-rank-*.jsonl")):
             for line in path.read_text().split("\n")[:-1]:  # what follows the last newline was torn by a kill
                 step, epoch, indices = json.loads(line)

@@ -51,12 +51,26 @@ def launch(argv: list[str], log: Path, timeout: float, env: dict | None = None) 
     MASTER_PORT; return its exit code (negative: killed by that signal). Its output goes to `log`."""
     tag = uuid.uuid4().hex
     path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
-    environment = {**os.environ, "PYTHONPATH": path, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1",
-                   "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), _TAG: tag, **(env or {})}
+    environment = {
+        **os.environ,
+        "PYTHONPATH": path,
+        "PYTHONUNBUFFERED": "1",
+        "OMP_NUM_THREADS": "1",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(free_port()),
+        _TAG: tag,
+        **(env or {}),
+    }
     log.parent.mkdir(parents=True, exist_ok=True)
     with open(log, "ab") as out:
-        process = subprocess.Popen([sys.executable, *argv], cwd=REPO, env=environment, stdout=out,
-                                   stderr=subprocess.STDOUT, start_new_session=True)
+        process = subprocess.Popen(
+            [sys.executable, *argv],
+            cwd=REPO,
+            env=environment,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         try:
             return process.wait(timeout=timeout)
         finally:

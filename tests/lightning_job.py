@@ -68,16 +68,23 @@ class Fault(Callback):
 def train(args) -> None:
     dl = job_loader(args.accumulate)
     trainer = L.Trainer(
-        accelerator="cpu", strategy=DDPStrategy(timeout=timedelta(seconds=60)), devices=args.devices,
-        use_distributed_sampler=False, max_epochs=args.epochs, accumulate_grad_batches=args.accumulate,
+        accelerator="cpu",
+        strategy=DDPStrategy(timeout=timedelta(seconds=60)),
+        devices=args.devices,
+        use_distributed_sampler=False,
+        max_epochs=args.epochs,
+        accumulate_grad_batches=args.accumulate,
         callbacks=[
             ResumableLoaderCallback(),
             AttachLedger(dl, args.run_dir),
             Fault(args),
-            ModelCheckpoint(dirpath=args.run_dir / "ckpt", every_n_train_steps=args.every, save_last=True,
-                            save_top_k=0),
+            ModelCheckpoint(
+                dirpath=args.run_dir / "ckpt", every_n_train_steps=args.every, save_last=True, save_top_k=0
+            ),
         ],
-        logger=False, enable_progress_bar=False, enable_model_summary=False,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
     )
     trainer.fit(Regression(args.run_dir, args.launch), train_dataloaders=dl, ckpt_path="last")
 

@@ -32,7 +32,8 @@ def moto_server() -> Iterator[str]:
     endpoint = f"http://127.0.0.1:{port}"
     proc = subprocess.Popen(
         [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
         env={**os.environ, "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing"},
     )
     try:
@@ -172,7 +173,6 @@ def upload(fs, local_dir: str, bucket: str) -> None:
         fs.mkdir(bucket)
     for name in sorted(os.listdir(local_dir)):
         fs.put_file(os.path.join(local_dir, name), f"{bucket}/{name}")
-
 
 
 class CuttingProxy:

@@ -84,8 +84,16 @@ class IteratorState(Plain):
 
 # What the k-th record of a worker draws (k modulo 8): nothing; one generator's words alone (torch, numpy, random); a
 # gaussian of numpy, then its cached one alone, which leaves numpy's words as they were; the same with random's.
-NOW_AND_THEN = (None, lambda: torch.rand(()).item(), lambda: float(np.random.rand()), random.random,
-                np.random.randn, np.random.randn, lambda: random.gauss(0, 1), lambda: random.gauss(0, 1))
+NOW_AND_THEN = (
+    None,
+    lambda: torch.rand(()).item(),
+    lambda: float(np.random.rand()),
+    random.random,
+    np.random.randn,
+    np.random.randn,
+    lambda: random.gauss(0, 1),
+    lambda: random.gauss(0, 1),
+)
 
 
 class NowAndThen(Plain):

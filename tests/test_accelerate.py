@@ -20,12 +20,21 @@ def test_prepare_refuses_the_loader_and_says_what_to_do_instead():
         Accelerator(cpu=True).prepare(dl)
 
 
-
-
 def run(run_dir, launch_number, processes, *extra, timeout=240):
-    argv = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(processes), "--max-restarts", "0",
-            "tests/accelerate_job.py", str(run_dir), "--launch", str(launch_number),
-            *map(str, extra)]
+    argv = [
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        str(processes),
+        "--max-restarts",
+        "0",
+        "tests/accelerate_job.py",
+        str(run_dir),
+        "--launch",
+        str(launch_number),
+        *map(str, extra),
+    ]
     return launch(argv, run_dir.parent / f"launch-{launch_number}.log", timeout)
 
 

@@ -124,8 +124,12 @@ def test_audit_help_lists_its_exit_statuses(capsys):
     with pytest.raises(SystemExit):
         cli(["audit", "--help"])
     out = " ".join(capsys.readouterr().out.split())
-    for status, meaning in ((EXACTLY_ONCE, "every sample exactly once"), (FAILED, "skipped or duplicated"),
-                            (NO_LEDGER, "no ledger"), (UNFINISHED, "unfinished")):
+    for status, meaning in (
+        (EXACTLY_ONCE, "every sample exactly once"),
+        (FAILED, "skipped or duplicated"),
+        (NO_LEDGER, "no ledger"),
+        (UNFINISHED, "unfinished"),
+    ):
         assert f"{status}: " in out and meaning in out
 
 

@@ -19,8 +19,10 @@ def mixture():
 def run(run_dir, mix, world, resumed_step, state=None, updates=None):
     """Lockstep ranks, each with its own ledger file of one new generation (what Ledger.open gives each rank of a
     process group), `updates` updates or to the end of the epoch."""
-    ranks = [ResumableDataLoader(mix, batch_size=2, rank=r, world_size=world, grad_accum=12 // (2 * world),
-                                 drop_last=True) for r in range(world)]
+    ranks = [
+        ResumableDataLoader(mix, batch_size=2, rank=r, world_size=world, grad_accum=12 // (2 * world), drop_last=True)
+        for r in range(world)
+    ]
     first = Ledger.open(run_dir, resumed_step, len(mix))
     for r, dl in enumerate(ranks):
         if state is not None:
@@ -49,7 +51,8 @@ def test_a_resized_mixture_run_is_clean_source_by_source(tmp_path, capsys):
     expected = mix.plan.samples_per_source()
     dropped = np.bincount(mix.plan.source_of(np.arange(96, 97)), minlength=3)  # drop_last: the 97th position
     assert [(g.name, g.expected, g.seen_once, g.skipped, g.duplicated, g.dropped) for g in epoch.groups] == [
-        (name, n, n - d, 0, 0, d) for name, n, d in zip(mix.names, expected, dropped.tolist())]
+        (name, n, n - d, 0, 0, d) for name, n, d in zip(mix.names, expected, dropped.tolist())
+    ]
     assert cli(["audit", str(tmp_path), "--mixture", str(tmp_path / "mixture.json")]) == 0
     out = capsys.readouterr().out
     for name, n in zip(mix.names, expected):

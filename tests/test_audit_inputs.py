@@ -51,45 +51,76 @@ def record(run_dir, flags: int, ids) -> None:
         f.write(np.asarray(ids, "<i8").tobytes())
 
 
-PLAN = {"kind": "loader.MixturePlan", "version": 1, "order_version": 2, "names": ["a"], "lengths": [12], "counts": [1],
-        "num_samples": 12, "seed": 0, "shuffle": True}
+PLAN = {
+    "kind": "loader.MixturePlan",
+    "version": 1,
+    "order_version": 2,
+    "names": ["a"],
+    "lengths": [12],
+    "counts": [1],
+    "num_samples": 12,
+    "seed": 0,
+    "shuffle": True,
+}
 
 CRAFTED = {  # name: (how the ledger is spoilt, returning extra CLI arguments, the words the message must hold)
-    "meta.json of {}": (lambda d: (d / "ledger/gen-000001/meta.json").write_text("{}"),
-                        ["gen-000001/meta.json", "'resumed_step'"]),
-    "meta.json not JSON": (lambda d: (d / "ledger/gen-000001/meta.json").write_bytes(b"\xff{"),
-                           ["gen-000001/meta.json", "unreadable"]),
-    "meta.json a list": (lambda d: (d / "ledger/gen-000001/meta.json").write_text("[1]"),
-                         ["gen-000001/meta.json", "list"]),
+    "meta.json of {}": (
+        lambda d: (d / "ledger/gen-000001/meta.json").write_text("{}"),
+        ["gen-000001/meta.json", "'resumed_step'"],
+    ),
+    "meta.json not JSON": (
+        lambda d: (d / "ledger/gen-000001/meta.json").write_bytes(b"\xff{"),
+        ["gen-000001/meta.json", "unreadable"],
+    ),
+    "meta.json a list": (
+        lambda d: (d / "ledger/gen-000001/meta.json").write_text("[1]"),
+        ["gen-000001/meta.json", "list"],
+    ),
     "num_samples a string": (lambda d: meta(d, num_samples="12"), ["meta.json", "'num_samples'", "'12'"]),
     "world_size a bool": (lambda d: meta(d, world_size=True), ["meta.json", "'world_size'"]),
     "num_samples past 2**62 - 1": (lambda d: meta(d, num_samples=2**62), ["meta.json", "'num_samples'"]),
-    "index 10**15": (lambda d: record(d, 1, [5, 10**15]), ["rank-00000.bin", "index 1000000000000000",
-                                                           "'num_samples'"]),
+    "index 10**15": (
+        lambda d: record(d, 1, [5, 10**15]),
+        ["rank-00000.bin", "index 1000000000000000", "'num_samples'"],
+    ),
     "negative index": (lambda d: record(d, 1, [-1]), ["rank-00000.bin", "index -1"]),
     "unknown flags": (lambda d: record(d, 64, [1]), ["rank-00000.bin", "flags 0x40"]),
     "an epoch's end that miscounts": (lambda d: record(d, 16, [5, 1]), ["rank-00000.bin", "counts 5 dropped"]),
-    "a filtered index out of range": (lambda d: record(d, 32, [5, 12]), ["rank-00000.bin", "index 12",
-                                                                         "'num_samples'"]),
-    "a filtered record flagged complete": (lambda d: record(d, 33, [5]), ["rank-00000.bin", "flags 0x21",
-                                                                          "filtered record"]),
+    "a filtered index out of range": (
+        lambda d: record(d, 32, [5, 12]),
+        ["rank-00000.bin", "index 12", "'num_samples'"],
+    ),
+    "a filtered record flagged complete": (
+        lambda d: record(d, 33, [5]),
+        ["rank-00000.bin", "flags 0x21", "filtered record"],
+    ),
     "a verdict without its key": (lambda d: record(d, 8, []), ["rank-00000.bin", "verdict"]),
-    "a rank file's name": (lambda d: (d / "ledger/gen-000001/rank-x.bin").write_bytes(b""),
-                           ["rank-x.bin", "rank-NNNNN.bin"]),
+    "a rank file's name": (
+        lambda d: (d / "ledger/gen-000001/rank-x.bin").write_bytes(b""),
+        ["rank-x.bin", "rank-NNNNN.bin"],
+    ),
     "dropped out of range": (lambda d: npy(d, "dropped", np.array([3, 12])), ["dropped/epoch-000000.npy", "index 12"]),
     "dropped of floats": (lambda d: npy(d, "dropped", np.array([1.5])), ["dropped/epoch-000000.npy", "float64"]),
     "skipped of floats": (lambda d: npy(d, "skipped", np.array([2.0])), ["skipped/epoch-000000.npy", "float64"]),
-    "skipped of two dimensions": (lambda d: npy(d, "skipped", np.zeros((2, 2), np.int64)),
-                                  ["skipped/epoch-000000.npy", "shape (2, 2)"]),
-    "skipped not an array": (lambda d: npy(d, "skipped", np.array([{}], dtype=object)),
-                             ["skipped/epoch-000000.npy", "object"]),
+    "skipped of two dimensions": (
+        lambda d: npy(d, "skipped", np.zeros((2, 2), np.int64)),
+        ["skipped/epoch-000000.npy", "shape (2, 2)"],
+    ),
+    "skipped not an array": (
+        lambda d: npy(d, "skipped", np.array([{}], dtype=object)),
+        ["skipped/epoch-000000.npy", "object"],
+    ),
     "dropped claiming 10**12 values": (huge_npy, ["dropped/epoch-000000.npy", "(1000000000000,)"]),
     "a mixture plan not JSON": (lambda d: plan(d, "{"), ["--mixture", "mix.json"]),
     "a mixture plan a list": (lambda d: plan(d, "[]"), ["--mixture", "mix.json", "list"]),
-    "a mixture plan of a huge window": (lambda d: plan(d, json.dumps({**PLAN, "counts": [10**12]})),
-                                        ["--mixture", "mix.json", "counts"]),
-    "a mixture plan of another length": (lambda d: plan(d, json.dumps({**PLAN, "num_samples": 13})),
-                                         ["grouping", "13", "12"]),
+    "a mixture plan of a huge window": (
+        lambda d: plan(d, json.dumps({**PLAN, "counts": [10**12]})),
+        ["--mixture", "mix.json", "counts"],
+    ),
+    "a mixture plan of another length": (
+        lambda d: plan(d, json.dumps({**PLAN, "num_samples": 13})),
+        ["grouping", "13", "12"],
+    ),
     "a missing mixture plan": (lambda d: ["--mixture", str(d / "none.json")], ["--mixture", "none.json"]),
 }
 
@@ -150,8 +181,12 @@ def test_a_finished_epoch_of_a_billion_lists_its_skipped_samples_without_holding
 def lockstep(run_dir, n: int, world: int, drop_last: bool) -> list[ResumableDataLoader]:
     """`world` ranks in one process, as a DCP, Lightning or Accelerate job runs them: each with its own ledger file
     of one generation and nothing but iteration (no save_checkpoint, no record_finished), to the epoch's end."""
-    ranks = [ResumableDataLoader(IndexDataset(n), batch_size=2, rank=r, world_size=world, shuffle=True, seed=0,
-                                 drop_last=drop_last) for r in range(world)]
+    ranks = [
+        ResumableDataLoader(
+            IndexDataset(n), batch_size=2, rank=r, world_size=world, shuffle=True, seed=0, drop_last=drop_last
+        )
+        for r in range(world)
+    ]
     first = Ledger.open(run_dir, 0, n)
     for r, dl in enumerate(ranks):
         dl.ledger = first if r == 0 else Ledger(run_dir, first.path.parent / f"rank-{r:05d}.bin", 0)

@@ -31,8 +31,12 @@ def launch(run_dir, world: int, grad_accum: int, resumed_step: int, state, updat
     Ledger.open gives each rank of a process group: `updates` steps, going on into the next epoch. Returns the merged
     state after each step."""
     dataset = Flaky(121)
-    ranks = [ResumableDataLoader(dataset, batch_size=2, rank=r, world_size=world, grad_accum=grad_accum, shuffle=True,
-                                 seed=1) for r in range(world)]
+    ranks = [
+        ResumableDataLoader(
+            dataset, batch_size=2, rank=r, world_size=world, grad_accum=grad_accum, shuffle=True, seed=1
+        )
+        for r in range(world)
+    ]
     first = Ledger.open(run_dir, resumed_step, len(dataset))
     for r, dl in enumerate(ranks):
         if state is not None:
@@ -69,9 +73,14 @@ def test_the_picture_shows_each_launch_and_the_audits_categories(tmp_path, capsy
         drawn = picture.categories[e.epoch]
         assert sum(drawn.values()) == e.expected
         assert (drawn["seen once"], drawn["skipped"], drawn["duplicated"], drawn["failed to load"]) == (
-            e.seen_once, len(e.skipped), len(e.duplicated), len(e.failed))
-        assert drawn["dropped by policy"] == e.dropped and drawn["not yet seen"] == (0 if e.finished else
-                                                                                      e.not_yet_seen)
+            e.seen_once,
+            len(e.skipped),
+            len(e.duplicated),
+            len(e.failed),
+        )
+        assert drawn["dropped by policy"] == e.dropped and drawn["not yet seen"] == (
+            0 if e.finished else e.not_yet_seen
+        )
         assert drawn["skipped on request"] == len(e.requested) - len(e.served_anyway)
     assert [e.epoch for e in report] == [0, 1] and report[0].finished and len(report[0].failed) == 4
     assert report[1].not_yet_seen > 0  # (121 = 5 * 24 + 1: the one more rides on the last step, nothing dropped)
@@ -134,8 +143,9 @@ def test_filtered_samples_are_drawn_as_such_and_a_second_delivery_as_duplicated(
     ledger.record(0, np.array([3, 4]), True, filtered=np.array([2, 5]))  # 3 trained and filtered, 2 filtered twice
     ledger.close()
     (unfinished,) = audit(tmp_path)
-    assert plot(tmp_path, tmp_path / "run.png").categories[0] == dict(zip(CATEGORIES, [3, 2, 0, 1, 0, 0, 0, 2],
-                                                                          strict=True))
+    assert plot(tmp_path, tmp_path / "run.png").categories[0] == dict(
+        zip(CATEGORIES, [3, 2, 0, 1, 0, 0, 0, 2], strict=True)
+    )
     assert (unfinished.seen_once, unfinished.filtered.tolist(), unfinished.not_yet_seen) == (3, [5], 2)
     (tmp_path / "ledger" / "dropped").mkdir()
     np.save(tmp_path / "ledger" / "dropped" / "epoch-000000.npy", np.array([7]))  # finished: 6 skipped
@@ -143,11 +153,24 @@ def test_filtered_samples_are_drawn_as_such_and_a_second_delivery_as_duplicated(
     drawn = plot(tmp_path, tmp_path / "run.png").categories[0]
     assert drawn == dict(zip(CATEGORIES, [3, 0, 1, 1, 0, 0, 1, 2], strict=True))
     assert (e.finished, e.seen_once, e.duplicated.tolist(), e.filtered.tolist(), e.skipped.tolist()) == (
-        True, 3, [2, 3], [5], [6])
+        True,
+        3,
+        [2, 3],
+        [5],
+        [6],
+    )
     assert (drawn["filtered by policy"], drawn["duplicated"]) == (len(e.filtered), len(e.duplicated))
     (t,) = tally(read_ledger(tmp_path)[0], {0})
     assert categories_of(t, np.array([7]), np.zeros(0, np.int64), 8, 8)[1].tolist() == [
-        ONCE, ONCE, DUPLICATED, DUPLICATED, ONCE, FILTERED, SKIPPED, DROPPED]
+        ONCE,
+        ONCE,
+        DUPLICATED,
+        DUPLICATED,
+        ONCE,
+        FILTERED,
+        SKIPPED,
+        DROPPED,
+    ]
 
 
 def test_without_matplotlib_the_plot_names_what_to_install(tmp_path, monkeypatch, capsys):

@@ -66,18 +66,35 @@ def test_a_spread_that_straddles_its_target_is_not_resolved():
 
 def test_the_table_says_not_resolved_with_the_quartiles():
     straddling = row("ours / DataLoader", summary([0.96, 0.98, 0.99, 1.0, 1.01, 1.02, 1.04]), "ratio", ">= 0.99")
-    results = {"mode": "quick", "config": {"reps": 7, "warmup": 1}, "plots": {},
-               "environment": {"device": "cpu", "device_name": "test", "torch": "t", "numpy": "n", "torchdata": "d",
-                               "webdataset": "w", "python": "p", "cpus_usable": 2, "git_commit": None,
-                               "git_dirty": False, "load_average_at_start": [3.0, 2.0, 1.0]},
-               "sections": {"throughput": {"title": "1. throughput", "rows": [straddling]}}}
+    results = {
+        "mode": "quick",
+        "config": {"reps": 7, "warmup": 1},
+        "plots": {},
+        "environment": {
+            "device": "cpu",
+            "device_name": "test",
+            "torch": "t",
+            "numpy": "n",
+            "torchdata": "d",
+            "webdataset": "w",
+            "python": "p",
+            "cpus_usable": 2,
+            "git_commit": None,
+            "git_dirty": False,
+            "load_average_at_start": [3.0, 2.0, 1.0],
+        },
+        "sections": {"throughput": {"title": "1. throughput", "rows": [straddling]}},
+    }
     assert "| not resolved (quartiles 0.985 - 1.02) |" in markdown(results)
 
 
-@pytest.mark.parametrize("ratios, cell", [
-    ([0.6, 0.9, 1.1, 1.4, 2.4], "not resolved (0.90-1.40)"),  # a median of 1.1 that says nothing
-    ([1.2, 1.3, 1.4, 1.5, 1.6], "1.40"),
-    ([0.004, 0.005, 0.005, 0.006], "0.005"),
-])
+@pytest.mark.parametrize(
+    "ratios, cell",
+    [
+        ([0.6, 0.9, 1.1, 1.4, 2.4], "not resolved (0.90-1.40)"),  # a median of 1.1 that says nothing
+        ([1.2, 1.3, 1.4, 1.5, 1.6], "1.40"),
+        ([0.004, 0.005, 0.005, 0.006], "0.005"),
+    ],
+)
 def test_a_peers_throughput_cell_is_a_number_only_where_the_rounds_resolve_parity(ratios, cell):
     assert _ratio(summary(ratios)) == cell

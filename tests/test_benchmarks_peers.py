@@ -52,7 +52,11 @@ def test_a_count_based_resume_drops_the_tail_by_design_and_loses_what_unequal_ra
     # repeated); after the batch change the tail is the rest's own, (1000 - 5 x 48) mod 96 = 88
     grain_elastic = pytest.importorskip("benchmarks.peers.grain_elastic", reason="grain: pip install -e '.[peers]'")
     assert _counts(grain_elastic, 1000, ELASTIC_FAULTS) == {
-        "4→3": (40, 0), "4→3 uneven": (52, 12), "4→4, global batch 48→96": (88, 0), "no restart, W=4": (40, 0)}
+        "4→3": (40, 0),
+        "4→3 uneven": (52, 12),
+        "4→4, global batch 48→96": (88, 0),
+        "no restart, W=4": (40, 0),
+    }
 
 
 def test_olmo_core_resumes_at_tokens_over_the_new_global_batch():
@@ -62,7 +66,11 @@ def test_olmo_core_resumes_at_tokens_over_the_new_global_batch():
     from benchmarks.peers import olmo
 
     assert _counts(olmo, 1000, ELASTIC_FAULTS) == {
-        "4→3": (40, 0), "4→3 uneven": (52, 12), "4→4, global batch 48→96": (40, 48), "no restart, W=4": (40, 0)}
+        "4→3": (40, 0),
+        "4→3 uneven": (52, 12),
+        "4→4, global batch 48→96": (40, 48),
+        "no restart, W=4": (40, 0),
+    }
 
 
 def test_the_table_says_what_each_system_drops_by_design():

@@ -15,8 +15,19 @@ import pytest
 pytestmark = pytest.mark.slow  # the benchmark runner as a process of its own (the `results` fixture: about 20 s)
 
 REPO = Path(__file__).resolve().parent.parent
-SECTIONS = ("throughput", "training", "checkpoint", "resume", "memory", "webdataset", "tokens", "remote", "packing",
-            "features", "restart")
+SECTIONS = (
+    "throughput",
+    "training",
+    "checkpoint",
+    "resume",
+    "memory",
+    "webdataset",
+    "tokens",
+    "remote",
+    "packing",
+    "features",
+    "restart",
+)
 LOADERS = {"DataLoader", "ResumableDataLoader", "ResumableDataLoader+state_dict", "StatefulDataLoader+state_dict"}
 
 
@@ -123,8 +134,11 @@ def test_remote_compares_the_same_loaders_and_counts_bytes(results):
     if "skipped" in remote:
         pytest.skip(remote["skipped"])
     for case in remote["cases"]:
-        assert set(case["values"]) == {"webdataset.WebDataset S3 stream", "ResumableDataLoader S3 + cache",
-                                       "ResumableDataLoader local disk"}
+        assert set(case["values"]) == {
+            "webdataset.WebDataset S3 stream",
+            "ResumableDataLoader S3 + cache",
+            "ResumableDataLoader local disk",
+        }
         assert all(_positive(v["median"]) for v in case["values"].values())
     first, second = remote["downloaded_per_epoch"]
     assert first == 1.0 and 0 <= second <= 1.0 and _positive(remote["index_bytes"])  # each shard once an epoch
@@ -193,8 +207,18 @@ def test_the_scale_section_runs_only_when_chosen_and_reports_every_world_size(re
     from loader.checkpoint.lockstep import EXACT
 
     assert "scale" not in results["sections"]  # 65,536 ranks and 1,024 store clients: opt-in, as peers is
-    command = [sys.executable, "-m", "benchmarks", "--smoke", "--sections", "scale", "--device", "cpu", "--out",
-               str(tmp_path)]
+    command = [
+        sys.executable,
+        "-m",
+        "benchmarks",
+        "--smoke",
+        "--sections",
+        "scale",
+        "--device",
+        "cpu",
+        "--out",
+        str(tmp_path),
+    ]
     done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-4000:]
     (json_path,) = tmp_path.glob("cpu-*-scale.json")
@@ -202,8 +226,9 @@ def test_the_scale_section_runs_only_when_chosen_and_reports_every_world_size(re
     scale, config = data["sections"]["scale"], data["config"]
     assert [point["world"] for point in scale["points"]] == config["scale_worlds"]
     for point in scale["points"]:
-        assert all(_positive(point[key]["median"]) for key in ("merge_lockstep_s", "merge_uneven_s", "validate_s",
-                                                                "load_s"))
+        assert all(
+            _positive(point[key]["median"]) for key in ("merge_lockstep_s", "merge_uneven_s", "validate_s", "load_s")
+        )
         assert _positive(point["gather_bytes_per_rank"])
         assert point["merged_bytes"]["uneven"] >= point["merged_bytes"]["lockstep"] > 0
     assert [point["ranks"] for point in scale["store"]["points"]] == config["store_ranks"]
@@ -235,24 +260,44 @@ def test_published_results_are_replaced_only_when_asked(tmp_path, monkeypatch):
     assert run._arguments(["--quick", "--device", "cpu", "--out", str(tmp_path)]).out == tmp_path
 
 
-
 def test_a_note_on_the_run_is_kept_and_shown_under_the_header():
     from benchmarks import report, run
 
     assert run._arguments(["--smoke", "--device", "cpu"]).note is None
     note = run._arguments(["--smoke", "--device", "cpu", "--note", "a shared VM, loaded"]).note
-    results = {"mode": "smoke", "note": note, "sections": {}, "plots": {},
-               "environment": {"device": "cpu", "device_name": "x", "torch": "t", "numpy": "n", "torchdata": "d",
-                               "webdataset": "w", "python": "p", "cpus_usable": 2, "git_commit": None,
-                               "git_dirty": False, "load_average_at_start": [7.7], "load_average_at_end": [6.6]},
-               "config": {"reps": 1, "warmup": 0}}
+    results = {
+        "mode": "smoke",
+        "note": note,
+        "sections": {},
+        "plots": {},
+        "environment": {
+            "device": "cpu",
+            "device_name": "x",
+            "torch": "t",
+            "numpy": "n",
+            "torchdata": "d",
+            "webdataset": "w",
+            "python": "p",
+            "cpus_usable": 2,
+            "git_commit": None,
+            "git_dirty": False,
+            "load_average_at_start": [7.7],
+            "load_average_at_end": [6.6],
+        },
+        "config": {"reps": 1, "warmup": 0},
+    }
     header = report.markdown(results).splitlines()
     assert header[6] == "Note on this run: a shared VM, loaded" and "at start 7.70, at end 6.60" in header[2]
 
 
 def test_the_runner_also_starts_as_a_script(tmp_path):
-    done = subprocess.run([sys.executable, str(REPO / "benchmarks" / "run.py"), "--help"], cwd=tmp_path,
-                          capture_output=True, text=True, timeout=60)
+    done = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "run.py"), "--help"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     assert "--quick" in done.stdout
 

@@ -36,15 +36,18 @@ def assert_partition_within_budget(batches, lengths, epoch=None):
     assert sorted(seen) == list(range(len(lengths)))
 
 
-@pytest.mark.parametrize("max_tokens, options", [
-    (256, {}),                                          # the usual case: buckets of ratio 1.1
-    (40, {}),                                           # smaller than the longest samples: those alone
-    (1, {}),                                            # every sample alone
-    (10**9, {"buckets": None}),                         # the whole epoch fits one batch
-    (10**9, {}),                                        # one batch per bucket
-    (256, {"buckets": [4, 16, 64], "max_samples": 7}),  # given bounds and a cap on samples
-    (256, {"buckets": None, "multiple_of": 12}),        # one bucket split into a multiple of 12 batches
-])
+@pytest.mark.parametrize(
+    "max_tokens, options",
+    [
+        (256, {}),  # the usual case: buckets of ratio 1.1
+        (40, {}),  # smaller than the longest samples: those alone
+        (1, {}),  # every sample alone
+        (10**9, {"buckets": None}),  # the whole epoch fits one batch
+        (10**9, {}),  # one batch per bucket
+        (256, {"buckets": [4, 16, 64], "max_samples": 7}),  # given bounds and a cap on samples
+        (256, {"buckets": None, "multiple_of": 12}),  # one bucket split into a multiple of 12 batches
+    ],
+)
 def test_every_sample_in_exactly_one_batch_within_the_budget(max_tokens, options):
     lengths = lognormal_lengths()
     batches = TokenBudgetBatches(lengths, max_tokens, seed=3, **options)
@@ -65,12 +68,20 @@ def test_fewer_samples_than_a_multiple_are_refused_and_oversize_refused_by_name(
     at = int(np.argmax(lengths > 40))
     with pytest.raises(ValueError, match=f"sample {at} has {lengths[at]} tokens, more than max_tokens=40"):
         TokenBudgetBatches(lengths, 40, oversize="refuse")
-    for bad, match in (([1, -2], "sample 1 has length -2"), ([1.5], "must be integers"), ([], "non-empty"),
-                       ([[1]], "1-D")):
+    for bad, match in (
+        ([1, -2], "sample 1 has length -2"),
+        ([1.5], "must be integers"),
+        ([], "non-empty"),
+        ([[1]], "1-D"),
+    ):
         with pytest.raises(ValueError, match=match):
             TokenBudgetBatches(np.asarray(bad), 8)
-    for options, match in (({"buckets": 1.0}, "ratio"), ({"buckets": [0, 3]}, "positive int"),
-                           ({"oversize": "cut"}, "oversize"), ({"max_samples": 0}, "max_samples")):
+    for options, match in (
+        ({"buckets": 1.0}, "ratio"),
+        ({"buckets": [0, 3]}, "positive int"),
+        ({"oversize": "cut"}, "oversize"),
+        ({"max_samples": 0}, "max_samples"),
+    ):
         with pytest.raises(ValueError, match=match):
             TokenBudgetBatches([1, 2], 8, **options)
     with pytest.raises(IndexError, match="out of range"):
@@ -78,11 +89,16 @@ def test_fewer_samples_than_a_multiple_are_refused_and_oversize_refused_by_name(
 
 
 @settings(max_examples=25, deadline=None)
-@given(lengths=st.lists(st.integers(0, 60), min_size=1, max_size=80), max_tokens=st.integers(1, 200),
-       buckets=st.sampled_from([1.1, 2.0, None, [3, 9]]), multiple_of=st.sampled_from([1, 2, 3]),
-       seed=st.integers(0, 2**40), epoch=st.integers(0, 5), data=st.data())
-def test_a_batch_is_a_pure_function_of_seed_epoch_and_k(lengths, max_tokens, buckets, multiple_of, seed, epoch,
-                                                       data):
+@given(
+    lengths=st.lists(st.integers(0, 60), min_size=1, max_size=80),
+    max_tokens=st.integers(1, 200),
+    buckets=st.sampled_from([1.1, 2.0, None, [3, 9]]),
+    multiple_of=st.sampled_from([1, 2, 3]),
+    seed=st.integers(0, 2**40),
+    epoch=st.integers(0, 5),
+    data=st.data(),
+)
+def test_a_batch_is_a_pure_function_of_seed_epoch_and_k(lengths, max_tokens, buckets, multiple_of, seed, epoch, data):
     """A list and an array of the same lengths, asked in different orders and epochs, give the same batches;
     each epoch partitions the samples within the budget."""
     least = len(TokenBudgetBatches(lengths, max_tokens, buckets=buckets))
@@ -91,8 +107,9 @@ def test_a_batch_is_a_pure_function_of_seed_epoch_and_k(lengths, max_tokens, buc
             TokenBudgetBatches(lengths, max_tokens, buckets=buckets, multiple_of=multiple_of)
         return
     first = TokenBudgetBatches(lengths, max_tokens, buckets=buckets, multiple_of=multiple_of, seed=seed)
-    second = TokenBudgetBatches(np.asarray(lengths, np.uint16), max_tokens, buckets=buckets,
-                                multiple_of=multiple_of, seed=seed, epoch=epoch)
+    second = TokenBudgetBatches(
+        np.asarray(lengths, np.uint16), max_tokens, buckets=buckets, multiple_of=multiple_of, seed=seed, epoch=epoch
+    )
     assert len(first) == len(second) and first.fingerprint() == second.fingerprint()
     ks = data.draw(st.permutations(range(len(first))))
     by_k = {k: first.members(k, epoch).tolist() for k in ks}
@@ -134,9 +151,20 @@ def train_4_3_2(batches, stops, workers=0, policy=None):
     trained, state, per_step = [], None, []
     for world, stop in zip((4, 3, 2), stops):
         accum = 1 if policy is None else policy.grad_accum(world)
-        loaders = [ResumableDataLoader(batches, batch_size=None, shuffle=True, seed=7, rank=r, world_size=world,
-                                       grad_accum=accum, num_workers=workers,
-                                       multiprocessing_context="fork" if workers else None) for r in range(world)]
+        loaders = [
+            ResumableDataLoader(
+                batches,
+                batch_size=None,
+                shuffle=True,
+                seed=7,
+                rank=r,
+                world_size=world,
+                grad_accum=accum,
+                num_workers=workers,
+                multiprocessing_context="fork" if workers else None,
+            )
+            for r in range(world)
+        ]
         for rank, loader in enumerate(loaders):
             if state is not None:
                 loader.load_state_dict(state)
@@ -251,8 +279,9 @@ def test_a_checkpoint_resumes_the_batches_and_refuses_other_lengths_naming_them(
     other = TokenBudgetBatches(edited, 128)
     assert len(other) == len(first.dataset)  # the same batch count: only the fingerprint tells
     with pytest.raises(CheckpointError, match="the lengths of the TokenBudgetBatches changed"):
-        resume(tmp_path, model=model, optimizer=optimizer,
-               loader=ResumableDataLoader(other, batch_size=None, shuffle=True))
+        resume(
+            tmp_path, model=model, optimizer=optimizer, loader=ResumableDataLoader(other, batch_size=None, shuffle=True)
+        )
     again = ResumableDataLoader(TokenBudgetBatches(lengths, 128), batch_size=None, shuffle=True)
     assert resume(tmp_path, model=model, optimizer=optimizer, loader=again) == 5
     trained += [i for members in again for i in members.tolist()]

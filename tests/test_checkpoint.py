@@ -143,8 +143,11 @@ def test_a_step_saved_again_after_a_fallback_publishes_instead_of_crash_looping(
     with pytest.warns(CheckpointWarning, match="skipping checkpoint .*step-000000003: checksum mismatch"):
         assert resume(tmp_path, **restarted) == 2
     train(restarted, 1)
-    with pytest.warns(CheckpointWarning, match=r"step 3 is published again: the earlier .*step-000000003 \(its "
-                      r"manifest and sizes are intact\) was moved aside to .*step-000000003\.quarantine-"):
+    with pytest.warns(
+        CheckpointWarning,
+        match=r"step 3 is published again: the earlier .*step-000000003 \(its "
+        r"manifest and sizes are intact\) was moved aside to .*step-000000003\.quarantine-",
+    ):
         save_checkpoint(tmp_path, 3, **restarted)
 
     again = make()
@@ -191,8 +194,9 @@ def test_a_failed_load_changes_nothing(tmp_path, mismatch, match, trained):
         train(target, 2)
     fresh_batch = next(iter(make()["loader"])).tolist()
     before = everything(target)
-    with pytest.raises(CheckpointError, match=f"(?i)checkpoint {path} was not loaded: rank 0: .*{match}.*Nothing "
-                       "was changed"):
+    with pytest.raises(
+        CheckpointError, match=f"(?i)checkpoint {path} was not loaded: rank 0: .*{match}.*Nothing was changed"
+    ):
         load_checkpoint(path, **target)
     assert everything(target) == before
     if not trained:  # a caller falling back to a fresh start starts at the first batch, skipping nothing
@@ -206,8 +210,11 @@ def test_a_stream_progress_that_cannot_be_repartitioned_changes_nothing(tmp_path
     path = save_checkpoint(tmp_path, 3, **saved)
     target = dict(make(), loader=ResumableDataLoader(Stream(40), batch_size=4, rank=0, world_size=2))
     before = everything(target)
-    with pytest.raises(CheckpointError, match="the loader progress does not fit this run: this IterableDataset "
-                       "progress was saved at world_size 1, the loader runs at 2.*Nothing was changed"):
+    with pytest.raises(
+        CheckpointError,
+        match="the loader progress does not fit this run: this IterableDataset "
+        "progress was saved at world_size 1, the loader runs at 2.*Nothing was changed",
+    ):
         load_checkpoint(path, **target)
     assert everything(target) == before
 
@@ -274,19 +281,32 @@ def _consume(loader, batches: int | None = None) -> list[int]:
 
 CRAFTED = {  # what a crafted checkpoint holds where, and what the refusal says
     "torch-saved object as the scheduler state": (
-        "extras", "blob", lambda marker: _torch_saved(RunsCode(marker)), None,
+        "extras",
+        "blob",
+        lambda marker: _torch_saved(RunsCode(marker)),
+        None,
         r"the scheduler and scaler states holds objects other than tensors and plain data \(Unsupported global: "
         r"GLOBAL io.open\): the loader never unpickles them",
     ),
     "object as a DCP value": (
-        "loader", "progress", RunsCode, None,
+        "loader",
+        "progress",
+        RunsCode,
+        None,
         r"entry 'loader.progress' holds objects other than tensors and plain data \(Unsupported global",
     ),
     "pickle as the RNG states": (
-        "rng", "all", lambda marker: pickle.dumps([RunsCode(marker)]), None, r"the RNG states: not JSON",
+        "rng",
+        "all",
+        lambda marker: pickle.dumps([RunsCode(marker)]),
+        None,
+        r"the RNG states: not JSON",
     ),
     "pickled RNG states of format 1": (
-        "rng", "all", lambda marker: pickle.dumps([RunsCode(marker)]), 1,
+        "rng",
+        "all",
+        lambda marker: pickle.dumps([RunsCode(marker)]),
+        1,
         r"is of checkpoint_format 1, which stores the RNG states as Python pickles: loading them could run any code",
     ),
 }
@@ -360,8 +380,10 @@ def test_a_crafted_dcp_metadata_is_refused_naming_what_it_names_without_running_
 
     target = make()
     before = everything(target)
-    refusal = (f"checkpoint {crafted} was not loaded: rank 0: checkpoint file {crafted / '.metadata'} names {names}, "
-               f"which is not one of DCP's metadata types: the loader never unpickles it")
+    refusal = (
+        f"checkpoint {crafted} was not loaded: rank 0: checkpoint file {crafted / '.metadata'} names {names}, "
+        f"which is not one of DCP's metadata types: the loader never unpickles it"
+    )
     with pytest.raises(CheckpointError, match=re.escape(refusal)):
         resume(tmp_path / "run", **target)
     assert not marker.exists() and everything(target) == before
@@ -424,10 +446,13 @@ def test_a_state_that_is_not_plain_data_fails_the_save_naming_it(tmp_path, chang
     """Found at save time, before anything is written: never a checkpoint that resume refuses."""
     objects = make()
     where = change(objects)
-    with pytest.raises(TypeError, match=re.escape(
-        f"save_checkpoint: {where} is a Fraction, which a checkpoint cannot hold: resume reads checkpoints with "
-        f"torch.load(weights_only=True), which takes only tensors, numbers"
-    )):
+    with pytest.raises(
+        TypeError,
+        match=re.escape(
+            f"save_checkpoint: {where} is a Fraction, which a checkpoint cannot hold: resume reads checkpoints with "
+            f"torch.load(weights_only=True), which takes only tensors, numbers"
+        ),
+    ):
         save_checkpoint(tmp_path, 1, **objects)
     assert list_checkpoints(tmp_path) == [] and list(tmp_path.iterdir()) == []
 

@@ -85,7 +85,6 @@ def test_a_restart_resumes_the_runs_present_not_a_later_checkpoint_it_had_gone_b
     assert aside.name.startswith("step-000000004.quarantine-") and "the run went back from" in str(warned[-1].message)
 
 
-
 class FailsOnce(IndexDataset):
     """Loading `index` raises an OSError the first time (a storage hiccup): its batch is consumed, never served."""
 
@@ -126,8 +125,9 @@ def loop_launch(run_dir, dataset, stop_at: int | None = None, own_count: bool = 
             optimizer.step()
             optimizer.zero_grad()
             step += 1
-            save_checkpoint(run_dir, step if own_count else None, model=model, optimizer=optimizer, loader=dl,
-                            ledger=dl.ledger)
+            save_checkpoint(
+                run_dir, step if own_count else None, model=model, optimizer=optimizer, loader=dl, ledger=dl.ledger
+            )
             if (step if own_count else dl.step) == stop_at:
                 break
     dl.ledger.close()
@@ -150,8 +150,11 @@ def test_a_failed_micro_batch_that_completes_an_update_keeps_the_loop_and_the_le
 def test_a_step_that_is_not_the_ledgers_is_refused_naming_both_and_the_fix(tmp_path):
     """The guide's former loop, one step behind after the failure: its save of step 1 is refused, nothing
     published, rather than labelling the ledger's step 2 as step 1."""
-    with pytest.raises(ValueError, match=r"save_checkpoint\(step=1\): the loader completed 2 optimizer updates.*"
-                                         r"the records of step 2 wrongly.*omit step="):
+    with pytest.raises(
+        ValueError,
+        match=r"save_checkpoint\(step=1\): the loader completed 2 optimizer updates.*"
+        r"the records of step 2 wrongly.*omit step=",
+    ):
         loop_launch(tmp_path, FailsOnce(16, 2), stop_at=1, own_count=True)
     assert latest(tmp_path) is None
 
@@ -159,8 +162,11 @@ def test_a_step_that_is_not_the_ledgers_is_refused_naming_both_and_the_fix(tmp_p
 def _open_an_unreadable_run_dir(rank: int, world_size: int, run_dir: str) -> list[str]:
     torch.manual_seed(0)
     model = torch.nn.Linear(1, 1)
-    objects = dict(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
-                   loader=ResumableDataLoader(IndexDataset(8), batch_size=2, rank=rank, world_size=world_size))
+    objects = dict(
+        model=model,
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        loader=ResumableDataLoader(IndexDataset(8), batch_size=2, rank=rank, world_size=world_size),
+    )
     outcomes = []
     for call in (lambda: resume(run_dir, **objects), lambda: Ledger.open(run_dir, 0, 8)):
         try:
@@ -181,8 +187,10 @@ def test_a_run_directory_that_rank_0_cannot_read_fails_every_rank_at_once(tmp_pa
     run_dir.write_text("a file where the run directory should be")
     first, second = run_group(_open_an_unreadable_run_dir, 2, str(run_dir))
     assert first == second and len(first) == 2
-    assert first[0] == (f"NotADirectoryError: run_dir {run_dir} is not a directory (or one of its parents is a "
-                        f"file); pass the checkpoint directory")
+    assert first[0] == (
+        f"NotADirectoryError: run_dir {run_dir} is not a directory (or one of its parents is a "
+        f"file); pass the checkpoint directory"
+    )
     assert first[1].startswith(("FileExistsError", "NotADirectoryError"))
 
 

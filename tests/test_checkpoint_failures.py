@@ -54,8 +54,14 @@ def _outcome(save) -> dict:
     try:
         return {"published": save().name}
     except OSError as e:
-        return {"type": type(e).__name__, "errno": e.errno, "strerror": e.strerror, "filename": e.filename,
-                "message": str(e), "failures": getattr(e, "failures", None)}
+        return {
+            "type": type(e).__name__,
+            "errno": e.errno,
+            "strerror": e.strerror,
+            "filename": e.filename,
+            "message": str(e),
+            "failures": getattr(e, "failures", None),
+        }
 
 
 def _save_with_a_full_rank(rank: int, world_size: int, run_dir: str, failing: int) -> dict:
@@ -127,8 +133,9 @@ def small_filesystem(tmp_path):
     """A 512 KiB tmpfs: a real disk that fills up. Mounting needs root (CAP_SYS_ADMIN); skipped without it."""
     mount = tmp_path / "fs"
     mount.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=512k", "tmpfs", str(mount)], capture_output=True,
-                          text=True, timeout=30)
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=512k", "tmpfs", str(mount)], capture_output=True, text=True, timeout=30
+    )
     if done.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here (root needed): {done.stderr.strip()}")
     try:
@@ -158,8 +165,9 @@ def _save_a_model_too_big(rank: int, world_size: int, run_dir: str) -> dict:
     torch.manual_seed(0)
     model = torch.nn.Linear(512, 512)  # 1 MiB of weights, for a 512 KiB filesystem
     loader = ResumableDataLoader(IndexDataset(8), batch_size=2, rank=rank, world_size=world_size)
-    return _outcome(lambda: save_checkpoint(run_dir, 1, model=model, optimizer=torch.optim.SGD(model.parameters()),
-                                            loader=loader))
+    return _outcome(
+        lambda: save_checkpoint(run_dir, 1, model=model, optimizer=torch.optim.SGD(model.parameters()), loader=loader)
+    )
 
 
 def test_a_disk_that_fills_during_a_tensor_write_names_enospc(small_filesystem):
@@ -183,8 +191,14 @@ def _misfit(rank: int, world_size: int, kind: str) -> dict:
 
 
 def _state(objects: dict) -> str:
-    return str((objects["model"].state_dict(), objects["optimizer"].state_dict(), objects["loader"].state_dict(),
-                torch.get_rng_state()))
+    return str(
+        (
+            objects["model"].state_dict(),
+            objects["optimizer"].state_dict(),
+            objects["loader"].state_dict(),
+            torch.get_rng_state(),
+        )
+    )
 
 
 def _load_with_a_misfit_rank(rank: int, world_size: int, run_dir: str, kind: str) -> dict:
@@ -199,19 +213,26 @@ def _load_with_a_misfit_rank(rank: int, world_size: int, run_dir: str, kind: str
         outcome = None
     except CheckpointError as e:
         outcome = str(e)
-    return {"outcome": outcome, "unchanged": _state(target) == before,
-            "then": load_checkpoint(path, **_objects(rank, world_size))}  # the group is still in step
+    return {
+        "outcome": outcome,
+        "unchanged": _state(target) == before,
+        "then": load_checkpoint(path, **_objects(rank, world_size)),
+    }  # the group is still in step
 
 
-@pytest.mark.parametrize("kind, cause", [
-    ("seed", "rank 1: checkpoint {path}.fingerprint.seed is 0 in the saved state but 7 in this loader"),
-    ("shape", "rank 1: ValueError: Size mismatch between saved torch.Size([4, 4]) and current: torch.Size([5, 4])"),
-])
+@pytest.mark.parametrize(
+    "kind, cause",
+    [
+        ("seed", "rank 1: checkpoint {path}.fingerprint.seed is 0 in the saved state but 7 in this loader"),
+        ("shape", "rank 1: ValueError: Size mismatch between saved torch.Size([4, 4]) and current: torch.Size([5, 4])"),
+    ],
+)
 def test_a_load_that_does_not_fit_one_rank_changes_nothing_on_any_rank(tmp_path, kind, cause):
     results = run_group(_load_with_a_misfit_rank, 2, str(tmp_path), kind, timeout=60)
     path = tmp_path / "step-000000001"
     for result in results:
         assert result["outcome"].startswith(f"checkpoint {path} was not loaded: {cause.format(path=path)}"), result
-        assert result["outcome"].endswith("Nothing was changed: model, optimizer, scheduler, scaler, RNG and loader "
-                                          "are as they were")
+        assert result["outcome"].endswith(
+            "Nothing was changed: model, optimizer, scheduler, scaler, RNG and loader are as they were"
+        )
         assert result["unchanged"] and result["then"] == 1

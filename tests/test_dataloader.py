@@ -162,8 +162,9 @@ def test_code_written_for_distributed_sampler_runs_unchanged():
 def test_sampler_length_is_distributed_samplers_without_its_repeats(n, world):
     """drop_last=False: rank r gets n // W samples, one more for r < n mod W, as DistributedSampler would without
     the padding it repeats to give every rank ceil(n / W); only n < W drops (all n)."""
-    ours = [len(ResumableDataLoader(IndexDataset(n), batch_size=4, rank=r, world_size=world).sampler)
-            for r in range(world)]
+    ours = [
+        len(ResumableDataLoader(IndexDataset(n), batch_size=4, rank=r, world_size=world).sampler) for r in range(world)
+    ]
     theirs = [len(DistributedSampler(IndexDataset(n), num_replicas=world, rank=r)) for r in range(world)]
     assert theirs == [-(-n // world)] * world
     assert ours == ([n // world + (r < n % world) for r in range(world)] if n >= world else [0] * world)
@@ -279,7 +280,7 @@ def test_uneven_state_grows_with_intervals_only():
     batches(ranks[0], count=50)
     batches(ranks[1], count=10)
     merged = merge_states([dl.state_dict() for dl in ranks], uneven=True)
-    (epoch, flat), = merged["committed"]
+    ((epoch, flat),) = merged["committed"]
     # rank 0's 40 micro-batches beyond rank 1's progress leave 40 holes: the first merges into the prefix
     assert len(flat) == 2 * 40 and flat[:2] == [0, 42] and flat[-2:] == [49 * 4, 49 * 4 + 2]
 
@@ -451,14 +452,25 @@ def test_unbatched_ranks_yield_the_same_number_of_samples_and_record_the_rest_as
     would hand it out as one more item, counted as a micro-batch it is not, and DDP would wait on that rank's extra
     backward): every rank yields len() samples, the same on every rank, and the rest is recorded as dropped."""
     for n in range(1, 3 * world_size * grad_accum + 2):
-        loaders = [ResumableDataLoader(IndexDataset(n), batch_size=None, shuffle=True, seed=n, rank=r,
-                                       world_size=world_size, grad_accum=grad_accum) for r in range(world_size)]
+        loaders = [
+            ResumableDataLoader(
+                IndexDataset(n),
+                batch_size=None,
+                shuffle=True,
+                seed=n,
+                rank=r,
+                world_size=world_size,
+                grad_accum=grad_accum,
+            )
+            for r in range(world_size)
+        ]
         yielded = [[int(x) for x in dl] for dl in loaders]
         assert {len(y) for y in yielded} == {len(loaders[0])} == {(n - n % (world_size * grad_accum)) // world_size}
         merged = merge_states([dl.state_dict() for dl in loaders])
         (finished,) = merged["finished"]
-        positions = np.concatenate([np.arange(a, b) for a, b in np.reshape(finished["dropped"], (-1, 2))] +
-                                   [np.zeros(0, np.int64)])
+        positions = np.concatenate(
+            [np.arange(a, b) for a, b in np.reshape(finished["dropped"], (-1, 2))] + [np.zeros(0, np.int64)]
+        )
         dropped = loaders[0].resumable_sampler.order.for_epoch(0)(positions).tolist()
         delivered = sorted(sum(yielded, []))
         assert len(set(delivered)) == len(delivered) and sorted(delivered + dropped) == list(range(n))
@@ -489,8 +501,15 @@ def test_close_ends_the_workers_and_the_ledger_file_now_and_a_new_iter_serves_th
     (the active iterator's, or persistent ones) end and the ledger's file closes at close(), or a with block's end."""
     from loader.checkpoint import Ledger
 
-    dl = ResumableDataLoader(IndexDataset(40), batch_size=4, shuffle=True, seed=0, num_workers=2,
-                             persistent_workers=persistent, multiprocessing_context="fork")
+    dl = ResumableDataLoader(
+        IndexDataset(40),
+        batch_size=4,
+        shuffle=True,
+        seed=0,
+        num_workers=2,
+        persistent_workers=persistent,
+        multiprocessing_context="fork",
+    )
     dl.ledger = Ledger.open(tmp_path, 0, 40)
     batches = iter(dl)
     trained = [i for batch in itertools.islice(batches, 3) for i in batch.tolist()]

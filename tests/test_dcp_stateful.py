@@ -111,11 +111,17 @@ def test_a_dcp_checkpoint_resumes_under_an_amended_schedule_and_a_silent_edit_is
     _dcp_call(dcp.save, dl, path)
 
     new_schedule = [{"from": [3, 1], "to": [0, 1], "windows": 6}, {"weights": [1, 1]}]
-    refused = [(scheduled(lengths, new_schedule, n, window=window, amends=old.plan, change_at=8),
-                r"the schedule change begins at position 8 .* up to 11 under the old plan: pass change_at >= 12"),
-               (scheduled(lengths, new_schedule, n, window=window),
-                r"dataset fingerprint is '\w+' in the checkpoint but '\w+' here: .* a Mixture's sources, weights or "
-                r"schedule changed")]
+    refused = [
+        (
+            scheduled(lengths, new_schedule, n, window=window, amends=old.plan, change_at=8),
+            r"the schedule change begins at position 8 .* up to 11 under the old plan: pass change_at >= 12",
+        ),
+        (
+            scheduled(lengths, new_schedule, n, window=window),
+            r"dataset fingerprint is '\w+' in the checkpoint but '\w+' here: .* a Mixture's sources, weights or "
+            r"schedule changed",
+        ),
+    ]
     for mix, message in refused:
         fresh = ResumableDataLoader(mix, batch_size=4, shuffle=False, collate_fn=list)
         before = fresh.state_dict()
@@ -214,7 +220,10 @@ def test_dcp_load_resumes_a_loader_state_saved_before_0_1_0_with_a_warning(tmp_p
         with pytest.raises(StateError, match="seed"):  # refused before it warns
             dcp_load({"dataloader": LoaderState(other)}, tmp_path)
         resumed = ResumableDataLoader(IndexDataset(30), batch_size=4, shuffle=True, seed=0)
-        with pytest.warns(CheckpointWarning, match=r"'dataloader' holds the loader progress only, as LoaderState "
-                                                   r"wrote it before release 0\.1\.0: .* without checking"):
+        with pytest.warns(
+            CheckpointWarning,
+            match=r"'dataloader' holds the loader progress only, as LoaderState "
+            r"wrote it before release 0\.1\.0: .* without checking",
+        ):
             dcp_load({"dataloader": LoaderState(resumed)}, tmp_path)
     assert sorted(delivered + [i for b in resumed for i in b.tolist()]) == list(range(30))

@@ -32,8 +32,9 @@ def test_async_save_holds_its_step_and_counts_once_written_a_kill_before_resumes
     finishes, and training dies before step 9. Step 6 has no .metadata, so the job resumes at 3 ranks from step 3:
     step 3's model (the job compares it with a snapshot) and step 3's progress (every sample once)."""
     run_dir = tmp_path / "run"
-    codes = run(run_dir, 1, 2, "--async-save", "--hold-at-step", 3, "--stall-at-step", 6, "--fail-at-step", 8,
-                "--fail-rank", 0)
+    codes = run(
+        run_dir, 1, 2, "--async-save", "--hold-at-step", 3, "--stall-at-step", 6, "--fail-at-step", 8, "--fail-rank", 0
+    )
     assert codes[0] == -9, logs(tmp_path / "logs-1")
     assert (run_dir / "step-000006").is_dir() and not (run_dir / "step-000006" / ".metadata").exists()
     assert run(run_dir, 2, 3, "--async-save") == [0, 0, 0], logs(tmp_path / "logs-2")

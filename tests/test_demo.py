@@ -41,8 +41,11 @@ def demo_output(demos, *flags: str) -> str:
     again = subprocess.run(audit_again, shell=True, capture_output=True, text=True, timeout=120)
     assert again.returncode == 0 and "audit: every sample exactly once" in again.stdout, again.stdout + again.stderr
     assert "launch 1, 4 workers, fresh start from step 0; optimizer steps completed: 1 2 3" in out
-    resumed = re.search(r"launch 2, 3 workers, resumed from the checkpoint of step (\d+); optimizer steps completed: "
-                        r"\d", out)
+    resumed = re.search(
+        r"launch 2, 3 workers, resumed from the checkpoint of step (\d+); optimizer steps completed: "
+        r"\d",
+        out,
+    )
     assert resumed and int(resumed.group(1)) % 3 == 0  # a published checkpoint step
     assert re.search(r"0\s+finished\s+480\s+480\s+0\s+0\s+0", out)  # the audit row of epoch 0
     assert "audit: every sample exactly once" in out
@@ -79,12 +82,15 @@ def test_every_number_of_the_progress_line_says_what_it_is(capsys):
     from loader.cli.demo import ProgressLine
 
     progress = ProgressLine()
-    for line in ["[rank 0] world size 4, grad_accum 3, resumed at step 0, epoch 0 (checkpoint load 0.001 s)",
-                 "[rank 0] step 1 loss 0.5", "[rank 0] step 2 loss 0.4",
-                 "[rank 3] fault injection: node during step 3",
-                 "[rank 0] step 2 loss 0.4",
-                 "[rank 0] world size 3, grad_accum 4, resumed at step 0, epoch 0 (checkpoint load 0.010 s)",
-                 "[rank 0] step 1 loss 0.5"]:
+    for line in [
+        "[rank 0] world size 4, grad_accum 3, resumed at step 0, epoch 0 (checkpoint load 0.001 s)",
+        "[rank 0] step 1 loss 0.5",
+        "[rank 0] step 2 loss 0.4",
+        "[rank 3] fault injection: node during step 3",
+        "[rank 0] step 2 loss 0.4",
+        "[rank 0] world size 3, grad_accum 4, resumed at step 0, epoch 0 (checkpoint load 0.010 s)",
+        "[rank 0] step 1 loss 0.5",
+    ]:
         progress.show(line)
     assert capsys.readouterr().out.splitlines() == [
         "",

@@ -52,5 +52,6 @@ def test_a_loader_that_delivered_before_the_process_group_is_refused_loudly():
     dl = ResumableDataLoader(IndexDataset(40), batch_size=4)
     next(iter(dl))  # delivered as rank 0 of 1
     messages = run_group(_prebuilt_job, 2, dl, True)
-    assert all("before torch.distributed was initialised as rank" in m and "pass rank= and world_size=" in m
-               for m in messages)
+    assert all(
+        "before torch.distributed was initialised as rank" in m and "pass rank= and world_size=" in m for m in messages
+    )

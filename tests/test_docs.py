@@ -67,7 +67,7 @@ def python_blocks(page: Path) -> list[Block]:
         if opening["lang"] == "python":
             before = next((lines[j] for j in range(i - 1, -1, -1) if lines[j].strip()), "")
             directive = DIRECTIVE.match(before)
-            code = "\n".join(line[len(indent):] for line in lines[i + 1:end]) + "\n"
+            code = "\n".join(line[len(indent) :] for line in lines[i + 1 : end]) + "\n"
             blocks.append(Block(page, i + 1, code, directive and directive["what"]))
         i = end + 1
     return blocks
@@ -77,6 +77,7 @@ BLOCKS = [block for page in PAGES for block in python_blocks(page)]
 
 
 # --- setups: what a fragment's surroundings would define, on small data -------------------------------------------
+
 
 @dataclass(frozen=True)
 class Setup:
@@ -91,6 +92,7 @@ def doc_setup(smaller: dict[str, str] | None = None):
     def register(make: Callable[[], dict]) -> Callable[[], dict]:
         SETUPS[make.__name__] = Setup(make, smaller or {})
         return make
+
     return register
 
 
@@ -129,9 +131,16 @@ def training() -> dict:
     earlier = ResumableDataLoader(dataset, batch_size=32, shuffle=True, seed=0)
     next(iter(earlier))
     return {
-        "dataset": dataset, "model": model, "ddp": DDP(model), "optimizer": optimizer, "opt": optimizer,
-        "sched": torch.optim.lr_scheduler.StepLR(optimizer, step_size=10), "loss_fn": torch.nn.functional.mse_loss,
-        "ckpt": {"loader": earlier.state_dict()}, "run_dir": str(Path("run").absolute()), "every": 5,
+        "dataset": dataset,
+        "model": model,
+        "ddp": DDP(model),
+        "optimizer": optimizer,
+        "opt": optimizer,
+        "sched": torch.optim.lr_scheduler.StepLR(optimizer, step_size=10),
+        "loss_fn": torch.nn.functional.mse_loss,
+        "ckpt": {"loader": earlier.state_dict()},
+        "run_dir": str(Path("run").absolute()),
+        "every": 5,
         "epochs": 2,
         "dl": ResumableDataLoader(dataset, batch_size=8, shuffle=True, seed=0, grad_accum=2),
     }
@@ -252,8 +261,15 @@ def accelerate() -> dict:
     import torch
 
     model = torch.nn.Linear(4, 1)
-    return {"model": model, "optimizer": torch.optim.SGD(model.parameters(), lr=0.01), "dataset": _regression(128),
-            "loss_fn": torch.nn.functional.mse_loss, "K": 2, "every": 1, "run_dir": "run"}
+    return {
+        "model": model,
+        "optimizer": torch.optim.SGD(model.parameters(), lr=0.01),
+        "dataset": _regression(128),
+        "loss_fn": torch.nn.functional.mse_loss,
+        "K": 2,
+        "every": 1,
+        "run_dir": "run",
+    }
 
 
 @doc_setup()
@@ -295,12 +311,18 @@ def dcp() -> dict:
         optimizer.step()
         optimizer.zero_grad()
 
-    return {"model_wrapper": ModelWrapper(), "optimizers": OptimizersContainer(), "train_step": train_step,
-            "dl": ResumableDataLoader(_regression(48), batch_size=8, shuffle=True, seed=0), "every": 3,
-            "run_dir": str(Path("run").absolute())}
+    return {
+        "model_wrapper": ModelWrapper(),
+        "optimizers": OptimizersContainer(),
+        "train_step": train_step,
+        "dl": ResumableDataLoader(_regression(48), batch_size=8, shuffle=True, seed=0),
+        "every": 3,
+        "run_dir": str(Path("run").absolute()),
+    }
 
 
 # --- the tests ------------------------------------------------------------------------------------------------------
+
 
 def directive_of(block: Block) -> tuple[str, str] | None:
     """("setup", NAME), ("skip", REASON) or None for a block that runs as it is; anything else fails the test."""
@@ -310,8 +332,10 @@ def directive_of(block: Block) -> tuple[str, str] | None:
         found = pattern.match(block.directive)
         if found:
             return kind, found[group]
-    raise AssertionError(f"{block.name}: {block.directive!r} is no doc-test directive: write "
-                         f"'<!-- doc-test: setup=NAME -->' or '<!-- doc-test: skip (REASON) -->'")
+    raise AssertionError(
+        f"{block.name}: {block.directive!r} is no doc-test directive: write "
+        f"'<!-- doc-test: setup=NAME -->' or '<!-- doc-test: skip (REASON) -->'"
+    )
 
 
 # One interpreter imports torch and the project once (most of a block's time), then forks a child per block that
@@ -348,8 +372,14 @@ class BlockRunner:
 
     def __init__(self, categories: list[str], directory: Path):
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-        self.process = subprocess.Popen([sys.executable, "-c", SERVER, *categories], cwd=directory, env=env,
-                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self.process = subprocess.Popen(
+            [sys.executable, "-c", SERVER, *categories],
+            cwd=directory,
+            env=env,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
         self.answers: queue.Queue = queue.Queue()
         threading.Thread(target=self._read, daemon=True).start()
 

@@ -23,8 +23,20 @@ STEPS_PER_EPOCH = 10  # 240 samples, global batch 24, drop_last
 
 
 def job(run_dir, *extra):
-    return ["--run-dir", str(run_dir), "--samples", "240", "--global-batch", "24", "--micro-batch", "2",
-            "--checkpoint-every", "3", "--ledger", *extra]
+    return [
+        "--run-dir",
+        str(run_dir),
+        "--samples",
+        "240",
+        "--global-batch",
+        "24",
+        "--micro-batch",
+        "2",
+        "--checkpoint-every",
+        "3",
+        "--ledger",
+        *extra,
+    ]
 
 
 def assert_audit_clean(run_dir, epochs=1):
@@ -43,8 +55,9 @@ def final_model(run_dir):
 def reference(tmp_path_factory):
     """The uninterrupted run at 2 ranks, with model and optimizer saved after every step."""
     root = tmp_path_factory.mktemp("reference")
-    codes = run_generation(2, job(root / "run", "--snapshot-dir", str(root / "snapshots")), root / "logs",
-                           collector=False)  # see test_the_example_leaves_the_group_holding_nothing
+    codes = run_generation(
+        2, job(root / "run", "--snapshot-dir", str(root / "snapshots")), root / "logs", collector=False
+    )  # see test_the_example_leaves_the_group_holding_nothing
     assert codes == [0, 0], logs(root / "logs")
     return root
 
@@ -154,9 +167,21 @@ def test_torchrun_as_documented_restarts_without_any_setting_of_the_agent(tmp_pa
     env = {**os.environ, "PYTHONPATH": str(EXAMPLE.parent.parent), "OMP_NUM_THREADS": "1"}
     env.pop("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", None)
     run = tmp_path / "run"
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--max-restarts=1",
-                           str(EXAMPLE), *job(run, "--fail-at-step", "4", "--fail-rank", "1", "--timeout", "30")],
-                          capture_output=True, text=True, env=env, timeout=180)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node=2",
+            "--max-restarts=1",
+            str(EXAMPLE),
+            *job(run, "--fail-at-step", "4", "--fail-rank", "1", "--timeout", "30"),
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=180,
+    )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "[rank 1] fault injection: sigkill during step 5" in done.stdout
     assert "[rank 0] left the process group" in done.stdout and "[rank 1] left the process group" in done.stdout

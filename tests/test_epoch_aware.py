@@ -52,8 +52,16 @@ def test_each_epoch_packs_anew_across_a_mid_epoch_resume_into_a_fresh_loader(cor
     state mid-epoch 1 and finishes it after a set_epoch(1) and a superseded iterator. peek() shows the next batch
     as its epoch packs it, also past the end of an epoch."""
     source, (_, stream) = packed(corpus, "best_fit"), corpus
-    options = dict(batch_size=3, shuffle=True, seed=5, rank=0, world_size=1, num_workers=workers,
-                   persistent_workers=bool(workers), multiprocessing_context="fork" if workers else None)
+    options = dict(
+        batch_size=3,
+        shuffle=True,
+        seed=5,
+        rank=0,
+        world_size=1,
+        num_workers=workers,
+        persistent_workers=bool(workers),
+        multiprocessing_context="fork" if workers else None,
+    )
     trained, rows_of = {0: Counter(), 1: Counter()}, {}
     first = ResumableDataLoader(source, **options)
     train(first, source, stream, trained, rows_of)
@@ -81,8 +89,10 @@ def test_a_resume_mid_epoch_1_at_another_world_size_packs_epoch_1(corpus):
     source, (_, stream) = packed(corpus, "first_fit"), corpus
     trained, rows_of, state = {0: Counter(), 1: Counter()}, {}, None
     for world, stops in ((4, (1, 3, 2, 4)), (3, (None,) * 3)):
-        loaders = [ResumableDataLoader(source, batch_size=2, shuffle=True, seed=2, rank=r, world_size=world)
-                   for r in range(world)]
+        loaders = [
+            ResumableDataLoader(source, batch_size=2, shuffle=True, seed=2, rank=r, world_size=world)
+            for r in range(world)
+        ]
         for loader, stop in zip(loaders, stops):
             if state is None:
                 train(loader, source, stream, trained, rows_of)
@@ -106,13 +116,15 @@ def test_a_mixture_passes_the_epoch_to_its_packed_sources(tmp_path):
             located = mix.locate(loader.last_indices().tolist())
             for i, (s, row) in enumerate(zip(*(part.tolist() for part in located))):
                 sample = {k: v[i] for k, v in batch.items()}
-                trained[s, loader.epoch].update(owned_tokens(sources[s], streams[s], [row], {row: sample},
-                                                             loader.epoch))
+                trained[s, loader.epoch].update(
+                    owned_tokens(sources[s], streams[s], [row], {row: sample}, loader.epoch)
+                )
                 rows_of[s, loader.epoch, row] = sample["tokens"].tolist()
     for s, source in enumerate(sources):
         per_source = {e: trained[s, e] for e in range(2)}
-        assert_each_epoch_packed_anew(source, streams[s], per_source,
-                                      {(e, r): rows_of[s, e, r] for e in range(2) for r in range(len(source))})
+        assert_each_epoch_packed_anew(
+            source, streams[s], per_source, {(e, r): rows_of[s, e, r] for e in range(2) for r in range(len(source))}
+        )
 
 
 def legacy_fingerprint(source, epoch):
@@ -153,7 +165,8 @@ def test_the_fingerprint_is_the_same_in_every_epoch_and_older_checkpoints_resume
         check_change(old, fresh, in_epoch_1)
     with pytest.raises(StateError, match="dataset fingerprint"):
         check_dataset(legacy_fingerprint(source, 1), fresh, "the checkpoint")
-    by_epoch_1 = ResumableDataLoader(packed(corpus, "best_fit", epoch=1), batch_size=2, shuffle=True, rank=0,
-                                     world_size=1)
+    by_epoch_1 = ResumableDataLoader(
+        packed(corpus, "best_fit", epoch=1), batch_size=2, shuffle=True, rank=0, world_size=1
+    )
     check_dataset(legacy_fingerprint(source, 1), by_epoch_1, "the checkpoint")
     check_change(legacy_fingerprint(source, 1), by_epoch_1, in_epoch_1)

@@ -210,8 +210,13 @@ def test_set_epoch_to_the_current_epoch_leaves_the_active_iterator_alone():
 
 
 def observe(dl):
-    return dict(epoch=dl.epoch, exhausted=dl.exhausted, len=len(dl), update_complete=dl.update_complete,
-                sampler_len=len(dl.sampler))
+    return dict(
+        epoch=dl.epoch,
+        exhausted=dl.exhausted,
+        len=len(dl),
+        update_complete=dl.update_complete,
+        sampler_len=len(dl.sampler),
+    )
 
 
 def drive(steps, **kw):
@@ -242,9 +247,10 @@ def test_a_restored_loader_is_indistinguishable_from_the_live_one_at_every_point
                 assert [b.tolist() for b in restored] == [b.tolist() for b in live], f"after {steps} steps"
 
 
-@pytest.mark.parametrize("save_point", ["every step, saving the loop's epoch",
-                                        "after each epoch, saving epoch + 1",
-                                        "after each epoch, saving epoch"])
+@pytest.mark.parametrize(
+    "save_point",
+    ["every step, saving the loop's epoch", "after each epoch, saving epoch + 1", "after each epoch, saving epoch"],
+)
 @pytest.mark.parametrize("workers", WORKERS)
 def test_the_set_epoch_loop_resumed_at_every_checkpoint_trains_each_epoch_once(save_point, workers):
     n, epochs, kw = 10, 3, dict(batch_size=4, shuffle=True, seed=5, **workers)
@@ -510,16 +516,20 @@ def test_the_iterator_forwards_torchs_attributes():
     assert_exactly_once(8, [b.tolist() for b in it])
 
 
-@pytest.mark.parametrize("dataset, batch_size", [(IndexDataset(40), 2), (IndexDataset(40), None), (Plain(40), 2)],
-                         ids=["map-style", "map-style, batch_size=None", "stream"])
+@pytest.mark.parametrize(
+    "dataset, batch_size",
+    [(IndexDataset(40), 2), (IndexDataset(40), None), (Plain(40), 2)],
+    ids=["map-style", "map-style, batch_size=None", "stream"],
+)
 def test_persistent_workers_end_with_the_loader_without_the_garbage_collector(dataset, batch_size):
     """torch's test_partial_workers: a loop that breaks out and drops its loader ends the persistent workers at
     once. A reference cycle through the loader (its sampler's set_epoch) left them to the garbage collector."""
     pids = []
     gc.disable()
     try:
-        dl = ResumableDataLoader(dataset, batch_size=batch_size, num_workers=2, persistent_workers=True,
-                                 multiprocessing_context="fork")
+        dl = ResumableDataLoader(
+            dataset, batch_size=batch_size, num_workers=2, persistent_workers=True, multiprocessing_context="fork"
+        )
         for i, _ in enumerate(dl):
             if i == 2:
                 break
@@ -550,8 +560,11 @@ def test_states_of_different_steps_do_not_merge_unless_the_run_was_uneven():
             next(it)
             files[rank, step] = ranks[rank].state_dict()
     assert merge_states([files[0, 3], files[1, 3]])["committed"] == [[0, [0, 12]]]
-    with pytest.raises(StateError, match="rank 0 completed 3 micro-batches of epoch 0, rank 1 2: the states come "
-                                         "from different steps.*uneven=True"):
+    with pytest.raises(
+        StateError,
+        match="rank 0 completed 3 micro-batches of epoch 0, rank 1 2: the states come "
+        "from different steps.*uneven=True",
+    ):
         merge_states([files[0, 3], files[1, 2]])
     dl = ResumableDataLoader(IndexDataset(n), **kw)
     with pytest.raises(StateError, match="different steps"):
@@ -607,8 +620,10 @@ def test_len_after_the_dataset_grew_is_what_the_next_pass_yields(batch_size, wor
     dataset.n = 18
     length, left, samples = len(dl), dl.batches_left, len(dl.sampler)
     assert dl.state_dict()["base"]["fingerprint"]["num_samples"] == 10  # asking changed nothing
-    mine, other = [], ResumableDataLoader(IndexDataset(18), batch_size=batch_size, shuffle=True, seed=1, rank=0,
-                                          world_size=2)
+    mine, other = (
+        [],
+        ResumableDataLoader(IndexDataset(18), batch_size=batch_size, shuffle=True, seed=1, rank=0, world_size=2),
+    )
     other.set_epoch(1)
     for i, _ in enumerate(dl):
         mine.append(dl.last_indices().tolist())
@@ -640,8 +655,11 @@ def test_a_length_change_is_refused_where_progress_of_the_old_length_is_committe
     dl.load_state_dict(saved.state_dict())  # resumed inside epoch 0
     before = dl.state_dict()
     dataset.n = 24
-    with pytest.raises(ValueError, match="length changed from 20 to 24 before epoch 0 started, but epoch 0 has "
-                                         "progress committed under 20 samples.*resume with the dataset of 20"):
+    with pytest.raises(
+        ValueError,
+        match="length changed from 20 to 24 before epoch 0 started, but epoch 0 has "
+        "progress committed under 20 samples.*resume with the dataset of 20",
+    ):
         iter(dl)
     assert dl.state_dict() == before
     dataset.n = 20
@@ -654,7 +672,10 @@ def test_a_length_change_with_block_sizes_given_is_refused():
     list(dl)
     dataset.n = 12
     for refused in (iter, len):  # len() describes that pass
-        with pytest.raises(ValueError, match="length changed from 10 to 12 before epoch 1 started, but "
-                                             "shuffle_blocks was given as block sizes summing to 10.*block sizes "
-                                             "for 12"):
+        with pytest.raises(
+            ValueError,
+            match="length changed from 10 to 12 before epoch 1 started, but "
+            "shuffle_blocks was given as block sizes summing to 10.*block sizes "
+            "for 12",
+        ):
             refused(dl)

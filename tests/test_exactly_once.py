@@ -149,10 +149,19 @@ def simulate(data, dataset, batch_size, grad_accum, shuffle, drop_last, worlds, 
     def make(world):
         loaders = [
             ResumableDataLoader(
-                dataset, batch_size=batch_size, shuffle=shuffle, drop_last=drop_last, seed=seed, rank=r,
-                world_size=world, grad_accum=grad_accum, num_workers=num_workers,
+                dataset,
+                batch_size=batch_size,
+                shuffle=shuffle,
+                drop_last=drop_last,
+                seed=seed,
+                rank=r,
+                world_size=world,
+                grad_accum=grad_accum,
+                num_workers=num_workers,
                 multiprocessing_context="fork" if num_workers else None,
-                collate_fn=FailingCollate(bad) if failures else None, lanes=lanes, filter=keep,
+                collate_fn=FailingCollate(bad) if failures else None,
+                lanes=lanes,
+                filter=keep,
             )
             for r in range(world)
         ]
@@ -180,8 +189,9 @@ def simulate(data, dataset, batch_size, grad_accum, shuffle, drop_last, worlds, 
     for world in worlds[:-1]:
         ranks = make(world)
         for rank in ranks:  # ranks consume unequal amounts, sometimes stopping inside an update
-            rank.consume(data.draw(st.integers(0, len(rank.dl) + 2), label="micro-batches"), committed, failed,
-                         filtered)
+            rank.consume(
+                data.draw(st.integers(0, len(rank.dl) + 2), label="micro-batches"), committed, failed, filtered
+            )
         state = merge(ranks, world)
     ranks = make(worlds[-1])
     for rank in ranks:
@@ -194,10 +204,12 @@ def simulate(data, dataset, batch_size, grad_accum, shuffle, drop_last, worlds, 
         counts = committed[epoch] + failed[epoch]
         if keep:
             kept, content = set(committed[epoch]), content_of(dataset)
-            assert all(map(keep.rule, content(sorted(kept), epoch))), \
+            assert all(map(keep.rule, content(sorted(kept), epoch))), (
                 f"epoch {epoch}: a sample the filter drops was trained"
-            assert not any(map(keep.rule, content(sorted(filtered[epoch]), epoch))), \
+            )
+            assert not any(map(keep.rule, content(sorted(filtered[epoch]), epoch))), (
                 f"epoch {epoch}: a kept one recorded"
+            )
             counts += filtered[epoch]
         assert max(counts.values(), default=1) == 1, (
             f"epoch {epoch}: duplicated {[i for i, c in counts.items() if c > 1]}"
@@ -261,8 +273,10 @@ def updates_of(mix, world, micro_batch, global_batch, state=None, updates=None):
     """Run `updates` lockstep updates (None: to the end of the epoch; never more than the epoch has left) at
     this world size with the same global batch; returns each update's samples (sorted) and the merged state."""
     accum = global_batch // (world * micro_batch)
-    ranks = [ResumableDataLoader(mix, batch_size=micro_batch, rank=r, world_size=world, grad_accum=accum,
-                                 drop_last=True) for r in range(world)]
+    ranks = [
+        ResumableDataLoader(mix, batch_size=micro_batch, rank=r, world_size=world, grad_accum=accum, drop_last=True)
+        for r in range(world)
+    ]
     iterators = []
     for dl in ranks:
         if state is not None:
@@ -304,8 +318,9 @@ def test_a_resized_mixture_run_keeps_every_global_batch_of_the_uninterrupted_run
     resized, state = [], None
     for world in worlds[:-1]:
         left = len(reference) - len(resized)
-        done, state = updates_of(mix, world, micro_batch, global_batch, state,
-                                 data.draw(st.integers(0, left), label="updates"))
+        done, state = updates_of(
+            mix, world, micro_batch, global_batch, state, data.draw(st.integers(0, left), label="updates")
+        )
         resized += done
     resized += updates_of(mix, worlds[-1], micro_batch, global_batch, state)[0]
     assert resized == reference
@@ -318,8 +333,9 @@ FILTERED_RUNS = dict(RUNS, batch_size=st.integers(1, 7), fifths=st.integers(0, 5
 
 @settings(max_examples=60, deadline=None)
 @given(data=st.data(), **FILTERED_RUNS)
-def test_under_a_filter_every_sample_is_trained_or_filtered_exactly_once(data, n, batch_size, grad_accum, shuffle,
-                                                                       drop_last, worlds, fifths):
+def test_under_a_filter_every_sample_is_trained_or_filtered_exactly_once(
+    data, n, batch_size, grad_accum, shuffle, drop_last, worlds, fifths
+):
     """filter= keeps none, some or all samples: the kept ones trained exactly once, the others recorded as filtered
     exactly once (last_filtered), across restarts after uneven consumption, with batches that fail to load."""
     keep = Keep(fifths, data.draw(st.integers(0, 4), label="salt"))
@@ -328,8 +344,9 @@ def test_under_a_filter_every_sample_is_trained_or_filtered_exactly_once(data, n
 
 @settings(max_examples=20, deadline=None)
 @given(data=st.data(), lengths=st.lists(st.integers(1, 40), min_size=1, max_size=3), **FILTERED_RUNS)
-def test_a_filtered_mixture_is_exactly_once_across_restarts(data, lengths, n, batch_size, grad_accum, shuffle,
-                                                            drop_last, worlds, fifths):
+def test_a_filtered_mixture_is_exactly_once_across_restarts(
+    data, lengths, n, batch_size, grad_accum, shuffle, drop_last, worlds, fifths
+):
     """The filter sees the mixture's samples (the predicate's index is the mixture position's)."""
     mix = tagged_mixture(lengths, [1.0] * len(lengths), n, seed=data.draw(st.integers(0, 2**32), label="mixture seed"))
     simulate(data, mix, batch_size, grad_accum, shuffle, drop_last, worlds, 0, Keep(fifths, 1))

@@ -230,11 +230,14 @@ def test_an_empty_batch_keeps_the_structure_of_a_full_one():
         emptied(object())
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    (dict(filtered="shorter"), "filtered must be 'removed'"),
-    (dict(filter=3), "filter must be a function of"),
-    (dict(filter=not_a_multiple_of_3, batch_size=None), "filter= needs batches"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(filtered="shorter"), "filtered must be 'removed'"),
+        (dict(filter=3), "filter must be a function of"),
+        (dict(filter=not_a_multiple_of_3, batch_size=None), "filter= needs batches"),
+    ],
+)
 def test_bad_filter_arguments_say_what_to_pass(kwargs, message):
     with pytest.raises(ValueError, match=message):
         ResumableDataLoader(IndexDataset(4), **{"batch_size": 2, **kwargs})
@@ -325,9 +328,19 @@ def test_a_filter_under_a_batch_size_ramp_across_2_to_3_ranks_is_audited_from_th
     n, policy = 60, BatchPolicy([(0, 12), (2, 24)], 2)
     trained, state = [], None
     for world, resumed, updates in ((2, 0, 2), (3, 2, None)):
-        ranks = [ResumableDataLoader(TensorDataset(torch.arange(n)), batch_size=2, shuffle=True, seed=0, rank=r,
-                                     world_size=world, batch_policy=policy, filter=not_a_multiple_of_3)
-                 for r in range(world)]
+        ranks = [
+            ResumableDataLoader(
+                TensorDataset(torch.arange(n)),
+                batch_size=2,
+                shuffle=True,
+                seed=0,
+                rank=r,
+                world_size=world,
+                batch_policy=policy,
+                filter=not_a_multiple_of_3,
+            )
+            for r in range(world)
+        ]
         first = Ledger.open(tmp_path, resumed, n)
         for r, dl in enumerate(ranks):
             if state is not None:

@@ -7,8 +7,9 @@ import torch
 from loader import ResumableDataLoader, merge_states
 from loader.sources import Mixture, TokenSource
 
-datasets = pytest.importorskip("datasets", reason="Hugging Face datasets is an optional test dependency "
-                                                  "(pip install -e '.[hf]')")
+datasets = pytest.importorskip(
+    "datasets", reason="Hugging Face datasets is an optional test dependency (pip install -e '.[hf]')"
+)
 
 SEQ = 8
 
@@ -53,8 +54,10 @@ def test_arrow_datasets_mix_with_each_other_and_with_token_files(arrow, tmp_path
     tokens = torch.cat([b["input_ids"] for b in batches])
     assert tokens[:, 0].tolist() == [(10_000 if s else 0) + i * SEQ for s, i in zip(source.tolist(), index.tolist())]
     assert mix.sample_key(7) == (mix.names[source[7]], int(index[7]))
-    assert mix.fingerprint() != Mixture([arrow["code"], arrow["web"]], [0.75, 0.25], 100, 2,
-                                        names=["web", "code"]).fingerprint()  # the sources' own fingerprints count
+    assert (
+        mix.fingerprint()
+        != Mixture([arrow["code"], arrow["web"]], [0.75, 0.25], 100, 2, names=["web", "code"]).fingerprint()
+    )  # the sources' own fingerprints count
 
     np.arange(500, dtype=np.uint16).tofile(tmp_path / "tokens.bin")
     files = TokenSource(tmp_path / "tokens.bin", seq_len=SEQ, dtype="uint16")

@@ -51,21 +51,27 @@ def test_a_run_directory_and_its_checkpoint_are_described_as_a_user_reads_them(r
     status, out, err = _inspect(capsys, run / "step-000000003")
     assert status == 0 and err == "", err
     assert "  step 3, epoch 0, world size 1, saved " in out
-    assert "progress: epoch 0 of 64 samples (seed 0, shuffle none): 12 committed (0 of them skipped on request), " \
-           "52 remaining\n" in out
+    assert (
+        "progress: epoch 0 of 64 samples (seed 0, shuffle none): 12 committed (0 of them skipped on request), "
+        "52 remaining\n" in out
+    )
     files = verify(run / "step-000000003").files
     assert f"files verified (size and sha256): .metadata ({files['.metadata'].size:,} B), " in out
     assert "mixture plan " + str(run / "mixture.json") + ": web (13 samples), code (7 samples)\n" in out
-    assert "web/code slots per window of 4, by position: 0-11 3/1, 12-23 3/1 -> 0/4, 24-63 2/2, changed at position " \
-           "12 (window 3)" in out
+    assert (
+        "web/code slots per window of 4, by position: 0-11 3/1, 12-23 3/1 -> 0/4, 24-63 2/2, changed at position "
+        "12 (window 3)" in out
+    )
     broken = run.parent / "run-with-a-misnamed-newer"
     shutil.copytree(run, broken)
     shutil.copytree(run / "step-000000003", broken / "step-000000009")
     status, out, err = _inspect(capsys, broken)
     assert status == 0, err
-    assert out.startswith(f"run {broken}: newest checkpoint that verifies step-000000003\n  skipping checkpoint "
-                          f"{broken / 'step-000000009'}: manifest.json says step 3 but the directory is named for "
-                          f"step 9.")
+    assert out.startswith(
+        f"run {broken}: newest checkpoint that verifies step-000000003\n  skipping checkpoint "
+        f"{broken / 'step-000000009'}: manifest.json says step 3 but the directory is named for "
+        f"step 9."
+    )
     with open(broken / "step-000000003" / "__0_0.distcp", "r+b") as f:
         f.write(b"X")
     status, out, err = _inspect(capsys, broken)
@@ -75,8 +81,9 @@ def test_a_run_directory_and_its_checkpoint_are_described_as_a_user_reads_them(r
 
 @pytest.mark.slow  # a process of its own
 def test_the_command_as_a_user_runs_it(run):
-    done = subprocess.run([sys.executable, "-m", "loader", "inspect", str(run)], capture_output=True, text=True,
-                          timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-m", "loader", "inspect", str(run)], capture_output=True, text=True, timeout=120
+    )
     assert done.returncode == 0 and "12 committed" in done.stdout and "mixture plan" in done.stdout, done.stderr
 
 
@@ -91,6 +98,7 @@ def _progress_saved(progress):
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
             dcp.save({"loader": {"progress": progress}}, checkpoint_id=target, no_dist=True)
+
     return write
 
 
@@ -104,19 +112,29 @@ def test_bad_input_exits_2_naming_the_file_and_the_field(run, tmp_path, capsys):
     cases = [
         (tmp_path / "missing", [], f"{tmp_path / 'missing'}: no such directory"),
         (tmp_path / "empty", [], f"{tmp_path / 'empty'}: no checkpoint (step-NNNNNNNNN/ with a manifest.json)"),
-        (run, ["--mixture", tmp_path / "other.json"],
-         f"{tmp_path / 'other.json'}: num_samples is 65, the checkpoint's progress has 64"),
+        (
+            run,
+            ["--mixture", tmp_path / "other.json"],
+            f"{tmp_path / 'other.json'}: num_samples is 65, the checkpoint's progress has 64",
+        ),
         (run, ["--mixture", tmp_path / "truncated.json"], f"{tmp_path / 'truncated.json'}: no field 'lengths'"),
         (_published(tmp_path / "a", run, _progress_saved("{")), [], "the loader progress: not JSON"),
-        (_published(tmp_path / "b", run, _progress_saved(json.dumps(progress))), [],
-         "the loader progress.committed[epoch 0]"),
-        (_published(tmp_path / "d", run, _progress_saved(json.dumps({"kind": "streams"}))), [],
-         "the loader progress: state has no field 'format'"),
+        (
+            _published(tmp_path / "b", run, _progress_saved(json.dumps(progress))),
+            [],
+            "the loader progress.committed[epoch 0]",
+        ),
+        (
+            _published(tmp_path / "d", run, _progress_saved(json.dumps({"kind": "streams"}))),
+            [],
+            "the loader progress: state has no field 'format'",
+        ),
     ]
     for path, flags, message in cases:
         status, out, err = _inspect(capsys, path, *flags)
         assert (status, out) == (2, ""), (path, out, err)
         assert err.startswith("inspect: ") and message in err and "Traceback" not in err, (message, err)
+
     def copied(target):
         for part in (run / "step-000000003").iterdir():
             if part.name != "manifest.json":

@@ -45,8 +45,9 @@ def _imports(module: str) -> set[str]:
         if isinstance(node, ast.Import):
             found |= {alias.name for alias in node.names}
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            found |= {f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in MODULES else node.module
-                      for a in node.names}
+            found |= {
+                f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in MODULES else node.module for a in node.names
+            }
     return {name for name in found if name in MODULES and name != module}
 
 
@@ -61,7 +62,7 @@ def test_no_module_imports_in_a_cycle():
 
     def visit(module: str) -> None:
         if module in path:
-            raise AssertionError("import cycle: " + " -> ".join(path[path.index(module):] + [module]))
+            raise AssertionError("import cycle: " + " -> ".join(path[path.index(module) :] + [module]))
         if module in done:
             return
         path.append(module)

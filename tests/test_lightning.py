@@ -25,8 +25,15 @@ from tests.lightning_job import Regression  # noqa: E402
 
 
 def run(run_dir, launch_number, devices, *extra, timeout=240):
-    argv = ["tests/lightning_job.py", str(run_dir), "--devices", str(devices), "--launch", str(launch_number),
-            *map(str, extra)]
+    argv = [
+        "tests/lightning_job.py",
+        str(run_dir),
+        "--devices",
+        str(devices),
+        "--launch",
+        str(launch_number),
+        *map(str, extra),
+    ]
     return launch(argv, run_dir.parent / f"launch-{launch_number}.log", timeout)
 
 
@@ -37,9 +44,17 @@ def log(run_dir, launch_number):
 def fit_in_process(tmp_path, grad_accum, **trainer_options) -> Trainer:
     torch.manual_seed(0)
     dl = ResumableDataLoader(Indexed(24), batch_size=4, grad_accum=grad_accum)
-    trainer = Trainer(accelerator="cpu", devices=1, use_distributed_sampler=False, max_epochs=2, logger=False,
-                      enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                      **trainer_options)
+    trainer = Trainer(
+        accelerator="cpu",
+        devices=1,
+        use_distributed_sampler=False,
+        max_epochs=2,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        **trainer_options,
+    )
     trainer.fit(Regression(tmp_path, 1), train_dataloaders=dl)
     return trainer
 
@@ -109,12 +124,23 @@ def test_a_checkpoint_between_micro_batches_resumes_at_the_update_boundary(tmp_p
     from such a checkpoint (here after micro-batch 10, the first of update 4), Lightning stepped a micro-batch early
     and the callback refused it, at every restart: now the update is trained again whole, every sample of the epoch
     once, in the uninterrupted run's steps, with Lightning's counters as that run's."""
+
     def fit(callbacks, trained, **options):
         dl = ResumableDataLoader(Indexed(48), batch_size=2, shuffle=True, seed=0, grad_accum=3)
-        trainer = Trainer(accelerator="cpu", devices=1, use_distributed_sampler=False, max_epochs=1, logger=False,
-                          accumulate_grad_batches=3, val_check_interval=5, num_sanity_val_steps=0,
-                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                          callbacks=[ResumableLoaderCallback(), *callbacks])
+        trainer = Trainer(
+            accelerator="cpu",
+            devices=1,
+            use_distributed_sampler=False,
+            max_epochs=1,
+            logger=False,
+            accumulate_grad_batches=3,
+            val_check_interval=5,
+            num_sanity_val_steps=0,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            callbacks=[ResumableLoaderCallback(), *callbacks],
+        )
         trainer.fit(Counted(trained), train_dataloaders=dl, val_dataloaders=DataLoader(Indexed(2)), **options)
         return trainer
 
@@ -131,11 +157,14 @@ def test_a_checkpoint_between_micro_batches_resumes_at_the_update_boundary(tmp_p
 
 
 # The slow tests' jobs: the options of every launch, then each launch's device count and fault
-SAME_DEVICE_COUNT = (("--epochs", 2, "--every", 13),
-                     [(2, ("--fail-at-step", 20, "--fail-rank", 0)), (2, ("--fail-at-step", 27, "--fail-rank", 1)),
-                      (2, ())])
-RESIZE_2_3_2 = (("--epochs", 3, "--every", 2, "--accumulate", 2),
-                [(2, ("--fail-at-step", 5, "--fail-rank", 1)), (3, ("--fail-at-step", 15, "--fail-rank", 0)), (2, ())])
+SAME_DEVICE_COUNT = (
+    ("--epochs", 2, "--every", 13),
+    [(2, ("--fail-at-step", 20, "--fail-rank", 0)), (2, ("--fail-at-step", 27, "--fail-rank", 1)), (2, ())],
+)
+RESIZE_2_3_2 = (
+    ("--epochs", 3, "--every", 2, "--accumulate", 2),
+    [(2, ("--fail-at-step", 5, "--fail-rank", 1)), (3, ("--fail-at-step", 15, "--fail-rank", 0)), (2, ())],
+)
 
 
 def launches(run_dir, job) -> list[int]:

@@ -76,7 +76,7 @@ def test_a_rank_that_leaves_its_loop_early_is_caught_within_a_period_and_marks_e
     assert marks[:stop] == [None] * stop  # in lockstep until then
     caught = next(i for i, mark in enumerate(marks) if mark is not None) + 1
     assert stop < caught <= stop + period(world) + 1  # its turn after the stop, seen at rank 0's next update
-    assert all(mark is not None and mark["rank"] == laggard and mark["updates"] <= stop for mark in marks[caught - 1:])
+    assert all(mark is not None and mark["rank"] == laggard and mark["updates"] <= stop for mark in marks[caught - 1 :])
 
 
 def test_rank_zero_behind_the_others_is_caught_by_a_rank_at_its_turn(store):
@@ -125,7 +125,7 @@ def test_beyond_195_ranks_a_rank_that_leaves_its_loop_marks_rank_zeros_states_wi
     results = run_group(_job, 4, 2)
     marks = results[0][0]
     assert len(marks) == 12 and marks[:6] == [None] * 6
-    assert all(mark is not None and mark["rank"] == 2 for mark in marks[6 + period(WORLD):])
+    assert all(mark is not None and mark["rank"] == 2 for mark in marks[6 + period(WORLD) :])
     assert [final for _, final in results] == [marks[-1], None, {"rank": 0, "updates": 12, "own_updates": 6}, None]
 
 

@@ -69,16 +69,24 @@ def _next_marker(markers, deadline: float, who: str):
     try:
         return markers.get(timeout=max(0.0, deadline - time.monotonic()))
     except queue.Empty:
-        raise AssertionError(f"{who} did not get past the loader within {GROUP_TIMEOUT} s of the store host "
-                             f"stopping, the process group's timeout: the loader waits on the stopped store") from None
+        raise AssertionError(
+            f"{who} did not get past the loader within {GROUP_TIMEOUT} s of the store host "
+            f"stopping, the process group's timeout: the loader waits on the stopped store"
+        ) from None
 
 
 # -- rank 0 hosts the store (as torchrun's multi-agent jobs run), and stops ------------------------------------------
 
+
 def _rank_on_a_host_that_stops(rank: int, port: int, go, markers) -> None:
     try:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
-                                timeout=timedelta(seconds=GROUP_TIMEOUT))
+        dist.init_process_group(
+            "gloo",
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=rank,
+            world_size=2,
+            timeout=timedelta(seconds=GROUP_TIMEOUT),
+        )
         dl = ResumableDataLoader(IndexDataset(N), **KW)
         it = iter(dl)
         next(it)
@@ -118,6 +126,7 @@ def test_a_rank_gets_past_the_loader_when_the_rank_hosting_the_store_stops():
 
 
 # -- a standalone store host stops; both ranks train on ---------------------------------------------------------------
+
 
 def _store_host(ports) -> None:
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
@@ -160,8 +169,9 @@ def test_ranks_train_on_exactly_once_when_a_standalone_store_host_stops():
     try:
         host.start()
         port = ports.get(timeout=30)
-        processes += [CONTEXT.Process(target=_rank_with_a_store_that_stops, args=(r, port, go, markers))
-                      for r in range(2)]
+        processes += [
+            CONTEXT.Process(target=_rank_with_a_store_that_stops, args=(r, port, go, markers)) for r in range(2)
+        ]
         for process in processes[1:]:
             process.start()
         assert sorted(markers.get(timeout=60) for _ in range(2)) == [("ready", 0), ("ready", 1)]

@@ -44,8 +44,9 @@ def test_an_iterator_whose_worker_died_stops_and_a_new_iter_serves_each_batch_on
     which the loader counted as the ones it had dealt, so last_indices() named other samples and the state committed
     the dead worker's batches, never trained, in place of delivered ones."""
     n = 60
-    dl = ResumableDataLoader(IndexDataset(n), batch_size=3, shuffle=True, seed=2, num_workers=2,
-                             multiprocessing_context="fork")
+    dl = ResumableDataLoader(
+        IndexDataset(n), batch_size=3, shuffle=True, seed=2, num_workers=2, multiprocessing_context="fork"
+    )
     it = iter(dl)
     delivered = [next(it).tolist() for _ in range(4)]
     kill(it._workers[0])
@@ -73,8 +74,15 @@ def test_a_new_iter_after_a_persistent_worker_died_starts_new_workers_and_contin
     """torch resets persistent workers at a new iter(); a killed one never acknowledges, so every later iter()
     raised 'exited unexpectedly' (or waited out `timeout`): the loader could never deliver again."""
     n = 60
-    dl = ResumableDataLoader(IndexDataset(n), batch_size=3, shuffle=True, seed=2, num_workers=2,
-                             multiprocessing_context="fork", persistent_workers=True)
+    dl = ResumableDataLoader(
+        IndexDataset(n),
+        batch_size=3,
+        shuffle=True,
+        seed=2,
+        num_workers=2,
+        multiprocessing_context="fork",
+        persistent_workers=True,
+    )
     it = iter(dl)
     delivered = [next(it).tolist() for _ in range(4)]
     kill(it._workers[0])
@@ -145,8 +153,14 @@ def test_a_worker_init_fn_that_raises_consumes_no_batch(tmp_path, persistent):
     """torch hands a worker whose init raised its first batch as that error and every later one as an
     UnboundLocalError: half the epoch counted as failed batches, whose data was never read."""
     n = 30
-    dl = ResumableDataLoader(IndexDataset(n), batch_size=3, num_workers=2, multiprocessing_context="fork",
-                             worker_init_fn=InitFailingOnce(tmp_path / "failed"), persistent_workers=persistent)
+    dl = ResumableDataLoader(
+        IndexDataset(n),
+        batch_size=3,
+        num_workers=2,
+        multiprocessing_context="fork",
+        worker_init_fn=InitFailingOnce(tmp_path / "failed"),
+        persistent_workers=persistent,
+    )
     delivered, errors, it = [], [], iter(dl)
     while len(errors) < 5:
         try:
@@ -172,8 +186,13 @@ def test_a_worker_init_fn_error_is_caught_as_its_own_type_too(tmp_path, caught):
     """torch's DataLoader re-raises a worker_init_fn's exception as its own type: a loop written for it (`except
     ValueError:`) let the loader's WorkerInitError, a RuntimeError only, through."""
     n = 30
-    dl = ResumableDataLoader(IndexDataset(n), batch_size=3, num_workers=2, multiprocessing_context="fork",
-                             worker_init_fn=InitFailingOnce(tmp_path / "failed", ValueError))
+    dl = ResumableDataLoader(
+        IndexDataset(n),
+        batch_size=3,
+        num_workers=2,
+        multiprocessing_context="fork",
+        worker_init_fn=InitFailingOnce(tmp_path / "failed", ValueError),
+    )
     delivered, errors, it = [], [], iter(dl)
     while len(errors) < 3:
         try:
@@ -209,8 +228,15 @@ def test_persistent_workers_start_anew_when_the_dataset_grew_between_epochs():
     """Persistent workers hold the dataset as it was when they started: the next epoch was dealt at the new length,
     and every batch holding a new index failed in them (consumed, never trained)."""
     dataset = Growing(12)
-    dl = ResumableDataLoader(dataset, batch_size=3, shuffle=True, seed=1, num_workers=2,
-                             multiprocessing_context="fork", persistent_workers=True)
+    dl = ResumableDataLoader(
+        dataset,
+        batch_size=3,
+        shuffle=True,
+        seed=1,
+        num_workers=2,
+        multiprocessing_context="fork",
+        persistent_workers=True,
+    )
     assert_each_once(12, [batch.tolist() for batch in dl])
     dataset.items += range(12, 20)
     assert_each_once(20, [batch.tolist() for batch in dl])
@@ -237,8 +263,8 @@ def test_peek_hands_the_dataset_the_sample_seeds_a_delivery_would(batch_size):
             batch = next(it := iter(dl))
         assert torch.equal(peeked, batch)
         delivered.append(batch.reshape(-1, 2)[:, 0].tolist())
-    assert_each_once(7, delivered[:len(dl)])
-    assert_each_once(7, delivered[len(dl):])
+    assert_each_once(7, delivered[: len(dl)])
+    assert_each_once(7, delivered[len(dl) :])
 
 
 # -- operation sequences -------------------------------------------------------------------------------------------
@@ -254,8 +280,9 @@ class LockstepJob:
         self.start(world, None)
 
     def start(self, world, state):
-        self.loaders = [ResumableDataLoader(IndexDataset(self.n), rank=r, world_size=world, **self.kw)
-                        for r in range(world)]
+        self.loaders = [
+            ResumableDataLoader(IndexDataset(self.n), rank=r, world_size=world, **self.kw) for r in range(world)
+        ]
         self.pending = [[] for _ in self.loaders]  # delivered micro-batches of an update not completed yet
         if state is not None:
             for dl in self.loaders:
@@ -305,10 +332,18 @@ class LockstepJob:
 
 
 @settings(max_examples=100, deadline=None)
-@given(data=st.data(), n=st.integers(1, 40), batch_size=st.integers(1, 4), grad_accum=st.integers(1, 3),
-       shuffle=st.booleans(), drop_last=st.booleans(), world=st.integers(1, 3))
-def test_operation_sequences_commit_every_index_exactly_once(data, n, batch_size, grad_accum, shuffle, drop_last,
-                                                              world):
+@given(
+    data=st.data(),
+    n=st.integers(1, 40),
+    batch_size=st.integers(1, 4),
+    grad_accum=st.integers(1, 3),
+    shuffle=st.booleans(),
+    drop_last=st.booleans(),
+    world=st.integers(1, 3),
+)
+def test_operation_sequences_commit_every_index_exactly_once(
+    data, n, batch_size, grad_accum, shuffle, drop_last, world
+):
     """Updates and single micro-batches (a checkpoint may fall inside an update), new iterators, peeks, set_epoch
     (the current epoch, or the next after a whole share), states taken between iter() and next(), and rewinds to a
     checkpoint (into the live loaders, or at a new world size), interleaved at random: at the end each epoch holds
@@ -365,6 +400,7 @@ class Carried(IndexDataset):
 
 def _zero_seed_carries_seeds(batch_size):
     from loader.core.order import sample_seed
+
     dl = ResumableDataLoader(Carried(10), batch_size=batch_size, shuffle=True, sample_seeds=True)  # seed=0
     peeked, batches = dl.peek(), list(dl)
     assert torch.equal(peeked, batches[0])
@@ -384,6 +420,7 @@ def _epoch_0_is_carried():
 
 def _zero_seed_is_a_seed_of_the_fingerprint():
     from loader.core.state import StateError
+
     state = ResumableDataLoader(IndexDataset(10), batch_size=2, shuffle=True, seed=0).state_dict()
     with pytest.raises(StateError, match="seed"):
         ResumableDataLoader(IndexDataset(10), batch_size=2, shuffle=True, seed=3).load_state_dict(state)
@@ -398,6 +435,7 @@ def _change_at_0_changes_from_the_first_window():
     from torch.utils.data import TensorDataset
 
     from loader.sources import Mixture
+
     sources = [TensorDataset(torch.arange(100)), TensorDataset(torch.arange(100))]
     old = Mixture(sources, [0.5, 0.5], 40, window=10)
     new = Mixture(sources, [0.9, 0.1], 40, window=10, amends=old.plan, change_at=0)

@@ -83,10 +83,12 @@ def data_mesh(shape, names, dp_dims):
 
 
 MAKERS = {
-    "map": lambda **where: ResumableDataLoader(Drawn(), batch_size=3, shuffle=True, seed=5, grad_accum=2,
-                                               sample_seeds=True, num_workers=2, **FORK, **where),
-    "stream": lambda **where: ResumableDataLoader(Records(), batch_size=2, shuffle=True, seed=5, num_workers=2,
-                                                  collate_fn=list, **FORK, **where),
+    "map": lambda **where: ResumableDataLoader(
+        Drawn(), batch_size=3, shuffle=True, seed=5, grad_accum=2, sample_seeds=True, num_workers=2, **FORK, **where
+    ),
+    "stream": lambda **where: ResumableDataLoader(
+        Records(), batch_size=2, shuffle=True, seed=5, num_workers=2, collate_fn=list, **FORK, **where
+    ),
 }
 
 
@@ -120,11 +122,15 @@ def assert_each_once_per_epoch(deliveries: list, expected: list, epochs: int) ->
         assert sorted(counts) == sorted(expected) and set(counts.values()) == {1}, f"epoch {epoch}: {counts}"
 
 
-@pytest.mark.parametrize("case", [
-    ((2, 2), ("dp", "tp"), "dp", "dp_mesh"),  # tensor parallel peers
-    ((2, 2), ("pp", "dp"), "dp", "dp_mesh"),  # pipeline stages: every stage of a dp rank gets its batches
-    ((2, 2), ("dp", "cp"), "dp", "dp_group"),  # context parallel, the data-parallel group given as a ProcessGroup
-], ids=["dp2-tp2", "pp2-dp2", "dp2-cp2-group"])
+@pytest.mark.parametrize(
+    "case",
+    [
+        ((2, 2), ("dp", "tp"), "dp", "dp_mesh"),  # tensor parallel peers
+        ((2, 2), ("pp", "dp"), "dp", "dp_mesh"),  # pipeline stages: every stage of a dp rank gets its batches
+        ((2, 2), ("dp", "cp"), "dp", "dp_group"),  # context parallel, the data-parallel group given as a ProcessGroup
+    ],
+    ids=["dp2-tp2", "pp2-dp2", "dp2-cp2-group"],
+)
 def test_the_peers_of_a_data_parallel_rank_get_bit_identical_batches_in_every_epoch_and_after_a_resume(case):
     results = run_group(_peers_job, 4, *case)
     records = [(s, r) for s, length in enumerate(Records.LENGTHS) for r in range(length)]
@@ -143,8 +149,9 @@ N, MICRO, GLOBAL, EPOCHS, STOP = 100, 2, 24, 2, 3  # the global batch stays 24: 
 
 
 def reshape_loader(dp_world: int, **where) -> ResumableDataLoader:
-    return ResumableDataLoader(IndexDataset(N), batch_size=MICRO, shuffle=True, seed=11,
-                               grad_accum=GLOBAL // (MICRO * dp_world), **where)
+    return ResumableDataLoader(
+        IndexDataset(N), batch_size=MICRO, shuffle=True, seed=11, grad_accum=GLOBAL // (MICRO * dp_world), **where
+    )
 
 
 def updates_of(batches: list) -> list:
@@ -194,12 +201,18 @@ def global_updates(per_rank: list) -> list:
     return [(u[0][0], sorted(i for _, micro in u for ids in micro for i in ids)) for u in zip(*ranks)]
 
 
-@pytest.mark.parametrize("before, after", [
-    (((2, 2), ("dp", "tp"), "dp"), ((1, 2), ("dp", "tp"), "dp")),
-    (((2, 2), ("dp", "tp"), "dp"), ((3, 1), ("dp", "tp"), "dp")),
-    (((2, 2), ("dp_replicate", "dp_shard"), ("dp_replicate", "dp_shard")),
-     ((1, 3), ("dp_replicate", "dp_shard"), ("dp_replicate", "dp_shard"))),
-], ids=["dp2xtp2-to-dp1xtp2", "dp2xtp2-to-dp3xtp1", "hsdp2x2-to-hsdp1x3"])
+@pytest.mark.parametrize(
+    "before, after",
+    [
+        (((2, 2), ("dp", "tp"), "dp"), ((1, 2), ("dp", "tp"), "dp")),
+        (((2, 2), ("dp", "tp"), "dp"), ((3, 1), ("dp", "tp"), "dp")),
+        (
+            ((2, 2), ("dp_replicate", "dp_shard"), ("dp_replicate", "dp_shard")),
+            ((1, 3), ("dp_replicate", "dp_shard"), ("dp_replicate", "dp_shard")),
+        ),
+    ],
+    ids=["dp2xtp2-to-dp1xtp2", "dp2xtp2-to-dp3xtp1", "hsdp2x2-to-hsdp1x3"],
+)
 def test_a_resume_at_another_mesh_shape_trains_every_sample_once_in_the_same_global_batches(before, after):
     first, saved = run_at(*before)
     second, _ = run_at(*after, progress=saved)
@@ -231,15 +244,32 @@ def _diverging_job(rank, world_size, tmp, names, dp_dims, odd_one_out, extra):
     return "saved"
 
 
-@pytest.mark.parametrize("names, dp_dims, odd_one_out, extra, named", [
-    (("dp", "tp"), "dp", {3}, 1, "global rank 2 and global rank 3 hold the progress of the same data-parallel "
-                                 "rank 1, but it differs (completed 2 vs 3)"),
-    # a pipeline stage that needs no input and skipped the loader: stage 1 (global ranks 2, 3) never iterated
-    (("pp", "dp"), "dp", {2, 3}, None, "global rank 0 and global rank 2 hold the progress of the same "
-                                       "data-parallel rank 0, but it differs (completed 2 vs 0)"),
-], ids=["tp-peer-one-batch-ahead", "pipeline-stage-that-skipped-the-loader"])
-def test_a_peer_whose_progress_differs_from_its_replica_is_refused_at_save_naming_both(tmp_path, names, dp_dims,
-                                                                                        odd_one_out, extra, named):
+@pytest.mark.parametrize(
+    "names, dp_dims, odd_one_out, extra, named",
+    [
+        (
+            ("dp", "tp"),
+            "dp",
+            {3},
+            1,
+            "global rank 2 and global rank 3 hold the progress of the same data-parallel "
+            "rank 1, but it differs (completed 2 vs 3)",
+        ),
+        # a pipeline stage that needs no input and skipped the loader: stage 1 (global ranks 2, 3) never iterated
+        (
+            ("pp", "dp"),
+            "dp",
+            {2, 3},
+            None,
+            "global rank 0 and global rank 2 hold the progress of the same "
+            "data-parallel rank 0, but it differs (completed 2 vs 0)",
+        ),
+    ],
+    ids=["tp-peer-one-batch-ahead", "pipeline-stage-that-skipped-the-loader"],
+)
+def test_a_peer_whose_progress_differs_from_its_replica_is_refused_at_save_naming_both(
+    tmp_path, names, dp_dims, odd_one_out, extra, named
+):
     errors = run_group(_diverging_job, 4, tmp_path, names, dp_dims, odd_one_out, extra)
     assert all(named in e for e in errors), errors[0]
     assert not list(tmp_path.iterdir())  # nothing published
@@ -259,8 +289,11 @@ def test_merge_states_keeps_one_state_per_data_rank_and_refuses_replicas_that_di
     gathered[2] = {**gathered[2], "lockstep": {"rank": 1, "updates": 4, "own_updates": 2}}  # a peer saw rank 1 then
     assert merge_states(gathered) == merge_states(ones)  # what a state saw of the others is not its progress
     gathered[3] = state_after(1, 3)
-    with pytest.raises(StateError, match=r"states\[1\] and states\[3\] hold the progress of the same data-parallel "
-                                         r"rank 1, but it differs \(completed 2 vs 3\)"):
+    with pytest.raises(
+        StateError,
+        match=r"states\[1\] and states\[3\] hold the progress of the same data-parallel "
+        r"rank 1, but it differs \(completed 2 vs 3\)",
+    ):
         merge_states(gathered)
 
 
@@ -285,7 +318,7 @@ def _lockstep_job(rank, world_size):
         dist.barrier()
         if dl.rank == 0:
             dl.state_dict()
-        caught.append([str(w.message) for w in seen if issubclass(w.category, LockstepWarning)][len(caught[0]):])
+        caught.append([str(w.message) for w in seen if issubclass(w.category, LockstepWarning)][len(caught[0]) :])
         dist.barrier()
     return dl.rank, caught
 
@@ -315,15 +348,26 @@ def _spelling_job(rank, world_size):
         return dl.rank, dl.world_size
 
     errors = []
-    for where in ({"dp_mesh": hsdp, "rank": 0}, {"dp_mesh": hsdp, "dp_group": flattened.get_group()},
-                  {"dp_mesh": flattened.get_group()}):
+    for where in (
+        {"dp_mesh": hsdp, "rank": 0},
+        {"dp_mesh": hsdp, "dp_group": flattened.get_group()},
+        {"dp_mesh": flattened.get_group()},
+    ):
         try:
             ResumableDataLoader(IndexDataset(8), **where)
         except (ValueError, TypeError) as err:
             errors.append(f"{type(err).__name__}: {err}")
-    return ({"hsdp": of(dp_mesh=hsdp), "flattened": of(dp_mesh=flattened),
-             "group": of(dp_group=flattened.get_group()), "torchtitan": (flattened.get_local_rank(), 4)},
-            of(dp_mesh=mesh["dp_shard"]), of(dp_mesh=shuffled["dp"]), errors)
+    return (
+        {
+            "hsdp": of(dp_mesh=hsdp),
+            "flattened": of(dp_mesh=flattened),
+            "group": of(dp_group=flattened.get_group()),
+            "torchtitan": (flattened.get_local_rank(), 4),
+        },
+        of(dp_mesh=mesh["dp_shard"]),
+        of(dp_mesh=shuffled["dp"]),
+        errors,
+    )
 
 
 def test_a_multi_dimensional_dp_mesh_is_flattened_in_the_mesh_order_as_torchtitan_flattens_it():
@@ -333,8 +377,9 @@ def test_a_multi_dimensional_dp_mesh_is_flattened_in_the_mesh_order_as_torchtita
         assert set(spellings.values()) == {(flat_rank(divmod(rank, 2), (2, 2)), 4)}, spellings
         assert shard == (rank % 2, 2)
         assert by_coordinate == (shuffled[rank][0], 2)  # the peers of a dp coordinate agree whatever the layout
-        assert errors[0].startswith("ValueError: rank and dp_mesh were given: name the data-parallel coordinates "
-                                    "one way")
+        assert errors[0].startswith(
+            "ValueError: rank and dp_mesh were given: name the data-parallel coordinates one way"
+        )
         assert errors[1].startswith("ValueError: dp_mesh and dp_group were given")
         assert errors[2].startswith("TypeError: dp_mesh must be a torch.distributed DeviceMesh")
 

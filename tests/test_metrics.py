@@ -68,8 +68,9 @@ def run_epoch(dl) -> tuple[list[int], list[int]]:
 @pytest.mark.parametrize("grad_accum", [1, 3])
 def test_metrics_count_every_step_batch_sample_and_failure_exactly(workers, grad_accum):
     n, batch_size = 50, 4  # 12 whole batches and a short one: the epoch's last update is shorter
-    dl = ResumableDataLoader(Flaky(n), batch_size=batch_size, shuffle=True, seed=2, grad_accum=grad_accum,
-                             **context(workers))
+    dl = ResumableDataLoader(
+        Flaky(n), batch_size=batch_size, shuffle=True, seed=2, grad_accum=grad_accum, **context(workers)
+    )
     delivered, failed = run_epoch(dl)
     assert sorted(delivered + failed) == list(range(n))  # every index exactly once, delivered or failed
     assert Flaky.BAD <= set(failed) and not Flaky.BAD & set(delivered)
@@ -77,7 +78,10 @@ def test_metrics_count_every_step_batch_sample_and_failure_exactly(workers, grad
     metrics = dl.metrics()
     assert failures == 2 and metrics["updates"] == -(-13 // grad_accum)
     assert (metrics["total/batches"], metrics["total/samples"], metrics["total/failed_batches"]) == (
-        13 - failures, n - len(failed), failures)
+        13 - failures,
+        n - len(failed),
+        failures,
+    )
     assert metrics["total/wait_seconds"] > 0 and metrics["launch"] is None and metrics["total/bytes"] is None
 
 
@@ -143,13 +147,21 @@ def test_bytes_are_counted_when_asked_for():
     assert metrics["bytes_per_second"] > 0
 
 
-@pytest.mark.parametrize("workers, cause", [(0, r"no workers: each batch loads in the training process"),
-                                            (2, r"too few workers: num_workers=2 delivered a batch every")])
+@pytest.mark.parametrize(
+    "workers, cause",
+    [
+        (0, r"no workers: each batch loads in the training process"),
+        (2, r"too few workers: num_workers=2 delivered a batch every"),
+    ],
+)
 def test_a_loop_waiting_for_slow_loading_is_warned_once_with_the_likely_cause(workers, cause):
     dl = ResumableDataLoader(Slow(24), batch_size=2, grad_accum=2, **context(workers))
     dl.monitor.configure(stall_steps=3)
-    with pytest.warns(DataStallWarning, match=rf"rank 0: the training loop waited for data .* over the last 3 steps"
-                                              rf".*{cause}") as caught:
+    with pytest.warns(
+        DataStallWarning,
+        match=rf"rank 0: the training loop waited for data .* over the last 3 steps"
+        rf".*{cause}",
+    ) as caught:
         for _ in dl:  # nothing but waiting: every step stalls
             pass
     assert len([w for w in caught if w.category is DataStallWarning]) == 1  # once per streak, not per step
@@ -175,8 +187,15 @@ def test_the_stall_streak_needs_consecutive_stalled_steps():
         clock[0] = started + wait
         return monitor.handed(started, clock[0])
 
-    flags = [step(0.08, 0.02), step(0.08, 0.02), step(0.001, 0.02), step(0.08, 0.02), step(0.08, 0.02),
-             step(0.08, 0.02), step(0.08, 0.02)]
+    flags = [
+        step(0.08, 0.02),
+        step(0.08, 0.02),
+        step(0.001, 0.02),
+        step(0.08, 0.02),
+        step(0.08, 0.02),
+        step(0.08, 0.02),
+        step(0.08, 0.02),
+    ]
     assert flags == [True, False, False, True, False, True, False]  # a streak begins, breaks, begins, reaches 3
     assert monitor.streak == Streak(4, pytest.approx(0.32), pytest.approx(0.4), 4)
     assert step(0.005, 0.001) is False and monitor.streak.steps == 0  # 5 ms is below stall_min_seconds
@@ -238,8 +257,11 @@ def test_a_cold_cache_under_a_global_shuffle_is_named_as_the_cause(tmp_path):
     dataset = cached_shards(tmp_path, shards=40, per_shard=4, limit="10MB")
     dl = ResumableDataLoader(dataset, batch_size=2, grad_accum=2, shuffle=True, seed=0)
     dl.monitor.configure(stall_steps=3, stall_min_seconds=0.09)  # only a step that waited for a download stalls
-    with pytest.warns(DataStallWarning, match=r"a cold shard cache: readers waited for \d+ shard download.*; or a "
-                                              r"global shuffle over remote shards.*; or no workers"):
+    with pytest.warns(
+        DataStallWarning,
+        match=r"a cold shard cache: readers waited for \d+ shard download.*; or a "
+        r"global shuffle over remote shards.*; or no workers",
+    ):
         batches = [batch.tolist() for batch in dl]
     assert sorted(sum(batches, [])) == list(range(160))
     stats, metrics = dataset.cache.stats(), dl.metrics()
@@ -298,8 +320,11 @@ def test_a_dataset_whose_metrics_raise_leaves_the_rest_of_the_metrics_and_every_
         if not dl.update_complete:
             continue
         if not seen:  # warned once, naming the dataset; later failures are silent (warnings are errors here)
-            with pytest.warns(MetricsWarning, match=r"the dataset's own metrics\(\) \(BrokenCounters.metrics\) raised "
-                                                    r"FileNotFoundError: cache/stats.json. Training goes on"):
+            with pytest.warns(
+                MetricsWarning,
+                match=r"the dataset's own metrics\(\) \(BrokenCounters.metrics\) raised "
+                r"FileNotFoundError: cache/stats.json. Training goes on",
+            ):
                 metrics = dl.metrics()
         else:
             metrics = dl.metrics()

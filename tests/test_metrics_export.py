@@ -73,8 +73,12 @@ def test_tensorboard_keeps_the_last_launch_of_each_replayed_step(tmp_path):
         time.sleep(0.05)
     launch(run_dir, log_dir)  # resumes from step 6 and replays step 7
 
-    written = [(event.step, value.tag) for path in sorted(log_dir.glob("events.out.tfevents.*"))
-               for event in EventFileLoader(str(path)).Load() for value in event.summary.value]
+    written = [
+        (event.step, value.tag)
+        for path in sorted(log_dir.glob("events.out.tfevents.*"))
+        for event in EventFileLoader(str(path)).Load()
+        for value in event.summary.value
+    ]
     assert written.count((7, "loader/samples")) == 2  # both launches wrote step 7...
     board = EventAccumulator(str(log_dir))
     board.Reload()
@@ -102,7 +106,8 @@ def test_tensorboard_needs_a_step():
 
 def test_prometheus_gauges_hold_the_last_step_and_counters_count_each_launch_once():
     prometheus_client = pytest.importorskip(
-        "prometheus_client", reason="needs the prometheus extra: pip install 'loader[prometheus]'")
+        "prometheus_client", reason="needs the prometheus extra: pip install 'loader[prometheus]'"
+    )
     from loader.integrations.prometheus import PrometheusMetrics
 
     def run(registry, launch, state=None, steps=None):
@@ -133,7 +138,6 @@ def test_prometheus_gauges_hold_the_last_step_and_counters_count_each_launch_onc
     assert b"loader_last_step_wait_seconds" in prometheus_client.generate_latest(second)
 
 
-
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # the writer's own thread dies
 def test_a_log_folder_removed_mid_run_warns_once_and_the_loop_gets_every_batch_and_logs_again(tmp_path):
     """The log folder disappears after step 3: the write that meets the dead event file warns (once, naming the
@@ -158,8 +162,11 @@ def test_a_log_folder_removed_mid_run_warns_once_and_the_loop_gets_every_batch_a
             writer.add_scalar("probe", 0, step)  # the writer's thread meets the missing file...
             with pytest.raises(OSError):
                 writer.flush()  # ...for sure before the next write: torch raises it at every call from now on
-            with pytest.warns(MetricsWarning, match=r"TensorBoardMetrics.write at step 4 raised \w*Error: .* Training "
-                                                    r"goes on and the loader keeps counting, but the scalars of"):
+            with pytest.warns(
+                MetricsWarning,
+                match=r"TensorBoardMetrics.write at step 4 raised \w*Error: .* Training "
+                r"goes on and the loader keeps counting, but the scalars of",
+            ):
                 board.write(dl.metrics(), step)
         else:
             board.write(dl.metrics(), step)  # no warning: the project's warnings are errors here
@@ -172,7 +179,8 @@ def test_a_log_folder_removed_mid_run_warns_once_and_the_loop_gets_every_batch_a
 
 def test_a_failed_prometheus_write_warns_once_and_the_next_counts_all_the_work_since():
     prometheus_client = pytest.importorskip(
-        "prometheus_client", reason="needs the prometheus extra: pip install 'loader[prometheus]'")
+        "prometheus_client", reason="needs the prometheus extra: pip install 'loader[prometheus]'"
+    )
     from loader.integrations.prometheus import PrometheusMetrics
     from loader.metrics import MetricsWarning
 

@@ -39,17 +39,20 @@ def mixture(lengths, weights, num_samples, seed=0, **kw):
     return Mixture([Tagged(n, f"s{i}") for i, n in enumerate(lengths)], weights, num_samples, seed, **kw)
 
 
-@pytest.mark.parametrize("weights, window, counts", [
-    ([0.7, 0.3], None, (7, 3)),
-    ([7, 3], None, (7, 3)),
-    ([1, 1, 1], None, (1, 1, 1)),
-    ([1 / 3, 2 / 3], None, (1, 2)),
-    ([0.5, 0.3, 0.2], None, (5, 3, 2)),
-    ([0.125, 0.875], None, (1, 7)),
-    ([0.7, 0.3], 7, (5, 2)),
-    ([0.7, 0.3], 100, (70, 30)),
-    ([1, 1, 1], 4, (2, 1, 1)),  # three equal remainders: the spare slot goes to the first source
-])
+@pytest.mark.parametrize(
+    "weights, window, counts",
+    [
+        ([0.7, 0.3], None, (7, 3)),
+        ([7, 3], None, (7, 3)),
+        ([1, 1, 1], None, (1, 1, 1)),
+        ([1 / 3, 2 / 3], None, (1, 2)),
+        ([0.5, 0.3, 0.2], None, (5, 3, 2)),
+        ([0.125, 0.875], None, (1, 7)),
+        ([0.7, 0.3], 7, (5, 2)),
+        ([0.7, 0.3], 100, (70, 30)),
+        ([1, 1, 1], 4, (2, 1, 1)),  # three equal remainders: the spare slot goes to the first source
+    ],
+)
 def test_window_counts(weights, window, counts):
     assert window_counts(weights, window) == counts
 
@@ -74,12 +77,17 @@ def test_every_aligned_window_holds_each_share_to_within_one_sample(window, data
         return  # refused by the plan: see test_a_source_without_a_slot_is_refused
     lengths = data.draw(st.lists(st.integers(1, 40), min_size=len(weights), max_size=len(weights)), label="lengths")
     windows = data.draw(st.integers(1, 6), label="windows")
-    mix = mixture(lengths, weights, m * windows + data.draw(st.integers(0, m - 1), label="tail"),
-                  seed=data.draw(st.integers(0, 2**40), label="seed"), window=window)
+    mix = mixture(
+        lengths,
+        weights,
+        m * windows + data.draw(st.integers(0, m - 1), label="tail"),
+        seed=data.draw(st.integers(0, 2**40), label="seed"),
+        window=window,
+    )
     source, _ = mix.locate(list(range(len(mix))))
     shares = np.asarray(weights) / sum(weights) * m
     for k in range(windows):
-        held = np.bincount(source[k * m:(k + 1) * m], minlength=len(weights))
+        held = np.bincount(source[k * m : (k + 1) * m], minlength=len(weights))
         assert held.tolist() == list(counts)
         assert np.all(np.abs(held - shares) < 1)
     assert list(mix.plan.samples_per_source()) == np.bincount(source, minlength=len(weights)).tolist()
@@ -101,7 +109,7 @@ def test_each_source_epoch_is_a_permutation_of_that_source_in_position_order(len
     for s, n in enumerate(lengths):
         drawn = index[source == s]
         for run in range(0, len(drawn), n):
-            chunk = drawn[run:run + n].tolist()
+            chunk = drawn[run : run + n].tolist()
             assert len(set(chunk)) == len(chunk) and all(0 <= i < n for i in chunk)
             if not shuffle:
                 assert chunk == list(range(len(chunk)))
@@ -110,7 +118,7 @@ def test_each_source_epoch_is_a_permutation_of_that_source_in_position_order(len
 def test_the_arrangement_is_shuffled_inside_windows_and_keyed_by_the_seed():
     mix = mixture([1000, 1000], [0.7, 0.3], 10_000, seed=1)
     source, index = mix.locate(list(range(10_000)))
-    patterns = {tuple(source[k * 10:(k + 1) * 10]) for k in range(1000)}
+    patterns = {tuple(source[k * 10 : (k + 1) * 10]) for k in range(1000)}
     assert len(patterns) > 50  # 120 arrangements of 7 + 3 slots exist; the windows use many of them
     other_source, other_index = mixture([1000, 1000], [0.7, 0.3], 10_000, seed=2).locate(list(range(10_000)))
     assert (other_source != source).any() and (other_index != index).any()
@@ -122,15 +130,20 @@ def test_positions_are_a_pure_function_in_any_order_and_through_the_cache(num_sa
     mix = mixture([37, 500, 3], [0.6, 0.3, 0.1], num_samples, seed=11)
     everything = mix.plan.locate(np.arange(num_samples))
     rng = np.random.default_rng(0)
-    for positions in (rng.permutation(num_samples)[:300], np.arange(num_samples)[::-1][:300],
-                      np.arange(BLOCK - 5, BLOCK + 5) % num_samples, np.array([num_samples - 1, 0])):
+    for positions in (
+        rng.permutation(num_samples)[:300],
+        np.arange(num_samples)[::-1][:300],
+        np.arange(BLOCK - 5, BLOCK + 5) % num_samples,
+        np.array([num_samples - 1, 0]),
+    ):
         for locate in (mix.locate, mix.plan.locate, mixture([37, 500, 3], [0.6, 0.3, 0.1], num_samples, 11).locate):
             source, index = locate(positions.tolist())
             assert np.array_equal(source, everything[0][positions]) and np.array_equal(index, everything[1][positions])
     for start in range(0, num_samples, 64):  # sequential batches, as the loader asks with shuffle=False
         batch = list(range(start, min(start + 64, num_samples)))
-        assert [mix.sample_key(p) for p in batch[:2]] == [(f"source-{everything[0][p]}", int(everything[1][p]))
-                                                          for p in batch[:2]]
+        assert [mix.sample_key(p) for p in batch[:2]] == [
+            (f"source-{everything[0][p]}", int(everything[1][p])) for p in batch[:2]
+        ]
         assert np.array_equal(mix.locate(batch)[1], everything[1][batch])
         assert len(mix._cache) <= 2
 
@@ -176,8 +189,14 @@ def test_a_batch_equals_its_positions_one_by_one(tmp_path):
     same samples as one __getitem__ per position, in or out of order, within a cached block or across blocks."""
     mix = token_mixture(tmp_path, 3 * BLOCK)
     rng = np.random.default_rng(0)
-    batches = [list(range(8)), list(range(BLOCK - 5, BLOCK + 27)), rng.permutation(3 * BLOCK)[:64].tolist(),
-               [5, 5, 3], [3 * BLOCK - 1, 0], [17]] + [rng.integers(0, 3 * BLOCK, 8).tolist() for _ in range(20)]
+    batches = [
+        list(range(8)),
+        list(range(BLOCK - 5, BLOCK + 27)),
+        rng.permutation(3 * BLOCK)[:64].tolist(),
+        [5, 5, 3],
+        [3 * BLOCK - 1, 0],
+        [17],
+    ] + [rng.integers(0, 3 * BLOCK, 8).tolist() for _ in range(20)]
     for batch in batches:
         assert as_lists(mix.__getitems__(batch)) == as_lists([mix[p] for p in batch])
     assert mix.__getitems__([]) == []
@@ -269,8 +288,10 @@ def test_the_plan_saves_loads_and_fingerprints(tmp_path):
     plan = MixturePlan.load(tmp_path / "plan.json")
     assert plan == mix.plan and plan.fingerprint() == mix.plan.fingerprint()
     assert np.array_equal(plan.locate(np.arange(64))[1], mix.locate(list(range(64)))[1])
-    fingerprints = {mixture([5, 8], *args).fingerprint() for args in ([[1, 3], 64, 3], [[1, 2], 64, 3],
-                                                                        [[1, 3], 65, 3], [[1, 3], 64, 4])}
+    fingerprints = {
+        mixture([5, 8], *args).fingerprint()
+        for args in ([[1, 3], 64, 3], [[1, 2], 64, 3], [[1, 3], 65, 3], [[1, 3], 64, 4])
+    }
     assert len(fingerprints) == 4
     data = json.loads((tmp_path / "plan.json").read_text())
     (tmp_path / "old.json").write_text(json.dumps({**data, "version": 0}))
@@ -346,10 +367,13 @@ def test_the_fused_batch_equals_the_general_path_and_the_samples_one_by_one(fuse
     whose seeds TokenSource ignores): one int64 array filled in place, the same rows as the per-source path."""
     n = len(fused)
     start = data.draw(st.integers(0, n - 1), label="start")
-    batch = data.draw(st.one_of(
-        st.integers(0, 70).map(lambda size: list(range(start, min(start + size, n)))),
-        st.lists(st.integers(0, n - 1), max_size=40),
-    ), label="positions")
+    batch = data.draw(
+        st.one_of(
+            st.integers(0, 70).map(lambda size: list(range(start, min(start + size, n)))),
+            st.lists(st.integers(0, n - 1), max_size=40),
+        ),
+        label="positions",
+    )
     if data.draw(st.booleans(), label="sample_seeds"):
         batch = [SampleIndex(p, 1000 + p) for p in batch]
     got = fused.__getitems__(batch)
@@ -365,8 +389,11 @@ def test_the_fused_batch_covers_gathers_and_file_boundaries(fused):
     files of a multi-file source: the same rows as the per-source path."""
     source, index = fused.locate(list(range(len(fused))))
     b = fused.sources[1]
-    crossing = [i for i in range(len(b)) if b.sample_key(i)[1] + b.seq_len + 1 > b._files[0].count
-                and b.sample_key(i)[0] == b.files[0]]
+    crossing = [
+        i
+        for i in range(len(b))
+        if b.sample_key(i)[1] + b.seq_len + 1 > b._files[0].count and b.sample_key(i)[0] == b.files[0]
+    ]
     assert crossing
     at_crossing = [p for p in range(len(fused)) if source[p] == 1 and index[p] in crossing][:6]
     batches = [list(range(64)), list(range(BLOCK - 40, BLOCK + 40)), at_crossing, at_crossing + list(range(30))]

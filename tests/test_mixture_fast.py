@@ -38,8 +38,9 @@ def mixtures(tmp_path_factory):
     fixed = fused_mixture(directory, n)
     sources = fixed.sources
     scheduled = Mixture(sources, None, n, seed=4, names=fixed.names, schedule=SCHEDULE)
-    changed = Mixture(sources, None, n, seed=4, names=fixed.names, schedule=CHANGED, amends=scheduled.plan,
-                      change_at=1234)
+    changed = Mixture(
+        sources, None, n, seed=4, names=fixed.names, schedule=CHANGED, amends=scheduled.plan, change_at=1234
+    )
     assert scheduled.plan.schedule and changed.plan.changes
     return {"fixed": fixed, "scheduled": scheduled, "changed": changed}
 
@@ -50,13 +51,15 @@ def batches(draw, n: int, block: int):
     rank's share), scattered and repeated positions, empty batches; sometimes as the loader's SampleIndex."""
     start = draw(st.one_of(st.integers(0, n - 1), st.integers(1, n // block).map(lambda k: k * block - 40)))
     run = list(range(start, min(start + draw(st.integers(0, 80)), n)))
-    batch = draw(st.one_of(
-        st.just(run),
-        st.permutations(run),
-        st.integers(2, 4).map(lambda step: run[::step]),
-        st.lists(st.integers(0, n - 1), max_size=40),
-        st.lists(st.sampled_from(run), max_size=12) if run else st.just([]),
-    ))
+    batch = draw(
+        st.one_of(
+            st.just(run),
+            st.permutations(run),
+            st.integers(2, 4).map(lambda step: run[::step]),
+            st.lists(st.integers(0, n - 1), max_size=40),
+            st.lists(st.sampled_from(run), max_size=12) if run else st.just([]),
+        )
+    )
     if draw(st.booleans()):
         batch = [SampleIndex(p, 1000 + p) for p in batch]
     return batch
@@ -138,8 +141,14 @@ def test_the_loaders_batches_are_the_samples_of_their_positions_each_position_on
     for world in worlds:
         seen = []
         for rank in range(world):
-            loader = ResumableDataLoader(mix, batch_size=7, rank=rank, world_size=world, num_workers=workers,
-                                         multiprocessing_context="fork" if workers else None)
+            loader = ResumableDataLoader(
+                mix,
+                batch_size=7,
+                rank=rank,
+                world_size=world,
+                num_workers=workers,
+                multiprocessing_context="fork" if workers else None,
+            )
             for batch in loader:
                 positions = loader.last_indices().tolist()
                 assert torch.equal(batch, expected(mix, positions))

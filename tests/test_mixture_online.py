@@ -32,7 +32,7 @@ def permutations_per_source_epoch(samples_in_stream_order: list[int]) -> None:
     for s, drawn in by_source.items():
         n = LENGTHS[s]
         for start in range(0, len(drawn), n):
-            run = drawn[start:start + n]
+            run = drawn[start : start + n]
             assert len(set(run)) == len(run) and (len(run) < n or sorted(run) == list(range(n))), (s, start)
 
 
@@ -66,8 +66,9 @@ def test_a_state_of_a_shuffled_mixture_order_is_refused_naming_the_release():
     with pytest.raises(StateError, match="leaves the order to a Mixture .* resume it with the release that saved it"):
         ResumableDataLoader(mix, batch_size=4, shuffle=True, seed=1).load_state_dict(earlier)
     with pytest.raises(StateError, match="saved by a loader with shuffle=True over a Mixture"):
-        ResumableDataLoader(Mixture(sources(), [0.5, 0.2, 0.3], 40, seed=5, window=10), batch_size=4,
-                            shuffle=False, seed=1).load_state_dict(state)
+        ResumableDataLoader(
+            Mixture(sources(), [0.5, 0.2, 0.3], 40, seed=5, window=10), batch_size=4, shuffle=False, seed=1
+        ).load_state_dict(state)
     for option in ({"shuffle_blocks": 10}, {"lanes": 2}):
         with pytest.raises(ValueError, match="leaves the order to a Mixture .* drop them"):
             ResumableDataLoader(mix, batch_size=4, shuffle=True, **option)
@@ -87,10 +88,19 @@ class Run:
         self.ranks = []
         for r in range(world):
             mix = Mixture(sources(), [0.5, 0.2, 0.3], N, seed=5, window=WINDOW)
-            dl = ResumableDataLoader(mix, batch_size=1, shuffle=shuffle, seed=2, rank=r, world_size=world,
-                                     grad_accum=GLOBAL_BATCH // world, num_workers=workers, collate_fn=list,
-                                     persistent_workers=persistent,
-                                     multiprocessing_context="fork" if workers else None)
+            dl = ResumableDataLoader(
+                mix,
+                batch_size=1,
+                shuffle=shuffle,
+                seed=2,
+                rank=r,
+                world_size=world,
+                grad_accum=GLOBAL_BATCH // world,
+                num_workers=workers,
+                collate_fn=list,
+                persistent_workers=persistent,
+                multiprocessing_context="fork" if workers else None,
+            )
             if resumed is not None:  # what resume does: the checkpoint's plan, then its progress and step
                 state, plan, step = resumed
                 mix.use_plan(mix.recorded_plan(plan))
@@ -196,8 +206,11 @@ def test_online_changes_across_restarts_at_4_3_2_ranks_train_every_position_once
 
 def one_rank(mix, **options):
     model = torch.nn.Linear(1, 1)
-    return dict(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
-                loader=ResumableDataLoader(mix, batch_size=6, grad_accum=2, shuffle=True, collate_fn=list, **options))
+    return dict(
+        model=model,
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        loader=ResumableDataLoader(mix, batch_size=6, grad_accum=2, shuffle=True, collate_fn=list, **options),
+    )
 
 
 def test_the_checkpoint_carries_the_changes_and_the_audit_shows_each(tmp_path, capsys):
@@ -272,8 +285,11 @@ def test_any_sequence_of_online_changes_and_restarts_trains_every_position_once(
             except ValueError as err:  # every rank alike: shuffle=False, no whole window of the epoch left
                 assert not shuffle and "no whole window of this epoch is left" in str(err)
                 run.updates(1)
-        extra = () if final else data.draw(st.lists(st.integers(0, 2), min_size=world, max_size=world),
-                                           label="unequal stop")
+        extra = (
+            ()
+            if final
+            else data.draw(st.lists(st.integers(0, 2), min_size=world, max_size=world), label="unequal stop")
+        )
         resumed = run.stop(extra)
         trained += run.trained
     check_exactly_once(trained, run.plan, last_epoch + 1)

@@ -22,8 +22,9 @@ from tests.test_mixture import Tagged, mixture
 
 
 def scheduled(lengths, schedule, num_samples, seed=0, **kw):
-    return Mixture([Tagged(n, f"s{i}") for i, n in enumerate(lengths)], None, num_samples, seed, schedule=schedule,
-                   **kw)
+    return Mixture(
+        [Tagged(n, f"s{i}") for i, n in enumerate(lengths)], None, num_samples, seed, schedule=schedule, **kw
+    )
 
 
 def ideal(schedule, window: int, k: int) -> list[Fraction]:
@@ -56,8 +57,13 @@ def schedules(draw, sources):
         if draw(st.booleans()):
             segments.append({"weights": draw(weight_vectors(sources)), "windows": draw(st.integers(1, 12))})
         else:
-            segments.append({"from": draw(weight_vectors(sources)), "to": draw(weight_vectors(sources)),
-                             "windows": draw(st.integers(1, 12))})
+            segments.append(
+                {
+                    "from": draw(weight_vectors(sources)),
+                    "to": draw(weight_vectors(sources)),
+                    "windows": draw(st.integers(1, 12)),
+                }
+            )
     if draw(st.booleans()) and "weights" in segments[-1]:
         del segments[-1]["windows"]  # the last constant segment runs to the end
     return segments
@@ -71,7 +77,7 @@ def test_each_window_holds_each_source_within_one_of_its_scheduled_weight(source
     windows = sum(s.get("windows", 0) for s in schedule) + data.draw(st.integers(1, 4), label="more")
     mix = scheduled(lengths, schedule, windows * window, seed=data.draw(st.integers(0, 2**40)), window=window)
     source, _ = mix.locate(list(range(len(mix))))
-    held = np.stack([np.bincount(source[k * window:(k + 1) * window], minlength=sources) for k in range(windows)])
+    held = np.stack([np.bincount(source[k * window : (k + 1) * window], minlength=sources) for k in range(windows)])
     counts, drawn = mix.plan.window_table(np.arange(windows))
     assert np.array_equal(held, counts) and (held.sum(axis=1) == window).all()
     for k in range(windows):
@@ -87,22 +93,32 @@ def test_each_window_holds_each_source_within_one_of_its_scheduled_weight(source
 def test_each_source_epoch_stays_a_permutation_in_position_order(sources, shuffle, data):
     schedule = data.draw(schedules(sources), label="schedule")
     lengths = data.draw(st.lists(st.integers(1, 20), min_size=sources, max_size=sources), label="lengths")
-    mix = scheduled(lengths, schedule, data.draw(st.integers(1, 500), label="num_samples"),
-                    seed=data.draw(st.integers(0, 2**40)), window=data.draw(st.integers(3, 20)), shuffle=shuffle)
+    mix = scheduled(
+        lengths,
+        schedule,
+        data.draw(st.integers(1, 500), label="num_samples"),
+        seed=data.draw(st.integers(0, 2**40)),
+        window=data.draw(st.integers(3, 20)),
+        shuffle=shuffle,
+    )
     source, index = mix.locate(list(range(len(mix))))
     for s, n in enumerate(lengths):
         drawn = index[source == s]
         for run in range(0, len(drawn), n):
-            chunk = drawn[run:run + n].tolist()
+            chunk = drawn[run : run + n].tolist()
             assert sorted(chunk) == sorted(set(chunk)) and all(0 <= i < n for i in chunk)
 
 
 @settings(max_examples=60, deadline=None)
-@given(weights=st.lists(st.integers(1, 9), min_size=1, max_size=4), window=st.one_of(st.none(), st.integers(3, 30)),
-       seed=st.integers(0, 2**40), num_samples=st.integers(1, 400))
+@given(
+    weights=st.lists(st.integers(1, 9), min_size=1, max_size=4),
+    window=st.one_of(st.none(), st.integers(3, 30)),
+    seed=st.integers(0, 2**40),
+    num_samples=st.integers(1, 400),
+)
 def test_a_constant_schedule_is_the_fixed_weight_mixture(weights, window, seed, num_samples):
     """The same positions, and the same plan: a saved plan of fixed weights means what it meant."""
-    lengths = [7, 3, 11, 5][:len(weights)]
+    lengths = [7, 3, 11, 5][: len(weights)]
     assume(0 not in realised(weights, window or sum(weights)))  # a fixed mixture refuses a source without a slot
     fixed = Mixture([Tagged(n, "t") for n in lengths], weights, num_samples, seed, window=window)
     constant = scheduled(lengths, [{"weights": weights}], num_samples, seed, window=window)
@@ -191,8 +207,15 @@ def test_a_change_keeps_the_past_and_continues_every_source_without_repeats(sour
     lengths = data.draw(st.lists(st.integers(1, 15), min_size=sources, max_size=sources), label="lengths")
     num_samples = data.draw(st.integers(window + 1, 400), label="num_samples")
     change_at = data.draw(st.integers(0, (num_samples - 1) // window * window), label="change_at")  # see below
-    old, new = changed(lengths, data.draw(schedules(sources)), data.draw(schedules(sources)), num_samples, change_at,
-                       seed=data.draw(st.integers(0, 2**40)), window=window)
+    old, new = changed(
+        lengths,
+        data.draw(schedules(sources)),
+        data.draw(schedules(sources)),
+        num_samples,
+        change_at,
+        seed=data.draw(st.integers(0, 2**40)),
+        window=window,
+    )
     at = -(-change_at // window) * window
     before, after = old.locate(list(range(num_samples))), new.locate(list(range(num_samples)))
     assert all(np.array_equal(a[:at], b[:at]) for a, b in zip(before, after))  # the past as it was trained
@@ -200,7 +223,7 @@ def test_a_change_keeps_the_past_and_continues_every_source_without_repeats(sour
     for s, n in enumerate(lengths):  # each source's draws run on across the change: permutations per epoch
         drawn = index[source == s]
         for run in range(0, len(drawn), n):
-            chunk = drawn[run:run + n].tolist()
+            chunk = drawn[run : run + n].tolist()
             assert sorted(chunk) == sorted(set(chunk))
     assert new.plan.changes in ((), (-(-change_at // window),))
     assert MixturePlan.from_dict(json.loads(json.dumps(new.plan.to_dict()))) == new.plan
@@ -209,8 +232,7 @@ def test_a_change_keeps_the_past_and_continues_every_source_without_repeats(sour
 def test_a_change_at_window_0_to_constant_weights_is_recorded_and_survives_the_plan_file():
     """Found by the property test above: a change at window 0 whose result is one constant piece was written as a
     fixed-weight plan, dropping the record of the change, so a reloaded plan no longer knew a change had happened."""
-    old, new = changed([5], [{"from": [1], "to": [1], "windows": 1}], [{"weights": [1], "windows": 1}], 4, 0,
-                       window=3)
+    old, new = changed([5], [{"from": [1], "to": [1], "windows": 1}], [{"weights": [1], "windows": 1}], 4, 0, window=3)
     assert new.plan.changes == (0,)
     assert MixturePlan.from_dict(json.loads(json.dumps(new.plan.to_dict()))) == new.plan
 
@@ -236,8 +258,11 @@ def test_changes_accumulate_and_anything_but_the_weights_is_refused_naming_the_f
     assert scheduled([9, 4], [{"weights": [1, 3]}], 120, amends=old.plan, change_at=last).plan.changes == (
         last // window,
     )
-    with pytest.raises(ValueError, match=rf"change_at={last + 1} is inside the mixture's last window .* pass "
-                                         rf"change_at <= {last}"):
+    with pytest.raises(
+        ValueError,
+        match=rf"change_at={last + 1} is inside the mixture's last window .* pass "
+        rf"change_at <= {last}",
+    ):
         scheduled([9, 4], first, 120, amends=old.plan, change_at=last + 1)
     with pytest.raises(ValueError, match="go together"):
         scheduled([9, 4], first, 120, amends=old.plan)
@@ -245,8 +270,11 @@ def test_changes_accumulate_and_anything_but_the_weights_is_refused_naming_the_f
 
 def loader_of(mix):
     model = torch.nn.Linear(1, 1)
-    return dict(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
-                loader=ResumableDataLoader(mix, batch_size=4, shuffle=False, collate_fn=list))
+    return dict(
+        model=model,
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        loader=ResumableDataLoader(mix, batch_size=4, shuffle=False, collate_fn=list),
+    )
 
 
 def test_a_checkpoint_saved_before_a_change_resumes_under_the_new_schedule_every_position_once(tmp_path):
@@ -265,8 +293,11 @@ def test_a_checkpoint_saved_before_a_change_resumes_under_the_new_schedule_every
         new = scheduled(lengths, new_schedule, n, window=window, amends=old.plan, change_at=change_at)
         resumed = loader_of(new)
         if not fits:
-            with pytest.raises(CheckpointError, match="the schedule change begins at position 8 .* up to 11 under "
-                                                      r"the old plan: pass change_at >= 12"):
+            with pytest.raises(
+                CheckpointError,
+                match="the schedule change begins at position 8 .* up to 11 under "
+                r"the old plan: pass change_at >= 12",
+            ):
                 load_checkpoint(path, **resumed)
             continue
         assert load_checkpoint(path, **resumed) == 3
@@ -292,8 +323,16 @@ def test_the_audit_shows_the_change_and_every_sample_once_across_it_at_another_w
     sources = [IndexDataset(30), IndexDataset(7), IndexDataset(100)]
     old = Mixture(sources, [0.5, 0.2, 0.3], 97, seed=4, names=["web", "code", "books"])
     state = run(tmp_path, old, 1, 0, updates=2)
-    new = Mixture(sources, None, 97, seed=4, names=["web", "code", "books"], amends=old.plan, change_at=24,
-                  schedule=[{"from": [0.5, 0.2, 0.3], "to": [0.1, 0.1, 0.8], "windows": 4}, {"weights": [1, 1, 8]}])
+    new = Mixture(
+        sources,
+        None,
+        97,
+        seed=4,
+        names=["web", "code", "books"],
+        amends=old.plan,
+        change_at=24,
+        schedule=[{"from": [0.5, 0.2, 0.3], "to": [0.1, 0.1, 0.8], "windows": 4}, {"weights": [1, 1, 8]}],
+    )
     run(tmp_path, new, 2, 2, state)
     new.plan.save(tmp_path / "mixture.json")
     assert cli(["audit", str(tmp_path), "--mixture", str(tmp_path / "mixture.json")]) == 0
@@ -303,8 +342,11 @@ def test_the_audit_shows_the_change_and_every_sample_once_across_it_at_another_w
 
 def shuffled_run(mix):
     model = torch.nn.Linear(1, 1)
-    return dict(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
-                loader=ResumableDataLoader(mix, batch_size=10, shuffle=True, seed=0))
+    return dict(
+        model=model,
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        loader=ResumableDataLoader(mix, batch_size=10, shuffle=True, seed=0),
+    )
 
 
 def serve(loader, batches=None):
@@ -324,11 +366,14 @@ def test_a_change_under_shuffle_true_fits_just_after_what_was_committed(tmp_path
     run = shuffled_run(old)
     served = serve(run["loader"], 20)
     path = save_checkpoint(tmp_path / "mid", 20, **run)
-    refused = (r"begins at mixture position 150 \(window 15\), but the run committed mixture position 199 "
-               r"\(epoch 0, position 199; .* pass change_at >= 200")
+    refused = (
+        r"begins at mixture position 150 \(window 15\), but the run committed mixture position 199 "
+        r"\(epoch 0, position 199; .* pass change_at >= 200"
+    )
     with pytest.raises(CheckpointError, match=refused):
-        load_checkpoint(path, **shuffled_run(Mixture(src, [0.9, 0.1], 2000, seed=0, window=10, amends=old.plan,
-                                                     change_at=150)))
+        load_checkpoint(
+            path, **shuffled_run(Mixture(src, [0.9, 0.1], 2000, seed=0, window=10, amends=old.plan, change_at=150))
+        )
     new = Mixture(src, [0.9, 0.1], 2000, seed=0, window=10, amends=old.plan, change_at=200)
     resumed = shuffled_run(new)
     assert load_checkpoint(path, **resumed) == 20
@@ -337,8 +382,9 @@ def test_a_change_under_shuffle_true_fits_just_after_what_was_committed(tmp_path
     assert sum(v < 100000 for v in served) == 100 + 1800 * 9 // 10  # the new weights from position 200
     end = save_checkpoint(tmp_path / "end", 200, **resumed)
     with pytest.raises(CheckpointError, match=r"committed mixture position 1999 .* pass change_at >= 2000"):
-        load_checkpoint(end, **shuffled_run(Mixture(src, [0.5, 0.5], 2000, seed=0, window=10, amends=new.plan,
-                                                    change_at=200)))
+        load_checkpoint(
+            end, **shuffled_run(Mixture(src, [0.5, 0.5], 2000, seed=0, window=10, amends=new.plan, change_at=200))
+        )
     again = Mixture(src, [0.5, 0.5], 2000, seed=0, window=10, amends=new.plan, change_at=2200)
     changed = shuffled_run(again)
     assert load_checkpoint(end, **changed) == 200
@@ -349,8 +395,12 @@ def test_a_change_under_shuffle_true_fits_just_after_what_was_committed(tmp_path
 
 
 def ranks_of(mix, world, shuffle=True, batch_size=10):
-    return [ResumableDataLoader(mix, batch_size=batch_size, shuffle=shuffle, seed=3, rank=r, world_size=world,
-                                collate_fn=list) for r in range(world)]
+    return [
+        ResumableDataLoader(
+            mix, batch_size=batch_size, shuffle=shuffle, seed=3, rank=r, world_size=world, collate_fn=list
+        )
+        for r in range(world)
+    ]
 
 
 def deliver(loader, batches=None):
@@ -417,8 +467,10 @@ def test_a_change_is_exact_or_refused_under_any_order_and_world_sizes(data):
     if last >= -(-change_at // window) * window:
         fits = shuffle or -(-(last + 1) // window) * window < n  # shuffle=True: epoch 1 continues the stream
         held = rf"committed mixture position {last} .*: " if shuffle else rf"up to {last} under the old plan: "
-        with pytest.raises(StateError, match=held + (
-                rf"pass change_at >= {last + 1}" if fits else r"no change_at fits before epoch 0 ends")):
+        with pytest.raises(
+            StateError,
+            match=held + (rf"pass change_at >= {last + 1}" if fits else r"no change_at fits before epoch 0 ends"),
+        ):
             resumed_or_refused(old, new, state, after, shuffle, 2)
         return
     served = trained + resumed_or_refused(old, new, state, after, shuffle, 2)

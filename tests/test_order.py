@@ -221,13 +221,24 @@ def test_lanes_give_each_rank_and_node_its_own_shards():
     shards = [50] * 24
     read = []
     for rank in range(4):
-        dl = ResumableDataLoader(IndexDataset(1200), batch_size=5, shuffle=True, shuffle_blocks=shards, seed=1,
-                                 rank=rank, world_size=4, lanes=8)
+        dl = ResumableDataLoader(
+            IndexDataset(1200),
+            batch_size=5,
+            shuffle=True,
+            shuffle_blocks=shards,
+            seed=1,
+            rank=rank,
+            world_size=4,
+            lanes=8,
+        )
         read.append({int(i) // 50 for batch in dl for i in batch})
     assert [len(r) for r in read] == [6] * 4 and len(set().union(*read)) == 24  # lanes of 3 whole shards
     assert not (read[0] | read[1]) & (read[2] | read[3])  # the nodes share no shard
-    everywhere = [ResumableDataLoader(IndexDataset(1200), batch_size=5, shuffle=True, shuffle_blocks=shards, seed=1,
-                                      rank=0, world_size=4)]
+    everywhere = [
+        ResumableDataLoader(
+            IndexDataset(1200), batch_size=5, shuffle=True, shuffle_blocks=shards, seed=1, rank=0, world_size=4
+        )
+    ]
     assert len({int(i) // 50 for batch in everywhere[0] for i in batch}) == 24  # without lanes: every shard
 
 
@@ -248,8 +259,15 @@ def test_a_state_saved_with_lanes_needs_the_same_lanes():
 
 
 @settings(max_examples=60, deadline=None)
-@given(n=st.integers(1, 400), shuffle=st.sampled_from(SHUFFLE_MODES), lanes=st.none() | st.integers(1, 4),
-       seed=st.integers(0, 2**40), epoch=st.integers(0, 3), scan=st.integers(1, 50), data=st.data())
+@given(
+    n=st.integers(1, 400),
+    shuffle=st.sampled_from(SHUFFLE_MODES),
+    lanes=st.none() | st.integers(1, 4),
+    seed=st.integers(0, 2**40),
+    epoch=st.integers(0, 3),
+    scan=st.integers(1, 50),
+    data=st.data(),
+)
 def test_last_index_of_positions_is_the_largest_index_they_hold_from_at(n, shuffle, lanes, seed, epoch, scan, data):
     """Both ways of finding it (the positions forward when they are fewer, the indices from the end backwards
     otherwise), over several SCAN steps, against the largest index of the positions mapped one by one."""

@@ -42,7 +42,7 @@ def expected_kept(source, stream, mask):
     first len * seq_len of their concatenation (concat)."""
     starts, lengths = documents_of(stream)
     pairs = [(int(s), k) for s, n in zip(starts[mask], lengths[mask]) for k in range(n)]
-    return Counter(pairs[:len(source) * source.seq_len] if source.mode == "concat" else pairs)
+    return Counter(pairs[: len(source) * source.seq_len] if source.mode == "concat" else pairs)
 
 
 @pytest.mark.parametrize("kind", ("nothing", "some", "all_but_one"))
@@ -110,8 +110,11 @@ def test_a_resume_with_another_mask_is_refused_naming_it(corpus, tmp_path):
 
     def objects(**keep):
         model = torch.nn.Linear(2, 1)
-        return {"loader": ResumableDataLoader(packed(corpus, "best_fit", **keep), batch_size=3, shuffle=True),
-                "model": model, "optimizer": torch.optim.SGD(model.parameters(), lr=0.1)}
+        return {
+            "loader": ResumableDataLoader(packed(corpus, "best_fit", **keep), batch_size=3, shuffle=True),
+            "model": model,
+            "optimizer": torch.optim.SGD(model.parameters(), lr=0.1),
+        }
 
     for dropped in (first, None):
         np.save(path, np.arange(len(lengths)) != (-1 if dropped is None else dropped))
@@ -129,9 +132,11 @@ def test_a_resume_with_another_mask_is_refused_naming_it(corpus, tmp_path):
 def test_bad_masks_are_refused_clearly(corpus, tmp_path):
     _, stream = corpus
     count = len(documents_of(stream)[0])
-    for keep, message in ((np.ones(count - 1, bool), rf"one entry per document \({count} documents\)"),
-                          (np.ones(count, np.int64), "must be a bool array"),
-                          (np.zeros(count, bool), f"keeps no document of {count}"),
-                          (tmp_path / "missing.npy", "not a readable .npy mask")):
+    for keep, message in (
+        (np.ones(count - 1, bool), rf"one entry per document \({count} documents\)"),
+        (np.ones(count, np.int64), "must be a bool array"),
+        (np.zeros(count, bool), f"keeps no document of {count}"),
+        (tmp_path / "missing.npy", "not a readable .npy mask"),
+    ):
         with pytest.raises(ValueError, match=message):
             packed(corpus, "best_fit", keep=keep)

@@ -38,8 +38,11 @@ def corpus(tmp_path_factory):
 
 def packed(corpus, mode, **kw):
     files, _ = corpus
-    return PackedSource(TokenSource(files, seq_len=16, dtype="uint16", eos_id=EOS), mode=mode,
-                        **{"rows_per_window": 4, "fill": 0.9, "seed": 3, **kw})
+    return PackedSource(
+        TokenSource(files, seq_len=16, dtype="uint16", eos_id=EOS),
+        mode=mode,
+        **{"rows_per_window": 4, "fill": 0.9, "seed": 3, **kw},
+    )
 
 
 def owned_tokens(source, stream, rows, tokens=None, epoch=None):
@@ -50,7 +53,7 @@ def owned_tokens(source, stream, rows, tokens=None, epoch=None):
         sample = source[row] if tokens is None else tokens[row]
         for document, offset, length, column in source.pieces(row, epoch):
             start = document + offset
-            assert sample["tokens"][column:column + length].tolist() == stream[start:start + length].tolist()
+            assert sample["tokens"][column : column + length].tolist() == stream[start : start + length].tolist()
             assert document == 0 or stream[document - 1] == EOS  # named by where its document starts
             found += [(document, offset + k) for k in range(length)]
     return found
@@ -79,8 +82,10 @@ def trained_across_4_3_2(source, stream):
     of every token trained in epoch 0, each batch row checked to hold its pieces' tokens."""
     trained, state = [], None
     for world, stops in ((4, (5, 3, 4, 6)), (3, (2, 4, 3)), (2, None)):
-        loaders = [ResumableDataLoader(source, batch_size=3, shuffle=True, seed=7, rank=r, world_size=world)
-                   for r in range(world)]
+        loaders = [
+            ResumableDataLoader(source, batch_size=3, shuffle=True, seed=7, rank=r, world_size=world)
+            for r in range(world)
+        ]
         for rank, loader in enumerate(loaders):
             if state is not None:
                 loader.load_state_dict(state)
@@ -114,8 +119,9 @@ def test_a_row_is_a_pure_function_of_seed_epoch_and_position(corpus):
 
 
 def assert_loader_rows(source, by_row, workers):
-    loader = ResumableDataLoader(source, batch_size=4, shuffle=True, num_workers=workers,
-                                 multiprocessing_context="fork" if workers else None)
+    loader = ResumableDataLoader(
+        source, batch_size=4, shuffle=True, num_workers=workers, multiprocessing_context="fork" if workers else None
+    )
     for batch in loader:
         for i, row in enumerate(loader.last_indices().tolist()):
             assert all(torch.equal(batch[k][i], v) for k, v in by_row[row].items())
@@ -136,8 +142,9 @@ def test_offsets_files_give_the_documents_and_each_file_starts_one(tmp_path, kin
     for number, docs in enumerate(documents):
         write_megatron(tmp_path / f"t-{number}", docs)  # the .bin and its .idx
         np.save(tmp_path / f"t-{number}.npy", np.cumsum([0] + [len(d) for d in docs])[:-1])
-    tokens = TokenSource(str(tmp_path / "t-*.bin"), seq_len=16, dtype="uint16",
-                         doc_offsets=str(tmp_path / f"t-*.{kind}"))
+    tokens = TokenSource(
+        str(tmp_path / "t-*.bin"), seq_len=16, dtype="uint16", doc_offsets=str(tmp_path / f"t-*.{kind}")
+    )
     source = PackedSource(tokens, mode="best_fit", rows_per_window=4)
     flat = [d for docs in documents for d in docs]
     stream = np.concatenate(flat)
@@ -148,7 +155,7 @@ def test_offsets_files_give_the_documents_and_each_file_starts_one(tmp_path, kin
         sample = source[row]
         for document, offset, length, column in source.pieces(row):
             assert offset + length <= length_of[document]
-            assert sample["tokens"][column:column + length].tolist() == stream[document + offset:][:length].tolist()
+            assert sample["tokens"][column : column + length].tolist() == stream[document + offset :][:length].tolist()
             found.update((document, offset + k) for k in range(length))
     assert found == Counter((s, k) for s, n in length_of.items() for k in range(n))
 
@@ -192,18 +199,25 @@ def naive_metadata(lengths, seq_len):
 
 
 @settings(max_examples=40, deadline=None)
-@given(lengths=st.lists(st.integers(1, 40), min_size=1, max_size=40), seq_len=st.integers(4, 24),
-       rows=st.integers(1, 6), fill=st.sampled_from([0.5, 0.9, 1.0]), best=st.booleans(), seed=st.integers(0, 9))
+@given(
+    lengths=st.lists(st.integers(1, 40), min_size=1, max_size=40),
+    seq_len=st.integers(4, 24),
+    rows=st.integers(1, 6),
+    fill=st.sampled_from([0.5, 0.9, 1.0]),
+    best=st.booleans(),
+    seed=st.integers(0, 9),
+)
 def test_rows_and_metadata_match_a_naive_packer(lengths, seq_len, rows, fill, best, seed):
     docs = ListDocuments(lengths)
     if docs.tokens < seq_len + 1:
         return
-    source = PackedSource(docs, seq_len, "best_fit" if best else "first_fit", rows_per_window=rows, fill=fill,
-                          seed=seed)
+    source = PackedSource(
+        docs, seq_len, "best_fit" if best else "first_fit", rows_per_window=rows, fill=fill, seed=seed
+    )
     seen = Counter()
     for row in range(len(source)):
         sample, pieces = source[row], source.pieces(row)
-        tokens = [t for d, o, n, _ in pieces for t in docs.stream[d + o:d + o + n]]
+        tokens = [t for d, o, n, _ in pieces for t in docs.stream[d + o : d + o + n]]
         assert [c for *_, c in pieces] == np.cumsum([0] + [n for _, _, n, _ in pieces])[:-1].tolist()
         assert sample["tokens"].tolist() == tokens + [0] * (seq_len + 1 - len(tokens))
         segment_ids, positions, cu = naive_metadata([n for _, _, n, _ in pieces], seq_len)
@@ -234,8 +248,12 @@ def naive_pack(lengths, capacity, rows, best):
 
 
 @settings(max_examples=60, deadline=None)
-@given(lengths=st.lists(st.integers(1, 30), max_size=30), capacity=st.integers(30, 40), rows=st.integers(1, 8),
-       best=st.booleans())
+@given(
+    lengths=st.lists(st.integers(1, 30), max_size=30),
+    capacity=st.integers(30, 40),
+    rows=st.integers(1, 8),
+    best=st.booleans(),
+)
 def test_pack_places_pieces_as_first_and_best_fit_do(lengths, capacity, rows, best):
     if sum(lengths) > capacity * rows:
         with pytest.raises(ValueError, match="do not fit"):
@@ -245,8 +263,11 @@ def test_pack_places_pieces_as_first_and_best_fit_do(lengths, capacity, rows, be
 
 
 def test_a_hugging_face_column_packs_every_token_once_read_in_place(tmp_path):
-    datasets = pytest.importorskip("datasets", reason="packing a Hugging Face column needs datasets: "
-                                   "pip install -e '.[hf]' (the test extra, which CI installs, has it)")
+    datasets = pytest.importorskip(
+        "datasets",
+        reason="packing a Hugging Face column needs datasets: "
+        "pip install -e '.[hf]' (the test extra, which CI installs, has it)",
+    )
     rng = np.random.default_rng(2)
     rows = [rng.integers(1, 500, n).tolist() for n in rng.integers(0, 30, 60)]
     parts = [datasets.Dataset.from_dict({"input_ids": rows[:25]}), datasets.Dataset.from_dict({"input_ids": rows[25:]})]
@@ -260,7 +281,7 @@ def test_a_hugging_face_column_packs_every_token_once_read_in_place(tmp_path):
     for row in range(len(source)):
         sample = source[row]
         for document, offset, length, column in source.pieces(row):
-            assert sample["tokens"][column:column + length].tolist() == stream[document + offset:][:length].tolist()
+            assert sample["tokens"][column : column + length].tolist() == stream[document + offset :][:length].tolist()
             found.update((document, offset + k) for k in range(length))
     starts = np.cumsum([0] + [len(r) for r in rows])[:-1]
     assert found == Counter((int(s), k) for s, r in zip(starts, rows) for k in range(len(r)))
@@ -309,8 +330,9 @@ def test_a_mixture_of_packed_sources_trains_every_token_of_each_once_across_a_re
                     break
         state = merge_states([loader.state_dict() for loader in loaders], uneven=True)
     assert max(trained.values()) == 1
-    assert trained == sum((Counter({(s, *t): 1 for t in expected_tokens(src, streams[s])})
-                           for s, src in enumerate(sources)), Counter())
+    assert trained == sum(
+        (Counter({(s, *t): 1 for t in expected_tokens(src, streams[s])}) for s, src in enumerate(sources)), Counter()
+    )
 
 
 def test_sample_key_names_the_documents_and_token_ranges_of_a_row(corpus):
@@ -322,9 +344,14 @@ def test_sample_key_names_the_documents_and_token_ranges_of_a_row(corpus):
 def test_bad_input_is_refused_clearly(corpus, tmp_path):
     files, _ = corpus
     tokens = TokenSource(files, seq_len=16, dtype="uint16", eos_id=EOS)
-    for kw, message in (({"mode": "greedy"}, "mode must be one of"), ({"fill": 0}, r"fill must be in \(0, 1\]"),
-                        ({"fill": 1.5}, "fill must be in"), ({"rows_per_window": 0}, "rows_per_window"),
-                        ({"seed": -1}, "seed must be a non-negative int"), ({"seq_len": 0}, "seq_len")):
+    for kw, message in (
+        ({"mode": "greedy"}, "mode must be one of"),
+        ({"fill": 0}, r"fill must be in \(0, 1\]"),
+        ({"fill": 1.5}, "fill must be in"),
+        ({"rows_per_window": 0}, "rows_per_window"),
+        ({"seed": -1}, "seed must be a non-negative int"),
+        ({"seq_len": 0}, "seq_len"),
+    ):
         with pytest.raises(ValueError, match=message):
             PackedSource(tokens, **kw)
     with pytest.raises(ValueError, match="no document boundaries: pass eos_id= or doc_offsets="):
@@ -391,8 +418,11 @@ def packed_run(directory):
     tokens = TokenSource(directory / "t.bin", seq_len=16, dtype="uint16", doc_offsets=directory / "t.npy")
     source = PackedSource(tokens, mode="best_fit", rows_per_window=4)
     model = torch.nn.Linear(2, 1)
-    return source, dict(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
-                        loader=ResumableDataLoader(source, batch_size=3, shuffle=True, seed=0))
+    return source, dict(
+        model=model,
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        loader=ResumableDataLoader(source, batch_size=3, shuffle=True, seed=0),
+    )
 
 
 def trained_tokens(source, loader, batches=None):

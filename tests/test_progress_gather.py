@@ -15,8 +15,9 @@ N, BATCH = 20_000, 4
 
 
 def _loader(rank, world_size):
-    return ResumableDataLoader(IndexDataset(N), batch_size=BATCH, shuffle=True, seed=9, rank=rank,
-                               world_size=world_size)
+    return ResumableDataLoader(
+        IndexDataset(N), batch_size=BATCH, shuffle=True, seed=9, rank=rank, world_size=world_size
+    )
 
 
 def uneven_base(world_size=64):

@@ -170,8 +170,21 @@ def _damage(kind: str, ckpt: Path) -> str:
 
 @pytest.mark.parametrize(
     "kind",
-    ["flip", "truncate", "delete", "no_manifest", "garbage_manifest", "future_version", "bad_entry", "edit", "fifo",
-     f"symlink:{MANIFEST_NAME}", "symlink:model.pt", "symlink:shards", "symlink:unlisted.txt"],
+    [
+        "flip",
+        "truncate",
+        "delete",
+        "no_manifest",
+        "garbage_manifest",
+        "future_version",
+        "bad_entry",
+        "edit",
+        "fifo",
+        f"symlink:{MANIFEST_NAME}",
+        "symlink:model.pt",
+        "symlink:shards",
+        "symlink:unlisted.txt",
+    ],
 )
 def test_damaged_checkpoint_is_skipped_with_reason(tmp_path, kind):
     publish_steps(tmp_path, 1, 2)
@@ -352,8 +365,7 @@ def test_a_rewind_with_keep_last_none_keeps_every_later_checkpoint_where_its_war
 
 
 @pytest.mark.parametrize("keep_quarantined, deleted", [(1, 3), (3, 1), (None, 0)])
-def test_a_rewind_with_keep_last_says_of_each_checkpoint_moved_aside_what_was_done(tmp_path, keep_quarantined,
-                                                                                   deleted):
+def test_a_rewind_with_keep_last_says_of_each_checkpoint_moved_aside_what_was_done(tmp_path, keep_quarantined, deleted):
     publish_steps(tmp_path, 1, 2, 3, 4, 5, keep_last=None)
     told = _republish(tmp_path, 2, keep_last=2, keep_quarantined=keep_quarantined)
     kept = [path for path in told if path is not None]
@@ -484,8 +496,10 @@ def test_unreadable_run_dir(tmp_path):
         outcome, _ = _unprivileged(lambda: latest(run_dir))
     finally:
         run_dir.chmod(0o755)
-    assert outcome == ("PermissionError", f"run_dir {run_dir} cannot be listed (permission denied); "
-                       "fix its permissions or pass another directory")
+    assert outcome == (
+        "PermissionError",
+        f"run_dir {run_dir} cannot be listed (permission denied); fix its permissions or pass another directory",
+    )
 
 
 def test_a_failed_sync_after_the_rename_warns_and_reports_the_step_published():

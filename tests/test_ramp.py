@@ -26,9 +26,19 @@ DATASET = TensorDataset(torch.arange(N))
 
 
 def loaders(world_size: int, schedule=SCHEDULE, state=None, workers: int = 0, **policy) -> list[ResumableDataLoader]:
-    ranks = [ResumableDataLoader(DATASET, batch_size=1, shuffle=True, seed=0, rank=r, world_size=world_size,
-                                 num_workers=workers, batch_policy=BatchPolicy(schedule, 1, **policy))
-             for r in range(world_size)]
+    ranks = [
+        ResumableDataLoader(
+            DATASET,
+            batch_size=1,
+            shuffle=True,
+            seed=0,
+            rank=r,
+            world_size=world_size,
+            num_workers=workers,
+            batch_policy=BatchPolicy(schedule, 1, **policy),
+        )
+        for r in range(world_size)
+    ]
     for dl in ranks:
         if state is not None:
             dl.load_state_dict(state)
@@ -151,8 +161,11 @@ def test_a_changed_schedule_is_refused_unless_amended():
     run.drive(ranks := loaders(4), 5)
     state = merge_states([dl.state_dict() for dl in ranks])
     changed = [(0, 12), (4, 36)]
-    with pytest.raises(StateError, match=r"state.batch_schedule is \[\[0, 12\], \[4, 24\].* in the saved state but "
-                                         r"\[\[0, 12\], \[4, 36\]\] in this loader"):
+    with pytest.raises(
+        StateError,
+        match=r"state.batch_schedule is \[\[0, 12\], \[4, 24\].* in the saved state but "
+        r"\[\[0, 12\], \[4, 36\]\] in this loader",
+    ):
         loaders(3, changed, state)
     with pytest.raises(StateError, match="pass change_at >= 5"):
         loaders(3, changed, state, amends=SCHEDULE, change_at=4)
@@ -170,7 +183,8 @@ def test_a_changed_schedule_is_refused_unless_amended():
 
 
 schedules = st.lists(st.tuples(st.integers(1, 6), st.sampled_from([12, 24, 36, 48])), min_size=1, max_size=3).map(
-    lambda gaps: [(0, 12)] + [(sum(g for g, _ in gaps[:i + 1]), batch) for i, (_, batch) in enumerate(gaps)])
+    lambda gaps: [(0, 12)] + [(sum(g for g, _ in gaps[: i + 1]), batch) for i, (_, batch) in enumerate(gaps)]
+)
 
 
 @settings(max_examples=8, deadline=None)
@@ -187,13 +201,19 @@ def test_any_schedule_and_restart_points(schedule, cuts):
 
 
 @settings(max_examples=200, deadline=None)
-@given(remaining=st.integers(0, 200), world_size=st.integers(1, 4), batch_size=st.integers(1, 3),
-       drop_last=st.booleans(), ks=st.lists(st.integers(1, 4), min_size=1, max_size=4),
-       gaps=st.lists(st.integers(1, 5), min_size=3, max_size=3), step=st.integers(0, 12))
+@given(
+    remaining=st.integers(0, 200),
+    world_size=st.integers(1, 4),
+    batch_size=st.integers(1, 3),
+    drop_last=st.booleans(),
+    ks=st.lists(st.integers(1, 4), min_size=1, max_size=4),
+    gaps=st.lists(st.integers(1, 5), min_size=3, max_size=3),
+    step=st.integers(0, 12),
+)
 def test_the_plan_deals_each_update_its_global_batch(remaining, world_size, batch_size, drop_last, ks, gaps, step):
     """Update u covers [P(u), P(u) + G(u)) of the remaining indices, until the tail rule takes over."""
     per_step = world_size * batch_size
-    firsts = [0] + list(np.cumsum(gaps[:len(ks) - 1]))
+    firsts = [0] + list(np.cumsum(gaps[: len(ks) - 1]))
     schedule = tuple((int(f), k * per_step) for f, k in zip(firsts, ks))
     plan = plan_at(remaining, Layout(world_size, 1, batch_size, drop_last), schedule, step)
     starts, stops = zip(*(plan.batch_bounds(r, np.arange(plan.batches_per_rank)) for r in range(world_size)))
@@ -202,9 +222,12 @@ def test_the_plan_deals_each_update_its_global_batch(remaining, world_size, batc
     position, batch = 0, 0
     for u in range(plan.full_updates):
         k = dict(schedule)[max(f for f, _ in schedule if f <= step + u)] // per_step
-        update = sorted(i for a, b in zip(starts, stops) for s, t in zip(a[batch:batch + k].tolist(),
-                                                                          b[batch:batch + k].tolist())
-                        for i in range(s, t))
+        update = sorted(
+            i
+            for a, b in zip(starts, stops)
+            for s, t in zip(a[batch : batch + k].tolist(), b[batch : batch + k].tolist())
+            for i in range(s, t)
+        )
         if batch + k <= plan.tail.first_batch:
             assert update == list(range(position, position + k * per_step))
         assert plan.completed(batch + k) == min(batch + k, plan.batches_per_rank)

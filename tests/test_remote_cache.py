@@ -47,7 +47,7 @@ def writer(name: str, nbytes: int, measured: list[int] | None = None, calls: str
         data = content(name, nbytes)
         with open(dest, "wb") as f:
             for start in range(0, nbytes, CHUNK):
-                f.write(data[start:start + CHUNK])
+                f.write(data[start : start + CHUNK])
                 f.flush()
                 if measured is not None:
                     measured.append(du(os.path.dirname(os.path.dirname(dest))))  # the cache holding ``dest``
@@ -55,9 +55,17 @@ def writer(name: str, nbytes: int, measured: list[int] | None = None, calls: str
     return fill
 
 
-@pytest.mark.parametrize("text, expected", [
-    (123, 123), ("50GB", 50 * 10**9), ("50GiB", 50 * 2**30), ("1.5 MB", 1_500_000), ("7", 7), ("2kib", 2048),
-])
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        (123, 123),
+        ("50GB", 50 * 10**9),
+        ("50GiB", 50 * 2**30),
+        ("1.5 MB", 1_500_000),
+        ("7", 7),
+        ("2kib", 2048),
+    ],
+)
 def test_parse_bytes(text, expected):
     assert parse_bytes(text) == expected
 
@@ -104,8 +112,10 @@ def test_processes_wanting_one_file_download_it_once(tmp_path):
     calls = str(tmp_path / "calls.txt")
     ctx = multiprocessing.get_context("fork")
     barrier = ctx.Barrier(4)
-    procs = [ctx.Process(target=_fetch_in_process, args=(str(tmp_path / "c"), "same", 200_000, calls, barrier))
-             for _ in range(4)]
+    procs = [
+        ctx.Process(target=_fetch_in_process, args=(str(tmp_path / "c"), "same", 200_000, calls, barrier))
+        for _ in range(4)
+    ]
     for p in procs:
         p.start()
     for p in procs:

@@ -45,8 +45,14 @@ def write_shards(directory, samples: int, per_shard: int, npy_bytes: int, seed: 
     rng = np.random.default_rng(seed)
     with wds.ShardWriter(os.path.join(directory, "train-%06d.tar"), maxcount=per_shard, verbose=0) as sink:
         for i in range(samples):
-            sink.write({"__key__": f"k{i:05d}", "npy": rng.integers(0, 256, npy_bytes, dtype=np.uint8),
-                        "cls": i % 10, "txt": f"sample {i}"})
+            sink.write(
+                {
+                    "__key__": f"k{i:05d}",
+                    "npy": rng.integers(0, 256, npy_bytes, dtype=np.uint8),
+                    "cls": i % 10,
+                    "txt": f"sample {i}",
+                }
+            )
     return sorted(glob.glob(os.path.join(directory, "train-*.tar")))
 
 
@@ -78,8 +84,14 @@ def quick_retries(monkeypatch):
 
 
 def remote_source(s3, tmp_path, pattern=None, **kw) -> WebDatasetSource:
-    kw = {"keys": KEYS, "cache_dir": tmp_path / "cache", "cache_limit": "10MB", "progress": False,
-          "storage_options": s3.options, **kw}
+    kw = {
+        "keys": KEYS,
+        "cache_dir": tmp_path / "cache",
+        "cache_limit": "10MB",
+        "progress": False,
+        "storage_options": s3.options,
+        **kw,
+    }
     return WebDatasetSource(pattern or s3.pattern, **kw)
 
 
@@ -212,8 +224,10 @@ def test_with_lanes_each_node_downloads_its_share_of_the_shards(s3, shard_dir, t
     limit = minimum(shard_dir, prefetch=2)
     for lanes in (2, None):
         nodes = [remote_source(s3, tmp_path / f"{lanes}-node{r}", cache_limit=limit) for r in range(2)]
-        ranks = [loaders(source, 2, lanes=lanes, num_workers=2, multiprocessing_context="fork")[r]
-                 for r, source in enumerate(nodes)]
+        ranks = [
+            loaders(source, 2, lanes=lanes, num_workers=2, multiprocessing_context="fork")[r]
+            for r, source in enumerate(nodes)
+        ]
         keys = [k for dl in ranks for batch in dl for k in batch]
         assert sorted(keys) == sorted(nodes[0].sample_key(i)[1] for i in range(SAMPLES))  # each exactly once
         downloaded = [source.cache_stats()["downloaded_bytes"] for source in nodes]
@@ -235,8 +249,9 @@ def test_a_cache_of_two_and_a_half_shards_never_stalls_a_reader_on_its_own_pins(
 
 
 @pytest.mark.parametrize("workers, local_ranks", [(2, 1), (0, 2)])
-def test_a_cache_that_could_stall_the_node_s_readers_is_refused_at_iter(s3, shard_dir, tmp_path, monkeypatch,
-                                                                         workers, local_ranks):
+def test_a_cache_that_could_stall_the_node_s_readers_is_refused_at_iter(
+    s3, shard_dir, tmp_path, monkeypatch, workers, local_ranks
+):
     """Two readers on the node: one may keep 2 copies open while idle (its next batch waits on the other's), the
     other needs room for one: 2.5 shards stalled both for 300 s. Refused at iter() now, naming the 3 shards that
     never stall; those work."""
@@ -383,22 +398,31 @@ def behind_proxy(request, s3, large_dir):
             yield proxy, [f"{proxy.url}/{name}" for name in shard_names(large_dir)], {}
 
 
-def test_a_connection_lost_in_the_middle_of_a_download_is_retried(behind_proxy, large_dir, tmp_path, caplog,
-                                                                    monkeypatch):
+def test_a_connection_lost_in_the_middle_of_a_download_is_retried(
+    behind_proxy, large_dir, tmp_path, caplog, monkeypatch
+):
     """The server goes down 200 KB into a 600 KB shard and stays down for 1 s: the download starts again once it is
     back (retries of 0.25, 0.5, 1 s...), and the copy served is the whole shard."""
     monkeypatch.setattr(remote_module, "RETRY_DELAY_S", 0.25)
     proxy, urls, options = behind_proxy
-    source = WebDatasetSource(urls, keys=None, decode=(), storage_options=options, cache_dir=tmp_path / "c",
-                              cache_limit="10MB", progress=False)
+    source = WebDatasetSource(
+        urls,
+        keys=None,
+        decode=(),
+        storage_options=options,
+        cache_dir=tmp_path / "c",
+        cache_limit="10MB",
+        progress=False,
+    )
     expected = [WebDatasetSource(large_dir, keys=None, decode=(), progress=False)[i] for i in range(4)]
     proxy.cut(200_000, 1.0)
     with caplog.at_level(logging.WARNING, logger="loader.sources.remote"):
         got = [source[i] for i in range(4)]
     assert proxy.cuts == 1
     for sample, want in zip(got, expected):
-        assert sample.pop("__url__") in (urls if isinstance(urls, list) else [f"s3://large-cut/{n}" for n in
-                                                                                 shard_names(large_dir)])
+        assert sample.pop("__url__") in (
+            urls if isinstance(urls, list) else [f"s3://large-cut/{n}" for n in shard_names(large_dir)]
+        )
         del want["__url__"], want["__local_path__"]
         assert_same(sample, want)
     retried = [r.getMessage() for r in caplog.records if "downloading" in r.getMessage() and "retry" in r.getMessage()]
@@ -411,8 +435,10 @@ def test_a_full_cache_disk_is_reported_as_such_and_not_retried(s3, tmp_path, cap
     """The download written to /dev/full (every write: ENOSPC): no retry as a network fault, but an error naming
     the cache's directory, the bytes needed and free, and what to do; the partial download is gone."""
     if not os.path.exists("/dev/full"):
-        pytest.skip("this system has no /dev/full (the Linux device whose every write fails with ENOSPC), the "
-                    "real full disk this test writes to; Linux CI has it")
+        pytest.skip(
+            "this system has no /dev/full (the Linux device whose every write fails with ENOSPC), the "
+            "real full disk this test writes to; Linux CI has it"
+        )
     source = remote_source(s3, tmp_path)
     full = tmp_path / "full"
     full.symlink_to("/dev/full")
@@ -464,8 +490,9 @@ def test_transient_errors_and_timeouts_are_retried(http, shard_dir, tmp_path, ca
     http.fail(2)
     http.stall(1, 1.5)
     with caplog.at_level(logging.WARNING, logger="loader.sources.remote"):
-        source = WebDatasetSource(urls, keys=KEYS, storage_options=options, cache_dir=tmp_path / "c",
-                                  cache_limit="1MB", progress=False)
+        source = WebDatasetSource(
+            urls, keys=KEYS, storage_options=options, cache_dir=tmp_path / "c", cache_limit="1MB", progress=False
+        )
         http.fail(3)
         keys = [source[i][0] for i in range(SAMPLES)]
     assert keys == [f"k{i:05d}" for i in range(SAMPLES)] and http.take_fault() is None  # every fault was met
@@ -481,13 +508,15 @@ def test_workers_forked_from_a_reading_process_leave_its_connections_alone(http,
 
     urls = [f"{http.url}/{name}" for name in shard_names(shard_dir)]
     options = {"client_kwargs": {"timeout": aiohttp.ClientTimeout(total=5)}}
-    source = WebDatasetSource(urls, keys=KEYS, storage_options=options, cache_dir=tmp_path / "c",
-                              cache_limit="1MB", progress=False)  # the parent reads: connections kept alive
+    source = WebDatasetSource(
+        urls, keys=KEYS, storage_options=options, cache_dir=tmp_path / "c", cache_limit="1MB", progress=False
+    )  # the parent reads: connections kept alive
     (dl,) = loaders(source, 1, num_workers=2, multiprocessing_context="fork", worker_init_fn=_collect_garbage)
     assert sorted(k for batch in dl for k in batch) == sorted(source.sample_key(i)[1] for i in range(SAMPLES))
     with caplog.at_level(logging.WARNING, logger="loader.sources.remote"):
-        again = WebDatasetSource(urls, keys=KEYS, storage_options=options, cache_dir=tmp_path / "c2",
-                                 cache_limit="1MB", progress=False)  # the parent's pooled connections again
+        again = WebDatasetSource(
+            urls, keys=KEYS, storage_options=options, cache_dir=tmp_path / "c2", cache_limit="1MB", progress=False
+        )  # the parent's pooled connections again
     assert again.shard_sizes == source.shard_sizes
     assert not [r.getMessage() for r in caplog.records if "retry" in r.getMessage()]
 

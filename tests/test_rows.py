@@ -12,8 +12,12 @@ from loader.core.rows import Rows, collate
 
 
 def batches():
-    return [torch.arange(6 * 5).reshape(6, 5), torch.rand(3, 2, 4, dtype=torch.float64),
-            torch.arange(7, dtype=torch.int16).reshape(7, 1), torch.zeros(1, 3, dtype=torch.uint8)]
+    return [
+        torch.arange(6 * 5).reshape(6, 5),
+        torch.rand(3, 2, 4, dtype=torch.float64),
+        torch.arange(7, dtype=torch.int16).reshape(7, 1),
+        torch.zeros(1, 3, dtype=torch.uint8),
+    ]
 
 
 def same(a, b):

@@ -73,7 +73,8 @@ def assert_exactly_once(n, layout, epochs, completed, merged, new_layout) -> Non
         else:
             committed, recorded = order(positions(progress.committed_in(epoch))), np.zeros(0, np.int64)
         assert np.array_equal(np.sort(delivered(n, layout, epochs, completed, epoch)), np.sort(committed)), (
-            f"epoch {epoch}: the merge does not commit exactly what the ranks delivered")
+            f"epoch {epoch}: the merge does not commit exactly what the ranks delivered"
+        )
         served, dropped = resumed(merged, n, new_layout, epoch)
         counts = np.bincount(np.concatenate((committed, served, dropped, recorded)), minlength=n)
         assert (counts == 1).all(), f"epoch {epoch}: indices {np.flatnonzero(counts != 1)[:8]} not exactly once"
@@ -107,7 +108,7 @@ def test_65536_ranks_a_few_micro_batches_apart_merge_and_resume_exactly_once():
     dl.load_state_dict(merged)  # one rank of the resumed run, as it loads the checkpoint
     trained = np.concatenate([batch.numpy() for batch in dl])
     served, _ = resumed(merged, n, new_layout, 0)
-    assert len(trained) and np.array_equal(trained, served[-len(trained):])  # the last rank's share, in order
+    assert len(trained) and np.array_equal(trained, served[-len(trained) :])  # the last rank's share, in order
 
 
 def test_the_drift_limit_grows_with_the_world_size_and_still_refuses_corrupted_counts():
@@ -129,13 +130,36 @@ def test_the_drift_limit_grows_with_the_world_size_and_still_refuses_corrupted_c
 
 
 @settings(max_examples=30, deadline=None)
-@given(world=st.integers(2, 4096), grad_accum=st.integers(1, 3), batch=st.integers(1, 4), drop_last=st.booleans(),
-       updates=st.integers(1, 6), leftover=st.integers(0, 10**6), start=st.integers(0, 8), spread=st.integers(0, 3),
-       seed=st.integers(0, 2**32 - 1), new_world=st.integers(1, 4096), new_accum=st.integers(1, 3),
-       new_batch=st.integers(1, 4), new_drop_last=st.booleans())
+@given(
+    world=st.integers(2, 4096),
+    grad_accum=st.integers(1, 3),
+    batch=st.integers(1, 4),
+    drop_last=st.booleans(),
+    updates=st.integers(1, 6),
+    leftover=st.integers(0, 10**6),
+    start=st.integers(0, 8),
+    spread=st.integers(0, 3),
+    seed=st.integers(0, 2**32 - 1),
+    new_world=st.integers(1, 4096),
+    new_accum=st.integers(1, 3),
+    new_batch=st.integers(1, 4),
+    new_drop_last=st.booleans(),
+)
 def test_uneven_ranks_at_large_world_sizes_merge_and_resume_at_another_exactly_once(
-        world, grad_accum, batch, drop_last, updates, leftover, start, spread, seed, new_world, new_accum, new_batch,
-        new_drop_last):
+    world,
+    grad_accum,
+    batch,
+    drop_last,
+    updates,
+    leftover,
+    start,
+    spread,
+    seed,
+    new_world,
+    new_accum,
+    new_batch,
+    new_drop_last,
+):
     layout = Layout(world, grad_accum, batch, drop_last)
     n = layout.global_batch * updates + leftover % layout.global_batch
     epochs, completed = uneven(np.random.default_rng(seed), EpochPlan(n, layout), start, spread)

@@ -65,8 +65,9 @@ layouts = st.tuples(st.integers(1, 3), st.integers(1, 3))
 
 @settings(max_examples=300, deadline=None)
 @given(st.lists(st.integers(0, 5), max_size=9), st.integers(0, 9), st.booleans(), layouts, layouts, layouts, st.data())
-def test_resizes_one_after_another_read_every_record_of_every_epoch_once(lengths, seed, shuffle, first, second,
-                                                                          last, data):
+def test_resizes_one_after_another_read_every_record_of_every_epoch_once(
+    lengths, seed, shuffle, first, second, last, data
+):
     """Two restarts at other layouts: the second merges progress over a base the first one left."""
     deal, read = ShardDeal(ShardProgress(len(lengths)), *first, seed, shuffle), {}
     for layout in (second, last):
@@ -76,8 +77,12 @@ def test_resizes_one_after_another_read_every_record_of_every_epoch_once(lengths
         deal = ShardDeal(merge(deal, ranks), *layout, seed, shuffle)
     every = sorted((s, r) for s, n in enumerate(lengths) for r in range(n))
     for epoch in range(3):
-        rest = [pair for rank in range(deal.world_size) for worker in range(deal.workers)
-                for pair in read_by(deal, epoch, rank, worker, "ended", lengths)]
+        rest = [
+            pair
+            for rank in range(deal.world_size)
+            for worker in range(deal.workers)
+            for pair in read_by(deal, epoch, rank, worker, "ended", lengths)
+        ]
         assert sorted(read.get(epoch, []) + rest) == every, f"epoch {epoch}"
 
 
@@ -125,10 +130,21 @@ def names(batches):
 
 def loaders(paths, world, num_workers, **kw):
     extra = FORK if num_workers else {}
-    return [ResumableDataLoader(FileShards(paths, read_lines), batch_size=2, collate_fn=with_draws, rank=rank,
-                                world_size=world, num_workers=num_workers, seed=3,
-                                generator=torch.Generator().manual_seed(rank), **extra, **kw)
-            for rank in range(world)]
+    return [
+        ResumableDataLoader(
+            FileShards(paths, read_lines),
+            batch_size=2,
+            collate_fn=with_draws,
+            rank=rank,
+            world_size=world,
+            num_workers=num_workers,
+            seed=3,
+            generator=torch.Generator().manual_seed(rank),
+            **extra,
+            **kw,
+        )
+        for rank in range(world)
+    ]
 
 
 def take(dl, count):
@@ -214,8 +230,9 @@ def test_a_shard_that_fails_to_read_fails_a_batch_and_the_rest_of_the_shard(tmp_
     paths = write_shards(tmp_path)
 
     def loader():
-        return ResumableDataLoader(FileShards(paths, read_breaking_at_4_3), batch_size=2, collate_fn=list,
-                                   num_workers=2, **FORK)
+        return ResumableDataLoader(
+            FileShards(paths, read_breaking_at_4_3), batch_size=2, collate_fn=list, num_workers=2, **FORK
+        )
 
     batches, errors = train_skipping_errors(loader())
     delivered = [record for batch in batches for record in batch]
@@ -232,18 +249,22 @@ def test_a_shard_that_fails_to_read_fails_a_batch_and_the_rest_of_the_shard(tmp_
         assert before + after == batches
 
 
-@pytest.mark.parametrize("change, message", [
-    (dict(paths_slice=slice(1, None)), "count is 7 in the saved state but 6"),
-    (dict(seed=4), "seed is 3 in the saved state but 4"),
-    (dict(shuffle=True), "shuffle is False in the saved state but True"),
-])
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (dict(paths_slice=slice(1, None)), "count is 7 in the saved state but 6"),
+        (dict(seed=4), "seed is 3 in the saved state but 4"),
+        (dict(shuffle=True), "shuffle is False in the saved state but True"),
+    ],
+)
 def test_a_state_of_other_shards_or_another_order_is_refused(tmp_path, change, message):
     paths = write_shards(tmp_path)
     (dl,) = loaders(paths, 1, 0)
     take(dl, 2)
     kw = dict(seed=change.get("seed", 3), shuffle=change.get("shuffle", False))
-    other = ResumableDataLoader(FileShards(paths[change.get("paths_slice", slice(None))], read_lines), batch_size=2,
-                                **kw)
+    other = ResumableDataLoader(
+        FileShards(paths[change.get("paths_slice", slice(None))], read_lines), batch_size=2, **kw
+    )
     with pytest.raises(StateError, match=message):
         other.load_state_dict(dl.state_dict())
 
@@ -274,8 +295,19 @@ def test_a_webdataset_pipeline_resumes_at_another_world_size(tmp_path):
 
     def pipeline_loaders(world, num_workers):
         stream = WebDatasetShards(urls, wds.to_tuple("__key__", "cls"))
-        return [ResumableDataLoader(stream, batch_size=2, collate_fn=list, rank=r, world_size=world, shuffle=True,
-                                    num_workers=num_workers, **(FORK if num_workers else {})) for r in range(world)]
+        return [
+            ResumableDataLoader(
+                stream,
+                batch_size=2,
+                collate_fn=list,
+                rank=r,
+                world_size=world,
+                shuffle=True,
+                num_workers=num_workers,
+                **(FORK if num_workers else {}),
+            )
+            for r in range(world)
+        ]
 
     first = pipeline_loaders(2, 2)
     seen = take(first[0], 2) + take(first[1], 3)
@@ -287,8 +319,9 @@ def test_a_webdataset_pipeline_resumes_at_another_world_size(tmp_path):
 
 
 def test_a_hugging_face_streaming_dataset_resumes_at_another_world_size(tmp_path):
-    datasets = pytest.importorskip("datasets", reason="Hugging Face datasets is an optional test dependency "
-                                                      "(pip install -e '.[hf]')")
+    datasets = pytest.importorskip(
+        "datasets", reason="Hugging Face datasets is an optional test dependency (pip install -e '.[hf]')"
+    )
     datasets.disable_progress_bars()
     files = []
     for f, n in enumerate([4, 7, 0, 5]):
@@ -298,8 +331,18 @@ def test_a_hugging_face_streaming_dataset_resumes_at_another_world_size(tmp_path
 
     def hf_loaders(world, num_workers):
         stream = HuggingFaceShards(datasets.load_dataset("json", data_files=files, split="train", streaming=True))
-        return [ResumableDataLoader(stream, batch_size=2, collate_fn=list, rank=r, world_size=world,
-                                    num_workers=num_workers, **(FORK if num_workers else {})) for r in range(world)]
+        return [
+            ResumableDataLoader(
+                stream,
+                batch_size=2,
+                collate_fn=list,
+                rank=r,
+                world_size=world,
+                num_workers=num_workers,
+                **(FORK if num_workers else {}),
+            )
+            for r in range(world)
+        ]
 
     first = hf_loaders(2, 2)
     seen = take(first[0], 3) + take(first[1], 1)  # inside shards: the resume skips records within them

@@ -23,8 +23,20 @@ N, B, G = 200, 2, 24  # the global batch G = W * K * B stays 24 at 4, 3 and 2 ra
 
 
 def ranks_of(world, state=None, n=N, **kw):
-    ranks = [ResumableDataLoader(IndexDataset(n), batch_size=B, shuffle=True, seed=3, rank=r, world_size=world,
-                                 grad_accum=G // (world * B), collate_fn=list, **kw) for r in range(world)]
+    ranks = [
+        ResumableDataLoader(
+            IndexDataset(n),
+            batch_size=B,
+            shuffle=True,
+            seed=3,
+            rank=r,
+            world_size=world,
+            grad_accum=G // (world * B),
+            collate_fn=list,
+            **kw,
+        )
+        for r in range(world)
+    ]
     if state is not None:
         for dl in ranks:
             dl.load_state_dict(copy.deepcopy(state))
@@ -129,8 +141,11 @@ def test_a_skip_called_differently_on_the_ranks_is_refused_at_the_merge_naming_t
     train(two, 1)
     two[0].skip(updates=1)
     two[1].skip(updates=2)
-    with pytest.raises(StateError, match=r"states\[1\] \(rank 1\) has another base .* loader.skip\(\) was not called "
-                                         r"alike on ranks 0 and 1"):
+    with pytest.raises(
+        StateError,
+        match=r"states\[1\] \(rank 1\) has another base .* loader.skip\(\) was not called "
+        r"alike on ranks 0 and 1",
+    ):
         merge_states([dl.state_dict() for dl in two])
 
 
@@ -160,8 +175,11 @@ def test_bad_skips_are_refused_and_change_nothing():
         ({"indices": [-1, 30]}, r"dataset indices must be in \[0, 40\)"),
         ({"indices": [30.0]}, r"dataset indices must be one or more ints"),
         ({"indices": []}, r"dataset indices must be one or more ints"),
-        ({"indices": [30, 5, 21, 6]}, r"dataset indices \[5, 6, 21\] of epoch 0 are already committed \(trained, or "
-                                      r"skipped before\)"),
+        (
+            {"indices": [30, 5, 21, 6]},
+            r"dataset indices \[5, 6, 21\] of epoch 0 are already committed \(trained, or "
+            r"skipped before\)",
+        ),
         ({"updates": 1, "epoch": -1}, r"epochs before 0 are finished"),
     ]:
         with pytest.raises(ValueError, match=message):
@@ -171,15 +189,33 @@ def test_bad_skips_are_refused_and_change_nothing():
 
 
 OUT_OF_THE_EPOCH = {  # numbers that int64 or uint64 arithmetic would wrap into the epoch [0, 40), or past its checks
-    "int64 max": [2**63 - 1], "int64 max, int64": np.array([2**63 - 1]), "2**63, uint64": np.array([2**63], np.uint64),
-    "uint64 max": np.array([2**64 - 1], np.uint64), "uint64 max in a list": [5, 2**64 - 1], "2**64": [2**64],
-    "2**70 alone": 2**70, "a range past int64": range(39, 2**64), "a range below 0": range(-1, 2),
-    "-1, int8": np.array([-1], np.int8), "-2**63": [-(2**63)], "the epoch's end": [40],
-    "40, uint16": np.array([40], np.uint16), "41, a torch tensor": torch.tensor([41]),
+    "int64 max": [2**63 - 1],
+    "int64 max, int64": np.array([2**63 - 1]),
+    "2**63, uint64": np.array([2**63], np.uint64),
+    "uint64 max": np.array([2**64 - 1], np.uint64),
+    "uint64 max in a list": [5, 2**64 - 1],
+    "2**64": [2**64],
+    "2**70 alone": 2**70,
+    "a range past int64": range(39, 2**64),
+    "a range below 0": range(-1, 2),
+    "-1, int8": np.array([-1], np.int8),
+    "-2**63": [-(2**63)],
+    "the epoch's end": [40],
+    "40, uint16": np.array([40], np.uint16),
+    "41, a torch tensor": torch.tensor([41]),
 }
-NOT_INTS = {"a bool": [True], "bools and ints": [True, 30], "a bool array": np.array([True, False]), "a float": [30.0],
-            "a float array": np.array([30.0]), "nan": [float("nan")], "a string": ["30"], "nothing": [],
-            "an empty range": range(30, 30), "an empty array": np.array([], np.int64)}
+NOT_INTS = {
+    "a bool": [True],
+    "bools and ints": [True, 30],
+    "a bool array": np.array([True, False]),
+    "a float": [30.0],
+    "a float array": np.array([30.0]),
+    "nan": [float("nan")],
+    "a string": ["30"],
+    "nothing": [],
+    "an empty range": range(30, 30),
+    "an empty array": np.array([], np.int64),
+}
 
 
 def test_positions_and_indices_outside_the_epoch_are_refused_whatever_their_type_and_legal_ones_of_any_dtype_skip():
@@ -190,8 +226,10 @@ def test_positions_and_indices_outside_the_epoch_are_refused_whatever_their_type
     it = iter(dl)
     trained = next(it) + next(it)  # one update: 8 positions committed
     before = dl.state_dict()
-    for keyword, name in (("positions", r"positions must be in epoch 0's \[0, 40\)"),
-                          ("indices", r"dataset indices must be in \[0, 40\) \(epoch 0's dataset\)")):
+    for keyword, name in (
+        ("positions", r"positions must be in epoch 0's \[0, 40\)"),
+        ("indices", r"dataset indices must be in \[0, 40\) \(epoch 0's dataset\)"),
+    ):
         for value in OUT_OF_THE_EPOCH.values():
             with pytest.raises(ValueError, match=rf"skip\({keyword}=\.\.\.\): {name}, got .* \(from -?\d+ to -?\d+\)"):
                 dl.skip(**{keyword: value})
@@ -234,9 +272,13 @@ def test_a_spiked_steps_indices_are_skipped_by_index_every_other_sample_once_at_
 
 
 @settings(max_examples=60, deadline=None)
-@given(sizes=st.lists(st.integers(0, 40), max_size=8), seed=st.integers(0, 2**63), epoch=st.integers(0, 10**6),
-       mode=st.sampled_from(["none", "global", "blocks"]), lanes=st.none() | st.tuples(st.integers(1, 7),
-                                                                                      st.integers(1, 9)))
+@given(
+    sizes=st.lists(st.integers(0, 40), max_size=8),
+    seed=st.integers(0, 2**63),
+    epoch=st.integers(0, 10**6),
+    mode=st.sampled_from(["none", "global", "blocks"]),
+    lanes=st.none() | st.tuples(st.integers(1, 7), st.integers(1, 9)),
+)
 def test_the_position_of_an_index_inverts_the_epoch_order(sizes, seed, epoch, mode, lanes):
     """skip(indices=) finds positions through the order's inverse: every position of the epoch back from its index,
     for each shuffle mode (blocks with empty ones too), with lanes or without."""
@@ -264,9 +306,11 @@ def test_the_skipped_set_survives_a_resume_and_a_corrupted_one_is_refused():
     assert [i for batch in restored for i in batch] == list(range(40))
     assert [i for batch in restored for i in batch] == list(range(4)) + list(range(12, 40))
     merged = merge_states([state])
-    for bad, message in [({**merged, "skipped": [[0, [50, 60]]]}, r"skipped\[epoch 0\] must be sorted"),
-                         ({**merged, "skipped": [[1, [0, 30]]]}, r"skipped\[epoch 1\] holds positions its committed"),
-                         ({**merged, "skipped": [[7]]}, r"skipped entries must be \[epoch, intervals\]")]:
+    for bad, message in [
+        ({**merged, "skipped": [[0, [50, 60]]]}, r"skipped\[epoch 0\] must be sorted"),
+        ({**merged, "skipped": [[1, [0, 30]]]}, r"skipped\[epoch 1\] holds positions its committed"),
+        ({**merged, "skipped": [[7]]}, r"skipped entries must be \[epoch, intervals\]"),
+    ]:
         with pytest.raises(StateError, match=message):
             ResumableDataLoader(IndexDataset(40), batch_size=4).load_state_dict(bad)
 
@@ -363,8 +407,19 @@ def test_any_skips_at_any_world_sizes_keep_every_index_exactly_once(n, seed, dat
 
 def ranks_of_world(world, n, seed, state):
     """Ranks of batch size 1 and the global batch 12 over n indices, from `state` if given."""
-    ranks = [ResumableDataLoader(IndexDataset(n), batch_size=1, shuffle=True, seed=seed, rank=r, world_size=world,
-                                 grad_accum=12 // world, collate_fn=list) for r in range(world)]
+    ranks = [
+        ResumableDataLoader(
+            IndexDataset(n),
+            batch_size=1,
+            shuffle=True,
+            seed=seed,
+            rank=r,
+            world_size=world,
+            grad_accum=12 // world,
+            collate_fn=list,
+        )
+        for r in range(world)
+    ]
     for dl in ranks:
         if state is not None:
             dl.load_state_dict(copy.deepcopy(state))

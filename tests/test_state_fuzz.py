@@ -26,8 +26,10 @@ CHECKER = dict(batch_size=5, shuffle=True, seed=SEED)  # the loader every mutate
 
 
 def _loaders(world, **kw):
-    return [ResumableDataLoader(IndexDataset(N), shuffle=True, seed=SEED, rank=r, world_size=world, **kw)
-            for r in range(world)]
+    return [
+        ResumableDataLoader(IndexDataset(N), shuffle=True, seed=SEED, rank=r, world_size=world, **kw)
+        for r in range(world)
+    ]
 
 
 def _deliver(dl, count):
@@ -151,8 +153,9 @@ def mutate(data, state):
     """One mutation of `state` (changed in place where it can be; the result is returned)."""
     nodes = _nodes(state)
     fields = [(path, value) for path, value in nodes if not path or path[-1] not in HEADER]
-    operation = data.draw(st.sampled_from(["nudge"] * 3 + ["replace"] * 2 + ["delete", "duplicate", "swap",
-                                                                              "reverse", "header"]))
+    operation = data.draw(
+        st.sampled_from(["nudge"] * 3 + ["replace"] * 2 + ["delete", "duplicate", "swap", "reverse", "header"])
+    )
     if operation == "header":
         fields = [(path, value) for path, value in nodes if path and path[-1] in HEADER] or fields
         operation = "replace"
@@ -244,8 +247,9 @@ def check_merged_counts(states, merged):
     before, after = committed_counts(base), committed_counts(merged)
     for epoch in range(base["epoch"], max(r["epoch"] for r in ranks) + 1):
         plan = EpochPlan(base["fingerprint"]["num_samples"] - before.get(epoch, 0), layout)
-        done = [plan.batches_per_rank if r["epoch"] > epoch else r["completed"] if r["epoch"] == epoch else 0
-                for r in ranks]
+        done = [
+            plan.batches_per_rank if r["epoch"] > epoch else r["completed"] if r["epoch"] == epoch else 0 for r in ranks
+        ]
         if len(ranks) == 1:  # one rank's state stands for every rank
             done *= layout.world_size
         numbers = range(layout.world_size) if len(ranks) == 1 else [r["rank"] for r in ranks]
@@ -334,13 +338,16 @@ def test_a_field_of_the_wrong_type_among_several_allowed_is_named():
     refused(edited(one_rank_mid_epoch(), ("base", "end_of_epoch"), 0), "end_of_epoch must be of type dict or NoneType")
 
 
-@pytest.mark.parametrize("path, value, message", [
-    (("layout", "world_size"), list(range(10**5)), "layout.world_size must be a non-negative int, got \\[0, 1,"),
-    (("layout", "x" * 10**5), 1, "layout must have exactly the fields"),
-    (("format",), "x" * 10**6, "format is 'xxx"),
-    (("kind",), "x" * 10**6, "kind is 'xxx"),
-    (("base", "committed"), functools.reduce(lambda inner, _: [inner], range(10**5), []), "committed entries"),
-])
+@pytest.mark.parametrize(
+    "path, value, message",
+    [
+        (("layout", "world_size"), list(range(10**5)), "layout.world_size must be a non-negative int, got \\[0, 1,"),
+        (("layout", "x" * 10**5), 1, "layout must have exactly the fields"),
+        (("format",), "x" * 10**6, "format is 'xxx"),
+        (("kind",), "x" * 10**6, "kind is 'xxx"),
+        (("base", "committed"), functools.reduce(lambda inner, _: [inner], range(10**5), []), "committed entries"),
+    ],
+)
 def test_a_huge_or_deeply_nested_value_gives_a_short_message(path, value, message):
     refused(edited(one_rank_mid_epoch(), path, value), message)
 
@@ -396,17 +403,21 @@ def test_each_epoch_with_progress_in_the_base_is_merged_from_its_own():
     assert committed_counts(merged)[1] == 4 + 4 * 3
 
 
-@pytest.mark.parametrize("finished, message", [
-    ([{"epoch": 0, "dropped": [48, 53]}] * 2, "finished must list epochs before 1 in increasing order"),
-    ([{"epoch": 1, "dropped": [48, 53]}], "finished must list epochs before 1 in increasing order"),
-    ([{"epoch": e, "dropped": []} for e in range(10**5)], "finished has 100000 entries, more than the 10001"),
-])
+@pytest.mark.parametrize(
+    "finished, message",
+    [
+        ([{"epoch": 0, "dropped": [48, 53]}] * 2, "finished must list epochs before 1 in increasing order"),
+        ([{"epoch": 1, "dropped": [48, 53]}], "finished must list epochs before 1 in increasing order"),
+        ([{"epoch": e, "dropped": []} for e in range(10**5)], "finished has 100000 entries, more than the 10001"),
+    ],
+)
 def test_finished_records_are_checked(finished, message):
     refused(edited(merged_accumulating_past_a_finished_epoch(), ("finished",), finished), message)
 
 
-@pytest.mark.parametrize("field, value", [("done_in_epoch", 11), ("samples_done_in_epoch", 27),
-                                          ("samples_done_in_epoch", 4)])
+@pytest.mark.parametrize(
+    "field, value", [("done_in_epoch", 11), ("samples_done_in_epoch", 27), ("samples_done_in_epoch", 4)]
+)
 def test_counts_done_in_the_epoch_beyond_its_committed_positions_are_refused(field, value):
     """Merged from ranks that committed 26 positions of epoch 0, 5 micro-batches (10 samples) at most per rank:
     more samples than positions, or fewer samples than micro-batches, is corruption."""

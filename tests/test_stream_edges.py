@@ -58,8 +58,13 @@ def test_a_resume_after_the_last_shard_failed_does_not_read_the_rest_of_it_again
     paths = write_shards(tmp_path, [4, 2, 6])
 
     def loader(rank=0, world_size=1):
-        return ResumableDataLoader(FileShards(paths, breaking_in_the_last_shard), batch_size=2, collate_fn=list,
-                                   rank=rank, world_size=world_size)
+        return ResumableDataLoader(
+            FileShards(paths, breaking_in_the_last_shard),
+            batch_size=2,
+            collate_fn=list,
+            rank=rank,
+            world_size=world_size,
+        )
 
     reference, errors = train_skipping_errors(loader())
     assert errors == 1  # the batch [2:2, 2:3] fails, and the rest of shard 2 with it
@@ -81,14 +86,17 @@ def test_a_resume_after_the_last_shard_failed_does_not_read_the_rest_of_it_again
 
 def test_a_rank_dealt_no_shard_saved_before_its_first_batch_resumes_at_another_world_size(tmp_path):
     paths = write_shards(tmp_path, [5, 4])
-    first = [ResumableDataLoader(FileShards(paths, read_lines), batch_size=2, collate_fn=list, rank=rank,
-                                 world_size=3) for rank in range(3)]
+    first = [
+        ResumableDataLoader(FileShards(paths, read_lines), batch_size=2, collate_fn=list, rank=rank, world_size=3)
+        for rank in range(3)
+    ]
     iterators = [iter(dl) for dl in first]  # rank 2 is dealt no shard: its state names no task
     seen = [next(iterators[0]), next(iterators[1])]
     state = merge_states([dl.state_dict() for dl in first])
     for rank in range(2):
-        resumed = ResumableDataLoader(FileShards(paths, read_lines), batch_size=2, collate_fn=list, rank=rank,
-                                      world_size=2)
+        resumed = ResumableDataLoader(
+            FileShards(paths, read_lines), batch_size=2, collate_fn=list, rank=rank, world_size=2
+        )
         resumed.load_state_dict(state)
         seen += take(resumed, 10)
     assert sorted(r for batch in seen for r in batch) == every_record([5, 4])
@@ -96,12 +104,20 @@ def test_a_rank_dealt_no_shard_saved_before_its_first_batch_resumes_at_another_w
 
 @pytest.mark.parametrize("new_world, new_workers", [(1, 0), (2, 0), (1, 2)])
 def test_a_state_after_the_last_record_before_the_end_of_the_pass_ends_that_epoch_at_any_layout(
-        tmp_path, new_world, new_workers):
+    tmp_path, new_world, new_workers
+):
     paths = write_shards(tmp_path, [5, 4])  # 9 records: the last batch is short, its snapshot says the reader ended
 
     def loader(rank=0, world_size=1, num_workers=0):
-        return ResumableDataLoader(FileShards(paths, read_lines), batch_size=2, collate_fn=list, rank=rank,
-                                   world_size=world_size, num_workers=num_workers, **(FORK if num_workers else {}))
+        return ResumableDataLoader(
+            FileShards(paths, read_lines),
+            batch_size=2,
+            collate_fn=list,
+            rank=rank,
+            world_size=world_size,
+            num_workers=num_workers,
+            **(FORK if num_workers else {}),
+        )
 
     first = loader()
     assert len(take(first, 5)) == 5  # every record, and no StopIteration yet: the pass of epoch 0 has not ended
@@ -146,8 +162,12 @@ class Run:
     record noted with the epoch the loader was in; every failed batch noted with its epoch and shard."""
 
     def __init__(self, stream, world_size, seed, shuffle, state):
-        self.loaders = [ResumableDataLoader(stream, batch_size=2, collate_fn=list, rank=rank, world_size=world_size,
-                                            seed=seed, shuffle=shuffle) for rank in range(world_size)]
+        self.loaders = [
+            ResumableDataLoader(
+                stream, batch_size=2, collate_fn=list, rank=rank, world_size=world_size, seed=seed, shuffle=shuffle
+            )
+            for rank in range(world_size)
+        ]
         for dl in self.loaders:
             if state is not None:
                 dl.load_state_dict(state)
@@ -172,8 +192,14 @@ class Run:
 
 
 @settings(max_examples=100, deadline=None)
-@given(st.lists(st.tuples(st.integers(0, 5), st.sampled_from([None, None, None, "open", 0, 1, 3])), min_size=1,
-                max_size=6), st.integers(0, 9), st.booleans(), st.data())
+@given(
+    st.lists(
+        st.tuples(st.integers(0, 5), st.sampled_from([None, None, None, "open", 0, 1, 3])), min_size=1, max_size=6
+    ),
+    st.integers(0, 9),
+    st.booleans(),
+    st.data(),
+)
 def test_a_loop_of_passes_stopped_and_resumed_at_any_world_size_reads_each_epoch_once(shards, seed, shuffle, data):
     lengths, bad = [n for n, _ in shards], [b for _, b in shards]
     stream, delivered, failed, state = Shards(lengths, bad), [], Counter(), None
@@ -211,8 +237,9 @@ def test_a_state_whose_base_has_finished_shards_loads_again(tmp_path):
     paths = write_shards(tmp_path, [2, 5, 5])
 
     def loader(rank=0, world_size=1):
-        return ResumableDataLoader(FileShards(paths, read_lines), batch_size=2, collate_fn=list, rank=rank,
-                                   world_size=world_size)
+        return ResumableDataLoader(
+            FileShards(paths, read_lines), batch_size=2, collate_fn=list, rank=rank, world_size=world_size
+        )
 
     first = [loader(rank, 2) for rank in range(2)]
     seen = take(first[0], 2) + take(first[1], 1)  # rank 0 reads shard 0, then shard 2: shard 0 is done
@@ -229,8 +256,9 @@ def test_set_epoch_back_to_an_epoch_before_a_resize_reads_it_whole_and_its_state
     paths = write_shards(tmp_path, [3, 4, 2])
 
     def loader(rank=0, world_size=1):
-        return ResumableDataLoader(FileShards(paths, read_lines), batch_size=2, collate_fn=list, rank=rank,
-                                   world_size=world_size)
+        return ResumableDataLoader(
+            FileShards(paths, read_lines), batch_size=2, collate_fn=list, rank=rank, world_size=world_size
+        )
 
     first = loader()
     list(first), list(first)  # epochs 0 and 1
@@ -246,7 +274,6 @@ def test_set_epoch_back_to_an_epoch_before_a_resize_reads_it_whole_and_its_state
         assert resumed.epoch == 0
         seen += list(resumed)
     assert sorted(r for batch in seen for r in batch) == every_record([3, 4, 2])
-
 
 
 class StallOnce:
@@ -330,7 +357,7 @@ def through_a_stop_then_resumed(make, it, delivered):
         make.state, make.upto = make.loader.state_dict(), len(delivered)
     resumed, _ = make()
     resumed.load_state_dict(make.state)
-    records = delivered[:make.upto] + [r for batch in resumed for r in batch]
+    records = delivered[: make.upto] + [r for batch in resumed for r in batch]
     for dl in (make.loader, resumed):  # persistent workers, shut down here: at garbage collection, torch waits 5 s
         if dl._iterator is not None:  # for each of them
             dl._iterator._shutdown_workers()
@@ -385,8 +412,14 @@ def test_a_persistent_worker_that_died_between_passes_is_started_as_it_ended():
     left, which an uninterrupted run and a resume from a state saved there both have."""
     runs = []
     for killed in (False, True):
-        dl = ResumableDataLoader(DatasetState(12, random_draws=True), batch_size=2, collate_fn=list, num_workers=2,
-                                 persistent_workers=True, **FORK)
+        dl = ResumableDataLoader(
+            DatasetState(12, random_draws=True),
+            batch_size=2,
+            collate_fn=list,
+            num_workers=2,
+            persistent_workers=True,
+            **FORK,
+        )
         first = [r for batch in dl for r in batch]
         if killed:
             kill(dl._iterator._workers[0])
@@ -403,8 +436,11 @@ def test_set_epoch_that_leaves_a_stream_part_way_warns_and_the_natural_calls_do_
     it = iter(dl)
     next(it), next(it)
     dl.set_epoch(0)  # the current epoch: what is left of it
-    with pytest.warns(AbandonedEpochWarning, match=r"set_epoch\(1\) abandons epoch 0 part way: rank 0's stream was "
-                                                   r"not read to its end \(after 2 batch\(es\)\)"):
+    with pytest.warns(
+        AbandonedEpochWarning,
+        match=r"set_epoch\(1\) abandons epoch 0 part way: rank 0's stream was "
+        r"not read to its end \(after 2 batch\(es\)\)",
+    ):
         dl.set_epoch(1)
     assert len(list(dl)) == 6  # epoch 1 whole
     dl.set_epoch(2)  # the natural advance after its end

@@ -41,8 +41,9 @@ def read_lines(path):
 
 
 def plain(kind, rank=0, world=1, **kw):
-    return ResumableDataLoader(kind(N, random_draws=True), batch_size=BATCH, collate_fn=list, rank=rank,
-                               world_size=world, **kw)
+    return ResumableDataLoader(
+        kind(N, random_draws=True), batch_size=BATCH, collate_fn=list, rank=rank, world_size=world, **kw
+    )
 
 
 def shard_files(directory) -> list:
@@ -53,8 +54,15 @@ def shard_files(directory) -> list:
 
 
 def sharded(paths, rank=0, world=1, **kw):
-    return ResumableDataLoader(FileShards(paths, read_lines), batch_size=BATCH, collate_fn=list, rank=rank,
-                               world_size=world, shuffle=True, **kw)
+    return ResumableDataLoader(
+        FileShards(paths, read_lines),
+        batch_size=BATCH,
+        collate_fn=list,
+        rank=rank,
+        world_size=world,
+        shuffle=True,
+        **kw,
+    )
 
 
 @dataclass
@@ -81,8 +89,13 @@ class Case:
             share = list(range(w, N, len(mine.workers)))
             if snapshot is None:
                 continue
-            covered = (len(share) if snapshot["ended"] else snapshot["iterator"]["i"]
-                       if snapshot["iterator"] is not None else snapshot["batches"] * BATCH)
+            covered = (
+                len(share)
+                if snapshot["ended"]
+                else snapshot["iterator"]["i"]
+                if snapshot["iterator"] is not None
+                else snapshot["batches"] * BATCH
+            )
             claimed += share[:covered]
         return claimed
 
@@ -124,13 +137,17 @@ def cases(tmp_path_factory):
         "no state, main process, second epoch": case([plain(Plain)], [3], lambda r: plain(Plain), passes_before=1),
         "no state, 2 workers": case([plain(Plain, **workers)], [3], lambda r: plain(Plain, **workers)),
         "iterator state, main process": case([plain(IteratorState)], [3], lambda r: plain(IteratorState)),
-        "iterator state, 2 workers": case([plain(IteratorState, **workers)], [3],
-                                          lambda r: plain(IteratorState, **workers)),
-        "iterator state, 2 ranks": case([plain(IteratorState, r, 2) for r in range(2)], [2, 1],
-                                        lambda r: plain(IteratorState, r, 2), ranks=[1]),
+        "iterator state, 2 workers": case(
+            [plain(IteratorState, **workers)], [3], lambda r: plain(IteratorState, **workers)
+        ),
+        "iterator state, 2 ranks": case(
+            [plain(IteratorState, r, 2) for r in range(2)], [2, 1], lambda r: plain(IteratorState, r, 2), ranks=[1]
+        ),
         "sharded, 2 ranks, 2 workers": case(
-            [sharded(paths, r, 2, **workers) for r in range(2)], [2, 1],
-            lambda r: sharded(paths, r, 3), ranks=[0, 1, 2],  # another world size: the shards are dealt again
+            [sharded(paths, r, 2, **workers) for r in range(2)],
+            [2, 1],
+            lambda r: sharded(paths, r, 3),
+            ranks=[0, 1, 2],  # another world size: the shards are dealt again
         ),
         "sharded, resized once": Case(resized(), lambda r: sharded(paths, r, 3), [0, 1, 2]),  # and again
     }
@@ -148,8 +165,14 @@ def paths_of(value, prefix=()):
 
 PAYLOADS = ("dataset",)  # a snapshot's field that holds a state of the stream's own these streams never have
 GARBAGE = st.one_of(
-    st.none(), st.booleans(), st.integers(-3, 3), st.sampled_from([2**62, 2**64, -(2**63)]), st.floats(),
-    st.text(max_size=4), st.lists(st.integers(-1, 5), max_size=4), st.dictionaries(st.text(max_size=3), st.integers()),
+    st.none(),
+    st.booleans(),
+    st.integers(-3, 3),
+    st.sampled_from([2**62, 2**64, -(2**63)]),
+    st.floats(),
+    st.text(max_size=4),
+    st.lists(st.integers(-1, 5), max_size=4),
+    st.dictionaries(st.text(max_size=3), st.integers()),
     st.just("AAAA"),
 )
 
@@ -190,12 +213,21 @@ def mutations(draw, case):
     return state
 
 
-@pytest.mark.parametrize("name", ["no state, main process, second epoch", "no state, 2 workers",
-                                  "iterator state, main process", "iterator state, 2 workers",
-                                  "iterator state, 2 ranks", "sharded, 2 ranks, 2 workers",
-                                  "sharded, resized once"])
-@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
-                                                                 HealthCheck.too_slow])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "no state, main process, second epoch",
+        "no state, 2 workers",
+        "iterator state, main process",
+        "iterator state, 2 workers",
+        "iterator state, 2 ranks",
+        "sharded, 2 ranks, 2 workers",
+        "sharded, resized once",
+    ],
+)
+@settings(
+    max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow]
+)
 @given(data=st.data())
 def test_a_mutated_stream_state_is_refused_or_resumes_exactly(cases, name, data):
     case = cases[name]
@@ -220,9 +252,17 @@ def progress(state) -> list:
     """What a state claims was read, as the loader records it: per rank its epoch (a sharded rank past an epoch read
     all of its share), batch count, flags and shard progress, and per worker its batch count, whether its stream
     ended and its shard position."""
-    return [(r.epoch, r.batches, r.exhausted, r.ended, r.shards,
-             [None if s is None else (s["batches"], s["ended"], s["shard"]) for s in r.workers])
-            for r in rank_streams(state)]
+    return [
+        (
+            r.epoch,
+            r.batches,
+            r.exhausted,
+            r.ended,
+            r.shards,
+            [None if s is None else (s["batches"], s["ended"], s["shard"]) for s in r.workers],
+        )
+        for r in rank_streams(state)
+    ]
 
 
 def test_the_real_states_resume_exactly(cases):
@@ -262,9 +302,12 @@ def refused_unchanged(dl, state, message):
 def test_an_iterator_state_for_a_stream_without_state_is_refused_on_load(field):
     state = saved(num_workers=2, **FORK)
     state[field][1] = {**state["workers"][1], "iterator": 3}  # once accepted: an AttributeError in the worker
-    refused_unchanged(plain(Plain, num_workers=2, **FORK), state,
-                      rf"rank 0: {field}\[1\] holds an iterator state, but Plain.__iter__ is a generator, which "
-                      rf"keeps none")
+    refused_unchanged(
+        plain(Plain, num_workers=2, **FORK),
+        state,
+        rf"rank 0: {field}\[1\] holds an iterator state, but Plain.__iter__ is a generator, which "
+        rf"keeps none",
+    )
 
 
 class Listed(Plain):
@@ -277,27 +320,37 @@ class Listed(Plain):
 def test_an_iterator_state_the_iterator_cannot_load_is_refused_on_load():
     state = saved(Listed)
     state["workers"][0]["iterator"] = {"i": 1}  # once refused only when the stream was read
-    refused_unchanged(plain(Listed), state, r"rank 0: workers\[0\].iterator: the state holds an iterator state for "
-                                            r"worker 0, but the iterator Listed.__iter__ returns \(list_iterator\) "
-                                            r"has no load_state_dict")
+    refused_unchanged(
+        plain(Listed),
+        state,
+        r"rank 0: workers\[0\].iterator: the state holds an iterator state for "
+        r"worker 0, but the iterator Listed.__iter__ returns \(list_iterator\) "
+        r"has no load_state_dict",
+    )
 
 
 @pytest.mark.parametrize("junk", ["AAAA", 3, {"i": -1}, {}])
 def test_an_iterator_state_its_iterator_refuses_is_refused_on_load_naming_the_worker(junk):
     state = saved(IteratorState, num_workers=2, **FORK)
     state["workers"][1]["iterator"] = junk  # once accepted, and raised in the worker when the stream was read
-    refused_unchanged(plain(IteratorState, num_workers=2, **FORK), state,
-                      r"rank 0: workers\[1\].iterator is a state IteratorState cannot load \((TypeError|ValueError|"
-                      r"KeyError): ")
+    refused_unchanged(
+        plain(IteratorState, num_workers=2, **FORK),
+        state,
+        r"rank 0: workers\[1\].iterator is a state IteratorState cannot load \((TypeError|ValueError|"
+        r"KeyError): ",
+    )
 
 
 @pytest.mark.parametrize("setup", [{}, dict(num_workers=2, **FORK)])
 def test_a_changed_ended_flag_is_refused_on_load_naming_the_worker(setup):
     state = saved(Plain, **setup)
     state["workers"][-1]["ended"] = True  # once accepted: that worker's rest was never delivered
-    refused_unchanged(plain(Plain, **setup), state,
-                      rf"rank 0: states\[0\].workers\[{len(state['workers']) - 1}\].ended was changed \(it would "
-                      rf"drop that worker's rest\) after the state was saved")
+    refused_unchanged(
+        plain(Plain, **setup),
+        state,
+        rf"rank 0: states\[0\].workers\[{len(state['workers']) - 1}\].ended was changed \(it would "
+        rf"drop that worker's rest\) after the state was saved",
+    )
     state["workers"][-1]["ended"], state["workers"][-1]["batches"] = False, 7
     refused_unchanged(plain(Plain, **setup), state, r"workers\[\d\].batches, .shard or .check was changed")
 
@@ -306,8 +359,12 @@ def test_a_sharded_ranks_changed_epoch_is_refused_on_load_naming_the_rank(cases)
     case = cases["sharded, 2 ranks, 2 workers"]
     state = copy.deepcopy(case.state)
     state["ranks"][1]["epoch"] += 1  # once accepted: rank 1's share of epoch 0 counted as read, never delivered
-    refused_unchanged(case.fresh(0), state, r"the state of rank 1: states\[1\].epoch, .batches, .next_worker, "
-                                            r".shards or .check was changed after the state was saved")
+    refused_unchanged(
+        case.fresh(0),
+        state,
+        r"the state of rank 1: states\[1\].epoch, .batches, .next_worker, "
+        r".shards or .check was changed after the state was saved",
+    )
 
 
 def test_a_sharded_worker_may_end_only_in_its_last_shard_even_with_a_recomputed_check(tmp_path):
@@ -318,15 +375,23 @@ def test_a_sharded_worker_may_end_only_in_its_last_shard_even_with_a_recomputed_
     worker = state["workers"][0]
     worker["ended"] = True
     worker["check"] = checksum(worker["batches"], True, worker["shard"])  # edited with care
-    refused_unchanged(sharded(paths), state, r"rank 0: states\[0\].workers\[0\].ended is true, but its shard "
-                                             r"position \[0, 2\] is in task 0 of the 4 it reads in epoch 0")
+    refused_unchanged(
+        sharded(paths),
+        state,
+        r"rank 0: states\[0\].workers\[0\].ended is true, but its shard "
+        r"position \[0, 2\] is in task 0 of the 4 it reads in epoch 0",
+    )
 
 
 def test_a_snapshot_of_the_earlier_release_without_its_check_is_refused():
     state = saved(Plain)
     del state["workers"][0]["check"]
-    refused_unchanged(plain(Plain), state, r"workers\[0\] was saved by an earlier release, which did not record its "
-                                           r"check")
+    refused_unchanged(
+        plain(Plain),
+        state,
+        r"workers\[0\] was saved by an earlier release, which did not record its "
+        r"check",
+    )
 
 
 class Drawing(IteratorState):

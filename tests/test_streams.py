@@ -44,8 +44,9 @@ pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create 3 wo
 def make(kind, setup, n=23, random_draws=True, seed=1, **kw):
     """A loader whose workers' base seeds come from a generator of `seed`, as a job's restored RNG would give."""
     generator = torch.Generator().manual_seed(seed)
-    return ResumableDataLoader(kind(n, random_draws), batch_size=3, collate_fn=list, generator=generator,
-                               **SETUPS[setup], **kw)
+    return ResumableDataLoader(
+        kind(n, random_draws), batch_size=3, collate_fn=list, generator=generator, **SETUPS[setup], **kw
+    )
 
 
 def assert_each_once(n, delivered):
@@ -240,11 +241,16 @@ def test_a_state_before_the_first_batch_rewinds_a_dataset_object_that_moved_on()
     assert list(dl) == expected
 
 
-@pytest.mark.parametrize("setup, saved, into", [
-    ("main process", "before iter()", "the same loader"), ("main process", "before iter()", "a new loader"),
-    ("main process", "after iter()", "a new loader"), ("2 workers", "before iter()", "the same loader"),
-    ("2 workers", "after iter()", "a new loader"),
-])
+@pytest.mark.parametrize(
+    "setup, saved, into",
+    [
+        ("main process", "before iter()", "the same loader"),
+        ("main process", "before iter()", "a new loader"),
+        ("main process", "after iter()", "a new loader"),
+        ("2 workers", "before iter()", "the same loader"),
+        ("2 workers", "after iter()", "a new loader"),
+    ],
+)
 def test_a_state_before_the_first_batch_rewinds_a_dataset_object_that_keeps_its_place(setup, saved, into):
     """The state of a pass not begun (before iter(), or before its first next()) loaded into this process again, onto
     a dataset object that moved on meanwhile: the pass starts from its beginning, as StatefulDataLoader's does."""
@@ -253,8 +259,11 @@ def test_a_state_before_the_first_batch_rewinds_a_dataset_object_that_keeps_its_
     it = iter(dl) if saved == "after iter()" else None
     state = json.loads(json.dumps(dl.state_dict()))
     list(itertools.islice(it or dl, 3))  # in the main process, the dataset object moves on
-    target = dl if into == "the same loader" else ResumableDataLoader(dataset, batch_size=3, collate_fn=list,
-                                                                       **SETUPS[setup])
+    target = (
+        dl
+        if into == "the same loader"
+        else ResumableDataLoader(dataset, batch_size=3, collate_fn=list, **SETUPS[setup])
+    )
     target.load_state_dict(state)
     assert_each_once(20, list(target))
 
@@ -312,7 +321,8 @@ def test_iter_is_called_once_per_worker_and_pass_also_after_a_resume(setup):
     for _ in range(SETUPS[setup]["num_workers"] + 1):
         next(it)
     assert [s["iterator"]["calls"] for s in resumed.state_dict()["workers"]] == [1] * max(
-        1, SETUPS[setup]["num_workers"])
+        1, SETUPS[setup]["num_workers"]
+    )
 
 
 def test_worker_init_fn_sees_the_logical_worker_and_the_users_dataset_after_a_resume():
@@ -418,8 +428,16 @@ def test_a_workers_random_state_is_sent_again_only_after_a_draw(monkeypatch, in_
     assert first == rng_state() and watch.state() == UNCHANGED
     gauss = lambda: random.gauss(0, 1)  # noqa: E731
     cached = lambda: np.random.set_state(np.random.get_state()[:3] + (1, 0.5))  # noqa: E731 - the words stay
-    for draw in (lambda: torch.rand(1), np.random.rand, random.random, np.random.randn, np.random.randn, gauss, gauss,
-                 cached):
+    for draw in (
+        lambda: torch.rand(1),
+        np.random.rand,
+        random.random,
+        np.random.randn,
+        np.random.randn,
+        gauss,
+        gauss,
+        cached,
+    ):
         draw()  # each second gaussian is a cached one: its generator's words do not change
         changed = watch.state()
         assert changed not in (UNCHANGED, first) and changed == rng_state() and watch.state() == UNCHANGED
@@ -434,8 +452,15 @@ def test_a_resume_after_any_batch_of_a_stream_that_draws_now_and_then_is_bit_ide
     after every batch of the first epoch and the first ones of the next."""
 
     def loader():
-        return ResumableDataLoader(NowAndThen(8 * workers), batch_size=1, collate_fn=list, num_workers=workers,
-                                   persistent_workers=persistent, generator=torch.Generator().manual_seed(5), **FORK)
+        return ResumableDataLoader(
+            NowAndThen(8 * workers),
+            batch_size=1,
+            collate_fn=list,
+            num_workers=workers,
+            persistent_workers=persistent,
+            generator=torch.Generator().manual_seed(5),
+            **FORK,
+        )
 
     live, states, reference = loader(), [], []
     for _ in range(2):
@@ -498,8 +523,14 @@ def test_a_stream_goes_through_save_checkpoint_and_resume(tmp_path):
 
     def objects():
         model = torch.nn.Linear(1, 1)
-        loader = ResumableDataLoader(IteratorState(20, random_draws=True), batch_size=3, collate_fn=list,
-                                     num_workers=2, generator=torch.Generator().manual_seed(4), **FORK)
+        loader = ResumableDataLoader(
+            IteratorState(20, random_draws=True),
+            batch_size=3,
+            collate_fn=list,
+            num_workers=2,
+            generator=torch.Generator().manual_seed(4),
+            **FORK,
+        )
         return dict(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), loader=loader)
 
     reference = list(objects()["loader"])

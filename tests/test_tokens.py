@@ -41,7 +41,7 @@ def stream_files(tmp_path, sizes, dtype="uint16", seed=0):
 
 
 def reference(stream, seq_len, index):
-    return stream[index * seq_len: index * seq_len + seq_len + 1]
+    return stream[index * seq_len : index * seq_len + seq_len + 1]
 
 
 @pytest.mark.parametrize("dtype", ["uint16", "uint32"])
@@ -55,7 +55,7 @@ def test_every_sample_is_the_concatenated_stream_sliced_across_file_boundaries(t
         assert sample.dtype == torch.int64 and sample.shape == (seq_len + 1,)
         assert sample.tolist() == reference(stream, seq_len, i).tolist()
     everything = list(range(len(src)))
-    runs = [everything[i:i + size] for size in (3, GATHER_ROWS + 1) for i in range(len(src))]
+    runs = [everything[i : i + size] for size in (3, GATHER_ROWS + 1) for i in range(len(src))]
     for batch in [everything[::-1]] + runs:  # across files, inside one file (copied, or gathered at once)
         assert [s.tolist() for s in src.__getitems__(batch)] == [reference(stream, seq_len, i).tolist() for i in batch]
     with pytest.raises(IndexError, match=f"out of range for {len(src)} samples"):
@@ -140,10 +140,16 @@ def write_litdata(directory, chunks, data_format="no_header_tensor:16"):
         with open(directory / name, "wb") as f:
             f.write(np.uint32(len(items)).tobytes() + offsets.tobytes())
             f.write(b"".join(np.asarray(item, np.int32).tobytes() for item in items))
-        infos.append({"chunk_bytes": sum(sizes), "chunk_size": len(items), "dim": sum(map(len, items)),
-                      "filename": name})
-    config = {"compression": None, "chunk_size": None, "chunk_bytes": 1 << 20, "data_format": [data_format],
-              "data_spec": None}
+        infos.append(
+            {"chunk_bytes": sum(sizes), "chunk_size": len(items), "dim": sum(map(len, items)), "filename": name}
+        )
+    config = {
+        "compression": None,
+        "chunk_size": None,
+        "chunk_bytes": 1 << 20,
+        "data_format": [data_format],
+        "data_spec": None,
+    }
     (directory / "index.json").write_text(json.dumps({"chunks": infos, "config": config}))
 
 
@@ -190,8 +196,11 @@ def rewrite_in_place(path, tokens):
         os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))
         after = os.stat(path)
         if after.st_ctime_ns != before.st_ctime_ns:
-            assert (after.st_size, after.st_mtime_ns, after.st_ino) == (before.st_size, before.st_mtime_ns,
-                                                                         before.st_ino)
+            assert (after.st_size, after.st_mtime_ns, after.st_ino) == (
+                before.st_size,
+                before.st_mtime_ns,
+                before.st_ino,
+            )
             return
         time.sleep(0.01)
     pytest.fail(f"the ctime of {path} did not move in 2 s of rewrites")
@@ -213,12 +222,18 @@ def test_a_wrong_dtype_is_refused_where_the_ids_contradict_it(tmp_path):
     unchecked = TokenSource(path, seq_len=64, dtype="uint32")
     assert max(unchecked[0].tolist()) >= 65536  # what a run without vocab_size= trains on
     mixture = Mixture([right, wrong], weights=[0.5, 0.5], num_samples=40, seed=0)
-    for read in (lambda: wrong[len(wrong) - 1], lambda: wrong.__getitems__(list(range(GATHER_ROWS + 1))),
-                 lambda: mixture.__getitems__(list(range(10)))):  # copied per sample, gathered, a mixture's rows
+    for read in (
+        lambda: wrong[len(wrong) - 1],
+        lambda: wrong.__getitems__(list(range(GATHER_ROWS + 1))),
+        lambda: mixture.__getitems__(list(range(10))),
+    ):  # copied per sample, gathered, a mixture's rows
         with pytest.raises(TokenFileError, match=r"gpt2.bin: token \d+ is \d+, not an id below vocab_size=50257"):
             read()
-    with pytest.raises(TokenFileError, match=r"gpt2.bin holds uint16 tokens \(ids up to 65535\), which "
-                                             r"eos_id=128001 does not fit"):
+    with pytest.raises(
+        TokenFileError,
+        match=r"gpt2.bin holds uint16 tokens \(ids up to 65535\), which "
+        r"eos_id=128001 does not fit",
+    ):
         TokenSource(path, seq_len=64, dtype="uint16", eos_id=128001)  # Llama 3's end of text
     with pytest.raises(TokenFileError, match="which vocab_size=128256 does not fit"):
         TokenSource(path, seq_len=64, dtype="uint16", vocab_size=128256)
@@ -259,8 +274,9 @@ def test_a_file_that_changed_after_the_source_was_built_is_refused(tmp_path, cha
 
 @pytest.mark.parametrize("change", ["rewrite_keeping_mtime", "replace"])
 @pytest.mark.parametrize("batch_size", [3, GATHER_ROWS])
-def test_through_the_loader_a_file_changed_between_batches_fails_the_next_batch_that_reads_it(tmp_path, change,
-                                                                                            batch_size):
+def test_through_the_loader_a_file_changed_between_batches_fails_the_next_batch_that_reads_it(
+    tmp_path, change, batch_size
+):
     """With num_workers=0 the loader reads a TokenSource's batches without its Rows (batch_reader): a file changed
     after a batch fails the next batch that reads it with TokenFileError, as through __getitems__, whether gathered
     from one file or copied per sample; that batch is consumed and the pass goes on, so every index of the epoch
@@ -294,8 +310,9 @@ def test_the_batch_reader_is_left_to_tokensources_of_plain_samples_and_their_own
     samples, nor for a subclass with a __getitems__ of its own, whose batches the loader still delivers, nor under
     a collate_fn of yours, which still sees the Rows."""
     _, stream = stream_files(tmp_path, [300])
-    yours = ResumableDataLoader(TokenSource(str(tmp_path / "part-*.bin"), seq_len=8, dtype="uint16"), batch_size=4,
-                                collate_fn=lambda rows: rows)
+    yours = ResumableDataLoader(
+        TokenSource(str(tmp_path / "part-*.bin"), seq_len=8, dtype="uint16"), batch_size=4, collate_fn=lambda rows: rows
+    )
     assert type(next(iter(yours))) is Rows
 
     class Shifted(TokenSource):
@@ -333,8 +350,13 @@ def read_while_truncating(directory: str, workers: int, truncated: str) -> None:
     src = TokenSource(token_files, seq_len=16, dtype="uint16", doc_offsets=os.path.join(directory, "part-*.npy"))
     starts = np.cumsum((0,) + TRUNCATED_SIZES[:-1]) // 16
     src.__getitems__(starts.tolist())  # maps every token and offsets file in this process
-    dl = ResumableDataLoader(src, batch_size=GATHER_ROWS + 1, shuffle=False, num_workers=workers,
-                             multiprocessing_context="fork" if workers else None)  # in order: part-000.bin first
+    dl = ResumableDataLoader(
+        src,
+        batch_size=GATHER_ROWS + 1,
+        shuffle=False,
+        num_workers=workers,
+        multiprocessing_context="fork" if workers else None,
+    )  # in order: part-000.bin first
     batches = []
     for indices, batch in outcomes(dl, TokenFileError):
         if isinstance(batch, TokenFileError):
@@ -383,8 +405,9 @@ def test_a_file_truncated_while_mapped_fails_its_batches_never_the_process(tmp_p
     samples = (len(stream) - 1) // 16
     assert sorted(i for b in batches for i in b["indices"]) == list(range(samples))
     part_001 = range(TRUNCATED_SIZES[0], TRUNCATED_SIZES[0] + TRUNCATED_SIZES[1])
-    reading_it = [b for b in batches if any(16 * i + 16 >= part_001.start and 16 * i < part_001.stop
-                                            for i in b["indices"])]  # read after the cut: 2 workers prefetch 4
+    reading_it = [
+        b for b in batches if any(16 * i + 16 >= part_001.start and 16 * i < part_001.stop for i in b["indices"])
+    ]  # read after the cut: 2 workers prefetch 4
     assert reading_it and [b for b in batches if "error" in b] == reading_it
     for batch in batches:
         if "error" in batch:
@@ -398,7 +421,7 @@ def test_eos_boundaries_number_the_documents_inside_each_sample(tmp_path):
     tokens = np.array([5, 6, eos, 7, 8, 9, eos, eos, 3, 4, 5, 6, 7, eos, 1, 2, 3])
     src = TokenSource(write_bin(tmp_path / "t.bin", tokens), seq_len=5, dtype="uint16", eos_id=eos)
     samples = [src[i] for i in range(len(src))]
-    assert [s["tokens"].tolist() for s in samples] == [tokens[5 * i: 5 * i + 6].tolist() for i in range(len(src))]
+    assert [s["tokens"].tolist() for s in samples] == [tokens[5 * i : 5 * i + 6].tolist() for i in range(len(src))]
     assert [s["doc_ids"].tolist() for s in samples] == [
         [0, 0, 0, 1, 1, 1],  # 5 6 EOS | 7 8 9
         [0, 0, 1, 2, 2, 2],  # 9 EOS | EOS | 3 4 5
@@ -420,7 +443,7 @@ def write_megatron(prefix, documents, dtype=np.uint16, code=8):
 
 
 def doc_ids_by_hand(document_of_token, seq_len, index):
-    window = document_of_token[index * seq_len: index * seq_len + seq_len + 1]
+    window = document_of_token[index * seq_len : index * seq_len + seq_len + 1]
     return (np.cumsum(np.diff(window, prepend=window[0]) != 0)).tolist()
 
 
@@ -476,15 +499,17 @@ def test_token_files_rewritten_in_the_same_size_between_save_and_resume_are_refu
     by the fingerprint's content, naming the file (with 20 files, tags cover groups of two: it and its neighbour).
     Over the files unchanged, a rebuilt source resumes and the epoch trains every sample once."""
     parts, _ = stream_files(tmp_path, [100] * files)
-    loader = ResumableDataLoader(TokenSource(str(tmp_path / "*.bin"), seq_len=8, dtype="uint16"), batch_size=4,
-                                 shuffle=True, seed=0)
+    loader = ResumableDataLoader(
+        TokenSource(str(tmp_path / "*.bin"), seq_len=8, dtype="uint16"), batch_size=4, shuffle=True, seed=0
+    )
     it, trained = iter(loader), []
     for _ in range(5):
         next(it)
         trained += loader.last_indices().tolist()
     saved, state = dataset_fingerprint(loader), loader.state_dict()
-    fresh = ResumableDataLoader(TokenSource(str(tmp_path / "*.bin"), seq_len=8, dtype="uint16"), batch_size=4,
-                                shuffle=True, seed=0)
+    fresh = ResumableDataLoader(
+        TokenSource(str(tmp_path / "*.bin"), seq_len=8, dtype="uint16"), batch_size=4, shuffle=True, seed=0
+    )
     check_dataset(saved, fresh, "the checkpoint")
     fresh.load_state_dict(state)
     for _ in fresh:
@@ -514,9 +539,13 @@ def test_the_fingerprint_reads_a_bounded_sample_of_large_files(tmp_path, monkeyp
 
 def legacy_token_fingerprint(source):
     """The fingerprint releases before content digests recorded for a TokenSource."""
-    layout = {"files": [[os.path.basename(p), n] for p, n in zip(source.files, np.diff(source._starts).tolist())],
-              "dtype": source._files[0].dtype.name, "seq_len": source.seq_len, "eos_id": source.eos_id,
-              "doc_offsets": None}
+    layout = {
+        "files": [[os.path.basename(p), n] for p, n in zip(source.files, np.diff(source._starts).tolist())],
+        "dtype": source._files[0].dtype.name,
+        "seq_len": source.seq_len,
+        "eos_id": source.eos_id,
+        "doc_offsets": None,
+    }
     return hashlib.sha256(json.dumps(layout).encode()).hexdigest()[:16]
 
 
@@ -529,8 +558,11 @@ def test_a_checkpoint_of_the_previous_release_resumes_with_a_warning(tmp_path):
     tokens = TokenSource(write_bin(tmp_path / "t.bin", np.arange(1, 200) % 7), seq_len=8, dtype="uint16")
     assert tokens.fingerprint_of_earlier_release() == legacy_token_fingerprint(tokens)
     eos = TokenSource(tmp_path / "t.bin", seq_len=8, dtype="uint16", eos_id=0)
-    for dataset in (tokens, PackedSource(eos, mode="best_fit", rows_per_window=2), Mixture([tokens, tokens],
-                                                                                           [0.5, 0.5], 40)):
+    for dataset in (
+        tokens,
+        PackedSource(eos, mode="best_fit", rows_per_window=2),
+        Mixture([tokens, tokens], [0.5, 0.5], 40),
+    ):
         loader = ResumableDataLoader(dataset, batch_size=2)
         earlier = dataset.fingerprint_of_earlier_release()
         assert earlier != dataset.fingerprint()
@@ -561,8 +593,14 @@ def test_loader_batches_equal_torchs_and_the_stacked_samples(tmp_path, workers):
 def test_through_the_loader_batches_are_the_stacked_samples(tmp_path, workers):
     _, stream = stream_files(tmp_path, [300, 211, 90])
     src = TokenSource(str(tmp_path / "part-*.bin"), seq_len=16, dtype="uint16")
-    dl = ResumableDataLoader(src, batch_size=5, shuffle=True, seed=3, num_workers=workers,
-                             multiprocessing_context="fork" if workers else None)
+    dl = ResumableDataLoader(
+        src,
+        batch_size=5,
+        shuffle=True,
+        seed=3,
+        num_workers=workers,
+        multiprocessing_context="fork" if workers else None,
+    )
     seen = []
     for batch in dl:
         ids = dl.last_indices().tolist()
@@ -571,8 +609,9 @@ def test_through_the_loader_batches_are_the_stacked_samples(tmp_path, workers):
     assert sorted(seen) == list(range(len(src)))
 
 
-@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"),
-                    reason="Linux only: counts this process's open descriptors in /proc/self/fd")
+@pytest.mark.skipif(
+    not os.path.isdir("/proc/self/fd"), reason="Linux only: counts this process's open descriptors in /proc/self/fd"
+)
 def test_maps_are_bounded_so_that_many_files_never_exhaust_the_descriptors(tmp_path, monkeypatch):
     """A map holds a file descriptor: over more files than the bound, the least recently used map goes, so the
     process's open files stay within the bound however many files are read, and every sample is still the right
@@ -584,7 +623,7 @@ def test_maps_are_bounded_so_that_many_files_never_exhaust_the_descriptors(tmp_p
     src = TokenSource(str(tmp_path / "part-*.bin"), seq_len=4, dtype="uint16")
     descriptors = len(os.listdir("/proc/self/fd"))
     order = np.random.default_rng(0).permutation(len(src)).tolist()
-    batches = [order[i:i + 5] for i in range(0, len(order), 5)] + [list(range(i, i + GATHER_ROWS)) for i in (0, 90)]
+    batches = [order[i : i + 5] for i in range(0, len(order), 5)] + [list(range(i, i + GATHER_ROWS)) for i in (0, 90)]
     for batch in batches * 2:
         assert [s.tolist() for s in src.__getitems__(batch)] == [reference(stream, 4, i).tolist() for i in batch]
         assert len(tokens._MAPS) <= 4 and len(os.listdir("/proc/self/fd")) <= descriptors + 4

@@ -59,10 +59,17 @@ def run(deal: StepDeal, order: Order, events: list[tuple[int, bool]], group_size
 
 
 @settings(max_examples=60, deadline=None)
-@given(n=st.integers(5, 60), global_batch=st.integers(4, 12), micro=st.integers(1, 4), group_size=st.integers(1, 2),
-       drop_last=st.booleans(), events=st.lists(st.tuples(st.integers(1, 2), st.booleans()), min_size=1, max_size=40))
+@given(
+    n=st.integers(5, 60),
+    global_batch=st.integers(4, 12),
+    micro=st.integers(1, 4),
+    group_size=st.integers(1, 2),
+    drop_last=st.booleans(),
+    events=st.lists(st.tuples(st.integers(1, 2), st.booleans()), min_size=1, max_size=40),
+)
 def test_every_sample_once_and_every_step_as_uninterrupted_across_quorum_changes_and_failed_commits(
-        n, global_batch, micro, group_size, drop_last, events):
+    n, global_batch, micro, group_size, drop_last, events
+):
     deal = StepDeal(n, global_batch, micro, drop_last) if drop_last <= (n >= global_batch) else None
     if deal is None:
         with pytest.raises(ValueError, match="drops them all"):
@@ -103,8 +110,12 @@ def test_the_transferred_state_is_small_plain_and_checked_field_by_field():
     state = json.loads(json.dumps(step_state(order.fingerprint(), deal)))
     assert len(json.dumps(state)) < 400
     check_step_state(state, order.fingerprint(), deal)
-    for field, value, message in (("global_batch", 16, "global_batch is 16"), ("drop_last", 1, "drop_last is 1"),
-                                  ("version", 2, "version is 2"), ("format", "x", "not a 'loader.torchft'")):
+    for field, value, message in (
+        ("global_batch", 16, "global_batch is 16"),
+        ("drop_last", 1, "drop_last is 1"),
+        ("version", 2, "version is 2"),
+        ("format", "x", "not a 'loader.torchft'"),
+    ):
         with pytest.raises(StateError, match=message):
             check_step_state({**state, field: value}, order.fingerprint(), deal)
     with pytest.raises(StateError, match="fingerprint.seed is 4"):
@@ -142,7 +153,10 @@ def test_a_step_counts_by_its_committed_attempt_with_the_largest_key(tmp_path):
         ledger.close()
     records, _, _ = read_ledger(tmp_path)
     assert sorted((r.step, r.generation, r.indices.tolist()) for r in records) == [
-        (1, 1, [0, 1, 2, 3]), (2, 1, [4, 5]), (3, 3, [6, 7])]
+        (1, 1, [0, 1, 2, 3]),
+        (2, 1, [4, 5]),
+        (3, 3, [6, 7]),
+    ]
 
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "train_torchft.py"
@@ -152,8 +166,9 @@ SAMPLES, GLOBAL_BATCH, MICRO_BATCH, SEED, GROUP_SIZE = 96, 8, 2, 5, 2
 def _lighthouse(address_out) -> None:
     from torchft._torchft import LighthouseServer
 
-    server = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=200, quorum_tick_ms=50,
-                              heartbeat_timeout_ms=1500)
+    server = LighthouseServer(
+        bind="[::]:0", min_replicas=1, join_timeout_ms=200, quorum_tick_ms=50, heartbeat_timeout_ms=1500
+    )
     address_out.send(server.address())
     signal.pause()  # until the test kills it
 
@@ -185,8 +200,9 @@ def _steps_done(run_dir: Path, group: int) -> int:
 
 
 def read_logs(log_dir: Path) -> str:
-    return "\n".join(f"--- {path.relative_to(log_dir)}\n{path.read_text()[-3000:]}"
-                     for path in sorted(log_dir.rglob("*.log")))
+    return "\n".join(
+        f"--- {path.relative_to(log_dir)}\n{path.read_text()[-3000:]}" for path in sorted(log_dir.rglob("*.log"))
+    )
 
 
 @pytest.mark.slow
@@ -209,13 +225,33 @@ def test_replica_groups_killed_restarted_and_added_train_every_sample_once_in_th
     def start(group: int, *extra: str) -> None:
         """A replica group's processes; returns once each is up (its Manager made)."""
         port, before = free_port(), set(tmp_path.glob(f"up-{group}-*"))
-        argv = ["--run-dir", str(tmp_path), "--lighthouse", lighthouse, "--group", str(group), "--store-port",
-                str(port), "--samples", str(SAMPLES), "--global-batch", str(GLOBAL_BATCH), "--micro-batch",
-                str(MICRO_BATCH), "--seed", str(SEED), "--ledger", "--timeout", "5", *extra]
+        argv = [
+            "--run-dir",
+            str(tmp_path),
+            "--lighthouse",
+            lighthouse,
+            "--group",
+            str(group),
+            "--store-port",
+            str(port),
+            "--samples",
+            str(SAMPLES),
+            "--global-batch",
+            str(GLOBAL_BATCH),
+            "--micro-batch",
+            str(MICRO_BATCH),
+            "--seed",
+            str(SEED),
+            "--ledger",
+            "--timeout",
+            "5",
+            *extra,
+        ]
         (logs / f"group{group}").mkdir(exist_ok=True)
         for rank in range(GROUP_SIZE):  # RANK and WORLD_SIZE: the place in the group (the example's own store)
-            p = ctx.Process(target=_rank_main, args=(rank, GROUP_SIZE, port, argv, str(logs / f"group{group}"),
-                                                     EXAMPLE, True))  # True: with the garbage collector, as a job
+            p = ctx.Process(
+                target=_rank_main, args=(rank, GROUP_SIZE, port, argv, str(logs / f"group{group}"), EXAMPLE, True)
+            )  # True: with the garbage collector, as a job
             p.start()
             procs.append((group, p))
         wait_until(lambda: len(set(tmp_path.glob(f"up-{group}-*")) - before) == GROUP_SIZE, f"group {group} up")
@@ -256,12 +292,15 @@ def test_replica_groups_killed_restarted_and_added_train_every_sample_once_in_th
     assert "[group 0] step 1: " in printed and "not committed: dealt again" in printed, printed
     report = audit(tmp_path)
     assert [(e.epoch, e.finished, e.seen_once, len(e.skipped), len(e.duplicated)) for e in report] == [
-        (0, True, SAMPLES, 0, 0), (1, True, SAMPLES, 0, 0)], read_logs(logs)
+        (0, True, SAMPLES, 0, 0),
+        (1, True, SAMPLES, 0, 0),
+    ], read_logs(logs)
     generations, every = read_generations(tmp_path)
     first = min(g.number for g in generations if g.attempts == "group0-rank0")
     tried = Counter((r.step, r.counted) for r in every if r.generation == first)
-    assert tried[(5, False)] and tried[(5, True)], "group 0's step 4 failed its commit (group 1 died in it), then " \
-                                                   "committed in the next quorum: counted once"
+    assert tried[(5, False)] and tried[(5, True)], (
+        "group 0's step 4 failed its commit (group 1 died in it), then committed in the next quorum: counted once"
+    )
     records, _, _ = read_ledger(tmp_path)
     by_step: dict[int, list[int]] = {}
     for record in records:
@@ -275,9 +314,14 @@ def test_replica_groups_killed_restarted_and_added_train_every_sample_once_in_th
     names = {g.number: g.attempts for g in generations}
     counted = Counter(names[r.generation] for r in records)  # the processes whose batches count, each incarnation's
     restarted = [n for n, name in sorted(names.items()) if name == "group1-rank0"][1]
-    assert sorted(counted) == ["group0-rank0", "group0-rank1", "group1-rank0", "group1-rank1", "group2-rank0",
-                               "group2-rank1"] and any(r.generation == restarted for r in records), counted
-
+    assert sorted(counted) == [
+        "group0-rank0",
+        "group0-rank1",
+        "group1-rank0",
+        "group1-rank1",
+        "group2-rank0",
+        "group2-rank1",
+    ] and any(r.generation == restarted for r in records), counted
 
 
 @pytest.mark.slow
@@ -290,16 +334,36 @@ def test_the_example_prints_its_own_steps_and_keeps_torchfts_info_lines_out(tmp_
     try:
         environment = {k: v for k, v in os.environ.items() if k != "RUST_LOG"}
         done = subprocess.run(
-            [sys.executable, str(EXAMPLE), "--run-dir", str(tmp_path), "--lighthouse", lighthouse, "--group", "0",
-             "--store-port", str(free_port()), "--samples", "16", "--epochs", "1", "--timeout", "5"],
+            [
+                sys.executable,
+                str(EXAMPLE),
+                "--run-dir",
+                str(tmp_path),
+                "--lighthouse",
+                lighthouse,
+                "--group",
+                "0",
+                "--store-port",
+                str(free_port()),
+                "--samples",
+                "16",
+                "--epochs",
+                "1",
+                "--timeout",
+                "5",
+            ],
             env={**environment, "RANK": "0", "WORLD_SIZE": "1", "PYTHONPATH": str(EXAMPLE.parents[1])},
-            capture_output=True, text=True, timeout=120)
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
     finally:
         _end(house)
     assert done.returncode == 0, done.stdout + done.stderr
     assert done.stdout.splitlines() == [
         f"[group 0] step {s}: 1 group(s) in the quorum, 8 samples on rank 0, its loss {loss}, committed"
-        for s, loss in enumerate(re.findall(r"its loss (\d+\.\d{4}), committed", done.stdout), start=1)]
+        for s, loss in enumerate(re.findall(r"its loss (\d+\.\d{4}), committed", done.stdout), start=1)
+    ]
     assert len(done.stdout.splitlines()) == 2 and done.stderr == "", done.stderr
 
 
@@ -323,10 +387,20 @@ def _fetches(out) -> None:
     def group(number: int) -> None:
         seen = results[number] = []
         store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-        manager = Manager(pg=ProcessGroupGloo(), min_replica_size=1, load_state_dict=lambda state: None,
-                          state_dict=lambda: {}, replica_id=f"group{number}", store_addr="127.0.0.1",
-                          store_port=store.port, rank=0, world_size=1, lighthouse_addr=lighthouse.address(),
-                          timeout=timedelta(seconds=10), quorum_timeout=timedelta(seconds=10))
+        manager = Manager(
+            pg=ProcessGroupGloo(),
+            min_replica_size=1,
+            load_state_dict=lambda state: None,
+            state_dict=lambda: {},
+            replica_id=f"group{number}",
+            store_addr="127.0.0.1",
+            store_port=store.port,
+            rank=0,
+            world_size=1,
+            lighthouse_addr=lighthouse.address(),
+            timeout=timedelta(seconds=10),
+            quorum_timeout=timedelta(seconds=10),
+        )
         dl = ManagedLoader(manager, IndexDataset(40), global_batch=8, batch_size=2, group_rank=0, group_size=1)
         try:
             for start in (False, True, False):  # a fetch before the first quorum, one after it, one more
@@ -383,8 +457,9 @@ def test_each_rank_and_step_of_a_deal_seeds_its_workers_apart():
     deal = StepDeal(32, 8, 2)
 
     def first_draw(step: int, dp_rank: int) -> float:
-        dl = ResumableDataLoader(Draws(), batch_size=2, rank=0, world_size=1, num_workers=1,
-                                 multiprocessing_context="fork")
+        dl = ResumableDataLoader(
+            Draws(), batch_size=2, rank=0, world_size=1, num_workers=1, multiprocessing_context="fork"
+        )
         block = deal.block(step)
         dl.load_state_dict(deal.progress(dl.resumable_sampler.order.fingerprint(), block))
         dl.resumable_sampler.relayout(deal.layout(block, 2), dp_rank)

@@ -6,8 +6,10 @@ exactly once by the ledger's audit, where torchtitan's own loader refuses the re
 import numpy as np
 import pytest
 
-pytest.importorskip("torchtitan.trainer", reason="torchtitan 0.3 (and triton, which its trainer imports) not "
-                                                 "installed: see docs/frameworks.md, torchtitan")
+pytest.importorskip(
+    "torchtitan.trainer",
+    reason="torchtitan 0.3 (and triton, which its trainer imports) not installed: see docs/frameworks.md, torchtitan",
+)
 
 from loader.checkpoint.audit import audit  # noqa: E402
 from loader.cli.main import main as cli  # noqa: E402
@@ -19,13 +21,38 @@ SEQ_LEN, WINDOWS = 32, 21  # 21 windows: at batch 2, one is dropped by policy at
 
 
 def trainer(run_dir, ranks: int, steps: int, log, kill: str | None = None) -> int:
-    args = ["--module", "tests.titan_job", "--config", "llama3_debugmodel_loader_cpu", "--dump_folder", str(run_dir),
-            "--hf_assets_path", str(run_dir.parent / "tokenizer"), "--dataloader.dataset_path",
-            str(run_dir.parent / "tokens.bin"), "--dataloader.ledger_dir", str(run_dir), "--training.seq_len",
-            str(SEQ_LEN), "--training.local_batch_size", "2", "--training.global_batch_size", "4",
-            "--training.steps", str(steps), "--checkpoint.interval", "2", "--comm.init_timeout_seconds", "60"]
-    return launch(["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}", str(JOB), *args], log,
-                  timeout=300, env=None if kill is None else {"LOADER_TITAN_KILL": kill})
+    args = [
+        "--module",
+        "tests.titan_job",
+        "--config",
+        "llama3_debugmodel_loader_cpu",
+        "--dump_folder",
+        str(run_dir),
+        "--hf_assets_path",
+        str(run_dir.parent / "tokenizer"),
+        "--dataloader.dataset_path",
+        str(run_dir.parent / "tokens.bin"),
+        "--dataloader.ledger_dir",
+        str(run_dir),
+        "--training.seq_len",
+        str(SEQ_LEN),
+        "--training.local_batch_size",
+        "2",
+        "--training.global_batch_size",
+        "4",
+        "--training.steps",
+        str(steps),
+        "--checkpoint.interval",
+        "2",
+        "--comm.init_timeout_seconds",
+        "60",
+    ]
+    return launch(
+        ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}", str(JOB), *args],
+        log,
+        timeout=300,
+        env=None if kill is None else {"LOADER_TITAN_KILL": kill},
+    )
 
 
 @pytest.mark.slow
@@ -47,8 +74,10 @@ def test_a_rank_killed_at_dp2_resumes_at_dp1_through_torchtitans_checkpoint_ever
 
     assert cli(["audit", str(run)]) == 0  # `python -m loader audit`: every epoch finished, every window once
     report = audit(run)  # at 1 rank and batch 2, each epoch drops its last window by policy
-    assert [(e.epoch, e.finished, e.clean, e.seen_once, e.dropped) for e in report] == [(0, True, True, 20, 1),
-                                                                                         (1, True, True, 20, 1)]
+    assert [(e.epoch, e.finished, e.clean, e.seen_once, e.dropped) for e in report] == [
+        (0, True, True, 20, 1),
+        (1, True, True, 20, 1),
+    ]
 
 
 @pytest.mark.filterwarnings("ignore:.set_vital. is deprecated")  # torchdata's StatefulDataLoader, not ours
@@ -57,8 +86,10 @@ def test_torchtitans_own_loader_refuses_another_data_parallel_degree():
     from torchtitan.components.dataloader import ParallelAwareDataloader
 
     saved = ParallelAwareDataloader(list(range(8)), dp_rank=0, dp_world_size=2, batch_size=2).state_dict()
-    with pytest.raises(AssertionError, match="dp_degree is inconsistent before and after checkpoint, dataloader "
-                                             "resharding is not supported yet"):
+    with pytest.raises(
+        AssertionError,
+        match="dp_degree is inconsistent before and after checkpoint, dataloader resharding is not supported yet",
+    ):
         ParallelAwareDataloader(list(range(8)), dp_rank=0, dp_world_size=1, batch_size=2).load_state_dict(saved)
 
 
@@ -66,8 +97,14 @@ def build(tmp_path, windows: int, dp_world_size: int = 1, **config):
     """As the trainer builds it (one process)."""
     np.arange(windows * SEQ_LEN + 1, dtype=np.uint16).tofile(tmp_path / "tokens.bin")
     config = ResumableTitanLoader.Config(dataset_path=str(tmp_path / "tokens.bin"), **config)
-    return config.build(dp_world_size=dp_world_size, dp_rank=0, tokenizer=None, seq_len=SEQ_LEN,
-                        local_batch_size=2, snapshot_every_n_steps=None)
+    return config.build(
+        dp_world_size=dp_world_size,
+        dp_rank=0,
+        tokenizer=None,
+        seq_len=SEQ_LEN,
+        local_batch_size=2,
+        snapshot_every_n_steps=None,
+    )
 
 
 def test_the_batches_are_torchtitans_inputs_positions_and_labels_epoch_after_epoch(tmp_path):
@@ -81,7 +118,7 @@ def test_the_batches_are_torchtitans_inputs_positions_and_labels_epoch_after_epo
         assert (inputs["positions"] == np.arange(SEQ_LEN)).all()
         seen.append(sorted(int(row[0]) // SEQ_LEN for row in inputs["input"]))
     assert dl.loader.epoch == 1
-    assert all(len(set(sum(seen[e * 2:e * 2 + 2], []))) == 4 for e in (0, 1))  # 4 distinct windows per epoch
+    assert all(len(set(sum(seen[e * 2 : e * 2 + 2], []))) == 4 for e in (0, 1))  # 4 distinct windows per epoch
 
 
 def test_a_config_without_files_too_little_data_or_a_ledger_it_cannot_write_is_refused(tmp_path):

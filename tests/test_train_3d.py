@@ -17,8 +17,18 @@ EXAMPLE = REPO / "examples" / "train_3d.py"
 
 
 def argv(run_dir, *extra):
-    return ["--run-dir", str(run_dir), "--samples", "96", "--epochs", "2", "--global-batch", "12", "--ledger",
-            *map(str, extra)]
+    return [
+        "--run-dir",
+        str(run_dir),
+        "--samples",
+        "96",
+        "--epochs",
+        "2",
+        "--global-batch",
+        "12",
+        "--ledger",
+        *map(str, extra),
+    ]
 
 
 def test_a_rank_killed_at_dp2_tp2_resumes_under_torchrun_at_dp3_tp1_every_sample_once_same_model(tmp_path):
@@ -27,12 +37,26 @@ def test_a_rank_killed_at_dp2_tp2_resumes_under_torchrun_at_dp3_tp1_every_sample
     assert codes == [0] * 4, logs(tmp_path / "logs-ref")
 
     run = tmp_path / "run"
-    codes = run_generation(4, argv(run, "--dp-shard", 2, "--tp", 2, "--fail-at-step", 10, "--fail-rank", 3),
-                           tmp_path / "logs-1", example=EXAMPLE)
+    codes = run_generation(
+        4,
+        argv(run, "--dp-shard", 2, "--tp", 2, "--fail-at-step", 10, "--fail-rank", 3),
+        tmp_path / "logs-1",
+        example=EXAMPLE,
+    )
     assert codes[3] == -9, logs(tmp_path / "logs-1")  # SIGKILLed during step 11, after the checkpoint of step 9
     log = tmp_path / "torchrun.log"
-    code = launch(["-m", "torch.distributed.run", "--standalone", "--nproc-per-node=3", str(EXAMPLE),
-                   *argv(run, "--dp-shard", 3, "--tp", 1)], log, timeout=300)
+    code = launch(
+        [
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node=3",
+            str(EXAMPLE),
+            *argv(run, "--dp-shard", 3, "--tp", 1),
+        ],
+        log,
+        timeout=300,
+    )
     assert code == 0, log.read_text()[-5000:]
     assert "mesh (1, 3, 1) (dp_replicate, dp_shard, tp), grad_accum 2, resumed at step 9, epoch 1" in log.read_text()
 
@@ -44,4 +68,3 @@ def test_a_rank_killed_at_dp2_tp2_resumes_under_torchrun_at_dp3_tp1_every_sample
     for key in theirs:
         torch.testing.assert_close(ours[key], theirs[key], rtol=1e-12, atol=1e-14)
         assert ours[key].dtype == torch.float64
-

@@ -23,16 +23,31 @@ EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "train_lm.py"
 
 
 def job(run_dir, data_dir, *extra):
-    return ["--run-dir", str(run_dir), "--data-dir", str(data_dir), "--samples", "240", "--global-batch", "24",
-            "--micro-batch", "2", "--checkpoint-every", "3", "--ledger", *extra]
+    return [
+        "--run-dir",
+        str(run_dir),
+        "--data-dir",
+        str(data_dir),
+        "--samples",
+        "240",
+        "--global-batch",
+        "24",
+        "--micro-batch",
+        "2",
+        "--checkpoint-every",
+        "3",
+        "--ledger",
+        *extra,
+    ]
 
 
 def test_a_killed_rank_and_a_resize_keep_the_model_and_every_source_exactly_once(tmp_path, capsys):
     data = tmp_path / "data"
     assert run_generation(2, job(tmp_path / "reference", data), tmp_path / "logs0", example=EXAMPLE) == [0, 0]
     run = tmp_path / "run"
-    first = run_generation(4, job(run, data, "--fail-at-step", "4", "--fail-rank", "3"), tmp_path / "logs1",
-                           example=EXAMPLE)
+    first = run_generation(
+        4, job(run, data, "--fail-at-step", "4", "--fail-rank", "3"), tmp_path / "logs1", example=EXAMPLE
+    )
     assert first[3] == -9, logs(tmp_path / "logs1")  # rank 3 was SIGKILLed in the middle of step 5
     assert run_generation(3, job(run, data), tmp_path / "logs2", example=EXAMPLE) == [0, 0, 0]
     assert "world size 3, grad_accum 4, resumed at step 3" in logs(tmp_path / "logs2")[0]
@@ -49,7 +64,9 @@ def test_a_killed_rank_and_a_resize_keep_the_model_and_every_source_exactly_once
     (epoch,) = audit(run, Grouping(plan.names, plan.source_of, plan.num_samples))
     assert epoch.finished and epoch.clean and epoch.seen_once == 240
     assert [(g.name, g.expected, g.seen_once, g.skipped, g.duplicated) for g in epoch.groups] == [
-        ("web", web, web, 0, 0), ("code", code, code, 0, 0)]
+        ("web", web, web, 0, 0),
+        ("code", code, code, 0, 0),
+    ]
     assert cli(["audit", str(run), "--mixture", str(run / "mixture.json")]) == 0
     out = capsys.readouterr().out
     assert f"web       {web}        {web}        0" in out and "audit: every sample exactly once" in out
@@ -95,8 +112,11 @@ def test_the_loss_controller_changes_the_weights_online_across_a_kill_and_a_resi
     first = run_generation(3, argv + ["--fail-at-step", "6", "--fail-rank", "2"], tmp_path / "logs1", example=EXAMPLE)
     assert first[2] == -9, logs(tmp_path / "logs1")
     assert run_generation(2, argv, tmp_path / "logs2", example=EXAMPLE) == [0, 0], logs(tmp_path / "logs2")
-    asked = [line for line in logs(tmp_path / "logs1")[0].splitlines() + logs(tmp_path / "logs2")[0].splitlines()
-             if "mixture: weights web/code" in line]
+    asked = [
+        line
+        for line in logs(tmp_path / "logs1")[0].splitlines() + logs(tmp_path / "logs2")[0].splitlines()
+        if "mixture: weights web/code" in line
+    ]
     assert asked, logs(tmp_path / "logs2")[0]
     run_dir_plan = run / "mixture.json"
     plan = MixturePlan.load(run_dir_plan)

@@ -25,9 +25,20 @@ def keys_of(batch):
 
 
 def loaders(source, world, **kw):
-    return [ResumableDataLoader(source, batch_size=2, shuffle=True, seed=5, shuffle_blocks=source.shard_sizes,
-                                rank=r, world_size=world, collate_fn=keys_of, **kw)
-            for r in range(world)]
+    return [
+        ResumableDataLoader(
+            source,
+            batch_size=2,
+            shuffle=True,
+            seed=5,
+            shuffle_blocks=source.shard_sizes,
+            rank=r,
+            world_size=world,
+            collate_fn=keys_of,
+            **kw,
+        )
+        for r in range(world)
+    ]
 
 
 def resume_at_another_world_size(source, restarted) -> tuple[list[str], int]:

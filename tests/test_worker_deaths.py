@@ -105,13 +105,22 @@ def run_with_a_kill(make, persistent, rng, killed):
 
 
 def map_loader(persistent):
-    return ResumableDataLoader(Slow(24), batch_size=2, shuffle=True, seed=0, collate_fn=list, num_workers=2,
-                               persistent_workers=persistent, **FORK)
+    return ResumableDataLoader(
+        Slow(24),
+        batch_size=2,
+        shuffle=True,
+        seed=0,
+        collate_fn=list,
+        num_workers=2,
+        persistent_workers=persistent,
+        **FORK,
+    )
 
 
 def stream_loader(persistent):
-    return ResumableDataLoader(SlowStream(24), batch_size=2, collate_fn=list, num_workers=2,
-                               persistent_workers=persistent, **FORK)
+    return ResumableDataLoader(
+        SlowStream(24), batch_size=2, collate_fn=list, num_workers=2, persistent_workers=persistent, **FORK
+    )
 
 
 @pytest.mark.slow  # starts worker processes
@@ -138,8 +147,16 @@ def test_a_death_seen_nowhere_but_in_the_loaders_next_leaves_nothing_that_fires_
     something else (here: waited for that very death, unreaped) raised torch's SIGCHLD error there, in code that
     has nothing to do with the loader, and an iterator kept after a death raised it later again (in another loader's
     sampler, at interpreter exit)."""
-    dl = ResumableDataLoader(IndexDataset(24), batch_size=2, shuffle=True, seed=1, collate_fn=list, num_workers=2,
-                             persistent_workers=True, **FORK)
+    dl = ResumableDataLoader(
+        IndexDataset(24),
+        batch_size=2,
+        shuffle=True,
+        seed=1,
+        collate_fn=list,
+        num_workers=2,
+        persistent_workers=True,
+        **FORK,
+    )
     it = iter(dl)
     delivered = next(it) + next(it)
     pid = it._workers[0].pid

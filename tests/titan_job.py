@@ -21,10 +21,16 @@ import torch
 import torch._utils
 
 CPU = types.SimpleNamespace(
-    set_device=lambda device: None, current_device=lambda: 0, device_count=lambda: 1, synchronize=lambda *a: None,
-    get_device_name=lambda device=None: "cpu", empty_cache=lambda: None, reset_peak_memory_stats=lambda *a: None,
-    memory_stats=lambda *a: {}, get_device_properties=lambda device=None: types.SimpleNamespace(
-        name="cpu", total_memory=1 << 34))
+    set_device=lambda device: None,
+    current_device=lambda: 0,
+    device_count=lambda: 1,
+    synchronize=lambda *a: None,
+    get_device_name=lambda device=None: "cpu",
+    empty_cache=lambda: None,
+    reset_peak_memory_stats=lambda *a: None,
+    memory_stats=lambda *a: {},
+    get_device_properties=lambda device=None: types.SimpleNamespace(name="cpu", total_memory=1 << 34),
+)
 
 
 def llama3_debugmodel_loader_cpu():

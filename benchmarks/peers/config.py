@@ -27,18 +27,35 @@ class PeersConfig:
 
 
 QUICK = PeersConfig(
-    n=10_000, stop_updates=50, faults=FAULTS, launch_timeout_s=600.0,
+    n=10_000,
+    stop_updates=50,
+    faults=FAULTS,
+    launch_timeout_s=600.0,
     batch=64,
-    resume_sizes=tuple(10**k for k in range(5, 10)), resume_budget_s=3.0, write_budget_s=180.0,
-    memory_sizes=(10**5, 10**6, 10**7), memory_timeout_s=120.0,
-    workers=(0, 2), run_s=0.25, throughput_reps=15,
+    resume_sizes=tuple(10**k for k in range(5, 10)),
+    resume_budget_s=3.0,
+    write_budget_s=180.0,
+    memory_sizes=(10**5, 10**6, 10**7),
+    memory_timeout_s=120.0,
+    workers=(0, 2),
+    run_s=0.25,
+    throughput_reps=15,
 )
 FULL = replace(QUICK, resume_budget_s=10.0, write_budget_s=600.0, memory_timeout_s=300.0, throughput_reps=25)
 SMOKE = replace(
-    QUICK, n=960, stop_updates=5,
+    QUICK,
+    n=960,
+    stop_updates=5,
     faults=(Fault(4, 4), Fault(4, 3), Fault(4, 3, uneven=True), Fault(4, 4, batch_after=96), Fault(3, None)),
-    launch_timeout_s=300.0, resume_sizes=(2000,), resume_budget_s=1.0, write_budget_s=10.0,
-    memory_sizes=(2000,), memory_timeout_s=60.0, workers=(0,), run_s=0.01, throughput_reps=1,
+    launch_timeout_s=300.0,
+    resume_sizes=(2000,),
+    resume_budget_s=1.0,
+    write_budget_s=10.0,
+    memory_sizes=(2000,),
+    memory_timeout_s=60.0,
+    workers=(0,),
+    run_s=0.01,
+    throughput_reps=1,
 )
 
 

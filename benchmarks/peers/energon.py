@@ -48,14 +48,18 @@ def _ids(batch) -> list[int]:
 
 
 class Energon(InProcess):
-    saves = ("save_state_global(0): every rank's state gathered on rank 0; every rank restores that list with "
-             "restore_state_global")
+    saves = (
+        "save_state_global(0): every rank's state gathered on rank 0; every rank restores that list with "
+        "restore_state_global"
+    )
 
     def prepare(self, n: int, data: Path, kind: str = "index") -> None:
         """Shards written with webdataset's TarWriter, then `energon prepare` (all of it the train split)."""
         if n > MAX_SAMPLES:
-            raise ValueError(f"N={n:,} is not measured: its state at N/2 would be reached by delivering N/2 samples "
-                             f"(the state has no counter to move), minutes beyond N={MAX_SAMPLES:,}")
+            raise ValueError(
+                f"N={n:,} is not measured: its state at N/2 would be reached by delivering N/2 samples "
+                f"(the state has no counter to move), minutes beyond N={MAX_SAMPLES:,}"
+            )
         data.mkdir(parents=True)
         image = jpeg_bytes()
         for first in range(0, n, SAMPLES_PER_SHARD):
@@ -64,8 +68,19 @@ class Energon(InProcess):
                     shard.write({"__key__": f"{i:010d}", **({"txt": str(i)} if kind == "index" else {"jpg": image})})
         sample_type, fields = TYPES[kind]
         workers = min(len(range(0, n, SAMPLES_PER_SHARD)), usable_cpus())  # its default, 16, on 2 CPUs crawls
-        arguments = [str(data), "--non-interactive", "--no-progress", "--num-workers", str(workers),
-                     "--split-ratio", "1,0,0", "--sample-type", sample_type, "--field-map", fields]
+        arguments = [
+            str(data),
+            "--non-interactive",
+            "--no-progress",
+            "--num-workers",
+            str(workers),
+            "--split-ratio",
+            "1,0,0",
+            "--sample-type",
+            sample_type,
+            "--field-map",
+            fields,
+        ]
         with contextlib.redirect_stdout(io.StringIO()):  # its CLI command, run here: a process of its own took 4 s
             energon_prepare.main(arguments, standalone_mode=False)
 

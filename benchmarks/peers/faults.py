@@ -44,9 +44,12 @@ class Fault:
     def label(self) -> str:
         if self.after is None:
             return f"no restart, W={self.before}"
-        return (f"{self.before}→{self.after}" + (" uneven" if self.uneven else "")
-                + (f", grad_accum {self.accum}" if self.accum > 1 else "")
-                + (f", global batch {GLOBAL_BATCH}→{self.batch_after}" if self.batch_after else ""))
+        return (
+            f"{self.before}→{self.after}"
+            + (" uneven" if self.uneven else "")
+            + (f", grad_accum {self.accum}" if self.accum > 1 else "")
+            + (f", global batch {GLOBAL_BATCH}→{self.batch_after}" if self.batch_after else "")
+        )
 
     def batch(self, world: int, resumed: bool = False) -> int:
         """The micro-batch at `world` ranks, before the stop or after the restart (`resumed`)."""
@@ -68,11 +71,19 @@ class Fault:
 
 
 FAULTS = (
-    Fault(4, 4), Fault(4, 3), Fault(4, 6),
-    Fault(4, 4, uneven=True), Fault(4, 3, uneven=True), Fault(4, 6, uneven=True),
-    Fault(4, 4, accum=2), Fault(4, 3, accum=2), Fault(4, 6, accum=2),
+    Fault(4, 4),
+    Fault(4, 3),
+    Fault(4, 6),
+    Fault(4, 4, uneven=True),
+    Fault(4, 3, uneven=True),
+    Fault(4, 6, uneven=True),
+    Fault(4, 4, accum=2),
+    Fault(4, 3, accum=2),
+    Fault(4, 6, accum=2),
     Fault(4, 4, batch_after=2 * GLOBAL_BATCH),
-    Fault(4, None), Fault(3, None), Fault(6, None),
+    Fault(4, None),
+    Fault(3, None),
+    Fault(6, None),
 )
 
 
@@ -80,8 +91,11 @@ def tally(n: int, delivered: list[list[int]]) -> dict:
     """Skipped (never delivered) and duplicated (delivered more than once: the extra deliveries) sample counts."""
     flat = np.fromiter((i for rank in delivered for i in rank), dtype=np.int64)
     counts = np.bincount(flat, minlength=n)
-    return {"skipped": int((counts == 0).sum()), "duplicated": int((counts[counts > 1] - 1).sum()),
-            "delivered": int(flat.size)}
+    return {
+        "skipped": int((counts == 0).sum()),
+        "duplicated": int((counts[counts > 1] - 1).sum()),
+        "delivered": int(flat.size),
+    }
 
 
 def _launch(peer: Peer, module: str, phases: list[Phase], timeout_s: float) -> list[Outcome]:
@@ -114,8 +128,9 @@ def _resume(fault: Fault, same_launch: bool, index: dict, stopped: list[Outcome]
     return key if same_launch else stopped[key].saved
 
 
-def exactly_once(peer: Peer, module: str, n: int, stop_updates: int, faults: tuple[Fault, ...] = FAULTS,
-                 timeout_s: float = 600.0) -> dict[str, dict]:
+def exactly_once(
+    peer: Peer, module: str, n: int, stop_updates: int, faults: tuple[Fault, ...] = FAULTS, timeout_s: float = 600.0
+) -> dict[str, dict]:
     """Every fault on one system, as few launches as the script allows: one per world size. The first launch (at
     the world size every fault stops at) makes the stops, the resumes at that size and its control; each other
     world size resumes from the saved states in a launch of its own. Data is written once, in a temporary
@@ -127,8 +142,16 @@ def exactly_once(peer: Peer, module: str, n: int, stop_updates: int, faults: tup
 
         def phase(fault: Fault, world: int, steps, resume=None) -> Phase:
             resumed = resume is not None
-            return Phase(n, world, fault.batch(world, resumed), fault.accum, tuple(steps), resume, data,
-                         fault.schedule(stop_updates))
+            return Phase(
+                n,
+                world,
+                fault.batch(world, resumed),
+                fault.accum,
+                tuple(steps),
+                resume,
+                data,
+                fault.schedule(stop_updates),
+            )
 
         stops = {f.key: f for f in faults if f.after is not None}
         first = [phase(f, before, f.stop(stop_updates)) for f in stops.values()]
@@ -142,7 +165,7 @@ def exactly_once(peer: Peer, module: str, n: int, stop_updates: int, faults: tup
             phases = (first if world == before else []) + resumes
             outcomes = _launch(peer, module, phases, timeout_s)
             if world == before:
-                stopped, outcomes = outcomes[:len(first)], outcomes[len(first):]
+                stopped, outcomes = outcomes[: len(first)], outcomes[len(first) :]
             for f, outcome in zip(mine, outcomes):
                 stop = None if f.after is None else stopped[index[f.key]]
                 results[f.label] = _result(n, stop, outcome)

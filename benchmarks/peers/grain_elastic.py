@@ -25,8 +25,11 @@ def _dataset(n: int, kind: str = "index") -> grain.MapDataset:
 
 def _iterator(ds: grain.MapDataset, world: int, rank: int, global_batch: int, workers: int = 0):
     mp = grain.MultiprocessingOptions(num_workers=workers) if workers else None
-    return iter(ElasticIterator(ds, global_batch, grain.ShardOptions(shard_index=rank, shard_count=world),
-                                multiprocessing_options=mp))
+    return iter(
+        ElasticIterator(
+            ds, global_batch, grain.ShardOptions(shard_index=rank, shard_count=world), multiprocessing_options=mp
+        )
+    )
 
 
 class GrainElastic(InProcess):

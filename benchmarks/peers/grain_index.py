@@ -36,8 +36,9 @@ def _loader(n: int, world: int, rank: int, batch: int, num_workers: int = 0, kin
     shard = grain.ShardOptions(shard_index=rank, shard_count=world, drop_remainder=False)
     sampler = grain.IndexSampler(n, shard_options=shard, shuffle=True, num_epochs=1, seed=SEED)
     source, ops = (grain.RangeDataSource(0, n, 1), []) if kind == "index" else (_Jpegs(n), [_Decode()])
-    return grain.DataLoader(data_source=source, sampler=sampler, operations=ops + [grain.Batch(batch)],
-                            worker_count=num_workers)
+    return grain.DataLoader(
+        data_source=source, sampler=sampler, operations=ops + [grain.Batch(batch)], worker_count=num_workers
+    )
 
 
 class GrainIndex(InProcess):

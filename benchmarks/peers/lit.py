@@ -24,11 +24,13 @@ class _Decoded(litdata.StreamingDataset):
         return {"i": decode(super().__getitem__(index)["i"])}
 
 
-def _loader(data, batch: int, workers: int = 0, kind: str = "index",
-            drop_last: bool | None = None) -> litdata.StreamingDataLoader:
+def _loader(
+    data, batch: int, workers: int = 0, kind: str = "index", drop_last: bool | None = None
+) -> litdata.StreamingDataLoader:
     """drop_last=None is its default: True under torch.distributed (the epoch's tail is dropped at every W)."""
-    dataset = (litdata.StreamingDataset if kind == "index" else _Decoded)(str(data), shuffle=True, seed=SEED,
-                                                                           drop_last=drop_last)
+    dataset = (litdata.StreamingDataset if kind == "index" else _Decoded)(
+        str(data), shuffle=True, seed=SEED, drop_last=drop_last
+    )
     return litdata.StreamingDataLoader(dataset, batch_size=batch, num_workers=workers)
 
 

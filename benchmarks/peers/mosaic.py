@@ -52,7 +52,8 @@ class _Decoded(streaming.StreamingDataset):
 
 def _loader(data, batch: int, workers: int = 0, kind: str = "index"):
     dataset = (streaming.StreamingDataset if kind == "index" else _Decoded)(
-        local=str(data), shuffle=True, shuffle_seed=SEED, batch_size=batch)
+        local=str(data), shuffle=True, shuffle_seed=SEED, batch_size=batch
+    )
     return streaming.StreamingDataLoader(dataset, batch_size=batch, num_workers=workers)
 
 

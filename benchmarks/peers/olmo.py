@@ -25,11 +25,23 @@ logging.getLogger("olmo_core").setLevel(logging.WARNING)  # a line per load_stat
 
 
 def _loader(data: Path, n: int, world: int, rank: int, global_batch: int) -> NumpyDataLoaderBase:
-    dataset = NumpyFSLDataset(str(data / "tokens.npy"), sequence_length=SEQ_LEN, pad_token_id=n,
-                              eos_token_id=n + 1, vocab_size=n + 2, dtype=np.uint32)
+    dataset = NumpyFSLDataset(
+        str(data / "tokens.npy"),
+        sequence_length=SEQ_LEN,
+        pad_token_id=n,
+        eos_token_id=n + 1,
+        vocab_size=n + 2,
+        dtype=np.uint32,
+    )
     loader = NumpyDataLoaderBase.wrap_numpy_dataset(
-        dataset, global_batch_size=global_batch * SEQ_LEN, collator=DataCollator(pad_token_id=n),
-        work_dir=data / "work", seed=SEED, dp_world_size=world, dp_rank=rank)
+        dataset,
+        global_batch_size=global_batch * SEQ_LEN,
+        collator=DataCollator(pad_token_id=n),
+        work_dir=data / "work",
+        seed=SEED,
+        dp_world_size=world,
+        dp_rank=rank,
+    )
     loader.reshuffle(epoch=1)  # "before starting the epoch, regardless of whether or not you've called load_state_dict"
     return loader
 

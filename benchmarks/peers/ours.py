@@ -16,16 +16,31 @@ from loader.core.batch_policy import BatchPolicy
 
 
 def _loader(n: int, world: int, rank: int, batch: int, accum: int = 1, workers: int = 0, kind: str = "index"):
-    return ResumableDataLoader(dataset(kind, n), batch_size=batch, shuffle=True, seed=SEED, rank=rank,
-                               world_size=world, grad_accum=accum, num_workers=workers)
+    return ResumableDataLoader(
+        dataset(kind, n),
+        batch_size=batch,
+        shuffle=True,
+        seed=SEED,
+        rank=rank,
+        world_size=world,
+        grad_accum=accum,
+        num_workers=workers,
+    )
 
 
 def _phase_loader(phase: Phase, rank: int) -> ResumableDataLoader:
     if phase.schedule is None:
         return _loader(phase.n, phase.world, rank, phase.batch, phase.accum)
     micro = phase.schedule[0][1] // (phase.world * phase.accum)
-    return ResumableDataLoader(dataset("index", phase.n), batch_size=micro, shuffle=True, seed=SEED, rank=rank,
-                               world_size=phase.world, batch_policy=BatchPolicy(phase.schedule, micro))
+    return ResumableDataLoader(
+        dataset("index", phase.n),
+        batch_size=micro,
+        shuffle=True,
+        seed=SEED,
+        rank=rank,
+        world_size=phase.world,
+        batch_policy=BatchPolicy(phase.schedule, micro),
+    )
 
 
 class Ours(InProcess):

@@ -32,9 +32,17 @@ def _free_port() -> int:
 
 
 def _env(rank: int, world: int, port: int) -> dict[str, str]:
-    return {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
-            "LOCAL_WORLD_SIZE": str(world), "NODE_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-            "PYTHONPATH": os.pathsep.join(filter(None, [str(_ROOT), os.environ.get("PYTHONPATH")]))}  # the
+    return {
+        **os.environ,
+        "RANK": str(rank),
+        "WORLD_SIZE": str(world),
+        "LOCAL_RANK": str(rank),
+        "LOCAL_WORLD_SIZE": str(world),
+        "NODE_RANK": "0",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(_ROOT), os.environ.get("PYTHONPATH")])),
+    }  # the
     # project first, then what the caller added (e.g. peers installed with --target, as benchmarks/README.md notes)
 
 
@@ -50,8 +58,11 @@ def launch(module: str, phases: list[Phase], timeout_s: float) -> list[Outcome]:
         for rank in range(world):
             with open(Path(directory) / f"{rank}.log", "w") as log:
                 command = [sys.executable, "-m", "benchmarks.peers.ranks", module, str(job), f"{directory}/{rank}.pkl"]
-                procs.append(subprocess.Popen(command, env=_env(rank, world, port), cwd=_ROOT, stdout=log,
-                                              stderr=subprocess.STDOUT))
+                procs.append(
+                    subprocess.Popen(
+                        command, env=_env(rank, world, port), cwd=_ROOT, stdout=log, stderr=subprocess.STDOUT
+                    )
+                )
         deadline = time.monotonic() + timeout_s
         try:
             codes = [proc.wait(timeout=max(0.1, deadline - time.monotonic())) for proc in procs]
@@ -68,9 +79,14 @@ def launch(module: str, phases: list[Phase], timeout_s: float) -> list[Outcome]:
             what = f"ran past {timeout_s:.0f} s" if codes is None else f"rank {failed[0]} exited {codes[failed[0]]}"
             raise RuntimeError(f"{what}: {_last_error(log)}")
         per_rank = [pickle.loads((Path(directory) / f"{rank}.pkl").read_bytes()) for rank in range(world)]
-    return [Outcome(ids=[ranks[i].ids[0] if ranks[i].ids else [] for ranks in per_rank], saved=per_rank[0][i].saved,
-                    error=next((ranks[i].error for ranks in per_rank if ranks[i].error), None))
-            for i in range(len(phases))]
+    return [
+        Outcome(
+            ids=[ranks[i].ids[0] if ranks[i].ids else [] for ranks in per_rank],
+            saved=per_rank[0][i].saved,
+            error=next((ranks[i].error for ranks in per_rank if ranks[i].error), None),
+        )
+        for i in range(len(phases))
+    ]
 
 
 def _last_error(log: str) -> str:

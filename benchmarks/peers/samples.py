@@ -32,8 +32,14 @@ def jpeg_bytes() -> bytes:
 
     rng = np.random.default_rng(SEED)
     ramp = np.linspace(0, 255, JPEG_SIDE, dtype=np.float32)
-    pixels = np.stack([ramp[None, :] + 0 * ramp[:, None], ramp[:, None] + 0 * ramp[None, :],
-                       rng.uniform(0, 255, (JPEG_SIDE, JPEG_SIDE))], axis=-1)
+    pixels = np.stack(
+        [
+            ramp[None, :] + 0 * ramp[:, None],
+            ramp[:, None] + 0 * ramp[None, :],
+            rng.uniform(0, 255, (JPEG_SIDE, JPEG_SIDE)),
+        ],
+        axis=-1,
+    )
     buffer = io.BytesIO()
     Image.fromarray(pixels.astype(np.uint8)).save(buffer, format="JPEG", quality=90)
     return buffer.getvalue()

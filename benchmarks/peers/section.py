@@ -39,11 +39,12 @@ def exactly_once_table(section: dict) -> list[str]:
     """A row per system: what it drops by design (so a reader tells its tail from a resume's loss), then a cell per
     fault; a system that is not installed has its error instead."""
     faults = list(next(iter(section["exactly_once"].values()), {}))
-    lines = ["| system (state saved under DP) | drops by design in an uninterrupted epoch | " + " | ".join(faults)
-             + " |", "|---" * (len(faults) + 2) + "|"]
+    lines = [
+        "| system (state saved under DP) | drops by design in an uninterrupted epoch | " + " | ".join(faults) + " |",
+        "|---" * (len(faults) + 2) + "|",
+    ]
     for key, results in section["exactly_once"].items():
-        lines.append(f"| {_name(key)} | {_system(key).drops} | " + " | ".join(_cell(results[f]) for f in faults)
-                     + " |")
+        lines.append(f"| {_name(key)} | {_system(key).drops} | " + " | ".join(_cell(results[f]) for f in faults) + " |")
     for key, error in section["not_run"].items():
         lines.append(f"| {_name(key)} | {_system(key).drops} | not run: {error} |" + " |" * (len(faults) - 1))
     return lines
@@ -77,16 +78,21 @@ def _ratio(stats: dict) -> str:
 
 
 def _ratios(section: dict, key: str) -> list[str]:
-    return [f"{_ratio(case['ratios'][key])}; CPU {_ratio(case['cpu']['ratios'][key])}" if key in case["ratios"]
-            else "—" for case in section["throughput"]]
+    return [
+        f"{_ratio(case['ratios'][key])}; CPU {_ratio(case['cpu']['ratios'][key])}" if key in case["ratios"] else "—"
+        for case in section["throughput"]
+    ]
 
 
 def costs_table(section: dict) -> list[str]:
     resume_n = [count(p["n"]) for p in section["resume"]["points"]]
     memory_n = [count(n) for n in section["memory_sizes"]]
-    header = (["system", "state saved at 4 ranks (B)"] + [f"resume ms, N={n}" for n in resume_n]
-              + [f"memory MB, N={n}" for n in memory_n]
-              + [f"throughput / DataLoader, {case['label']}: wall; CPU" for case in section["throughput"]])
+    header = (
+        ["system", "state saved at 4 ranks (B)"]
+        + [f"resume ms, N={n}" for n in resume_n]
+        + [f"memory MB, N={n}" for n in memory_n]
+        + [f"throughput / DataLoader, {case['label']}: wall; CPU" for case in section["throughput"]]
+    )
     lines = ["| " + " | ".join(header) + " |", "|---" * len(header) + "|"]
     for key, results in section["exactly_once"].items():
         state = next((r["state_bytes"] for r in results.values() if "state_bytes" in r), None)
@@ -98,15 +104,17 @@ def costs_table(section: dict) -> list[str]:
 
 def not_measured(section: dict) -> list[str]:
     """Why a cost cell is "—": each stop of the resume sweep and each memory point not taken."""
-    lines = [f"- {_name(key)}: resume from N={count(stop['n'])} on: {stop['why']}"
-             for key, stop in section["resume"]["stopped"].items()]
+    lines = [
+        f"- {_name(key)}: resume from N={count(stop['n'])} on: {stop['why']}"
+        for key, stop in section["resume"]["stopped"].items()
+    ]
     lines += [
         f"- {_name(key)}: memory at N={count(p['n'])}: {p.get('error') or 'ran past ' + str(p['timed_out_s']) + ' s'}"
         for key, points in section["memory"].get("points", {}).items()
         for p in points
         if "added_bytes" not in p
     ]
-    return ["", "Not measured (\"—\"):", ""] + lines if lines else []
+    return ["", 'Not measured ("—"):', ""] + lines if lines else []
 
 
 def saves_table(section: dict) -> list[str]:
@@ -122,14 +130,17 @@ def throughput_note(section: dict) -> list[str]:
     """How the throughput cells were measured: rounds, load, the verdict, what the baseline pays."""
     loads = [load for case in section["throughput"] for load in case["load_average"]]
     rounds = section["throughput"][0]["values"][BASELINE]["n"] if section["throughput"] else 0
-    return ["", f"Throughput: {rounds} interleaved rounds per case at a load average of {min(loads, default=0):.1f}-"
-            f"{max(loads, default=0):.1f} (1-minute, before and after each case) on {usable_cpus()} usable CPUs. Each "
-            "cell is the median per-round ratio to DataLoader in samples per wall-clock second, then in samples per "
-            "CPU second (this process and its worker processes: what the loader costs, whatever else runs); "
-            "\"not resolved (q1-q3)\" where the quartiles of the rounds straddle 1, so the rounds do not say "
-            "which is faster. Timing runs from every worker's first batch to the last batch: start-up and the end "
-            "of the pass are left out for every system (DataLoader's `RandomSampler` draws the next pass's whole "
-            "permutation when a pass ends, which a timed end of pass would charge to the baseline alone)."]
+    return [
+        "",
+        f"Throughput: {rounds} interleaved rounds per case at a load average of {min(loads, default=0):.1f}-"
+        f"{max(loads, default=0):.1f} (1-minute, before and after each case) on {usable_cpus()} usable CPUs. Each "
+        "cell is the median per-round ratio to DataLoader in samples per wall-clock second, then in samples per "
+        "CPU second (this process and its worker processes: what the loader costs, whatever else runs); "
+        '"not resolved (q1-q3)" where the quartiles of the rounds straddle 1, so the rounds do not say '
+        "which is faster. Timing runs from every worker's first batch to the last batch: start-up and the end "
+        "of the pass are left out for every system (DataLoader's `RandomSampler` draws the next pass's whole "
+        "permutation when a pass ends, which a timed end of pass would charge to the baseline alone).",
+    ]
 
 
 def _script(pc: PeersConfig) -> str:
@@ -150,8 +161,12 @@ def _script(pc: PeersConfig) -> str:
 
 def errors(section: dict) -> list[str]:
     """The full error behind each "cannot resume" or "error" cell, once per system and message."""
-    seen = {(key, r.get("cannot_resume") or r.get("error")) for key, results in section["exactly_once"].items()
-            for r in results.values() if "cannot_resume" in r or "error" in r}
+    seen = {
+        (key, r.get("cannot_resume") or r.get("error"))
+        for key, results in section["exactly_once"].items()
+        for r in results.values()
+        if "cannot_resume" in r or "error" in r
+    }
     return ["", "Errors:", ""] + [f"- {_name(key)}: {message}" for key, message in sorted(seen)] if seen else []
 
 
@@ -159,11 +174,25 @@ def tables(section: dict, script: str) -> list[str]:
     """The section's Markdown: the exactly-once table, the costs (where measured), how each system saves, the
     versions."""
     versions = ", ".join(f"{name} {v}" for name, v in section["versions"].items())
-    costs = (["", "### Costs (one rank; resume and memory at N/2; medians; every measurement's spread is below)", ""]
-             + costs_table(section) + throughput_note(section) + not_measured(section)) if "resume" in section else []
-    return (["### Exactly once: skipped / duplicated samples, by identity", "", script, ""]
-            + exactly_once_table(section) + errors(section) + costs
-            + ["", "### How each system saves its state", ""] + saves_table(section) + ["", f"Versions: {versions}."])
+    costs = (
+        (
+            ["", "### Costs (one rank; resume and memory at N/2; medians; every measurement's spread is below)", ""]
+            + costs_table(section)
+            + throughput_note(section)
+            + not_measured(section)
+        )
+        if "resume" in section
+        else []
+    )
+    return (
+        ["### Exactly once: skipped / duplicated samples, by identity", "", script, ""]
+        + exactly_once_table(section)
+        + errors(section)
+        + costs
+        + ["", "### How each system saves its state", ""]
+        + saves_table(section)
+        + ["", f"Versions: {versions}."]
+    )
 
 
 def _rows(section: dict) -> list[dict]:
@@ -175,16 +204,24 @@ def _rows(section: dict) -> list[dict]:
     if "resume" not in section:  # the counts alone (`--sections peers-exact`): no timings
         return rows
     for point in section["resume"]["points"]:
-        rows += [row(f"{_name(key)}: resume at N/2, N={count(point['n'])}", stats, "ms", scale=1e3)
-                 for key, stats in point["values"].items()]
+        rows += [
+            row(f"{_name(key)}: resume at N/2, N={count(point['n'])}", stats, "ms", scale=1e3)
+            for key, stats in point["values"].items()
+        ]
     for key, points in section["memory"].get("points", {}).items():
-        rows += [row(f"{_name(key)}: memory at N={count(p['n'])}", single(p["added_bytes"]), "MB", scale=1e-6)
-                 for p in points if "added_bytes" in p]
+        rows += [
+            row(f"{_name(key)}: memory at N={count(p['n'])}", single(p["added_bytes"]), "MB", scale=1e-6)
+            for p in points
+            if "added_bytes" in p
+        ]
     for case in section["throughput"]:
-        rows += [row(f"{case['label']}: {_name(key)} / DataLoader", ratio, "ratio")
-                 for key, ratio in case["ratios"].items()]
-        rows += [row(f"{case['label']}: {_name(key)} / DataLoader, per CPU second", ratio, "ratio")
-                 for key, ratio in case["cpu"]["ratios"].items()]
+        rows += [
+            row(f"{case['label']}: {_name(key)} / DataLoader", ratio, "ratio") for key, ratio in case["ratios"].items()
+        ]
+        rows += [
+            row(f"{case['label']}: {_name(key)} / DataLoader, per CPU second", ratio, "ratio")
+            for key, ratio in case["cpu"]["ratios"].items()
+        ]
     return rows
 
 
@@ -193,14 +230,23 @@ def _exactly_once(pc: PeersConfig) -> dict:
     peers, not_run = load_all()
     for key, error in not_run.items():
         say("peers", f"{_name(key)} not run: {error}")
-    section = {"versions": versions(), "saves": {key: peer.saves for key, peer in peers.items()},
-               "not_run": not_run, "n": pc.n, "global_batch": GLOBAL_BATCH, "stop_updates": pc.stop_updates,
-               "memory_sizes": list(pc.memory_sizes), "exactly_once": {}, "seconds": {}}
+    section = {
+        "versions": versions(),
+        "saves": {key: peer.saves for key, peer in peers.items()},
+        "not_run": not_run,
+        "n": pc.n,
+        "global_batch": GLOBAL_BATCH,
+        "stop_updates": pc.stop_updates,
+        "memory_sizes": list(pc.memory_sizes),
+        "exactly_once": {},
+        "seconds": {},
+    }
     for key, peer in peers.items():
         start = time.perf_counter()
         say("peers", f"exactly-once: {_name(key)}")
-        section["exactly_once"][key] = exactly_once(peer, _system(key).module, pc.n, pc.stop_updates, pc.faults,
-                                                    pc.launch_timeout_s)
+        section["exactly_once"][key] = exactly_once(
+            peer, _system(key).module, pc.n, pc.stop_updates, pc.faults, pc.launch_timeout_s
+        )
         section["seconds"][f"exactly_once {key}"] = time.perf_counter() - start
     return section
 

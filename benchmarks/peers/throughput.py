@@ -41,17 +41,20 @@ def _shards(key: str, peer: Peer, store: Store, kind: str, workers: int, pc: Pee
     return lambda n: peer.loader(n, store.data(key, peer, n, kind), pc.batch, workers, kind)
 
 
-def _case(pc: PeersConfig, peers: dict[str, Peer], store: Store, kind: str, workers: int, reps: int,
-          warmup: int) -> dict:
+def _case(
+    pc: PeersConfig, peers: dict[str, Peer], store: Store, kind: str, workers: int, reps: int, warmup: int
+) -> dict:
     probe = pc.batch * 16 * max(1, workers)
-    makers = {BASELINE: lambda n: DataLoader(dataset(kind, n), batch_size=pc.batch, shuffle=True,
-                                             num_workers=workers)}
+    makers = {BASELINE: lambda n: DataLoader(dataset(kind, n), batch_size=pc.batch, shuffle=True, num_workers=workers)}
     makers.update({key: _shards(key, peer, store, kind, workers, pc) for key, peer in peers.items()})
     candidates, sizes, errors = {}, {}, {}
     for name, make in makers.items():
         try:
-            sizes[name] = (_size(make, workers, name, pc.run_s, probe, cap=2**62) if name == BASELINE
-                           else _size(make, workers, name, SLOW * pc.run_s, probe, cap=sizes[BASELINE]))
+            sizes[name] = (
+                _size(make, workers, name, pc.run_s, probe, cap=2**62)
+                if name == BASELINE
+                else _size(make, workers, name, SLOW * pc.run_s, probe, cap=sizes[BASELINE])
+            )
             candidates[name] = partial(_rates, make, sizes[name], workers, name)
             candidates[name]()  # writes its shards at that size, outside the timed rounds
         except Exception as err:  # reported, not raised: the other systems go on
@@ -60,8 +63,16 @@ def _case(pc: PeersConfig, peers: dict[str, Peer], store: Store, kind: str, work
     label = f"{kind}, workers={workers}" + oversubscribed(workers)
     load = os.getloadavg()[0]
     result = compare_each(candidates, BASELINE, reps, warmup, f"peers throughput {label}", RATES)
-    return {"label": label, "kind": kind, "num_workers": workers, "sizes": sizes, "errors": errors,
-            "load_average": [load, os.getloadavg()[0]], **result["wall"], "cpu": result["cpu"]}
+    return {
+        "label": label,
+        "kind": kind,
+        "num_workers": workers,
+        "sizes": sizes,
+        "errors": errors,
+        "load_average": [load, os.getloadavg()[0]],
+        **result["wall"],
+        "cpu": result["cpu"],
+    }
 
 
 def run(pc: PeersConfig, peers: dict[str, Peer], store: Store, reps: int, warmup: int) -> list[dict]:

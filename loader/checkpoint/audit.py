@@ -111,8 +111,10 @@ class EpochTally:
     @property
     def duplicated(self) -> np.ndarray:
         """Consumed more than once: trained twice, filtered twice, or trained and filtered."""
-        return np.union1d(np.union1d(self.delivered[self.times > 1], self.filtered[self.filtered_times > 1]),
-                          np.intersect1d(self.delivered, self.filtered, assume_unique=True))
+        return np.union1d(
+            np.union1d(self.delivered[self.times > 1], self.filtered[self.filtered_times > 1]),
+            np.intersect1d(self.delivered, self.filtered, assume_unique=True),
+        )
 
 
 @dataclass(frozen=True)
@@ -139,12 +141,21 @@ class EpochAudit:
     @property
     def not_yet_seen(self) -> int:
         """Samples of an unfinished epoch that no counted step delivered yet (of a finished one: the skipped)."""
-        return (self.expected - self.seen_once - len(self.duplicated) - self.dropped - len(self.failed)
-                - len(self.requested) + len(self.served_anyway) - len(self.filtered))
+        return (
+            self.expected
+            - self.seen_once
+            - len(self.duplicated)
+            - self.dropped
+            - len(self.failed)
+            - len(self.requested)
+            + len(self.served_anyway)
+            - len(self.filtered)
+        )
 
 
-def _by_group(grouping: Grouping, epoch: int, num_samples: int, once: np.ndarray, skipped: Unseen,
-              **offending: np.ndarray) -> tuple[GroupAudit, ...]:
+def _by_group(
+    grouping: Grouping, epoch: int, num_samples: int, once: np.ndarray, skipped: Unseen, **offending: np.ndarray
+) -> tuple[GroupAudit, ...]:
     """Each group's expected count (all indices, in chunks), and its share of those seen once and the offending."""
     size, of = len(grouping.names), by_epoch(grouping.of)
 
@@ -195,36 +206,57 @@ def audit(run_dir, grouping: Grouping | None = None) -> list[EpochAudit]:
     return audit_records([r for r in run.records if r.counted], run.dropped, run.num_samples, grouping, run.requested)
 
 
-def audit_records(records: list[Record], dropped: dict[int, np.ndarray], num_samples: int,
-                  grouping: Grouping | None = None, requested: dict[int, np.ndarray] | None = None) -> list[EpochAudit]:
+def audit_records(
+    records: list[Record],
+    dropped: dict[int, np.ndarray],
+    num_samples: int,
+    grouping: Grouping | None = None,
+    requested: dict[int, np.ndarray] | None = None,
+) -> list[EpochAudit]:
     """The audit of the records that count (`read_ledger`'s), with the indices skipped on request per epoch. An
     epoch is finished when `dropped` lists it, or when nothing of it is left unseen (none can be skipped then)."""
     report, requested = [], requested or {}
     for t in tally(records, set(dropped) | set(requested)):
         asked = np.unique(requested.get(t.epoch, np.zeros(0, np.int64)))
         dropped_here = np.unique(dropped.get(t.epoch, np.zeros(0, np.int64)))
-        unseen = complement(spans_of(np.concatenate((t.delivered, t.failed, asked, dropped_here, t.filtered))),
-                            num_samples)
+        unseen = complement(
+            spans_of(np.concatenate((t.delivered, t.failed, asked, dropped_here, t.filtered))), num_samples
+        )
         finished = t.epoch in dropped or not len(unseen)
         skipped = Unseen(unseen if finished else EMPTY)
         once, duplicated, filtered = t.once, t.duplicated, t.filtered_once
-        groups = () if grouping is None else _by_group(grouping, t.epoch, num_samples, once, skipped,
-                                                       duplicated=duplicated, dropped=dropped_here, failed=t.failed,
-                                                       requested=asked, filtered=filtered)
-        report.append(EpochAudit(
-            epoch=t.epoch,
-            expected=num_samples,
-            finished=finished,
-            seen_once=len(once),
-            skipped=skipped,
-            duplicated=duplicated,
-            dropped=len(dropped_here),
-            failed=t.failed,
-            groups=groups,
-            requested=asked,
-            served_anyway=np.intersect1d(asked, np.union1d(t.delivered, t.filtered), assume_unique=True),
-            filtered=filtered,
-        ))
+        groups = (
+            ()
+            if grouping is None
+            else _by_group(
+                grouping,
+                t.epoch,
+                num_samples,
+                once,
+                skipped,
+                duplicated=duplicated,
+                dropped=dropped_here,
+                failed=t.failed,
+                requested=asked,
+                filtered=filtered,
+            )
+        )
+        report.append(
+            EpochAudit(
+                epoch=t.epoch,
+                expected=num_samples,
+                finished=finished,
+                seen_once=len(once),
+                skipped=skipped,
+                duplicated=duplicated,
+                dropped=len(dropped_here),
+                failed=t.failed,
+                groups=groups,
+                requested=asked,
+                served_anyway=np.intersect1d(asked, np.union1d(t.delivered, t.filtered), assume_unique=True),
+                filtered=filtered,
+            )
+        )
     return report
 
 
@@ -266,8 +298,13 @@ class FilteredDocuments(Protocol):
     def describe_document(self, start: int) -> str: ...
 
 
-def main(run_dir: str, limit: int = 20, describe: Callable[..., str] = str, grouping: Grouping | None = None,
-         documents: FilteredDocuments | None = None) -> int:
+def main(
+    run_dir: str,
+    limit: int = 20,
+    describe: Callable[..., str] = str,
+    grouping: Grouping | None = None,
+    documents: FilteredDocuments | None = None,
+) -> int:
     """Print the audit; `describe` names a sample (e.g. by its shard and key; with an `epoch` parameter, as the
     sample was in that epoch, e.g. a packed row: see `by_epoch`), `grouping` adds a row per group (e.g.
     per source of a mixture) under each epoch's, `documents` (a `PackedSource` with keep=) lists per epoch the
@@ -283,16 +320,22 @@ def main(run_dir: str, limit: int = 20, describe: Callable[..., str] = str, grou
     name = by_epoch(describe)
     for note in () if grouping is None else grouping.notes:
         print(note)
-    print(f"{'epoch':>5} {'state':>11} {'expected':>9} {'seen once':>10} {'skipped':>8} {'duplicated':>11} "
-          f"{'dropped by policy':>18} {'failed to load':>15} {'skipped on request':>19} {'filtered by policy':>19}")
+    print(
+        f"{'epoch':>5} {'state':>11} {'expected':>9} {'seen once':>10} {'skipped':>8} {'duplicated':>11} "
+        f"{'dropped by policy':>18} {'failed to load':>15} {'skipped on request':>19} {'filtered by policy':>19}"
+    )
     for e in report:
         skipped = str(len(e.skipped)) if e.finished else "-"
-        print(f"{e.epoch:>5} {'finished' if e.finished else 'in progress':>11} {e.expected:>9} {e.seen_once:>10} "
-              f"{skipped:>8} {len(e.duplicated):>11} {e.dropped:>18} {len(e.failed):>15} {len(e.requested):>19} "
-              f"{len(e.filtered):>19}")
+        print(
+            f"{e.epoch:>5} {'finished' if e.finished else 'in progress':>11} {e.expected:>9} {e.seen_once:>10} "
+            f"{skipped:>8} {len(e.duplicated):>11} {e.dropped:>18} {len(e.failed):>15} {len(e.requested):>19} "
+            f"{len(e.filtered):>19}"
+        )
         for g in e.groups:
-            print(f"{'':>5} {g.name:>11} {g.expected:>9} {g.seen_once:>10} {g.skipped if e.finished else '-':>8} "
-                  f"{g.duplicated:>11} {g.dropped:>18} {g.failed:>15} {g.requested:>19} {g.filtered:>19}")
+            print(
+                f"{'':>5} {g.name:>11} {g.expected:>9} {g.seen_once:>10} {g.skipped if e.finished else '-':>8} "
+                f"{g.duplicated:>11} {g.dropped:>18} {g.failed:>15} {g.requested:>19} {g.filtered:>19}"
+            )
         if len(e.skipped):
             print(f"      skipped indices: {_listed(e.skipped, limit, name, e.epoch)}")
         if len(e.duplicated):
@@ -315,8 +358,10 @@ def main(run_dir: str, limit: int = 20, describe: Callable[..., str] = str, grou
         return FAILED
     unfinished = [e for e in report if not e.finished]
     for e in unfinished:
-        print(f"audit: epoch {e.epoch} unfinished: {e.seen_once} of {e.expected} samples seen once so far, "
-              f"{e.not_yet_seen} not yet seen, none duplicated (the job stopped mid-epoch, or is still running)")
+        print(
+            f"audit: epoch {e.epoch} unfinished: {e.seen_once} of {e.expected} samples seen once so far, "
+            f"{e.not_yet_seen} not yet seen, none duplicated (the job stopped mid-epoch, or is still running)"
+        )
     if unfinished:
         return UNFINISHED
     failed, requested = sum(len(e.failed) for e in report), sum(len(e.requested) for e in report)
@@ -331,6 +376,8 @@ def main(run_dir: str, limit: int = 20, describe: Callable[..., str] = str, grou
         print(f"audit: {filtered} sample(s) filtered by policy (the loader's filter=), not trained")
     if documents is not None and report:
         count = sum(len(documents.filtered_documents(e.epoch)) for e in report)
-        print(f"audit: {count} document(s) filtered by policy before packing (keep=, over {len(report)} "
-              f"epoch(s)), not trained")
+        print(
+            f"audit: {count} document(s) filtered by policy before packing (keep=, over {len(report)} "
+            f"epoch(s)), not trained"
+        )
     return EXACTLY_ONCE

@@ -114,8 +114,9 @@ class Ledger:
         self._write(-1, np.asarray([*key, committed]), VERDICT, step + 1)
         self._file.flush()
 
-    def record(self, epoch: int, indices: np.ndarray, update_complete: bool,
-               filtered: np.ndarray | None = None) -> None:
+    def record(
+        self, epoch: int, indices: np.ndarray, update_complete: bool, filtered: np.ndarray | None = None
+    ) -> None:
         """One delivered batch, its trained `indices` and those its loader's filter dropped (`filtered`, recorded
         first, for the same step: the audit lists them as filtered by policy); flushed at each completed update so a
         crash loses only the replayed tail."""
@@ -273,8 +274,10 @@ def _read_meta(path: Path) -> Generation:
     try:
         meta = json.loads(file.read_bytes())
     except (OSError, ValueError) as err:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
-        raise LedgerError(f"{file}: unreadable ({err}); a launch that died while opening its ledger leaves this: "
-                          f"remove {path} if it holds no rank-*.bin") from None
+        raise LedgerError(
+            f"{file}: unreadable ({err}); a launch that died while opening its ledger leaves this: "
+            f"remove {path} if it holds no rank-*.bin"
+        ) from None
     if not isinstance(meta, dict):
         raise LedgerError(f"{file}: holds a JSON {type(meta).__name__}, not an object with the fields {list(_META)}")
     for field, least in _META.items():
@@ -292,8 +295,9 @@ def _rank_files(path: Path) -> list[tuple[Path, int]]:
     for file in sorted(path.glob("rank-*.bin")):
         match = _RANK_FILE.fullmatch(file.name)
         if match is None:
-            raise LedgerError(f"{file}: not a rank file's name (rank-NNNNN.bin, the rank in decimal): move it out of "
-                              f"the ledger")
+            raise LedgerError(
+                f"{file}: not a rank file's name (rank-NNNNN.bin, the rank in decimal): move it out of the ledger"
+            )
         found.append((file, int(match[1])))
     return found
 
@@ -337,11 +341,16 @@ def _read_file(path: Path, num_samples: int, where: str) -> list[tuple[int, int,
     indexed = [ids[1:] if flags & END else ids for _, _, ids, flags in records if not flags & (ATTEMPT | VERDICT)]
     every = np.concatenate(indexed + [np.zeros(0, np.int64)])
     if len(every) and (every.min() < 0 or every.max() >= num_samples):
-        step, epoch, ids, _ = next(r for r in records if not r[3] & (ATTEMPT | VERDICT) and len(r[2]) and
-                                   (r[2].min() < 0 or r[2].max() >= num_samples))
+        step, epoch, ids, _ = next(
+            r
+            for r in records
+            if not r[3] & (ATTEMPT | VERDICT) and len(r[2]) and (r[2].min() < 0 or r[2].max() >= num_samples)
+        )
         bad = ids[(ids < 0) | (ids >= num_samples)][0]
-        raise LedgerError(f"{path}: a record of step {step}, epoch {epoch} holds index {bad}, outside [0, "
-                          f"{num_samples}) ({where}): the file is damaged, or the run's meta.json is another run's")
+        raise LedgerError(
+            f"{path}: a record of step {step}, epoch {epoch} holds index {bad}, outside [0, "
+            f"{num_samples}) ({where}): the file is damaged, or the run's meta.json is another run's"
+        )
     return records
 
 
@@ -351,13 +360,15 @@ def _load_indices(path: Path, num_samples: int, where: str) -> np.ndarray:
     try:
         with open(path, "rb") as f:
             version = np.lib.format.read_magic(f)
-            read_header = np.lib.format.read_array_header_1_0 if version == (1, 0) else \
-                np.lib.format.read_array_header_2_0
+            read_header = (
+                np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+            )
             shape, _, dtype = read_header(f)
             room = os.fstat(f.fileno()).st_size - f.tell()
         if dtype.kind not in "iu" or len(shape) != 1 or shape[0] * dtype.itemsize > room:
-            raise ValueError(f"holds an array of {dtype} and shape {shape}, not a 1-d integer array of what the file "
-                             f"holds")
+            raise ValueError(
+                f"holds an array of {dtype} and shape {shape}, not a 1-d integer array of what the file holds"
+            )
         values = np.load(path).astype(np.int64)
     except (OSError, ValueError, EOFError) as err:
         raise LedgerError(f"{path}: unreadable ({err}); the file is damaged") from None
@@ -409,16 +420,27 @@ def read_run(run_dir) -> RunLedger:
             for step, epoch, ids, flags in raw:
                 counted = step <= min(cutoff, completed)
                 if not flags & END:
-                    records.append(Record(generation.number, rank_number, step, epoch, ids, bool(flags & COMPLETE),
-                                          bool(flags & FAILED), counted, bool(flags & FILTERED)))
+                    records.append(
+                        Record(
+                            generation.number,
+                            rank_number,
+                            step,
+                            epoch,
+                            ids,
+                            bool(flags & COMPLETE),
+                            bool(flags & FAILED),
+                            counted,
+                            bool(flags & FILTERED),
+                        )
+                    )
                 elif counted:
                     ends[epoch][rank_number] = ids
         ended.update({e: by_rank[0] for e, by_rank in ends.items() if ranks <= by_rank.keys()})
     records += _attempt_records([(g, p) for g, p in zip(generations, paths) if g.attempts], n, where)
-    dropped = {**_read_epochs(run_dir, "dropped", n, where), **{e: ids[1:1 + ids[0]] for e, ids in ended.items()}}
+    dropped = {**_read_epochs(run_dir, "dropped", n, where), **{e: ids[1 : 1 + ids[0]] for e, ids in ended.items()}}
     requested = _read_epochs(run_dir, "skipped", n, where)
     for e, ids in ended.items():
-        requested[e] = np.union1d(requested.get(e, np.zeros(0, np.int64)), ids[1 + ids[0]:])
+        requested[e] = np.union1d(requested.get(e, np.zeros(0, np.int64)), ids[1 + ids[0] :])
     return RunLedger(generations, records, dropped, requested, n)
 
 
@@ -443,9 +465,20 @@ def _attempt_records(generations: list[tuple[Generation, Path]], num_samples: in
                     committed[step] = max(committed.get(step, ()), tuple(payload[:-1].tolist()))
             elif not flags & END:
                 tried.append((generation.number, step, epoch, payload, flags, key))
-    return [Record(number, 0, step, epoch, ids, bool(flags & COMPLETE), bool(flags & FAILED),
-                   key is not None and committed.get(step) == key, bool(flags & FILTERED))
-            for number, step, epoch, ids, flags, key in tried]
+    return [
+        Record(
+            number,
+            0,
+            step,
+            epoch,
+            ids,
+            bool(flags & COMPLETE),
+            bool(flags & FAILED),
+            key is not None and committed.get(step) == key,
+            bool(flags & FILTERED),
+        )
+        for number, step, epoch, ids, flags, key in tried
+    ]
 
 
 def read_ledger(run_dir) -> tuple[list[Record], dict[int, np.ndarray], int]:

@@ -93,8 +93,9 @@ def _counts(value: bytes, token: tuple[int, str, int], fields: int) -> list[int]
 
 def _read(store, keys: list[str]) -> list[bytes]:
     """The values of the keys, b"" for a key not set yet (a plain get would wait for it)."""
-    return store.multi_get(keys) if store.check(keys) else [store.get(key) if store.check([key]) else b""
-                                                            for key in keys]
+    return (
+        store.multi_get(keys) if store.check(keys) else [store.get(key) if store.check([key]) else b"" for key in keys]
+    )
 
 
 def _store():
@@ -209,8 +210,11 @@ class LockstepWatch:
         except (RuntimeError, _Stalled) as error:  # torch.distributed's store errors are RuntimeErrors
             self._off = True
             cause = str(error) if isinstance(error, _Stalled) else f"the process group's store failed ({error!r})"
-            warnings.warn(f"the lockstep check is off for this loader: {cause}; a state taken out of lockstep will "
-                          f"not be marked", LockstepWarning, stacklevel=5)
+            warnings.warn(
+                f"the lockstep check is off for this loader: {cause}; a state taken out of lockstep will not be marked",
+                LockstepWarning,
+                stacklevel=5,
+            )
             return None
 
     def _token(self, progress_id: tuple[int, str]) -> tuple[int, str, int]:
@@ -237,8 +241,10 @@ class LockstepWatch:
             self._found = self._compare([0], token, stepped=False)
             store = self._store()
             if self._found is not None and store is not None:  # left for rank 0, as rank 0 would have found it
-                key, found = self._key("found"), ":".join(map(str, (*token[:2], rank, self._updates,
-                                                                     self._found["updates"])))
+                key, found = (
+                    self._key("found"),
+                    ":".join(map(str, (*token[:2], rank, self._updates, self._found["updates"]))),
+                )
                 self._ask(lambda: store.set(key, found))
 
     def _key(self, rank: int | str) -> str:

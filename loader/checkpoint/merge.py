@@ -31,9 +31,12 @@ def _described(first: dict, other: dict, fields: list[str], most: int = 3) -> st
     hold megabytes in a field)."""
     plain = (int, str, bool, type(None))
     names = [str(key)[:40] for key in fields[:most]]
-    shown = [f"{name} {short(first.get(key))} vs {short(other.get(key))}"
-             if isinstance(first.get(key), plain) and isinstance(other.get(key), plain) else name
-             for name, key in zip(names, fields)]
+    shown = [
+        f"{name} {short(first.get(key))} vs {short(other.get(key))}"
+        if isinstance(first.get(key), plain) and isinstance(other.get(key), plain)
+        else name
+        for name, key in zip(names, fields)
+    ]
     return ", ".join(shown + ([f"{len(fields) - most} more"] if len(fields) > most else []))
 
 

@@ -41,8 +41,10 @@ def _metadata_types() -> dict[tuple[str, str], Any]:
 
     for module in (dcp_metadata, dcp_filesystem, dcp_planner):
         for obj in vars(module).values():
-            if isinstance(obj, type) and obj.__module__ == module.__name__ and (
-                dataclasses.is_dataclass(obj) or issubclass(obj, enum.Enum)
+            if (
+                isinstance(obj, type)
+                and obj.__module__ == module.__name__
+                and (dataclasses.is_dataclass(obj) or issubclass(obj, enum.Enum))
             ):
                 add(obj)
     for path in (pathlib.PurePosixPath, pathlib.PureWindowsPath, pathlib.PosixPath, pathlib.WindowsPath):
@@ -63,7 +65,8 @@ _ALLOWED = _metadata_types()
 # name "torch.<name>" looked up in whichever loaded module imports torch; both are answered from this table, never
 # by importing or reading the module the pickle names.
 _TORCH_VALUES = {
-    name: value for name, value in vars(torch).items()
+    name: value
+    for name, value in vars(torch).items()
     if isinstance(value, (torch.dtype, torch.layout, torch.memory_format))
 }
 
@@ -80,7 +83,7 @@ class _MetadataUnpickler(pickle.Unpickler):
         if found is None and module == "torch":
             found = _TORCH_VALUES.get(name)
         if found is None and name.startswith("torch."):
-            found = _TORCH_VALUES.get(name[len("torch."):])
+            found = _TORCH_VALUES.get(name[len("torch.") :])
         if found is None:
             raise CheckpointError(
                 f"{self.where} names {module}.{name}, which is not one of DCP's metadata types: the loader never "

@@ -143,8 +143,13 @@ def publish(
 
 
 def _after_publication(
-    run_dir: Path, final: Path, step: int, keep_last: int | None, keep_quarantined: int | None,
-    superseded: list[Path], moved: list[_Aside],
+    run_dir: Path,
+    final: Path,
+    step: int,
+    keep_last: int | None,
+    keep_quarantined: int | None,
+    superseded: list[Path],
+    moved: list[_Aside],
 ) -> None:
     """Make the rename durable, set aside the checkpoints it supersedes, tidy up, and tell what became of each
     directory moved aside. The step is published once renamed, so a failure here warns: raising would tell the
@@ -318,8 +323,11 @@ def _set_aside(final: Path, replaced_by: Path | None = None) -> list[_Aside]:
     stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S.%fZ")
     aside = final.with_name(f"{final.name}.quarantine-{stamp}")
     os.rename(final, aside)
-    what = (f"step {int(final.name[5:])} is published again: the earlier {final}" if replaced_by is None else
-            f"the run went back from {final} to an earlier step, now published as {replaced_by.name}: {final.name}")
+    what = (
+        f"step {int(final.name[5:])} is published again: the earlier {final}"
+        if replaced_by is None
+        else f"the run went back from {final} to an earlier step, now published as {replaced_by.name}: {final.name}"
+    )
     return [_Aside(what, intact, problem, aside)]
 
 
@@ -331,15 +339,19 @@ def _tell(moved: list[_Aside], keep_last: int | None, keep_quarantined: int | No
         k = keep_quarantined
         if not entry.path.exists():
             keep_all = ", or keep_last=None to keep every intact checkpoint" if entry.intact else ""
-            done = (f"was moved aside and deleted: keep_quarantined={k} keeps only the newest {k} directories moved "
-                    f"aside (pass keep_quarantined=None to keep them all{keep_all})")
+            done = (
+                f"was moved aside and deleted: keep_quarantined={k} keeps only the newest {k} directories moved "
+                f"aside (pass keep_quarantined=None to keep them all{keep_all})"
+            )
         elif k is None or entry.intact and keep_last is None:
             done = f"was moved aside to {entry.path}, which is never loaded, nor deleted; inspect it, then delete it"
         else:
             counted = " broken" if keep_last is None else ""
-            done = (f"was moved aside to {entry.path}, which is never loaded; inspect it, then delete it (a later "
-                    f"save deletes it once it is not among the newest {k}{counted} directories moved aside: "
-                    f"keep_quarantined={k})")
+            done = (
+                f"was moved aside to {entry.path}, which is never loaded; inspect it, then delete it (a later "
+                f"save deletes it once it is not among the newest {k}{counted} directories moved aside: "
+                f"keep_quarantined={k})"
+            )
         warnings.warn(f"{entry.what} ({state}) {done}", CheckpointWarning, stacklevel=4)
 
 

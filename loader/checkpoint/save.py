@@ -225,8 +225,10 @@ def recorded_plan(extra: dict, loader, where: str):
     if recorded is None:
         return None
     if not callable(check):
-        raise StateError(f"{where}: the run changed a Mixture's weights online, but this loader's dataset is a "
-                         f"{type(loader.dataset).__name__}: resume it with the Mixture it trained")
+        raise StateError(
+            f"{where}: the run changed a Mixture's weights online, but this loader's dataset is a "
+            f"{type(loader.dataset).__name__}: resume it with the Mixture it trained"
+        )
     try:
         return check(recorded)
     except ValueError as err:
@@ -243,7 +245,8 @@ def check_dataset(saved: str | None, loader, where: str, plan=None) -> None:
         explain = getattr(loader.dataset, "explain_fingerprint", None)
         changed = (explain(saved) if callable(explain) else None) or (
             "the source's shards (names, sample counts or sample keys), token files (names, sizes or content) or "
-            "a Mixture's sources, weights or schedule changed")
+            "a Mixture's sources, weights or schedule changed"
+        )
         raise StateError(
             f"{where}: dataset fingerprint is {saved!r} in the checkpoint but {current!r} here: {changed}; resume "
             f"with the dataset of the saved run, or change a Mixture's schedule explicitly (amends=, change_at=)"
@@ -263,7 +266,10 @@ def check_change(saved: str | None, loader, progress: dict) -> None:
             f"the checkpoint holds the dataset fingerprint of an earlier release ({saved}), which covered the token "
             f"files' names and token counts but not their content or that of document offsets files: resumed as "
             f"that release would have, without checking that the files are unchanged since; the next checkpoint "
-            f"saved records them (fingerprint {dataset_fingerprint(loader)})", CheckpointWarning, stacklevel=3)
+            f"saved records them (fingerprint {dataset_fingerprint(loader)})",
+            CheckpointWarning,
+            stacklevel=3,
+        )
 
 
 # What a failed save or load raises: DCP's CheckpointException is a BaseException, which `except Exception` misses.
@@ -382,8 +388,9 @@ def save_checkpoint(
             "save_checkpoint: no step= given, and the loader does not know its step (its progress was set by "
             "load_state_dict(), not resume()): pass step=, or set loader.step to the step that progress was saved at"
         )
-    check_arguments(0 if step is None else step, keep_last, {} if manifest_extra is None else manifest_extra,
-                    keep_quarantined)
+    check_arguments(
+        0 if step is None else step, keep_last, {} if manifest_extra is None else manifest_extra, keep_quarantined
+    )
     model_sd, optim_sd = get_state_dict(model, optimizer)
     extras = {
         "scheduler": None if scheduler is None else scheduler.state_dict(),

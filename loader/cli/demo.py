@@ -100,8 +100,12 @@ class Agent:
         self.name = name
         print(f"  {name}: {command_line(args)}", flush=True)
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "torch.distributed.run", *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-            text=True, env=_environment(), start_new_session=True,
+            [sys.executable, "-m", "torch.distributed.run", *args],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=_environment(),
+            start_new_session=True,
         )
         threading.Thread(target=self._read, args=(lines,), daemon=True).start()
 
@@ -124,9 +128,20 @@ class Agent:
 
 
 def _torchrun_args(nproc: int, endpoint: str, job_id: str, run_dir: Path, extra: list[str], example: Path) -> list[str]:
-    return ["--nnodes=1:2", f"--nproc-per-node={nproc}", "--max-restarts=3", "--rdzv-backend=c10d",
-            f"--rdzv-endpoint={endpoint}", f"--rdzv-id={job_id}", f"--rdzv-conf=is_host=0,{RDZV}",
-            str(example), "--run-dir", str(run_dir), *JOB, *extra]
+    return [
+        "--nnodes=1:2",
+        f"--nproc-per-node={nproc}",
+        "--max-restarts=3",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint={endpoint}",
+        f"--rdzv-id={job_id}",
+        f"--rdzv-conf=is_host=0,{RDZV}",
+        str(example),
+        "--run-dir",
+        str(run_dir),
+        *JOB,
+        *extra,
+    ]
 
 
 NODE_LOSS = ["--fail-at-step", str(FAIL_AT_STEP), "--fail-rank", "3", "--fail-mode", "node"]
@@ -145,12 +160,16 @@ def run_two_nodes(
     every line."""
     port = _free_port()
     store = torch.distributed.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
-    print(f"  the rendezvous store (a standalone torch.distributed.TCPStore, as a cluster runs one): 127.0.0.1:{port}",
-          flush=True)
+    print(
+        f"  the rendezvous store (a standalone torch.distributed.TCPStore, as a cluster runs one): 127.0.0.1:{port}",
+        flush=True,
+    )
     lines: queue.Queue = queue.Queue()
     endpoint, job_id = f"127.0.0.1:{port}", f"demo-{uuid.uuid4().hex[:8]}"
-    agents = [Agent("node A", _torchrun_args(3, endpoint, job_id, run_dir, [*extra], example), lines),
-              Agent("node B", _torchrun_args(1, endpoint, job_id, run_dir, [*fault, *extra], example), lines)]
+    agents = [
+        Agent("node A", _torchrun_args(3, endpoint, job_id, run_dir, [*extra], example), lines),
+        Agent("node B", _torchrun_args(1, endpoint, job_id, run_dir, [*fault, *extra], example), lines),
+    ]
     seen, deadline, progress = [], time.monotonic() + timeout, ProgressLine()
     try:
         while agents[0].process.poll() is None or not lines.empty():
@@ -179,7 +198,7 @@ def _failure_excerpt(seen: list[Line], cause_lines: int = 25, tail_lines: int = 
     then the agents' last lines."""
     lines = [f"{name}: {line}" for _, name, line in seen]
     first = next((i for i, line in enumerate(lines) if "Traceback (most recent call last)" in line), None)
-    cause = lines[first:first + cause_lines] + ["..."] if first is not None else []
+    cause = lines[first : first + cause_lines] + ["..."] if first is not None else []
     return "\n".join(cause + lines[-tail_lines:])
 
 
@@ -216,8 +235,13 @@ def reference_run(run_dir: Path, timeout: float, example: Path = EXAMPLE) -> Non
     """The demo's job (`example`) without a fault, on 3 workers: the final model to compare with."""
     args = ["--standalone", "--nproc-per-node=3", str(example), "--run-dir", str(run_dir), *JOB]
     print(f"  {command_line(args)}", flush=True)
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", *args], capture_output=True, text=True,
-                          env=_environment(), timeout=timeout)
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", *args],
+        capture_output=True,
+        text=True,
+        env=_environment(),
+        timeout=timeout,
+    )
     if done.returncode != 0:
         raise RuntimeError(f"the reference run failed:\n{done.stdout[-3000:]}{done.stderr[-3000:]}")
 
@@ -240,8 +264,12 @@ def measure_restart(lines: list[Line], started: float) -> dict:
     }
     noticed = (t for t, node, line in lines if t >= killed and node == "node A" and "FAILED during" in line)
     detected = next(noticed, killed)
-    measured = {"detect_s": detected - killed, "launch_s": resumed_at - detected - float(load), "load_s": float(load),
-                "replay_s": caught_up - resumed_at}
+    measured = {
+        "detect_s": detected - killed,
+        "launch_s": resumed_at - detected - float(load),
+        "load_s": float(load),
+        "replay_s": caught_up - resumed_at,
+    }
     return {
         "s_done": s_done,
         "s_ckpt": int(s_ckpt),
@@ -255,11 +283,15 @@ def measure_restart(lines: list[Line], started: float) -> dict:
 def print_restart(m: dict) -> None:
     plan, measured = m["plan_inputs"], m["measured"]
     print(f"\nrestart budget ({m['s_done']} steps done, checkpoint at step {m['s_ckpt']}):")
-    print(f"  plan     {m['plan_s']:5.1f} s = {m['s_done'] - m['s_ckpt']} x {plan['t_step_s']:.3f} s per step + "
-          f"{plan['t_launch_s']:.1f} s launch (the first one) + {plan['t_load_s']:.2f} s load (the last save's time)")
-    print(f"  measured {m['measured_s']:5.1f} s = replay {measured['replay_s']:.2f} s + launch "
-          f"{measured['launch_s']:.1f} s + load {measured['load_s']:.2f} s + detection {measured['detect_s']:.1f} s "
-          f"(the plan has none: a lost peer is noticed at once, a hung one at the group's timeout)")
+    print(
+        f"  plan     {m['plan_s']:5.1f} s = {m['s_done'] - m['s_ckpt']} x {plan['t_step_s']:.3f} s per step + "
+        f"{plan['t_launch_s']:.1f} s launch (the first one) + {plan['t_load_s']:.2f} s load (the last save's time)"
+    )
+    print(
+        f"  measured {m['measured_s']:5.1f} s = replay {measured['replay_s']:.2f} s + launch "
+        f"{measured['launch_s']:.1f} s + load {measured['load_s']:.2f} s + detection {measured['detect_s']:.1f} s "
+        f"(the plan has none: a lost peer is noticed at once, a hung one at the group's timeout)"
+    )
 
 
 def run_elastic_restart(run_dir: Path, timeout: float = 150, example: Path = EXAMPLE) -> dict:
@@ -292,24 +324,32 @@ def main(lm: bool = False, directory: str | None = None) -> int:
     if run.exists() or reference.exists():
         raise SystemExit(f"demo: {top} holds an earlier demo's run/ or reference/: name a new directory")
     data = "packed rows of two token corpora mixed by a schedule (to 70/30), 480 rows" if lm else "480 samples"
-    print(f"demo: one elastic job ({example.name}), 2 nodes (3 + 1 workers), {data}, global batch 24; node B dies "
-          f"during step {FAIL_AT_STEP + 1}\nrun directory: {top} (kept after the demo: {_removal(top)})\n"
-          f"commands:")
+    print(
+        f"demo: one elastic job ({example.name}), 2 nodes (3 + 1 workers), {data}, global batch 24; node B dies "
+        f"during step {FAIL_AT_STEP + 1}\nrun directory: {top} (kept after the demo: {_removal(top)})\n"
+        f"commands:"
+    )
     started = time.monotonic()
     restart = run_elastic_restart(run, example=example)
-    print(f"  elastic job finished in {time.monotonic() - started:.0f} s; auditing the ledger:\n"
-          f"  {_audit_command(run, lm)}\n")
+    print(
+        f"  elastic job finished in {time.monotonic() - started:.0f} s; auditing the ledger:\n"
+        f"  {_audit_command(run, lm)}\n"
+    )
     status = _audit(run, lm)
     print("\nuninterrupted reference run (3 workers) ...", flush=True)
     reference_run(reference, timeout=120, example=example)
     ours, theirs = torch.load(run / "final-model.pt"), torch.load(reference / "final-model.pt")
     drift = max((ours[k] - theirs[k]).abs().max().item() for k in theirs)
     same = all(torch.allclose(ours[k], theirs[k], rtol=1e-5, atol=1e-6) for k in theirs)
-    print(f"max parameter difference to the uninterrupted run: {drift:.2e} ({'equal' if same else 'DIFFERENT'} "
-          f"within rtol 1e-5)")
+    print(
+        f"max parameter difference to the uninterrupted run: {drift:.2e} ({'equal' if same else 'DIFFERENT'} "
+        f"within rtol 1e-5)"
+    )
     print_restart(restart)
-    print(f"\nthe run's checkpoints, ledger and final models stay in {top}; audit it again with\n"
-          f"  {_audit_command(run, lm)}\nand remove it when done with\n  {_removal(top)}")
+    print(
+        f"\nthe run's checkpoints, ledger and final models stay in {top}; audit it again with\n"
+        f"  {_audit_command(run, lm)}\nand remove it when done with\n  {_removal(top)}"
+    )
     return 0 if status == 0 and same else 1
 
 

@@ -42,12 +42,16 @@ def describe(path: Path, mixture: str | None = None) -> list[str]:
     manifest = verify(checkpoint)  # every byte against its sha256
     extra = dict(manifest.extra)
     if extra.get("checkpoint_format") != CHECKPOINT_FORMAT:
-        raise CheckpointError(f"{checkpoint / MANIFEST_NAME}: extra.checkpoint_format is "
-                              f"{extra.get('checkpoint_format')!r}, this release reads {CHECKPOINT_FORMAT}")
+        raise CheckpointError(
+            f"{checkpoint / MANIFEST_NAME}: extra.checkpoint_format is "
+            f"{extra.get('checkpoint_format')!r}, this release reads {CHECKPOINT_FORMAT}"
+        )
     files = ", ".join(f"{name} ({entry.size:,} B)" for name, entry in sorted(manifest.files.items()))
     epoch = "" if extra.get("epoch") is None else f"epoch {extra['epoch']}, "  # a stream's: per rank, below
-    lines += [f"  step {manifest.step}, {epoch}world size {extra.get('world_size')}, saved {manifest.created}",
-              f"  files verified (size and sha256): {files}; {MANIFEST_NAME} by its own sha256"]
+    lines += [
+        f"  step {manifest.step}, {epoch}world size {extra.get('world_size')}, saved {manifest.created}",
+        f"  files verified (size and sha256): {files}; {MANIFEST_NAME} by its own sha256",
+    ]
     progress = read_progress(checkpoint)
     where = f"checkpoint {checkpoint}: the loader progress"
     kind = progress.get("kind") if isinstance(progress, dict) else None
@@ -76,8 +80,9 @@ def _checkpoint(path: Path) -> tuple[Path, list[str]]:
         found = latest(path)
     reasons = [f"  {w.message}" for w in skipped if issubclass(w.category, CheckpointWarning)]
     if found is None:
-        raise CheckpointError("\n".join([f"{path}: no checkpoint (step-NNNNNNNNN/ with a {MANIFEST_NAME}) that "
-                                         f"verifies", *reasons]))
+        raise CheckpointError(
+            "\n".join([f"{path}: no checkpoint (step-NNNNNNNNN/ with a {MANIFEST_NAME}) that verifies", *reasons])
+        )
     return found, [f"run {path}: newest checkpoint that verifies {found.name}", *reasons]
 
 
@@ -85,18 +90,22 @@ def _map_style(progress: Progress) -> list[str]:
     n, fingerprint, epoch = progress.num_samples, progress.fingerprint, progress.cursor_epoch
     committed = n if progress.end_of_epoch is not None else total(progress.committed_in(epoch))
     skipped = total(progress.skipped[epoch]) if epoch in progress.skipped else 0
-    lines = [f"progress: epoch {epoch} of {n:,} samples (seed {fingerprint.get('seed')}, shuffle "
-             f"{fingerprint.get('shuffle')}): {committed:,} committed ({skipped:,} of them skipped on request), "
-             f"{n - committed:,} remaining" + (", every rank at the epoch's end" if progress.end_of_epoch is not None
-                                               else "")]
+    lines = [
+        f"progress: epoch {epoch} of {n:,} samples (seed {fingerprint.get('seed')}, shuffle "
+        f"{fingerprint.get('shuffle')}): {committed:,} committed ({skipped:,} of them skipped on request), "
+        f"{n - committed:,} remaining"
+        + (", every rank at the epoch's end" if progress.end_of_epoch is not None else "")
+    ]
     ahead = [f"epoch {e}: {total(spans):,}" for e, spans in sorted(progress.committed.items()) if e > epoch]
     if ahead:
         lines.append(f"  committed in later epochs (ranks ahead): {', '.join(ahead)}")
     for e, dropped in progress.finished:
         lines.append(f"  epoch {e} finished, {total(dropped):,} dropped by the tail rule")
     if progress.schedule is not None:
-        lines.append(f"  batch-size ramp (first step, global batch): {[list(p) for p in progress.schedule]}, "
-                     f"step {progress.step}")
+        lines.append(
+            f"  batch-size ramp (first step, global batch): {[list(p) for p in progress.schedule]}, "
+            f"step {progress.step}"
+        )
     return lines
 
 
@@ -105,15 +114,20 @@ def _streams(state: dict, where: str) -> list[str]:
         ranks = rank_streams(state)
     except StateError as err:
         raise StateError(f"{where}: {err}") from None
-    return [f"progress: a stream over {len(ranks)} ranks: " + "; ".join(
-        f"rank {r.rank} epoch {r.epoch}, {r.batches:,} batches{', exhausted' if r.exhausted else ''}"
-        for r in ranks)]
+    return [
+        f"progress: a stream over {len(ranks)} ranks: "
+        + "; ".join(
+            f"rank {r.rank} epoch {r.epoch}, {r.batches:,} batches{', exhausted' if r.exhausted else ''}" for r in ranks
+        )
+    ]
 
 
 def _plan(plan_file: Path, num_samples: int | None) -> list[str]:
     plan = read_plan(plan_file)
     if num_samples is not None and plan.num_samples != num_samples:
-        raise ValueError(f"{plan_file}: num_samples is {plan.num_samples:,}, the checkpoint's progress has "
-                         f"{num_samples:,}: not this run's mixture plan")
+        raise ValueError(
+            f"{plan_file}: num_samples is {plan.num_samples:,}, the checkpoint's progress has "
+            f"{num_samples:,}: not this run's mixture plan"
+        )
     sources = ", ".join(f"{name} ({length:,} samples)" for name, length in zip(plan.names, plan.lengths))
     return [f"mixture plan {plan_file}: {sources}", f"  {plan.describe()}"]

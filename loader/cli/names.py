@@ -56,9 +56,15 @@ def by_source(plan_path: str) -> tuple[audit.Grouping, Callable[..., str]]:
     online = {window: step for step, window in plan.requests}
     counts, _ = plan.window_table(np.array(sorted(online), dtype=np.int64))
     shares = {k: "/".join(map(str, row)) for k, row in zip(sorted(online), counts.tolist())}
-    notes = [f"mixture weights changed online at step {step}: from position {k * plan.window} (window {k}"
-             f"{_in_epoch(plan, k)}), {'/'.join(plan.names)} slots per window {shares[k]}"
-             for k, step in sorted(online.items(), key=lambda item: item[1])]
-    notes += [f"mixture schedule changed at position {k * plan.window} (window {k}{_in_epoch(plan, k)}): positions "
-              f"before it follow the plan before the change" for k in plan.changes if k not in online]
+    notes = [
+        f"mixture weights changed online at step {step}: from position {k * plan.window} (window {k}"
+        f"{_in_epoch(plan, k)}), {'/'.join(plan.names)} slots per window {shares[k]}"
+        for k, step in sorted(online.items(), key=lambda item: item[1])
+    ]
+    notes += [
+        f"mixture schedule changed at position {k * plan.window} (window {k}{_in_epoch(plan, k)}): positions "
+        f"before it follow the plan before the change"
+        for k in plan.changes
+        if k not in online
+    ]
     return audit.Grouping(plan.names, plan.source_of, plan.num_samples, notes), describe

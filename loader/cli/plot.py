@@ -21,8 +21,16 @@ from loader.checkpoint.ledger import Generation, Record, read_run
 
 # what an index of an epoch was, by severity: a bin of many indices shows the most severe one it holds
 ONCE, NOT_YET, DROPPED, FILTERED, REQUESTED, FAILED, SKIPPED, DUPLICATED = range(8)
-CATEGORIES = ("seen once", "not yet seen", "dropped by policy", "filtered by policy", "skipped on request",
-              "failed to load", "skipped", "duplicated")
+CATEGORIES = (
+    "seen once",
+    "not yet seen",
+    "dropped by policy",
+    "filtered by policy",
+    "skipped on request",
+    "failed to load",
+    "skipped",
+    "duplicated",
+)
 COLOURS = ("#b8e186", "#eeeeee", "#969696", "#c2a5cf", "#4393c3", "#7b3294", "#ff9d00", "#d7191c")
 MAX_COLUMNS = 800  # bins of a strip: one per index up to this many indices
 MAX_STRIPS = 12  # epochs drawn as strips: the unclean ones first, then the latest
@@ -53,8 +61,9 @@ class Picture:
     categories: dict[int, dict[str, int]] = field(default_factory=dict)
 
 
-def categories_of(t: EpochTally, dropped: np.ndarray | None, requested: np.ndarray, num_samples: int,
-                  columns: int) -> tuple[np.ndarray, np.ndarray]:
+def categories_of(
+    t: EpochTally, dropped: np.ndarray | None, requested: np.ndarray, num_samples: int, columns: int
+) -> tuple[np.ndarray, np.ndarray]:
     """How many indices of the epoch fall in each category (codes above), and its strip: `columns` bins of
     near-equal width, each the most severe category among its indices. From the tally's distinct indices and the
     rest as what none of them covers (O(indices recorded + columns) memory, never O(N)). An index is duplicated
@@ -71,8 +80,14 @@ def categories_of(t: EpochTally, dropped: np.ndarray | None, requested: np.ndarr
     asked = np.setdiff1d(requested, consumed, assume_unique=True)
     lost = empty if dropped is None else np.setdiff1d(np.unique(dropped), consumed)
     lost = np.setdiff1d(lost, asked, assume_unique=True)
-    members = {ONCE: once, DROPPED: lost, FILTERED: filtered, REQUESTED: asked, FAILED: failed,
-               DUPLICATED: t.duplicated}
+    members = {
+        ONCE: once,
+        DROPPED: lost,
+        FILTERED: filtered,
+        REQUESTED: asked,
+        FAILED: failed,
+        DUPLICATED: t.duplicated,
+    }
     accounted = np.concatenate(list(members.values()))
     rest = SKIPPED if dropped is not None else NOT_YET
     counts = np.zeros(len(CATEGORIES), np.int64)
@@ -113,8 +128,9 @@ def _lines(generations: list[Generation], records: list[Record]) -> list[Line]:
 def _marks(lines: list[Line], records: list[Record], report: list[EpochAudit]) -> tuple[list, list]:
     """(step, position) of the failed batches and of the deliveries of duplicated samples among the counted
     `records`."""
-    where = {(line.epoch, int(s)): int(p) for line in lines for s, p, c in
-             zip(line.steps, line.positions, line.counted) if c}
+    where = {
+        (line.epoch, int(s)): int(p) for line in lines for s, p, c in zip(line.steps, line.positions, line.counted) if c
+    }
     duplicated = {e.epoch: e.duplicated for e in report}
     failed_at, duplicated_at = [], []
     for r in records:
@@ -143,8 +159,10 @@ def require_matplotlib() -> None:
     try:
         import matplotlib  # noqa: F401
     except ImportError as err:
-        raise ImportError("audit --plot draws with matplotlib, which is not installed: pip install 'loader[bench]' "
-                          "(or pip install matplotlib)") from err
+        raise ImportError(
+            "audit --plot draws with matplotlib, which is not installed: pip install 'loader[bench]' "
+            "(or pip install matplotlib)"
+        ) from err
 
 
 def _figure(width: float, height: float):
@@ -171,8 +189,12 @@ def plot(run_dir, out) -> Picture:
     strips, categories = {}, {}
     for t in tally(counted, set(dropped) | set(requested)):
         found, strips[t.epoch] = categories_of(
-            t, dropped.get(t.epoch, np.zeros(0, np.int64)) if t.epoch in finished else None,
-            np.unique(requested.get(t.epoch, np.zeros(0, np.int64))), num_samples, min(num_samples, MAX_COLUMNS))
+            t,
+            dropped.get(t.epoch, np.zeros(0, np.int64)) if t.epoch in finished else None,
+            np.unique(requested.get(t.epoch, np.zeros(0, np.int64))),
+            num_samples,
+            min(num_samples, MAX_COLUMNS),
+        )
         categories[t.epoch] = {name: int(n) for name, n in zip(CATEGORIES, found)}
     wrote = defaultdict(set)
     for r in records:
@@ -201,8 +223,15 @@ def _draw(picture: Picture, report: list[EpochAudit], strips: dict, num_samples:
             top.plot(line.steps[tail], line.positions[tail], color=colour, lw=1.2, ls="--", zorder=4)
         if marked:
             top.scatter(line.steps[kept], line.positions[kept], s=14, color=colour, zorder=3)
-            top.scatter(line.steps[replayed], line.positions[replayed], s=46, facecolors="none", edgecolors=colour,
-                        linewidths=1.4, zorder=5)
+            top.scatter(
+                line.steps[replayed],
+                line.positions[replayed],
+                s=46,
+                facecolors="none",
+                edgecolors=colour,
+                linewidths=1.4,
+                zorder=5,
+            )
     ymax = max([int(line.positions.max()) for line in picture.lines] + [num_samples])
     last_step = {g: max(int(line.steps.max()) for line in picture.lines if line.generation == g) for g in colours}
     for i, g in enumerate(picture.launches):
@@ -213,20 +242,35 @@ def _draw(picture: Picture, report: list[EpochAudit], strips: dict, num_samples:
             if last_step.get(earlier, 0) > g.resumed_step:  # the earlier launch's steps this one replays
                 top.axvspan(x, last_step[earlier] + 0.5, color=colours[earlier], alpha=0.08, lw=0)
         ranks = picture.ranks[g.number]
-        top.text(x, ymax * (1.02 + 0.045 * (i % 2)), f" launch {g.number}: {ranks} rank{'s' * (ranks != 1)}",
-                 color=colours[g.number], fontsize=9, va="bottom")
+        top.text(
+            x,
+            ymax * (1.02 + 0.045 * (i % 2)),
+            f" launch {g.number}: {ranks} rank{'s' * (ranks != 1)}",
+            color=colours[g.number],
+            fontsize=9,
+            va="bottom",
+        )
     for epoch in sorted({line.epoch for line in picture.lines})[1:]:
         first = min(int(line.steps.min()) for line in picture.lines if line.epoch == epoch)
         top.axvline(first - 0.5, color="0.6", ls=":", lw=1)
         top.text(first - 0.5, ymax * 0.95, f" epoch {epoch}", color="0.4", fontsize=8, va="top")
-    for points, colour, marker, label in ((picture.failed_at, COLOURS[FAILED], "X", "failed to load"),
-                                          (picture.duplicated_at, COLOURS[DUPLICATED], "D", "delivered a duplicate")):
+    for points, colour, marker, label in (
+        (picture.failed_at, COLOURS[FAILED], "X", "failed to load"),
+        (picture.duplicated_at, COLOURS[DUPLICATED], "D", "delivered a duplicate"),
+    ):
         if points:
             xs, ys = zip(*points)
             top.scatter(xs, ys, marker=marker, s=60, color=colour, zorder=4, label=f"{label} ({len(points):,} steps)")
     if any((~line.counted).any() for line in picture.lines):
-        top.scatter([], [], s=46, facecolors="none", edgecolors="black", linewidths=1.4,
-                    label="replayed by a later launch (not counted)")
+        top.scatter(
+            [],
+            [],
+            s=46,
+            facecolors="none",
+            edgecolors="black",
+            linewidths=1.4,
+            label="replayed by a later launch (not counted)",
+        )
     top.set_ylim(0, ymax * 1.14)
     top.set_xlim(left=min(g.resumed_step for g in picture.launches))
     top.xaxis.set_major_locator(MaxNLocator(integer=True))
@@ -235,30 +279,54 @@ def _draw(picture: Picture, report: list[EpochAudit], strips: dict, num_samples:
     if top.get_legend_handles_labels()[0]:
         top.legend(loc="upper left", bbox_to_anchor=(0, 0.88), fontsize=8, framealpha=0.9)
     top.grid(alpha=0.25)
-    verdict = ("every sample exactly once" if all(e.clean and e.finished for e in report) else
-               "SKIPPED OR DUPLICATED SAMPLES" if not all(e.clean for e in report) else
-               "unfinished, nothing duplicated")
+    verdict = (
+        "every sample exactly once"
+        if all(e.clean and e.finished for e in report)
+        else "SKIPPED OR DUPLICATED SAMPLES"
+        if not all(e.clean for e in report)
+        else "unfinished, nothing duplicated"
+    )
     omitted = f" ({len(report) - len(shown)} clean epochs not drawn)" if len(shown) < len(report) else ""
     top.set_title(f"{Path(run_dir).name}: {len(picture.launches)} launch(es), audit: {verdict}{omitted}", fontsize=11)
 
     image = np.full((len(shown), MAX_COLUMNS if num_samples > MAX_COLUMNS else num_samples), ONCE, dtype=np.int8)
     for row, e in enumerate(shown):
         image[row, : len(strips[e.epoch])] = strips[e.epoch]
-    bottom.imshow(image, aspect="auto", interpolation="nearest", cmap=ListedColormap(COLOURS), vmin=0,
-                  vmax=len(COLOURS) - 1, extent=(0, num_samples, len(shown) - 0.5, -0.5))
+    bottom.imshow(
+        image,
+        aspect="auto",
+        interpolation="nearest",
+        cmap=ListedColormap(COLOURS),
+        vmin=0,
+        vmax=len(COLOURS) - 1,
+        extent=(0, num_samples, len(shown) - 0.5, -0.5),
+    )
     bottom.set_yticks(range(len(shown)))
     bottom.set_yticklabels([_row_label(e, picture.categories[e.epoch]) for e in shown], fontsize=8)
-    bottom.set_xlabel("dataset index" + (f" ({num_samples // MAX_COLUMNS}+ per column: its most severe)"
-                                         if num_samples > MAX_COLUMNS else ""))
+    bottom.set_xlabel(
+        "dataset index"
+        + (f" ({num_samples // MAX_COLUMNS}+ per column: its most severe)" if num_samples > MAX_COLUMNS else "")
+    )
     totals = {name: sum(c[name] for c in picture.categories.values()) for name in CATEGORIES}
-    figure.legend(handles=[Patch(color=c, label=f"{name} ({totals[name]:,})") for name, c in zip(CATEGORIES, COLOURS)
-                           if totals[name] or name in ("seen once", "skipped", "duplicated")],
-                  loc="outside lower center", ncol=len(CATEGORIES), fontsize=8, frameon=False)
+    figure.legend(
+        handles=[
+            Patch(color=c, label=f"{name} ({totals[name]:,})")
+            for name, c in zip(CATEGORIES, COLOURS)
+            if totals[name] or name in ("seen once", "skipped", "duplicated")
+        ],
+        loc="outside lower center",
+        ncol=len(CATEGORIES),
+        fontsize=8,
+        frameon=False,
+    )
     figure.savefig(out)
 
 
 def _row_label(e: EpochAudit, drawn: dict[str, int]) -> str:
-    problems = [f"{drawn[name]:,} {name}" for name in ("skipped", "duplicated", "failed to load", "skipped on request")
-                if drawn[name]]
+    problems = [
+        f"{drawn[name]:,} {name}"
+        for name in ("skipped", "duplicated", "failed to load", "skipped on request")
+        if drawn[name]
+    ]
     state = "" if e.finished else ", in progress"
     return f"epoch {e.epoch}{state}: " + (", ".join(problems) if problems else "clean")

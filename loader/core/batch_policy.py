@@ -58,8 +58,10 @@ class BatchPolicy:
                 f"BatchPolicy.allow_global_batch_change must be a bool, got {self.allow_global_batch_change!r}"
             )
         if (self.amends is None) != (self.change_at is None):
-            raise ValueError("BatchPolicy: amends= (the schedule the run trained with) and change_at= (the first step "
-                             "of the new one) go together")
+            raise ValueError(
+                "BatchPolicy: amends= (the schedule the run trained with) and change_at= (the first step "
+                "of the new one) go together"
+            )
         if self.amends is not None:
             object.__setattr__(self, "amends", schedule_from(self.amends, "BatchPolicy.amends"))
             if not is_int(self.change_at) or self.change_at < 0:
@@ -132,8 +134,10 @@ class BatchPolicy:
         if self.allow_global_batch_change:
             return max(1, (2 * global_batch + per_step) // (2 * per_step))
         at_step = "" if len(self.schedule) == 1 else f" (at step {step})"
-        allow = (f" To run at world_size={world_size} anyway, construct the policy with allow_global_batch_change=True"
-                 f" (the global batch becomes {world_size} * K * {self.micro_batch}; rescale the learning rate)")
+        allow = (
+            f" To run at world_size={world_size} anyway, construct the policy with allow_global_batch_change=True"
+            f" (the global batch becomes {world_size} * K * {self.micro_batch}; rescale the learning rate)"
+        )
         raise ValueError(self._unservable(global_batch, world_size, at_step, allow))
 
     def _unservable(self, global_batch: int, world_size: int, at_step: str, allow: str) -> str:

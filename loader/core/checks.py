@@ -1,4 +1,5 @@
 """Argument checks shared by the modules, so every one reports a bad value the same way."""
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
@@ -29,5 +30,7 @@ MAX_SAMPLES = 2**62 - 1  # the most samples (positions) an epoch may have, the o
 def check_num_samples(name: str, value, least: int = 0) -> None:
     """Refused at construction, so that nothing trains whose state the loader would then refuse."""
     if not is_int(value) or not least <= value <= MAX_SAMPLES:
-        raise ValueError(f"{name} must be an int in [{least}, {MAX_SAMPLES}] (2**62 - 1, the most samples a progress "
-                         f"state records), got {value!r}")
+        raise ValueError(
+            f"{name} must be an int in [{least}, {MAX_SAMPLES}] (2**62 - 1, the most samples a progress "
+            f"state records), got {value!r}"
+        )

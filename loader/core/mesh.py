@@ -30,13 +30,17 @@ def flat_rank(coordinate: Sequence[int], shape: Sequence[int]) -> int:
 
 def _of_mesh(mesh) -> tuple[int, int]:
     if not callable(getattr(mesh, "get_coordinate", None)):
-        raise TypeError(f"dp_mesh must be a torch.distributed DeviceMesh (e.g. world_mesh['dp'], or "
-                        f"world_mesh['dp_replicate', 'dp_shard']), got {type(mesh).__name__}; pass a ProcessGroup "
-                        f"as dp_group=")
+        raise TypeError(
+            f"dp_mesh must be a torch.distributed DeviceMesh (e.g. world_mesh['dp'], or "
+            f"world_mesh['dp_replicate', 'dp_shard']), got {type(mesh).__name__}; pass a ProcessGroup "
+            f"as dp_group="
+        )
     coordinate = mesh.get_coordinate()
     if coordinate is None:
-        raise ValueError(f"this process (global rank {dist.get_rank()}) is not in dp_mesh {mesh}: pass each process "
-                         f"the data-parallel submesh of the world mesh it belongs to (world_mesh['dp'])")
+        raise ValueError(
+            f"this process (global rank {dist.get_rank()}) is not in dp_mesh {mesh}: pass each process "
+            f"the data-parallel submesh of the world mesh it belongs to (world_mesh['dp'])"
+        )
     shape = tuple(mesh.mesh.shape)
     return flat_rank(coordinate, shape), math.prod(shape)
 
@@ -44,8 +48,10 @@ def _of_mesh(mesh) -> tuple[int, int]:
 def _of_group(group) -> tuple[int, int]:
     rank = dist.get_rank(group)
     if rank < 0:
-        raise ValueError(f"this process (global rank {dist.get_rank()}) is not a member of dp_group: pass each "
-                         f"process the data-parallel group it belongs to")
+        raise ValueError(
+            f"this process (global rank {dist.get_rank()}) is not a member of dp_group: pass each "
+            f"process the data-parallel group it belongs to"
+        )
     return rank, dist.get_world_size(group)
 
 
@@ -55,12 +61,18 @@ def data_parallel(rank: int | None, world_size: int | None, dp_mesh=None, dp_gro
     world's, read by the loader when iteration starts)."""
     if dp_mesh is None and dp_group is None:
         return rank, world_size
-    given = [name for name, value in (("rank", rank), ("world_size", world_size), ("dp_mesh", dp_mesh),
-                                      ("dp_group", dp_group)) if value is not None]
+    given = [
+        name
+        for name, value in (("rank", rank), ("world_size", world_size), ("dp_mesh", dp_mesh), ("dp_group", dp_group))
+        if value is not None
+    ]
     if len(given) > 1:
-        raise ValueError(f"{' and '.join(given)} were given: name the data-parallel coordinates one way, dp_mesh= (a "
-                         f"DeviceMesh), dp_group= (a ProcessGroup), or rank= and world_size=")
+        raise ValueError(
+            f"{' and '.join(given)} were given: name the data-parallel coordinates one way, dp_mesh= (a "
+            f"DeviceMesh), dp_group= (a ProcessGroup), or rank= and world_size="
+        )
     if not distributed():
-        raise ValueError(f"{given[0]}= needs torch.distributed initialised: build the loader after "
-                         f"init_process_group and the mesh")
+        raise ValueError(
+            f"{given[0]}= needs torch.distributed initialised: build the loader after init_process_group and the mesh"
+        )
     return _of_mesh(dp_mesh) if dp_mesh is not None else _of_group(dp_group)

@@ -313,8 +313,14 @@ class Order:
             digest = hashlib.sha256(np.asarray(self.block_sizes, dtype="<i8").tobytes()).hexdigest()[:16]
             blocks = f"{len(self.block_sizes)}:{digest}"
         lanes = None if self.lanes is None else [self.lanes.count, self.lanes.chunk]
-        return {"num_samples": self.num_samples, "seed": self.seed, "shuffle": self.shuffle, "blocks": blocks,
-                "order_version": ORDER_VERSION, "lanes": lanes}
+        return {
+            "num_samples": self.num_samples,
+            "seed": self.seed,
+            "shuffle": self.shuffle,
+            "blocks": blocks,
+            "order_version": ORDER_VERSION,
+            "lanes": lanes,
+        }
 
     def for_epoch(self, epoch: int) -> EpochOrder:
         return EpochOrder(self, epoch)
@@ -368,8 +374,12 @@ class EpochOrder:
             slot[self._block_at] = np.arange(len(self._block_at))
             with np.errstate(over="ignore"):
                 keys = _round_keys(_fmix64(block.astype(np.uint64) ^ self._inner_key))
-            inner = permute(indices - order._block_starts[block], np.asarray(order.block_sizes, dtype=np.int64)[block],
-                            keys, inverse=True).astype(np.int64)
+            inner = permute(
+                indices - order._block_starts[block],
+                np.asarray(order.block_sizes, dtype=np.int64)[block],
+                keys,
+                inverse=True,
+            ).astype(np.int64)
             positions = self._block_offsets[slot[block]] + inner
         return positions if order.lanes is None else order.lanes.outer(positions, order.num_samples)
 

@@ -249,10 +249,13 @@ def plan_at(remaining: int, layout: Layout, schedule: tuple[tuple[int, int], ...
     ks = []
     for first, global_batch in schedule:
         if global_batch % per_step:
-            raise ValueError(f"the global batch {global_batch} from step {first} is not a multiple of world_size * "
-                             f"batch_size = {per_step}")
+            raise ValueError(
+                f"the global batch {global_batch} from step {first} is not a multiple of world_size * "
+                f"batch_size = {per_step}"
+            )
         ks.append(global_batch // per_step)
     at = bisect.bisect_right([first for first, _ in schedule], step) - 1
-    changes = tuple((first - step, k) for (first, _), k in zip(schedule[at + 1:], ks[at + 1:])
-                    if first - step <= remaining)
+    changes = tuple(
+        (first - step, k) for (first, _), k in zip(schedule[at + 1 :], ks[at + 1 :]) if first - step <= remaining
+    )
     return EpochPlan(remaining, replace(layout, grad_accum=ks[at]), changes)

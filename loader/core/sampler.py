@@ -75,8 +75,14 @@ class EpochView:
 class ResumableSampler:
     """Deals this rank its share of each epoch, resuming from any committed progress at any world size."""
 
-    def __init__(self, order: Order, layout: Layout, rank: int, schedule: tuple[tuple[int, int], ...] | None = None,
-                 amended: tuple[tuple[tuple[int, int], ...], int] | None = None):
+    def __init__(
+        self,
+        order: Order,
+        layout: Layout,
+        rank: int,
+        schedule: tuple[tuple[int, int], ...] | None = None,
+        amended: tuple[tuple[tuple[int, int], ...], int] | None = None,
+    ):
         """`schedule`: the global batch by optimizer step of a batch-size ramp (K per update follows it, and the
         progress keeps the step); `amended`: (the schedule it changes, the step it changes at), for a resume."""
         check_rank(rank, layout.world_size)
@@ -261,8 +267,9 @@ class ResumableSampler:
         else:  # rank 0's micro-batch of an update holds its lowest remaining index
             (slot,), _ = view.plan.batch_bounds(0, np.array([first]))
             position = int(view.remaining.positions(np.array([slot]))[0])
-        committed = whole(self.order.num_samples) if self._epoch < self._base.epoch else \
-            self._base.committed_in(self._epoch)
+        committed = (
+            whole(self.order.num_samples) if self._epoch < self._base.epoch else self._base.committed_in(self._epoch)
+        )
         return max(position, int(committed[-1, 1]) if len(committed) else 0), first // k
 
     def update_holding(self, position: int) -> int | None:
@@ -292,7 +299,7 @@ class ResumableSampler:
         batch, view = self._last_delivered, self.view()
         for chunk_view, first, ids, offsets in self._recent_chunks:
             if chunk_view is view and first <= batch < first + len(offsets) - 1:
-                return ids[offsets[batch - first]:offsets[batch - first + 1]].copy()
+                return ids[offsets[batch - first] : offsets[batch - first + 1]].copy()
         ids, _ = view.indices(self.rank, np.array([batch]))
         return ids
 
@@ -362,8 +369,9 @@ class ResumableSampler:
         else:
             self._start_epoch(progress.epoch, progress)
 
-    def skip(self, epoch: int | None = None, positions=None, updates: int | range | None = None,
-             indices=None) -> np.ndarray:
+    def skip(
+        self, epoch: int | None = None, positions=None, updates: int | range | None = None, indices=None
+    ) -> np.ndarray:
         """Commit positions of `epoch` (default: the epoch the next batch comes from) as skipped on request: never
         dealt, never trained, recorded in the progress. `updates`: updates counted from the next one (an int n:
         the next n; a range); `positions`: epoch positions; `indices`: dataset indices, at the positions the
@@ -371,27 +379,36 @@ class ResumableSampler:
         call it alike on every rank, between optimizer updates (a rank that differs shows at the merge, as a state
         of another base). Checked before anything changes; returns the intervals skipped."""
         if self.view().plan.completed(self._position) != self._position:
-            raise ValueError("skip() in the middle of an optimizer update: call it after the update's last "
-                             "micro-batch (loader.update_complete) and the optimizer step")
+            raise ValueError(
+                "skip() in the middle of an optimizer update: call it after the update's last "
+                "micro-batch (loader.update_complete) and the optimizer step"
+            )
         current = self.standing()
         epoch = current.epoch if epoch is None else epoch
         if not is_int(epoch) or not current.epoch <= epoch <= current.epoch + MAX_EPOCHS_AHEAD:
-            raise ValueError(f"skip(epoch={epoch!r}): epochs before {current.epoch} are finished; pass an epoch in "
-                             f"[{current.epoch}, {current.epoch + MAX_EPOCHS_AHEAD}]")
+            raise ValueError(
+                f"skip(epoch={epoch!r}): epochs before {current.epoch} are finished; pass an epoch in "
+                f"[{current.epoch}, {current.epoch + MAX_EPOCHS_AHEAD}]"
+            )
         n, committed = self.order.num_samples, current.committed_in(epoch)
         if updates is not None and self.schedule is not None:
-            raise ValueError("skip(updates=...) counts updates of one global batch, and this loader's global batch "
-                             "follows a schedule: skip positions= or indices= instead")
+            raise ValueError(
+                "skip(updates=...) counts updates of one global batch, and this loader's global batch "
+                "follows a schedule: skip positions= or indices= instead"
+            )
         if sum(given is not None for given in (positions, updates, indices)) != 1:
-            raise ValueError("skip() takes updates= (the next n updates, or a range of them counted from the next), "
-                             "positions= (positions of the epoch) or indices= (dataset indices of the epoch), one of "
-                             "them")
+            raise ValueError(
+                "skip() takes updates= (the next n updates, or a range of them counted from the next), "
+                "positions= (positions of the epoch) or indices= (dataset indices of the epoch), one of "
+                "them"
+            )
         if indices is not None:
             positions = _positions_of(self.order.for_epoch(epoch), committed, indices)
         spans = _positions_to_skip(committed, n, self.layout.global_batch, epoch, positions, updates)
         skipped = {**current.skipped, epoch: union(current.skipped.get(epoch, EMPTY), spans)}
-        self._restore(replace(current, committed={**current.committed, epoch: union(committed, spans)},
-                              skipped=skipped))
+        self._restore(
+            replace(current, committed={**current.committed, epoch: union(committed, spans)}, skipped=skipped)
+        )
         return spans
 
 
@@ -402,18 +419,24 @@ def _positions_to_skip(committed: np.ndarray, n: int, global_batch: int, epoch: 
         steps = range(int(updates)) if is_int(updates) or isinstance(updates, np.integer) else updates
         remaining = Remaining(committed, n)
         if not isinstance(steps, range) or steps.step != 1 or not 0 <= steps.start < steps.stop:
-            raise ValueError(f"skip(updates={updates!r}): pass a positive int or a non-empty range(a, b) of updates "
-                             f"counted from the next one (0)")
+            raise ValueError(
+                f"skip(updates={updates!r}): pass a positive int or a non-empty range(a, b) of updates "
+                f"counted from the next one (0)"
+            )
         if steps.stop > -(-remaining.count // global_batch):
-            raise ValueError(f"skip(updates={updates!r}): epoch {epoch} has {remaining.count} positions left, "
-                             f"{-(-remaining.count // global_batch)} updates of {global_batch} at most")
+            raise ValueError(
+                f"skip(updates={updates!r}): epoch {epoch} has {remaining.count} positions left, "
+                f"{-(-remaining.count // global_batch)} updates of {global_batch} at most"
+            )
         span = [[steps.start * global_batch, min(steps.stop * global_batch, remaining.count)]]
         return difference(remaining.covering_spans(span), committed, n)
     spans = spans_of(_ints_in(positions, n, "skip(positions=...): positions", f"epoch {epoch}'s [0, {n})"))
     overlap = difference(spans, difference(spans, committed, n), n)
     if len(overlap):
-        raise ValueError(f"skip(positions=...): positions [{overlap[0, 0]}, {overlap[0, 1]}) of epoch {epoch} are "
-                         f"already committed (trained, or skipped before): skip positions not committed yet")
+        raise ValueError(
+            f"skip(positions=...): positions [{overlap[0, 0]}, {overlap[0, 1]}) of epoch {epoch} are "
+            f"already committed (trained, or skipped before): skip positions not committed yet"
+        )
     return spans
 
 
@@ -446,6 +469,8 @@ def _positions_of(order: EpochOrder, committed: np.ndarray, indices) -> np.ndarr
     positions = order.positions_of(ids)
     taken = ids[contains(committed, positions)]
     if len(taken):
-        raise ValueError(f"skip(indices=...): dataset indices {short(taken.tolist())} of epoch {order.epoch} are "
-                         f"already committed (trained, or skipped before): skip indices not committed yet")
+        raise ValueError(
+            f"skip(indices=...): dataset indices {short(taken.tolist())} of epoch {order.epoch} are "
+            f"already committed (trained, or skipped before): skip indices not committed yet"
+        )
     return positions

@@ -54,8 +54,10 @@ def intervals_from_json(flats: list, n: int, name: Callable[[int], str]) -> list
     where numpy's cost per call would dominate); `name(i)` names the i-th in an error message."""
     sizes = []
     for i, flat in enumerate(flats):
-        if not isinstance(flat, (list, tuple)) or len(flat) % 2 or not all(
-            is_int(v) and abs(v) < LARGEST for v in flat
+        if (
+            not isinstance(flat, (list, tuple))
+            or len(flat) % 2
+            or not all(is_int(v) and abs(v) < LARGEST for v in flat)
         ):
             raise StateError(f"{name(i)} must be a flat list of int pairs [start, stop, ...], got {short(flat)}")
         sizes.append(len(flat) // 2)
@@ -135,13 +137,17 @@ def _shuffle_hint(saved: object, current: str) -> str:
     """How to resume a progress saved under another shuffle mode; "self" is a loader with shuffle=True over a
     dataset that orders itself (a Mixture)."""
     if saved == "self":
-        return "the state was saved by a loader with shuffle=True over a Mixture (which orders itself): construct " \
-               "the loader with shuffle=True (and no shuffle_blocks or lanes)"
+        return (
+            "the state was saved by a loader with shuffle=True over a Mixture (which orders itself): construct "
+            "the loader with shuffle=True (and no shuffle_blocks or lanes)"
+        )
     if current == "self":
-        return ("a loader with shuffle=True leaves the order to a Mixture (each epoch continues its stream, mixture "
-                "plan version 3) since this release; the saved state is of a loader that shuffled the mixture's "
-                "positions (an earlier release, or shuffle_blocks=/lanes=), whose positions name other samples here: "
-                "resume it with the release that saved it, or start the run anew")
+        return (
+            "a loader with shuffle=True leaves the order to a Mixture (each epoch continues its stream, mixture "
+            "plan version 3) since this release; the saved state is of a loader that shuffled the mixture's "
+            "positions (an earlier release, or shuffle_blocks=/lanes=), whose positions name other samples here: "
+            "resume it with the release that saved it, or start the run anew"
+        )
     return f"construct the loader with the shuffle mode {short(saved)} of the saved run"
 
 
@@ -246,8 +252,12 @@ class Progress:
         entries = _get(state, "committed", list, where)
         _check_count(entries, f"{where}.committed")
         for entry in entries:
-            if not (isinstance(entry, list) and len(entry) == 2 and is_int(entry[0])
-                    and epoch <= entry[0] <= epoch + MAX_EPOCHS_AHEAD):
+            if not (
+                isinstance(entry, list)
+                and len(entry) == 2
+                and is_int(entry[0])
+                and epoch <= entry[0] <= epoch + MAX_EPOCHS_AHEAD
+            ):
                 raise StateError(
                     f"{where}.committed entries must be [epoch in [{epoch}, {epoch + MAX_EPOCHS_AHEAD}], intervals], "
                     f"got {short(entry)}"
@@ -264,8 +274,10 @@ class Progress:
         _check_count(records, f"{where}.finished")
         done_epochs = [_get(record, "epoch", int, f"{where}.finished[{i}]") for i, record in enumerate(records)]
         if any(b <= a for a, b in zip(done_epochs, done_epochs[1:])) or done_epochs and done_epochs[-1] >= epoch:
-            raise StateError(f"{where}.finished must list epochs before {epoch} in increasing order, got "
-                             f"{short(done_epochs)}: the state is corrupted")
+            raise StateError(
+                f"{where}.finished must list epochs before {epoch} in increasing order, got "
+                f"{short(done_epochs)}: the state is corrupted"
+            )
         dropped = [_get(record, "dropped", list, f"{where}.finished[{i}]") for i, record in enumerate(records)]
         finished = tuple(zip(done_epochs, intervals_from_json(dropped, n, lambda i: f"{where}.finished[{i}].dropped")))
         end = _get(state, "end_of_epoch", (dict, type(None)), where, default=None)
@@ -297,19 +309,31 @@ def schedule_from(points, where: str) -> tuple[tuple[int, int], ...]:
         raise error(f"{where} must be a non-empty list of (first step, global batch) pairs, got {short(points)}")
     pairs = []
     for point in points:
-        if not (isinstance(point, (list, tuple)) and len(point) == 2 and all(is_int(v) for v in point)
-                and 0 <= point[0] < LARGEST and 0 < point[1] < LARGEST):
-            raise error(f"{where} must hold (first step, global batch) pairs of ints, a step >= 0 and a global "
-                        f"batch > 0, got {short(point)}")
+        if not (
+            isinstance(point, (list, tuple))
+            and len(point) == 2
+            and all(is_int(v) for v in point)
+            and 0 <= point[0] < LARGEST
+            and 0 < point[1] < LARGEST
+        ):
+            raise error(
+                f"{where} must hold (first step, global batch) pairs of ints, a step >= 0 and a global "
+                f"batch > 0, got {short(point)}"
+            )
         pairs.append((int(point[0]), int(point[1])))
     if pairs[0][0] != 0 or any(b[0] <= a[0] for a, b in zip(pairs, pairs[1:])):
-        raise error(f"{where} must start at step 0 and name each first step once, in increasing order, got "
-                    f"{short(points)}")
+        raise error(
+            f"{where} must start at step 0 and name each first step once, in increasing order, got {short(points)}"
+        )
     return tuple(pairs)
 
 
-def check_schedule(saved: Progress, current: tuple[tuple[int, int], ...] | None,
-                   amends: tuple[tuple[int, int], ...] | None, change_at: int | None) -> Progress:
+def check_schedule(
+    saved: Progress,
+    current: tuple[tuple[int, int], ...] | None,
+    amends: tuple[tuple[int, int], ...] | None,
+    change_at: int | None,
+) -> Progress:
     """A state's global batch schedule against the loader's: the same, or the loader's amends the saved one from a
     step the state has not passed (`change_at` >= its step); returned with the loader's schedule. Else refused,
     naming the field: a step of the saved run would take other samples under another schedule."""
@@ -318,8 +342,10 @@ def check_schedule(saved: Progress, current: tuple[tuple[int, int], ...] | None,
     where = "state.batch_schedule"
     if saved.schedule is not None and amends == saved.schedule and change_at is not None:
         if change_at < saved.step:
-            raise StateError(f"{where}: the loader's schedule changes at step {change_at}, but the state has "
-                             f"completed {saved.step} steps under the saved schedule: pass change_at >= {saved.step}")
+            raise StateError(
+                f"{where}: the loader's schedule changes at step {change_at}, but the state has "
+                f"completed {saved.step} steps under the saved schedule: pass change_at >= {saved.step}"
+            )
         return dataclasses.replace(saved, schedule=current)
     saved_text = "none (a fixed grad_accum)" if saved.schedule is None else [list(p) for p in saved.schedule]
     current_text = "none (a fixed grad_accum)" if current is None else [list(p) for p in current]
@@ -337,26 +363,36 @@ def _skipped_from(entries: list, committed: dict, finished: tuple, epoch: int, n
     _check_count(entries, f"{where}.skipped")
     done = {e for e, _ in finished}
     for entry in entries:
-        if not (isinstance(entry, list) and len(entry) == 2 and is_int(entry[0])
-                and (entry[0] in done or epoch <= entry[0] <= epoch + MAX_EPOCHS_AHEAD)):
-            raise StateError(f"{where}.skipped entries must be [epoch, intervals] of an epoch it commits or lists "
-                             f"finished, got {short(entry)}: the state is corrupted")
+        if not (
+            isinstance(entry, list)
+            and len(entry) == 2
+            and is_int(entry[0])
+            and (entry[0] in done or epoch <= entry[0] <= epoch + MAX_EPOCHS_AHEAD)
+        ):
+            raise StateError(
+                f"{where}.skipped entries must be [epoch, intervals] of an epoch it commits or lists "
+                f"finished, got {short(entry)}: the state is corrupted"
+            )
     epochs = [entry[0] for entry in entries]
     if len(set(epochs)) < len(epochs):
         raise StateError(f"{where}.skipped lists an epoch twice: the state is corrupted")
     spans = intervals_from_json([entry[1] for entry in entries], n, lambda i: f"{where}.skipped[epoch {epochs[i]}]")
     for e, skipped in zip(epochs, spans):
         if e >= epoch and total(union(committed.get(e, EMPTY), skipped)) != total(committed.get(e, EMPTY)):
-            raise StateError(f"{where}.skipped[epoch {e}] holds positions its committed list does not: skipped "
-                             f"positions are committed (never dealt); the state is corrupted")
+            raise StateError(
+                f"{where}.skipped[epoch {e}] holds positions its committed list does not: skipped "
+                f"positions are committed (never dealt); the state is corrupted"
+            )
     return dict(zip(epochs, spans))
 
 
 def _check_count(entries: list, where: str) -> None:
     """A merge walks at most MAX_EPOCHS_AHEAD + 1 epochs, so it never lists more."""
     if len(entries) > MAX_EPOCHS_AHEAD + 1:
-        raise StateError(f"{where} has {len(entries)} entries, more than the {MAX_EPOCHS_AHEAD + 1} epochs a merge "
-                         f"lists: the state is corrupted")
+        raise StateError(
+            f"{where} has {len(entries)} entries, more than the {MAX_EPOCHS_AHEAD + 1} epochs a merge "
+            f"lists: the state is corrupted"
+        )
 
 
 @dataclass(frozen=True)
@@ -391,8 +427,12 @@ class RankProgress:
         if saved_layout.keys() != _LAYOUT_KEYS:
             raise StateError(f"{where}.layout must have exactly the fields {LAYOUT_FIELDS}: the state is corrupted")
         at = f"{where}.layout"
-        fields = (_get(saved_layout, "world_size", int, at), _get(saved_layout, "grad_accum", int, at),
-                  _get(saved_layout, "batch_size", int, at), _get(saved_layout, "drop_last", bool, at))
+        fields = (
+            _get(saved_layout, "world_size", int, at),
+            _get(saved_layout, "grad_accum", int, at),
+            _get(saved_layout, "batch_size", int, at),
+            _get(saved_layout, "drop_last", bool, at),
+        )
         layout = parsed.get(fields) or _layout(fields, where)  # checked types: as a key, True never stands for 1
         parsed[fields] = layout
         rank = _get(state, "rank", int, where)
@@ -410,8 +450,9 @@ class RankProgress:
         mark = _get(state, "lockstep", dict, where, default=None)
         if mark is not None:
             if set(mark) != {"rank", "updates", "own_updates"}:
-                raise StateError(f"{where}.lockstep must have the fields rank, updates, own_updates: the state is "
-                                 f"corrupted")
+                raise StateError(
+                    f"{where}.lockstep must have the fields rank, updates, own_updates: the state is corrupted"
+                )
             mark = {name: _get(mark, name, int, f"{where}.lockstep") for name in ("rank", "updates", "own_updates")}
         return cls(base, layout, rank, epoch, completed, _get(state, "ended", bool, where, default=False), mark)
 
@@ -554,16 +595,27 @@ def merge(ranks: list[RankProgress], uneven: bool = False) -> Progress:
     listed = {e for e, _ in finished_now}
     skipped = {e: spans for e, spans in base.skipped.items() if e >= epoch or e in listed}
     step = base.step if base.schedule is None else _merged_step(base, plans, first_steps, epochs, counts)
-    return Progress(base.fingerprint, epoch, committed, finished_now, end_of_epoch, before[0] + done[0],
-                    before[1] + done[1], skipped, base.schedule, step)
+    return Progress(
+        base.fingerprint,
+        epoch,
+        committed,
+        finished_now,
+        end_of_epoch,
+        before[0] + done[0],
+        before[1] + done[1],
+        skipped,
+        base.schedule,
+        step,
+    )
 
 
 def _plan(remaining: int, layout: Layout, schedule: tuple | None, step: int) -> EpochPlan:
     try:
         return plan_at(remaining, layout, schedule, step)
     except ValueError as err:
-        raise StateError(f"state.batch_schedule cannot be served by the saved layout ({err}): the state is "
-                         f"corrupted") from None
+        raise StateError(
+            f"state.batch_schedule cannot be served by the saved layout ({err}): the state is corrupted"
+        ) from None
 
 
 def _merged_step(base: Progress, plans: dict, first_steps: dict, epochs: np.ndarray, counts: np.ndarray) -> int:
@@ -591,8 +643,10 @@ def _done_in(plan: EpochPlan, completed: np.ndarray, rank_ids: list[int]) -> tup
     rank order). A rank's samples depend on its rank only through the tail's one more sample of the first ranks,
     so each distinct count is measured once, on the first rank that has it (whose share is the largest of them)."""
     values, firsts = np.unique(completed, return_index=True)
-    samples = [plan.samples_from(rank_ids[i], 0) - plan.samples_from(rank_ids[i], int(done))
-               for done, i in zip(values.tolist(), firsts.tolist())]
+    samples = [
+        plan.samples_from(rank_ids[i], 0) - plan.samples_from(rank_ids[i], int(done))
+        for done, i in zip(values.tolist(), firsts.tolist())
+    ]
     return int(values[-1]), max(samples)
 
 
@@ -615,9 +669,13 @@ def merge_rank_states(states: list[dict], uneven: bool = False) -> dict:
             if not same:
                 raise StateError(
                     f"states[{i}] (rank {r.rank}) has another {name} than states[0] (rank {first.rank}): "
-                    f"pass the states of one step of one run" + (
+                    f"pass the states of one step of one run"
+                    + (
                         f" (or: loader.skip() was not called alike on ranks {first.rank} and {r.rank}: call it "
-                        f"with the same arguments on every rank, after the same update)" if name == "base" else "")
+                        f"with the same arguments on every rank, after the same update)"
+                        if name == "base"
+                        else ""
+                    )
                 )
     _check_ranks([r.rank for r in ranks], first.layout.world_size)
     return merge(sorted(ranks, key=lambda r: r.rank), uneven).to_dict()

@@ -32,8 +32,10 @@ class LoaderState(Stateful):
         self.loader, self.group = loader, group
 
     def state_dict(self) -> dict:
-        return {"progress": json.dumps(global_progress(self.loader, self.group)),
-                "dataset": json.dumps(dataset_fingerprint(self.loader))}
+        return {
+            "progress": json.dumps(global_progress(self.loader, self.group)),
+            "dataset": json.dumps(dataset_fingerprint(self.loader)),
+        }
 
     def load_state_dict(self, state_dict: dict) -> None:
         progress, saved = json.loads(state_dict["progress"]), json.loads(state_dict["dataset"])
@@ -57,8 +59,9 @@ class ModelAndOptimizer(Stateful):
         return {"model": model, "optim": optim}
 
     def load_state_dict(self, state_dict: dict) -> None:
-        set_state_dict(self.model, self.optimizer, model_state_dict=state_dict["model"],
-                       optim_state_dict=state_dict["optim"])
+        set_state_dict(
+            self.model, self.optimizer, model_state_dict=state_dict["model"], optim_state_dict=state_dict["optim"]
+        )
 
 
 class _ProgressOnly(Stateful):
@@ -77,7 +80,9 @@ class _ProgressOnly(Stateful):
             f"{self.where} holds the loader progress only, as LoaderState wrote it before release 0.1.0: loaded with "
             f"the order's check (length, seed, shuffle) as that version did, without checking that the dataset "
             f"(shards, token files, a Mixture's plan) is the one it was saved with; the next save records it",
-            CheckpointWarning, stacklevel=4)
+            CheckpointWarning,
+            stacklevel=4,
+        )
 
 
 def dcp_load(state_dict: dict, checkpoint_id, **options) -> None:
@@ -86,9 +91,17 @@ def dcp_load(state_dict: dict, checkpoint_id, **options) -> None:
     raises a CheckpointError naming it and what it names (DCP's own load unpickles both). `options`: dcp.load's
     (process_group=, no_dist=...). A LoaderState saved before 0.1.0 (its progress only) loads with a warning."""
     saved = check_metadata(checkpoint_id)
-    request = {key: _ProgressOnly(value, f"the DCP checkpoint {checkpoint_id}'s {key!r}")
-               if isinstance(value, LoaderState) and f"{key}.progress" in saved and f"{key}.dataset" not in saved
-               else value for key, value in state_dict.items()}
-    dcp.load(request, checkpoint_id=checkpoint_id, storage_reader=PlainReader(checkpoint_id),
-             planner=PlainLoadPlanner(), **options)
+    request = {
+        key: _ProgressOnly(value, f"the DCP checkpoint {checkpoint_id}'s {key!r}")
+        if isinstance(value, LoaderState) and f"{key}.progress" in saved and f"{key}.dataset" not in saved
+        else value
+        for key, value in state_dict.items()
+    }
+    dcp.load(
+        request,
+        checkpoint_id=checkpoint_id,
+        storage_reader=PlainReader(checkpoint_id),
+        planner=PlainLoadPlanner(),
+        **options,
+    )
     state_dict.update((key, value) for key, value in request.items() if not isinstance(value, Stateful))

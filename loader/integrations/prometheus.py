@@ -27,8 +27,9 @@ import re
 try:
     from prometheus_client import REGISTRY, Counter, Gauge
 except ImportError as err:  # pragma: no cover - the extra is optional
-    raise ImportError("loader.integrations.prometheus needs prometheus_client: pip install 'loader[prometheus]'") \
-        from err
+    raise ImportError(
+        "loader.integrations.prometheus needs prometheus_client: pip install 'loader[prometheus]'"
+    ) from err
 
 from loader.metrics import STEP_KEYS, TOTAL_KEYS, Retrying
 
@@ -48,8 +49,12 @@ class PrometheusMetrics:
         self.rank, self.launch, self.registry, self.namespace = rank, launch, registry, namespace
         self._gauges: dict[str, Gauge] = {}
         self._counters = {
-            key: Counter(f"{namespace}_{key}", f"{key.replace('_', ' ')} of this launch (this process's work)",
-                         LABELS, registry=registry)
+            key: Counter(
+                f"{namespace}_{key}",
+                f"{key.replace('_', ' ')} of this launch (this process's work)",
+                LABELS,
+                registry=registry,
+            )
             for key in TOTAL_KEYS
         }
         self._counted = dict.fromkeys(TOTAL_KEYS, 0)  # what the counters hold already
@@ -64,8 +69,12 @@ class PrometheusMetrics:
         """Set the gauges to the last step's values (`step`: its number, default the ledger's) and add this launch's
         new work to the counters."""
         step = metrics.get("step") if step is None else step
-        self._retrying.call(f"PrometheusMetrics.write at step {step}", lambda: self._write(metrics, step), None,
-                            "gauges and counters may hold an earlier step's values until a write succeeds")
+        self._retrying.call(
+            f"PrometheusMetrics.write at step {step}",
+            lambda: self._write(metrics, step),
+            None,
+            "gauges and counters may hold an earlier step's values until a write succeeds",
+        )
 
     def _write(self, metrics: dict, step: int | None) -> None:
         launch = self.launch if self.launch is not None else metrics.get("launch")
@@ -75,10 +84,12 @@ class PrometheusMetrics:
         for key in STEP_KEYS:
             if metrics.get(key) is not None:
                 self._gauge(f"last_step_{key}", f"{key.replace('_', ' ')} in the last step").labels(**labels).set(
-                    metrics[key])
+                    metrics[key]
+                )
         if metrics.get("resume_seconds") is not None:
             self._gauge("resume_seconds", "load_state_dict() to the first batch after it").labels(**labels).set(
-                metrics["resume_seconds"])
+                metrics["resume_seconds"]
+            )
         for key, value in metrics.items():
             if key.startswith("source/") and isinstance(value, (int, float)):
                 name = _name(key.replace("/", "_"))

@@ -38,9 +38,11 @@ class TensorBoardMetrics:
 
     def __init__(self, writer, prefix: str = "loader/") -> None:
         if not callable(getattr(writer, "add_scalar", None)):
-            raise TypeError(f"TensorBoardMetrics needs a SummaryWriter (with add_scalar), got {type(writer).__name__}: "
-                            f"torch.utils.tensorboard.SummaryWriter(log_dir, purge_step=resumed_step + 1), which "
-                            f"needs pip install 'loader[tensorboard]'")
+            raise TypeError(
+                f"TensorBoardMetrics needs a SummaryWriter (with add_scalar), got {type(writer).__name__}: "
+                f"torch.utils.tensorboard.SummaryWriter(log_dir, purge_step=resumed_step + 1), which "
+                f"needs pip install 'loader[tensorboard]'"
+            )
         self.writer, self.prefix = writer, prefix
         self._retrying = Retrying()
 
@@ -49,10 +51,16 @@ class TensorBoardMetrics:
         the ledger's, `metrics["step"]`)."""
         step = metrics.get("step") if step is None else step
         if step is None:
-            raise ValueError("TensorBoardMetrics.write needs the optimizer step these metrics belong to: pass step=, "
-                             "or attach a Ledger to the loader (its step is then in dl.metrics()['step'])")
-        written = self._retrying.call(f"TensorBoardMetrics.write at step {step}", lambda: self._write(metrics, step),
-                                      False, "the scalars of the steps that fail are lost")
+            raise ValueError(
+                "TensorBoardMetrics.write needs the optimizer step these metrics belong to: pass step=, "
+                "or attach a Ledger to the loader (its step is then in dl.metrics()['step'])"
+            )
+        written = self._retrying.call(
+            f"TensorBoardMetrics.write at step {step}",
+            lambda: self._write(metrics, step),
+            False,
+            "the scalars of the steps that fail are lost",
+        )
         if not written:
             self._reopen()
 

@@ -59,8 +59,10 @@ class StepDeal:
         for name in ("num_samples", "global_batch", "micro_batch"):
             check_positive_int(name, getattr(self, name))
         if self.steps_per_epoch == 0:
-            raise ValueError(f"the dataset has {self.num_samples} samples, fewer than one global batch of "
-                             f"{self.global_batch}, and drop_last=True drops them all: lower global_batch")
+            raise ValueError(
+                f"the dataset has {self.num_samples} samples, fewer than one global batch of "
+                f"{self.global_batch}, and drop_last=True drops them all: lower global_batch"
+            )
 
     @property
     def steps_per_epoch(self) -> int:
@@ -78,9 +80,11 @@ class StepDeal:
         (B + 1 where the block does not divide evenly, as the loader's tail rule has it), as many as the block needs
         at this size. A full block fewer than the ranks cannot give each one a sample: refused."""
         if block.size == self.global_batch and self.global_batch < ranks:
-            raise ValueError(f"the quorum has {ranks} data-parallel ranks (replica groups x ranks per group), more "
-                             f"than the global batch of {self.global_batch} samples: every rank needs one. Raise "
-                             f"global_batch, or cap the replica groups (torchft's WorldSizeMode.FIXED_WITH_SPARES)")
+            raise ValueError(
+                f"the quorum has {ranks} data-parallel ranks (replica groups x ranks per group), more "
+                f"than the global batch of {self.global_batch} samples: every rank needs one. Raise "
+                f"global_batch, or cap the replica groups (torchft's WorldSizeMode.FIXED_WITH_SPARES)"
+            )
         accum = -(-self.global_batch // (ranks * self.micro_batch))
         return Layout(ranks, accum, self.micro_batch, False)
 
@@ -97,8 +101,9 @@ class StepDeal:
         (and the steps before it, so that the workers' seeds differ from step to step)."""
         spans = [[a, b] for a, b in ((0, block.start), (block.start + block.size, self.num_samples)) if a < b]
         committed = {block.epoch: np.asarray(spans, dtype=np.int64).reshape(-1, 2)} if spans else {}
-        return Progress(fingerprint, block.epoch, committed, done_in_epoch=block.index,
-                        samples_done_in_epoch=block.start).to_dict()
+        return Progress(
+            fingerprint, block.epoch, committed, done_in_epoch=block.index, samples_done_in_epoch=block.start
+        ).to_dict()
 
 
 def _private(manager, name: str) -> Any:
@@ -107,8 +112,10 @@ def _private(manager, name: str) -> Any:
     try:
         return getattr(manager, name)
     except AttributeError:
-        raise RuntimeError("this torchft Manager has no _quorum_future/_quorum_id: loader.integrations.torchft "
-                           "supports torchft 0.2; report the torchft version") from None
+        raise RuntimeError(
+            "this torchft Manager has no _quorum_future/_quorum_id: loader.integrations.torchft "
+            "supports torchft 0.2; report the torchft version"
+        ) from None
 
 
 class ManagedLoader:
@@ -121,8 +128,18 @@ class ManagedLoader:
     healing group deals the same data, since the step itself is the Manager's. Other arguments are
     ResumableDataLoader's (`batch_size` is the largest micro-batch)."""
 
-    def __init__(self, manager, dataset, *, global_batch: int, batch_size: int, group_rank: int | None = None,
-                 group_size: int | None = None, drop_last: bool = False, **loader_args):
+    def __init__(
+        self,
+        manager,
+        dataset,
+        *,
+        global_batch: int,
+        batch_size: int,
+        group_rank: int | None = None,
+        group_size: int | None = None,
+        drop_last: bool = False,
+        **loader_args,
+    ):
         for name in ("rank", "world_size", "grad_accum", "dp_mesh", "dp_group"):
             if name in loader_args:
                 raise ValueError(f"{name}= is the quorum's to decide under torchft: give group_rank= and group_size=")
@@ -131,8 +148,9 @@ class ManagedLoader:
         check_positive_int("group_size", self.group_size)
         check_rank(self.group_rank, self.group_size)
         self.manager = manager
-        self.loader = ResumableDataLoader(dataset, batch_size=batch_size, drop_last=False, rank=0, world_size=1,
-                                          **loader_args)
+        self.loader = ResumableDataLoader(
+            dataset, batch_size=batch_size, drop_last=False, rank=0, world_size=1, **loader_args
+        )
         self.deal = StepDeal(len(dataset), global_batch, batch_size, drop_last)
         self.ledger: Ledger | None = None  # Ledger.open_attempts(...): the batches of the steps that commit
         self.participating = False  # whether this rank's batches of the current step count
@@ -145,9 +163,11 @@ class ManagedLoader:
     def __iter__(self) -> Iterator:
         future = _private(self.manager, "_quorum_future")
         if future is None or (self._dealt is not None and self._dealt[0] is future):
-            raise RuntimeError("iter() of a ManagedLoader deals one step over that step's quorum, which has not "
-                               "started: call optimizer.zero_grad() (torchft's OptimizerWrapper starts the quorum "
-                               "there; or manager.start_quorum()) before each step's iter()")
+            raise RuntimeError(
+                "iter() of a ManagedLoader deals one step over that step's quorum, which has not "
+                "started: call optimizer.zero_grad() (torchft's OptimizerWrapper starts the quorum "
+                "there; or manager.start_quorum()) before each step's iter()"
+            )
         self.manager.wait_quorum()  # bounded by the Manager's quorum_timeout
         quorum_id = _private(self.manager, "_quorum_id")
         self._close_attempt()
@@ -224,8 +244,13 @@ class ManagedLoader:
 def step_state(fingerprint: dict, deal: StepDeal) -> dict:
     """What a healing group checks: the same data (fingerprint) in the same steps (global batch, drop_last). The
     step itself is the Manager's own state, which torchft transfers with it."""
-    return {"format": FORMAT, "version": VERSION, "fingerprint": fingerprint, "global_batch": deal.global_batch,
-            "drop_last": deal.drop_last}
+    return {
+        "format": FORMAT,
+        "version": VERSION,
+        "fingerprint": fingerprint,
+        "global_batch": deal.global_batch,
+        "drop_last": deal.drop_last,
+    }
 
 
 def check_step_state(state, fingerprint: dict, deal: StepDeal) -> None:
@@ -242,6 +267,8 @@ def check_step_state(state, fingerprint: dict, deal: StepDeal) -> None:
     for name, ours in (("global_batch", deal.global_batch), ("drop_last", deal.drop_last)):
         theirs = state.get(name)
         if type(theirs) is not type(ours) or theirs != ours:
-            raise StateError(f"{where}.{name} is {short(theirs)} but {ours!r} in this replica group: every group "
-                             f"must build its ManagedLoader with the same {name}, or the steps would train other "
-                             f"samples")
+            raise StateError(
+                f"{where}.{name} is {short(theirs)} but {ours!r} in this replica group: every group "
+                f"must build its ManagedLoader with the same {name}, or the steps would train other "
+                f"samples"
+            )

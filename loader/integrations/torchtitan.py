@@ -53,26 +53,40 @@ class ResumableTitanLoader(BaseDataLoader):
         ledger_dir: str | None = None
         """Record every trained window in this run directory's ledger: `python -m loader audit DIR` counts them."""
 
-    def __init__(self, config: Config, *, dp_world_size: int, dp_rank: int, seq_len: int, local_batch_size: int,
-                 **unused: Any) -> None:
+    def __init__(
+        self, config: Config, *, dp_world_size: int, dp_rank: int, seq_len: int, local_batch_size: int, **unused: Any
+    ) -> None:
         """`unused`: what the trainer passes for its own loaders (the tokenizer: the files are tokenized already;
         snapshot_every_n_steps: Grain's)."""
         if not config.dataset_path:
-            raise ValueError("ResumableTitanLoader.Config.dataset_path must name the token files (a glob, a file or a "
-                             "LitData directory): --dataloader.dataset_path 'data/*.bin'")
+            raise ValueError(
+                "ResumableTitanLoader.Config.dataset_path must name the token files (a glob, a file or a "
+                "LitData directory): --dataloader.dataset_path 'data/*.bin'"
+            )
         source = TokenSource(config.dataset_path, seq_len, config.dtype, vocab_size=config.vocab_size)
-        self.loader = ResumableDataLoader(source, batch_size=local_batch_size, shuffle=config.shuffle,
-                                          seed=config.seed, rank=dp_rank, world_size=dp_world_size, drop_last=True,
-                                          num_workers=config.num_workers)
+        self.loader = ResumableDataLoader(
+            source,
+            batch_size=local_batch_size,
+            shuffle=config.shuffle,
+            seed=config.seed,
+            rank=dp_rank,
+            world_size=dp_world_size,
+            drop_last=True,
+            num_workers=config.num_workers,
+        )
         if len(self.loader) == 0:
-            raise ValueError(f"{config.dataset_path}: {len(source)} windows of seq_len {seq_len} fill no batch of "
-                             f"{local_batch_size} on each of {dp_world_size} data-parallel ranks: more tokens, or a "
-                             f"smaller training.local_batch_size or training.seq_len")
+            raise ValueError(
+                f"{config.dataset_path}: {len(source)} windows of seq_len {seq_len} fill no batch of "
+                f"{local_batch_size} on each of {dp_world_size} data-parallel ranks: more tokens, or a "
+                f"smaller training.local_batch_size or training.seq_len"
+            )
         if config.ledger_dir is not None and (world_size(), rank()) != (dp_world_size, dp_rank):
-            raise ValueError(f"ledger_dir: the ledger needs one writer per data-parallel rank, which this glue knows "
-                             f"only when every rank is one (rank {rank()} of {world_size()} is data-parallel rank "
-                             f"{dp_rank} of {dp_world_size}); record it without tensor, pipeline or context "
-                             f"parallelism")
+            raise ValueError(
+                f"ledger_dir: the ledger needs one writer per data-parallel rank, which this glue knows "
+                f"only when every rank is one (rank {rank()} of {world_size()} is data-parallel rank "
+                f"{dp_rank} of {dp_world_size}); record it without tensor, pipeline or context "
+                f"parallelism"
+            )
         self.config = config
 
     def __iter__(self) -> Iterator[tuple[dict[str, torch.Tensor], torch.Tensor]]:
@@ -93,7 +107,9 @@ class ResumableTitanLoader(BaseDataLoader):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         step = state_dict["step"]
         if not is_int(step) or step < 0:
-            raise StateError(f"the DCP checkpoint loaded into ResumableTitanLoader: field 'step' must be the "
-                             f"micro-batches drawn (an int >= 0), got {step!r}")
+            raise StateError(
+                f"the DCP checkpoint loaded into ResumableTitanLoader: field 'step' must be the "
+                f"micro-batches drawn (an int >= 0), got {step!r}"
+            )
         LoaderState(self.loader).load_state_dict(state_dict)
         self.loader.step = step

@@ -17,7 +17,22 @@ from loader.sources.webdataset import (
 )
 
 __all__ = [
-    "ArrowDocuments", "CacheFullError", "DiskFullError", "FileShards", "HuggingFaceShards", "MissingKeyError",
-    "Mixture", "MixturePlan", "PackedSource", "ShardFormatError", "ShardUnavailableError", "StaleIndexError",
-    "TokenBudgetBatches", "TokenFileError", "TokenSource", "WebDatasetShards", "WebDatasetSource", "prepare_indexes",
+    "ArrowDocuments",
+    "CacheFullError",
+    "DiskFullError",
+    "FileShards",
+    "HuggingFaceShards",
+    "MissingKeyError",
+    "Mixture",
+    "MixturePlan",
+    "PackedSource",
+    "ShardFormatError",
+    "ShardUnavailableError",
+    "StaleIndexError",
+    "TokenBudgetBatches",
+    "TokenFileError",
+    "TokenSource",
+    "WebDatasetShards",
+    "WebDatasetSource",
+    "prepare_indexes",
 ]

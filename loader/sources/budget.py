@@ -147,14 +147,15 @@ class TokenBudgetBatches(torch.utils.data.Dataset):
         self.bucket_count, self.bucket_longest = counts[used], longest[used]
         self.bucket_start = np.concatenate(([0], np.cumsum(self.bucket_count)[:-1])).astype(np.int64)
         per_batch = np.maximum(1, max_tokens // self.bucket_longest)
-        self.bucket_batches = self._batch_counts(per_batch if max_samples is None else
-                                                 np.minimum(per_batch, max_samples))
+        self.bucket_batches = self._batch_counts(
+            per_batch if max_samples is None else np.minimum(per_batch, max_samples)
+        )
         self.batch_start = np.concatenate(([0], np.cumsum(self.bucket_batches))).astype(np.int64)
         self.index = self._sorted_index(used)
 
     def _chunks(self):
         for low in range(0, len(self.lengths), CHUNK):
-            chunk = np.asarray(self.lengths[low:low + CHUNK])
+            chunk = np.asarray(self.lengths[low : low + CHUNK])
             _check_chunk(chunk, low)
             yield low, chunk
 
@@ -174,7 +175,8 @@ class TokenBudgetBatches(torch.utils.data.Dataset):
                 raise ValueError(
                     f"sample {at} has {int(self.lengths[at])} tokens, more than max_tokens={self.max_tokens} "
                     f"({over} samples do): truncate them (and their lengths), raise max_tokens, or pass "
-                    f'oversize="alone" (each in a batch of its own)')
+                    f'oversize="alone" (each in a batch of its own)'
+                )
             bucket = self._bucket_of(chunk)
             counts += np.bincount(bucket, minlength=len(self.bounds))
             np.maximum.at(longest, bucket, np.maximum(chunk.astype(np.int64), 1))
@@ -189,9 +191,13 @@ class TokenBudgetBatches(torch.utils.data.Dataset):
             raise ValueError(
                 f"{len(self.lengths)} samples make {int(batches.sum())} batches, which cannot be split into a "
                 f"multiple of multiple_of={self.multiple_of} batches (a batch holds one sample at least): pass a "
-                f"smaller multiple_of or a smaller max_tokens")
-        fullest = [(-count / n, b) for b, (count, n) in enumerate(zip(self.bucket_count.tolist(), batches.tolist()))
-                   if count > n]
+                f"smaller multiple_of or a smaller max_tokens"
+            )
+        fullest = [
+            (-count / n, b)
+            for b, (count, n) in enumerate(zip(self.bucket_count.tolist(), batches.tolist()))
+            if count > n
+        ]
         heapq.heapify(fullest)
         for _ in range(extra):
             _, b = heapq.heappop(fullest)
@@ -260,24 +266,38 @@ class TokenBudgetBatches(torch.utils.data.Dataset):
         samples longer than max_tokens (each a batch of its own)."""
         epoch = self._epoch_of(epoch)
         tokens = padded = 0
-        for bucket, (start, count, batches) in enumerate(zip(
-                self.bucket_start.tolist(), self.bucket_count.tolist(), self.bucket_batches.tolist())):
+        for bucket, (start, count, batches) in enumerate(
+            zip(self.bucket_start.tolist(), self.bucket_count.tolist(), self.bucket_batches.tolist())
+        ):
             dealt = self._deal(bucket, epoch)(np.arange(count, dtype=np.int64))
             lengths = np.asarray(self.lengths[self.index[start + dealt]]).astype(np.int64)
             cuts = np.arange(batches, dtype=np.int64) * count // batches
             tokens += int(lengths.sum())
             padded += int((np.maximum.reduceat(np.maximum(lengths, 1), cuts) * np.diff(np.append(cuts, count))).sum())
         over = int(self.bucket_count[self.bucket_longest > self.max_tokens].sum())
-        return {"batches": len(self), "samples": len(self.lengths), "tokens": tokens, "padded_tokens": padded,
-                "padding": 1 - tokens / padded, "fill": padded / (len(self) * self.max_tokens), "oversize": over}
+        return {
+            "batches": len(self),
+            "samples": len(self.lengths),
+            "tokens": tokens,
+            "padded_tokens": padded,
+            "padding": 1 - tokens / padded,
+            "fill": padded / (len(self) * self.max_tokens),
+            "oversize": over,
+        }
 
     def fingerprint(self) -> str:
         """Digests of the parameters and of the lengths (all of them, read once when the batches were made), for
         the checkpoint manifest: the same in every epoch."""
         bounds = hashlib.sha256(self.bounds.astype("<i8").tobytes()).hexdigest()[:16]
-        layout = {"samples": len(self.lengths), "max_tokens": self.max_tokens, "buckets": bounds,
-                  "max_samples": self.max_samples, "oversize": self.oversize, "multiple_of": self.multiple_of,
-                  "seed": self.seed}
+        layout = {
+            "samples": len(self.lengths),
+            "max_tokens": self.max_tokens,
+            "buckets": bounds,
+            "max_samples": self.max_samples,
+            "oversize": self.oversize,
+            "multiple_of": self.multiple_of,
+            "seed": self.seed,
+        }
         return f"{hashlib.sha256(json.dumps(layout).encode()).hexdigest()[:16]}-{self._lengths_digest}"
 
     def explain_fingerprint(self, saved: str) -> str:
@@ -287,5 +307,7 @@ class TokenBudgetBatches(torch.utils.data.Dataset):
         return "the TokenBudgetBatches' max_tokens, buckets, max_samples, oversize, multiple_of or seed changed"
 
     def __repr__(self) -> str:
-        return (f"TokenBudgetBatches({len(self)} batches of <= {self.max_tokens} tokens, {len(self.lengths)} "
-                f"samples in {len(self.bucket_count)} buckets)")
+        return (
+            f"TokenBudgetBatches({len(self)} batches of <= {self.max_tokens} tokens, {len(self.lengths)} "
+            f"samples in {len(self.bucket_count)} buckets)"
+        )

@@ -45,8 +45,18 @@ from typing import NamedTuple
 
 __all__ = ["CacheFullError", "DiskFullError", "ShardCache", "disk_full", "parse_bytes"]
 
-_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+_UNITS = {
+    "": 1,
+    "B": 1,
+    "KB": 10**3,
+    "MB": 10**6,
+    "GB": 10**9,
+    "TB": 10**12,
+    "KIB": 2**10,
+    "MIB": 2**20,
+    "GIB": 2**30,
+    "TIB": 2**40,
+}
 _SIZE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*")
 _POLL_S = (0.005, 0.2)  # first and longest pause between looks while waiting for another process
 RELEASE_AFTER_S = 0.5  # a reader short of room drops its own pins after this long without progress: sooner, the
@@ -391,7 +401,13 @@ class ShardCache:
         return fd
 
     def fetch(
-        self, name: str, nbytes: int, fill: Callable[[str], None], *, rank: int | None = None, pin: bool = False,
+        self,
+        name: str,
+        nbytes: int,
+        fill: Callable[[str], None],
+        *,
+        rank: int | None = None,
+        pin: bool = False,
         release: Callable[[], None] | None = None,
     ) -> Fetched | None:
         """The complete copy ``name`` (``nbytes``), made by ``fill(partial_path)`` unless it is there already.
@@ -414,8 +430,9 @@ class ShardCache:
                 missed = True
                 if self._held(partial):
                     progress = os.stat(partial).st_size  # another process is downloading it: wait while it grows
-                    stalled = TimeoutError(f"waited {self.wait_s:.0f} s for another process's download of {name} "
-                                           "to progress")
+                    stalled = TimeoutError(
+                        f"waited {self.wait_s:.0f} s for another process's download of {name} to progress"
+                    )
                 else:
                     room = self._make_room(need, rank)
                     if room.fits:

@@ -42,8 +42,10 @@ def keep_mask(keep: KeepArg, lengths: np.ndarray) -> tuple[np.ndarray, str]:
     else:
         name, mask = "keep= (the mask array)", np.asarray(keep)
     if mask.dtype != np.bool_ or mask.shape != lengths.shape:
-        raise ValueError(f"{name}: must be a bool array of one entry per document ({len(lengths)} documents), got "
-                         f"{mask.dtype} of shape {mask.shape}")
+        raise ValueError(
+            f"{name}: must be a bool array of one entry per document ({len(lengths)} documents), got "
+            f"{mask.dtype} of shape {mask.shape}"
+        )
     if not mask.any():
         raise ValueError(f"{name} keeps no document of {len(lengths)}: nothing to pack")
     return mask, name
@@ -86,7 +88,7 @@ class KeptDocuments:
 
     def document_starts(self, low: int, high: int) -> np.ndarray:
         low, high = max(low, 0), min(high, self.tokens)
-        found = self.bases[np.searchsorted(self.bases, low):np.searchsorted(self.bases, high)]
+        found = self.bases[np.searchsorted(self.bases, low) : np.searchsorted(self.bases, high)]
         return np.unique(found)  # an empty document starts where the next one does: once
 
     def document_start(self, token: int) -> int:

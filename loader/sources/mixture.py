@@ -92,8 +92,10 @@ def _apportion(w: np.ndarray, window: int) -> tuple[int, ...]:
     """Largest remainder (ties to the earlier source): each count within one of w * window, summing to window."""
     check_positive_int("window", window)
     if window > LARGEST_WINDOW:
-        raise ValueError(f"window={window}: each process builds a window's slot table, O(window) memory; pass a "
-                         f"window of at most {LARGEST_WINDOW}")
+        raise ValueError(
+            f"window={window}: each process builds a window's slot table, O(window) memory; pass a "
+            f"window of at most {LARGEST_WINDOW}"
+        )
     ideal = w * window
     counts = np.floor(ideal).astype(np.int64)
     counts[np.argsort(counts - ideal, kind="stable")[: window - int(counts.sum())]] += 1
@@ -121,8 +123,13 @@ class Piece:
     last: tuple[int, ...]
 
     def to_json(self) -> dict:
-        return {"start": self.start, "anchor": self.anchor, "ramp": self.ramp, "from": list(self.first),
-                "to": list(self.last)}
+        return {
+            "start": self.start,
+            "anchor": self.anchor,
+            "ramp": self.ramp,
+            "from": list(self.first),
+            "to": list(self.last),
+        }
 
     @cached_property
     def _steps(self) -> list[int]:
@@ -168,27 +175,33 @@ def schedule_pieces(schedule: Sequence[dict], sources: int, window: int | None) 
     with "windows", its final weights hold. Every weight vector is realised as counts of M by largest remainder;
     errors name the segment and the field."""
     if isinstance(schedule, (str, bytes, dict)) or not isinstance(schedule, Sequence) or not schedule:
-        raise ValueError(f"schedule must be a non-empty list of segments ({{\"weights\": [...], \"windows\": n}} or "
-                         f"{{\"from\": [...], \"to\": [...], \"windows\": n}}), got {schedule!r}")
+        raise ValueError(
+            f'schedule must be a non-empty list of segments ({{"weights": [...], "windows": n}} or '
+            f'{{"from": [...], "to": [...], "windows": n}}), got {schedule!r}'
+        )
     segments = []
     for i, segment in enumerate(schedule):
         where = f"schedule[{i}]"
         keys = set(segment) - {"windows"} if isinstance(segment, dict) else None
         if keys not in SEGMENT_FIELDS:
-            raise ValueError(f"{where} must be a dict with \"weights\" (constant) or \"from\" and \"to\" (a linear "
-                             f"ramp), and \"windows\", got {segment!r}")
+            raise ValueError(
+                f'{where} must be a dict with "weights" (constant) or "from" and "to" (a linear '
+                f'ramp), and "windows", got {segment!r}'
+            )
         vectors = []
         for k in (k for k in ("weights", "from", "to") if k in segment):
             vectors.append(_normalised(segment[k], f"{where}.{k}", zero_ok=True))
             if len(vectors[-1]) != sources:
-                raise ValueError(f"{where}.{k} has {len(vectors[-1])} weights for {sources} sources: pass one per "
-                                 f"source")
+                raise ValueError(
+                    f"{where}.{k} has {len(vectors[-1])} weights for {sources} sources: pass one per source"
+                )
         length = segment.get("windows")
         if length is None and (i < len(schedule) - 1 or "from" in segment):
             raise ValueError(f"{where}.windows is missing: only a last constant segment may run to the end")
         if length is not None and (not is_int(length) or not 0 < length <= MAX_SAMPLES):
-            raise ValueError(f"{where}.windows must be a positive int (windows of mix.window positions), got "
-                             f"{length!r}")
+            raise ValueError(
+                f"{where}.windows must be a positive int (windows of mix.window positions), got {length!r}"
+            )
         segments.append((vectors[0], vectors[-1], length))
     if window is None:
         window = _smallest_window(np.stack([w for first, last, _ in segments for w in (first, last)]))
@@ -255,10 +268,14 @@ class MixturePlan:
         if not isinstance(self.epochs_continue, bool):
             raise ValueError(f"epochs_continue must be true or false, got {self.epochs_continue!r}")
         pairs = [tuple(r) if isinstance(r, (list, tuple)) else () for r in self.requests]
-        if any(len(r) != 2 or not all(is_int(v) and 0 <= v <= MAX_SAMPLES for v in r) for r in pairs) or \
-                pairs != sorted(pairs) or [w for _, w in pairs] != sorted(w for _, w in pairs):
-            raise ValueError(f"requests must be increasing [step, window] pairs of non-negative ints, got "
-                             f"{list(self.requests)!r}")
+        if (
+            any(len(r) != 2 or not all(is_int(v) and 0 <= v <= MAX_SAMPLES for v in r) for r in pairs)
+            or pairs != sorted(pairs)
+            or [w for _, w in pairs] != sorted(w for _, w in pairs)
+        ):
+            raise ValueError(
+                f"requests must be increasing [step, window] pairs of non-negative ints, got {list(self.requests)!r}"
+            )
         object.__setattr__(self, "requests", tuple(pairs))
         if self.schedule:
             self._check_schedule()
@@ -270,19 +287,30 @@ class MixturePlan:
         for i, piece in enumerate(pieces):
             where = f"schedule piece {i}"
             ints = (piece.start, piece.anchor, piece.ramp)
-            if not all(is_int(v) and 0 <= v <= MAX_SAMPLES for v in ints) or piece.ramp < 1 \
-                    or piece.anchor > piece.start:
-                raise ValueError(f"{where}: start, anchor, ramp must be ints with anchor <= start and ramp >= 1, "
-                                 f"got {ints}")
+            if (
+                not all(is_int(v) and 0 <= v <= MAX_SAMPLES for v in ints)
+                or piece.ramp < 1
+                or piece.anchor > piece.start
+            ):
+                raise ValueError(
+                    f"{where}: start, anchor, ramp must be ints with anchor <= start and ramp >= 1, got {ints}"
+                )
             for field, counts in (("from", piece.first), ("to", piece.last)):
                 if len(counts) != len(self.names) or not all(is_int(c) and c >= 0 for c in counts) or sum(counts) != m:
-                    raise ValueError(f"{where}.{field} must be {len(self.names)} non-negative ints summing to the "
-                                     f"window {m}, got {list(counts)!r}")
+                    raise ValueError(
+                        f"{where}.{field} must be {len(self.names)} non-negative ints summing to the "
+                        f"window {m}, got {list(counts)!r}"
+                    )
             stop = pieces[i + 1].start if i + 1 < len(pieces) else None
-            if stop is not None and stop <= piece.start or (piece.first != piece.last and (
-                    stop is None or stop > piece.anchor + piece.ramp)):
-                raise ValueError(f"{where}: pieces must start in increasing order from window 0, and a ramp end by "
-                                 f"its last window; the last piece must be constant")
+            if (
+                stop is not None
+                and stop <= piece.start
+                or (piece.first != piece.last and (stop is None or stop > piece.anchor + piece.ramp))
+            ):
+                raise ValueError(
+                    f"{where}: pieces must start in increasing order from window 0, and a ramp end by "
+                    f"its last window; the last piece must be constant"
+                )
         if pieces[0].start != 0 or pieces[0].first != self.counts:
             raise ValueError("schedule piece 0 must start at window 0 with the plan's counts")
         starts = {p.start for p in pieces}
@@ -338,8 +366,13 @@ class MixturePlan:
             first_of_run = np.concatenate(([True], np.diff(ks) != 1))
             run = np.cumsum(first_of_run) - 1
             origin = piece.drawn(piece.start)
-            base = np.array([[c + d - o for c, d, o in zip(drawn_at[p], piece.drawn(k), origin)]
-                             for k in ks[first_of_run].tolist()], dtype=np.int64)
+            base = np.array(
+                [
+                    [c + d - o for c, d, o in zip(drawn_at[p], piece.drawn(k), origin)]
+                    for k in ks[first_of_run].tolist()
+                ],
+                dtype=np.int64,
+            )
             running = np.cumsum(counts[at], axis=0) - counts[at]  # slots before each window of this piece's ks
             drawn[at] = base[run] + running - running[first_of_run][run]
         return counts, drawn
@@ -406,12 +439,18 @@ class MixturePlan:
         positions where the schedule was changed during the run."""
         pieces = self.schedule or (Piece(0, 0, 1, self.counts, self.counts),)
         ends = [piece.start * self.window for piece in pieces[1:]] + [self.num_samples]
-        parts = [f"{piece.start * self.window}-{min(end, self.num_samples) - 1} " + "/".join(map(str, piece.first))
-                 + ("" if piece.first == piece.last else " -> " + "/".join(map(str, piece.last)))
-                 for piece, end in zip(pieces, ends) if piece.start * self.window < self.num_samples]
+        parts = [
+            f"{piece.start * self.window}-{min(end, self.num_samples) - 1} "
+            + "/".join(map(str, piece.first))
+            + ("" if piece.first == piece.last else " -> " + "/".join(map(str, piece.last)))
+            for piece, end in zip(pieces, ends)
+            if piece.start * self.window < self.num_samples
+        ]
         changed = "".join(f", changed at position {k * self.window} (window {k})" for k in self.changes)
-        return (f"mixture schedule, {'/'.join(self.names)} slots per window of {self.window}, by position: "
-                f"{', '.join(parts)}{changed}")
+        return (
+            f"mixture schedule, {'/'.join(self.names)} slots per window of {self.window}, by position: "
+            f"{', '.join(parts)}{changed}"
+        )
 
     def amended(self, schedule: tuple[Piece, ...], window: int) -> MixturePlan:
         """This plan up to `window`, then `schedule` from there on (its pieces cut at `window`, keeping their
@@ -422,9 +461,18 @@ class MixturePlan:
         cut = Piece(window, at.anchor, at.ramp, at.first, at.last)
         pieces = tuple(_merged(kept + [cut] + [p for p in ahead if p.start > window]))
         changes = tuple(sorted({*self.changes, window} & {p.start for p in pieces}))
-        return MixturePlan(self.names, self.lengths, pieces[0].first, self.num_samples, self.seed, self.shuffle,
-                           pieces if len(pieces) > 1 or 0 in pieces[0].first or changes else (), changes,
-                           self.epochs_continue, self.requests)
+        return MixturePlan(
+            self.names,
+            self.lengths,
+            pieces[0].first,
+            self.num_samples,
+            self.seed,
+            self.shuffle,
+            pieces if len(pieces) > 1 or 0 in pieces[0].first or changes else (),
+            changes,
+            self.epochs_continue,
+            self.requests,
+        )
 
     def with_weights(self, weights: Sequence[float], window: int, step: int) -> MixturePlan:
         """This plan with `weights` (zeros allowed: a source paused) from `window` on, each source's draws running
@@ -439,23 +487,36 @@ class MixturePlan:
     def extends(self, base: MixturePlan) -> bool:
         """Whether this plan is `base` with online changes added: the same mixture, the same windows before the
         first change that `base` has not made."""
-        ahead = self.requests[len(base.requests):]
-        if self.requests[:len(base.requests)] != base.requests or not ahead:
+        ahead = self.requests[len(base.requests) :]
+        if self.requests[: len(base.requests)] != base.requests or not ahead:
             return self == base
         same = replace(base.amended(self._pieces, ahead[0][1]), changes=self.changes, requests=self.requests)
         return replace(same, schedule=same._pieces) == replace(self, schedule=self._pieces)
 
     def to_dict(self) -> dict:
         """The JSON form; a plan without a schedule is written as before schedules existed (same fingerprint)."""
-        plain = {"kind": PLAN_KIND, "version": PLAN_VERSION, "order_version": ORDER_VERSION,
-                 "names": list(self.names), "lengths": list(self.lengths), "counts": list(self.counts),
-                 "num_samples": self.num_samples, "seed": self.seed, "shuffle": self.shuffle}
+        plain = {
+            "kind": PLAN_KIND,
+            "version": PLAN_VERSION,
+            "order_version": ORDER_VERSION,
+            "names": list(self.names),
+            "lengths": list(self.lengths),
+            "counts": list(self.counts),
+            "num_samples": self.num_samples,
+            "seed": self.seed,
+            "shuffle": self.shuffle,
+        }
         if not self.schedule and not self.epochs_continue:
             return plain
         version = CONTINUING_VERSION if self.epochs_continue else SCHEDULED_VERSION
-        return {**plain, "version": version, "schedule": [p.to_json() for p in self.schedule],
-                "changes": list(self.changes), **({"epochs_continue": True} if self.epochs_continue else {}),
-                **({"requests": [list(r) for r in self.requests]} if self.requests else {})}
+        return {
+            **plain,
+            "version": version,
+            "schedule": [p.to_json() for p in self.schedule],
+            "changes": list(self.changes),
+            **({"epochs_continue": True} if self.epochs_continue else {}),
+            **({"requests": [list(r) for r in self.requests]} if self.requests else {}),
+        }
 
     @classmethod
     def from_dict(cls, data: dict, where: str = "mixture plan") -> MixturePlan:
@@ -464,15 +525,31 @@ class MixturePlan:
         found = tuple(data.get(k) for k in ("kind", "version", "order_version"))
         readable = [(PLAN_KIND, v, ORDER_VERSION) for v in (PLAN_VERSION, SCHEDULED_VERSION, CONTINUING_VERSION)]
         if found not in readable:
-            raise ValueError(f"{where}: (kind, version, order_version) is {found}, this loader reads {readable}: "
-                             "save the plan again with this version (Mixture.plan.save)")
+            raise ValueError(
+                f"{where}: (kind, version, order_version) is {found}, this loader reads {readable}: "
+                "save the plan again with this version (Mixture.plan.save)"
+            )
         try:
-            schedule = tuple(Piece(p["start"], p["anchor"], p["ramp"], tuple(p["from"]), tuple(p["to"]))
-                             for p in data["schedule"]) if found[1] != PLAN_VERSION else ()
-            return cls(tuple(data["names"]), tuple(data["lengths"]), tuple(data["counts"]), data["num_samples"],
-                       data["seed"], data["shuffle"], schedule, tuple(data["changes"]) if schedule else (),
-                       found[1] == CONTINUING_VERSION and data["epochs_continue"],
-                       tuple(data.get("requests", ())) if schedule else ())
+            schedule = (
+                tuple(
+                    Piece(p["start"], p["anchor"], p["ramp"], tuple(p["from"]), tuple(p["to"]))
+                    for p in data["schedule"]
+                )
+                if found[1] != PLAN_VERSION
+                else ()
+            )
+            return cls(
+                tuple(data["names"]),
+                tuple(data["lengths"]),
+                tuple(data["counts"]),
+                data["num_samples"],
+                data["seed"],
+                data["shuffle"],
+                schedule,
+                tuple(data["changes"]) if schedule else (),
+                found[1] == CONTINUING_VERSION and data["epochs_continue"],
+                tuple(data.get("requests", ())) if schedule else (),
+            )
         except (KeyError, TypeError) as err:
             raise ValueError(f"{where}: no field {err}; the file is truncated or not a mixture plan") from None
 
@@ -505,8 +582,11 @@ def _token_span(sources: Sequence[Any]) -> int | None:
     """seq_len + 1 when every source is a TokenSource (its own __getitems__) of plain samples, all of one seq_len:
     a batch of the mixture is then one int64 array that each source fills in place (`TokenSource._fill`). Else
     None: the samples are whatever the sources return, fetched per source and put back in position order."""
-    tokens = [s for s in sources if isinstance(s, TokenSource) and type(s).__getitems__ is TokenSource.__getitems__
-              and s.plain]
+    tokens = [
+        s
+        for s in sources
+        if isinstance(s, TokenSource) and type(s).__getitems__ is TokenSource.__getitems__ and s.plain
+    ]
     if len(tokens) == len(sources) and len({s.seq_len for s in tokens}) == 1:
         return tokens[0].seq_len + 1
     return None
@@ -523,18 +603,22 @@ def _amend(old: MixturePlan, new: MixturePlan, change_at: int) -> MixturePlan:
     anything but the weights differs (those would move the past's samples too)."""
     for field in ("names", "lengths", "num_samples", "seed", "shuffle", "window"):
         if getattr(old, field) != getattr(new, field):
-            raise ValueError(f"amends: the plan's {field} is {getattr(old, field)!r}, this mixture's "
-                             f"{getattr(new, field)!r}: a change of schedule changes the weights only; build the "
-                             f"mixture with the {field} of the run it continues")
+            raise ValueError(
+                f"amends: the plan's {field} is {getattr(old, field)!r}, this mixture's "
+                f"{getattr(new, field)!r}: a change of schedule changes the weights only; build the "
+                f"mixture with the {field} of the run it continues"
+            )
     end = old.end - (new.window if old.epochs_continue else 0)
     if not is_int(change_at) or not 0 <= change_at < end:
         raise ValueError(f"change_at must be a position in [0, {end}), got {change_at!r}")
     first = -(-change_at // new.window)
     if first * new.window >= new.num_samples and not old.epochs_continue:  # else the change would never apply
         last = (new.num_samples - 1) // new.window * new.window
-        raise ValueError(f"change_at={change_at} is inside the mixture's last window ({last} to "
-                         f"{new.num_samples - 1}): a change applies from the first whole window at or after change_at, "
-                         f"and none follows, so it would never apply; pass change_at <= {last}")
+        raise ValueError(
+            f"change_at={change_at} is inside the mixture's last window ({last} to "
+            f"{new.num_samples - 1}): a change applies from the first whole window at or after change_at, "
+            f"and none follows, so it would never apply; pass change_at <= {last}"
+        )
     return old.amended(new._pieces, first)
 
 
@@ -586,16 +670,24 @@ class Mixture(torch.utils.data.Dataset):
             raise ValueError(f"{len(weights)} weights for {len(self.sources)} sources: pass one weight per source")
         names = tuple(names) if names is not None else tuple(f"source-{s}" for s in range(len(self.sources)))
         if (amends is None) != (change_at is None):
-            raise ValueError("amends= (the plan the run trained with) and change_at= (where the change begins) go "
-                             "together")
+            raise ValueError(
+                "amends= (the plan the run trained with) and change_at= (where the change begins) go together"
+            )
         window = amends.window if window is None and amends is not None else window
         if schedule is None:
             counts, pieces = window_counts(weights, window), ()
         else:
             window, pieces = schedule_pieces(schedule, len(self.sources), window)
             counts = pieces[0].first
-        self.plan = MixturePlan(names, tuple(len(s) for s in self.sources), counts, num_samples, seed,
-                                bool(shuffle), pieces if len(pieces) > 1 or 0 in counts else ())
+        self.plan = MixturePlan(
+            names,
+            tuple(len(s) for s in self.sources),
+            counts,
+            num_samples,
+            seed,
+            bool(shuffle),
+            pieces if len(pieces) > 1 or 0 in counts else (),
+        )
         self.amends = amends
         if amends is not None:
             self.plan = _amend(amends, self.plan, change_at)
@@ -646,10 +738,12 @@ class Mixture(torch.utils.data.Dataset):
         it trained or dispatched: the loader says where, `ResumableDataLoader.change_mixture`), recorded as asked
         at `step`; `use_plan` makes it this mixture's."""
         if not self.plan.epochs_continue and position >= len(self):
-            raise ValueError(f"no whole window of this epoch is left to change (the change would begin at position "
-                             f"{position} of {len(self)}): under shuffle=False every epoch serves the same "
-                             f"positions; change the weights earlier, or run the loader with shuffle=True (each epoch "
-                             f"continues the mixture's stream)")
+            raise ValueError(
+                f"no whole window of this epoch is left to change (the change would begin at position "
+                f"{position} of {len(self)}): under shuffle=False every epoch serves the same "
+                f"positions; change the weights earlier, or run the loader with shuffle=True (each epoch "
+                f"continues the mixture's stream)"
+            )
         return self.plan.with_weights(weights, -(-position // self.window), step)
 
     def recorded_plan(self, recorded: dict) -> MixturePlan:
@@ -657,9 +751,11 @@ class Mixture(torch.utils.data.Dataset):
         changes of the run it continues, for `use_plan`: refused unless it is this mixture's with changes added."""
         plan = MixturePlan.from_dict(recorded, "the checkpoint's mixture plan")
         if not plan.extends(self.plan):
-            raise StateError("the checkpoint's mixture plan (with the weights changed online) is not this mixture's "
-                             "plan with changes added: build the Mixture with the sources, weights or schedule, "
-                             "seed, window and num_samples of the run it resumes (and the loader's shuffle=)")
+            raise StateError(
+                "the checkpoint's mixture plan (with the weights changed online) is not this mixture's "
+                "plan with changes added: build the Mixture with the sources, weights or schedule, "
+                "seed, window and num_samples of the run it resumes (and the loader's shuffle=)"
+            )
         return plan
 
     def continue_epochs(self) -> None:
@@ -670,8 +766,10 @@ class Mixture(torch.utils.data.Dataset):
         if self.plan.epochs_continue:
             return
         if self.amends is not None and not self.amends.epochs_continue:
-            raise StateError("amends= is a plan of a run whose loader had shuffle=False (its epochs repeat the same "
-                             "positions): continue it with shuffle=False")
+            raise StateError(
+                "amends= is a plan of a run whose loader had shuffle=False (its epochs repeat the same "
+                "positions): continue it with shuffle=False"
+            )
         self.plan = replace(self.plan, epochs_continue=True)
         self._cache.clear()
         self._lists = _NO_LISTS
@@ -811,8 +909,9 @@ class Mixture(torch.utils.data.Dataset):
         earlier = [e() if callable(e) else None for e in earlier]
         if all(e is None for e in earlier):
             return None
-        return self._digest(self.plan, [_source_fingerprint(s) if e is None else e
-                                        for e, s in zip(earlier, self.sources)])
+        return self._digest(
+            self.plan, [_source_fingerprint(s) if e is None else e for e, s in zip(earlier, self.sources)]
+        )
 
     def fingerprint_before_change(self) -> str | None:
         """The fingerprint a checkpoint saved before this mixture's change of schedule holds (None: no change)."""
@@ -838,20 +937,29 @@ class Mixture(torch.utils.data.Dataset):
             last = order.for_epoch(epoch).last_index(spans, at)
             if last is None:
                 continue
-            held = f"positions of the loader's shuffled order that hold mixture positions up to {last}" if shuffled \
+            held = (
+                f"positions of the loader's shuffled order that hold mixture positions up to {last}"
+                if shuffled
                 else f"positions up to {last}"
+            )
             if -(-(last + 1) // self.window) * self.window < len(self):
                 advice = f"pass change_at >= {last + 1}"
             else:
-                advice = (f"no change_at fits before epoch {epoch} ends: finish it under the old plan (resume with the "
-                          f"mixture it trained with) and change from a checkpoint saved at its end, where any "
-                          f"change_at fits")
+                advice = (
+                    f"no change_at fits before epoch {epoch} ends: finish it under the old plan (resume with the "
+                    f"mixture it trained with) and change from a checkpoint saved at its end, where any "
+                    f"change_at fits"
+                )
             if shuffled:
-                advice += (". A Mixture interleaves its sources by itself: in a loader with shuffle=True (which leaves "
-                           "the order to it) or shuffle=False (and no lanes) a change from just after what was "
-                           "committed fits")
-            raise StateError(f"the schedule change begins at position {at} (window {at // self.window}), but epoch "
-                             f"{epoch} committed {held} under the old plan: {advice}")
+                advice += (
+                    ". A Mixture interleaves its sources by itself: in a loader with shuffle=True (which leaves "
+                    "the order to it) or shuffle=False (and no lanes) a change from just after what was "
+                    "committed fits"
+                )
+            raise StateError(
+                f"the schedule change begins at position {at} (window {at // self.window}), but epoch "
+                f"{epoch} committed {held} under the old plan: {advice}"
+            )
 
     def _check_continuing(self, saved, at: int) -> None:
         """`check_change` where loader epoch e is mixture positions [e N, (e + 1) N): the last position trained is
@@ -863,10 +971,12 @@ class Mixture(torch.utils.data.Dataset):
                 last = max(last, epoch * n + int(spans[-1, 1]) - 1)
         if last >= at:
             epoch, position = divmod(last, n)
-            raise StateError(f"the schedule change begins at mixture position {at} (window {at // self.window}), but "
-                             f"the run committed mixture position {last} (epoch {epoch}, position {position}; loader "
-                             f"epoch e serves mixture positions from e * {n}) under the old plan: pass change_at >= "
-                             f"{last + 1}")
+            raise StateError(
+                f"the schedule change begins at mixture position {at} (window {at // self.window}), but "
+                f"the run committed mixture position {last} (epoch {epoch}, position {position}; loader "
+                f"epoch e serves mixture positions from e * {n}) under the old plan: pass change_at >= "
+                f"{last + 1}"
+            )
 
     def __getstate__(self) -> dict:
         return {**self.__dict__, "_cache": OrderedDict(), "_lists": _NO_LISTS}

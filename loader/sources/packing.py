@@ -70,8 +70,10 @@ class ArrowDocuments:
 
     def __init__(self, dataset: Any, column: str = "input_ids") -> None:
         if getattr(dataset, "_indices", None) is not None:
-            raise ValueError("the dataset has an indices mapping (select, shuffle, filter, train_test_split): its "
-                             "rows are not the Arrow table's; call dataset.flatten_indices() first")
+            raise ValueError(
+                "the dataset has an indices mapping (select, shuffle, filter, train_test_split): its "
+                "rows are not the Arrow table's; call dataset.flatten_indices() first"
+            )
         table = dataset.data.table
         if column not in table.column_names:
             raise ValueError(f"no column {column!r} in the dataset; it has {table.column_names}")
@@ -111,8 +113,8 @@ class ArrowDocuments:
             chunk = self._chunk_of(low + filled)
             offsets, values = arrays[chunk]
             at = int(offsets[0]) + low + filled - int(self._bases[chunk])
-            piece = values[at:min(int(offsets[-1]), at + high - low - filled)]
-            out[filled:filled + len(piece)] = piece
+            piece = values[at : min(int(offsets[-1]), at + high - low - filled)]
+            out[filled : filled + len(piece)] = piece
             filled += len(piece)
         return out
 
@@ -122,7 +124,7 @@ class ArrowDocuments:
         arrays = self._arrays()
         while chunk < len(arrays) and self._bases[chunk] < high:
             offsets, base = arrays[chunk][0], int(self._bases[chunk]) - int(arrays[chunk][0][0])
-            found.append(offsets[np.searchsorted(offsets, low - base):np.searchsorted(offsets, high - base)] + base)
+            found.append(offsets[np.searchsorted(offsets, low - base) : np.searchsorted(offsets, high - base)] + base)
             chunk += 1
         return np.unique(np.concatenate(found + [np.zeros(0, np.int64)]).astype(np.int64))  # empty rows: once
 
@@ -198,9 +200,12 @@ def row_metadata(lengths: Sequence[int], seq_len: int) -> dict[str, torch.Tensor
     positions[:used] = np.arange(used) - np.repeat(ends - lengths, lengths)
     bounds = [0] + [end for end in ends.tolist() if 0 < end < seq_len] + [seq_len]
     cu_seqlens = np.full(width, seq_len, np.int32)
-    cu_seqlens[:len(bounds)] = bounds
-    return {"segment_ids": torch.from_numpy(segment_ids), "positions": torch.from_numpy(positions),
-            "cu_seqlens": torch.from_numpy(cu_seqlens)}
+    cu_seqlens[: len(bounds)] = bounds
+    return {
+        "segment_ids": torch.from_numpy(segment_ids),
+        "positions": torch.from_numpy(positions),
+        "cu_seqlens": torch.from_numpy(cu_seqlens),
+    }
 
 
 def label_mask(segment_ids: torch.Tensor) -> torch.Tensor:
@@ -279,11 +284,19 @@ class PackedSource(torch.utils.data.Dataset):
                 raise ValueError(f"{name} must be a non-negative int, got {value!r}")
         document_starts = getattr(documents, "document_starts", None)
         if document_starts is None:
-            raise TypeError(f"{type(documents).__name__} has no document_starts(): pass a TokenSource, an "
-                            "ArrowDocuments or an object with the Documents methods")
+            raise TypeError(
+                f"{type(documents).__name__} has no document_starts(): pass a TokenSource, an "
+                "ArrowDocuments or an object with the Documents methods"
+            )
         document_starts(0, 1)  # a TokenSource without eos_id= or doc_offsets= is refused here
-        self.documents, self.seq_len, self.mode, self.seed, self.epoch, self.pad_id = \
-            documents, seq_len, mode, seed, epoch, pad_id
+        self.documents, self.seq_len, self.mode, self.seed, self.epoch, self.pad_id = (
+            documents,
+            seq_len,
+            mode,
+            seed,
+            epoch,
+            pad_id,
+        )
         self.capacity, self.rows_per_window, self.fill = seq_len + 1, rows_per_window, fill
         self._stream, self._keep, self._dropped = documents, None, (np.zeros(0, np.int64),) * 2
         if keep is not None:
@@ -379,7 +392,7 @@ class PackedSource(torch.utils.data.Dataset):
             return np.stack([bounds[:-1] - low, bounds[:-1], np.diff(bounds), docs], 1)
         window, at = divmod(row, self.rows_per_window)
         table, begins = self.layout(window, epoch)
-        return table[begins[at]:begins[at + 1], 1:]
+        return table[begins[at] : begins[at + 1], 1:]
 
     def pieces(self, row: int, epoch: int | None = None) -> list[tuple[int, int, int, int]]:
         """What row `row` trains in `epoch` (default: the one its index carries, else the default epoch): (document
@@ -407,7 +420,7 @@ class PackedSource(torch.utils.data.Dataset):
             parts = self._row_parts(self._check(row), self._epoch_of(None, row))
             tokens = np.full(self.capacity, self.pad_id, np.int64)
             for column, start, length, _ in parts.tolist():
-                tokens[column:column + length] = self._stream.read_tokens(start, start + length)
+                tokens[column : column + length] = self._stream.read_tokens(start, start + length)
             samples.append({"tokens": torch.from_numpy(tokens), **row_metadata(parts[:, 2], self.seq_len)})
         return samples
 
@@ -430,14 +443,25 @@ class PackedSource(torch.utils.data.Dataset):
             long += int((counts > 1).sum())
             pieces = len(self._pieces(window, self._epoch_of(epoch))[1])
             split += len(table) - pieces
-        return {"padding": 1 - tokens / (rows * self.capacity), "documents": documents,
-                "cut_at_window_edges": edges / documents, "cut_in_rows": long / documents,
-                "split_to_fit": split / documents}
+        return {
+            "padding": 1 - tokens / (rows * self.capacity),
+            "documents": documents,
+            "cut_at_window_edges": edges / documents,
+            "cut_in_rows": long / documents,
+            "split_to_fit": split / documents,
+        }
 
     def _digest(self, documents: str, **legacy: int) -> str:
-        layout = {"documents": documents, "seq_len": self.seq_len, "mode": self.mode,
-                  "rows_per_window": self.rows_per_window, "fill": self.fill, "seed": self.seed, **legacy,
-                  "pad_id": self.pad_id}
+        layout = {
+            "documents": documents,
+            "seq_len": self.seq_len,
+            "mode": self.mode,
+            "rows_per_window": self.rows_per_window,
+            "fill": self.fill,
+            "seed": self.seed,
+            **legacy,
+            "pad_id": self.pad_id,
+        }
         return hashlib.sha256(json.dumps(layout).encode()).hexdigest()[:16]
 
     def _documents_of_earlier_release(self) -> str | None:
@@ -460,10 +484,14 @@ class PackedSource(torch.utils.data.Dataset):
         saved, _, mask = saved.partition(_KEEP)
         changed = []
         if mask != (self._keep[1] if self._keep else ""):
-            changed.append(f"the keep= mask {self._keep[0]} changed since the checkpoint was saved (digest "
-                           f"{mask or 'none: no mask'} then, {self._keep[1]} now), so its rows would hold other "
-                           f"documents" if self._keep else "the checkpoint was saved with a keep= mask (digest "
-                           f"{mask}) and this PackedSource has none, so its rows would hold other documents")
+            changed.append(
+                f"the keep= mask {self._keep[0]} changed since the checkpoint was saved (digest "
+                f"{mask or 'none: no mask'} then, {self._keep[1]} now), so its rows would hold other "
+                f"documents"
+                if self._keep
+                else "the checkpoint was saved with a keep= mask (digest "
+                f"{mask}) and this PackedSource has none, so its rows would hold other documents"
+            )
         explain = getattr(self.documents, "explain_fingerprint", None)
         files = explain(saved) if callable(explain) else None
         return "; ".join(changed + ([files] if files else [])) or None
@@ -508,11 +536,13 @@ class PackedSource(torch.utils.data.Dataset):
                 f"the checkpoint was saved by a release that packed every epoch with PackedSource(epoch="
                 f"{self.epoch}), and its epoch {moved[0]} is part trained: this release packs epoch {moved[0]} "
                 f"with epoch {moved[0]}, so its saved positions would name other rows. Finish that epoch with the "
-                f"release that saved the checkpoint, then resume here (or start the data anew)")
+                f"release that saved the checkpoint, then resume here (or start the data anew)"
+            )
 
     def __getstate__(self) -> dict:
         return {**self.__dict__, "_cache": OrderedDict()}
 
     def __repr__(self) -> str:
-        return (f"PackedSource({self.mode}, {len(self)} rows of {self.capacity} tokens, "
-                f"fingerprint={self.fingerprint()})")
+        return (
+            f"PackedSource({self.mode}, {len(self)} rows of {self.capacity} tokens, fingerprint={self.fingerprint()})"
+        )

@@ -137,8 +137,9 @@ class Prefetcher:
                     except Exception as exn:  # a cache too full for the plan: prefetch without telling it
                         log.warning("publishing the prefetch plan failed: %r", exn)
                     seen = version
-                fetches = [(s, pool.submit(self._fetch, plan, version, s, r)) for r, s in enumerate(shards)
-                           if s not in failed]
+                fetches = [
+                    (s, pool.submit(self._fetch, plan, version, s, r)) for r, s in enumerate(shards) if s not in failed
+                ]
                 complete = True
                 for shard, fetch in fetches:
                     try:

@@ -66,17 +66,28 @@ _URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
 _VERSION_FIELDS = ("ETag", "etag", "generation")  # S3, HTTP, Azure; GCS
 _MTIME_FIELDS = ("LastModified", "Last-Modified", "last_modified", "updated", "mtime")
 _RETRIED_STATUS = (408, 425, 429)
-_TRANSIENT_ERRORS = frozenset({  # by class name (or a base's): the clients are optional, so never imported here
-    # aiohttp: a response cut short (ClientPayloadError around ContentLengthError or TransferEncodingError), a
-    # connection closed, refused or timed out
-    "ClientPayloadError", "ContentLengthError", "TransferEncodingError", "ClientConnectionError",
-    "ServerTimeoutError",
-    # botocore: no connection, a connection closed, a read or connect timed out, a body cut short
-    "EndpointConnectionError", "ConnectionClosedError", "ReadTimeoutError", "ConnectTimeoutError",
-    "ResponseStreamingError", "IncompleteReadError", "ProxyConnectionError",
-    # http.client and urllib3 (file systems built on requests)
-    "IncompleteRead", "ProtocolError",
-})
+_TRANSIENT_ERRORS = frozenset(
+    {  # by class name (or a base's): the clients are optional, so never imported here
+        # aiohttp: a response cut short (ClientPayloadError around ContentLengthError or TransferEncodingError), a
+        # connection closed, refused or timed out
+        "ClientPayloadError",
+        "ContentLengthError",
+        "TransferEncodingError",
+        "ClientConnectionError",
+        "ServerTimeoutError",
+        # botocore: no connection, a connection closed, a read or connect timed out, a body cut short
+        "EndpointConnectionError",
+        "ConnectionClosedError",
+        "ReadTimeoutError",
+        "ConnectTimeoutError",
+        "ResponseStreamingError",
+        "IncompleteReadError",
+        "ProxyConnectionError",
+        # http.client and urllib3 (file systems built on requests)
+        "IncompleteRead",
+        "ProtocolError",
+    }
+)
 T = TypeVar("T")
 
 
@@ -106,8 +117,9 @@ def _leave_parents_sessions_alone() -> None:
             finalizer.detach()
 
 
-os.register_at_fork(before=_hold_file_systems, after_in_parent=_PARENTS_FILE_SYSTEMS.clear,
-                    after_in_child=_leave_parents_sessions_alone)
+os.register_at_fork(
+    before=_hold_file_systems, after_in_parent=_PARENTS_FILE_SYSTEMS.clear, after_in_child=_leave_parents_sessions_alone
+)
 
 
 class ShardUnavailableError(OSError):
@@ -127,7 +139,7 @@ def is_remote(url: str) -> bool:
 def local_path(url: str) -> str:
     """The path a ``file://`` URL names; anything else unchanged."""
     match = _URL.match(url)
-    return url[match.end():] if match is not None and match.group(1).lower() in ("file", "local") else url
+    return url[match.end() :] if match is not None and match.group(1).lower() in ("file", "local") else url
 
 
 class RemoteShard(NamedTuple):
@@ -145,7 +157,9 @@ class RemoteShard(NamedTuple):
     def indexed_by(self, index: ShardIndex) -> bool:
         """Whether ``index`` was built for this very version."""
         return (index.shard_bytes, index.shard_mtime_ns, index.shard_identity) == (
-            self.size, self.mtime_ns, self.identity
+            self.size,
+            self.mtime_ns,
+            self.identity,
         )
 
     def copy_name(self) -> str:
@@ -242,8 +256,10 @@ class _Ranges:
     def _fetch(self, start: int, end: int) -> bytes:
         data = _within(self.fs, "cat_file", self.deadline, self.path, start=start, end=end)
         if len(data) != end - start:
-            raise ShardUnavailableError(f"{self.url}: a read of bytes {start}-{end} got {len(data)} bytes; the "
-                                        "server must honour Range requests")
+            raise ShardUnavailableError(
+                f"{self.url}: a read of bytes {start}-{end} got {len(data)} bytes; the "
+                "server must honour Range requests"
+            )
         return data
 
     def seek(self, offset: int) -> None:
@@ -368,8 +384,9 @@ class RemoteShards:
         if not rebuild:
             if (index := _matching(self.cache.load_index(name), shard)) is not None:
                 return index, False
-            data = self._retry(lambda deadline: self._stored_index(shard.url, deadline), shard.url,
-                               "reading the index of")
+            data = self._retry(
+                lambda deadline: self._stored_index(shard.url, deadline), shard.url, "reading the index of"
+            )
             if (index := _matching(data, shard)) is not None:
                 self.cache.store_index(name, data)
                 return index, False
@@ -388,8 +405,9 @@ class RemoteShards:
         index, _ = self._retry(lambda deadline: self._build(shard, deadline), url, "indexing")
         fs, path = self._fs(url)
         data = index_bytes(index)
-        self._retry(lambda deadline: _within(fs, "pipe_file", deadline, path + ".idx.npz", data), url,
-                    "writing the index of")
+        self._retry(
+            lambda deadline: _within(fs, "pipe_file", deadline, path + ".idx.npz", data), url, "writing the index of"
+        )
         return len(index), True
 
     # -- copies ----------------------------------------------------------------------------------------------------
@@ -436,8 +454,7 @@ class RemoteShards:
                 os.close(fd)
                 raise
             os.close(fd)
-            log.warning("the cached copy %s of %s is damaged, rotten or truncated: fetching it again", path,
-                        shard.url)
+            log.warning("the cached copy %s of %s is damaged, rotten or truncated: fetching it again", path, shard.url)
             self.cache.discard(name)
         raise ShardFormatError(f"{shard.url}: its copy in {self.cache.directory} failed its checks twice in a row")
 

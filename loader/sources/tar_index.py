@@ -475,8 +475,10 @@ def index_bytes(index: ShardIndex) -> bytes:
 def same_layout(a: ShardIndex, b: ShardIndex) -> bool:
     """Whether two indexes list the same samples, members, offsets and header digests (the shard's stat aside)."""
     arrays = ("key_blob", "key_offsets", "sample_members", "member_table", "member_suffixes")
-    return a.head_digest == b.head_digest and a.suffixes == b.suffixes and all(
-        np.array_equal(getattr(a, name), getattr(b, name)) for name in arrays
+    return (
+        a.head_digest == b.head_digest
+        and a.suffixes == b.suffixes
+        and all(np.array_equal(getattr(a, name), getattr(b, name)) for name in arrays)
     )
 
 

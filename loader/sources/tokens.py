@@ -65,8 +65,11 @@ def _content_digest(path: str, size: int, blocks: int) -> str:
     bytes between the blocks goes unseen (a stat would see it, but a copy of the files to another disk changes
     every stat and must resume)."""
     digest = hashlib.blake2b(digest_size=16)
-    positions = range(0, size, DIGEST_BLOCK) if size <= blocks * DIGEST_BLOCK else \
-        [k * (size - DIGEST_BLOCK) // (blocks - 1) for k in range(blocks)]
+    positions = (
+        range(0, size, DIGEST_BLOCK)
+        if size <= blocks * DIGEST_BLOCK
+        else [k * (size - DIGEST_BLOCK) // (blocks - 1) for k in range(blocks)]
+    )
     with open(path, "rb") as f:
         for position in positions:
             digest.update(os.pread(f.fileno(), DIGEST_BLOCK, position))
@@ -83,13 +86,16 @@ def _changed_files(saved: str, current: str, groups: Sequence[Sequence[str]]) ->
     tags, mine = saved.partition("-")[2], current.partition("-")[2]
     if len(tags) != len(mine) or len(mine) != 4 * len(groups):
         return None
-    changed = [path for k, group in enumerate(groups) if tags[4 * k:4 * k + 4] != mine[4 * k:4 * k + 4]
-               for path in group]
+    changed = [
+        path for k, group in enumerate(groups) if tags[4 * k : 4 * k + 4] != mine[4 * k : 4 * k + 4] for path in group
+    ]
     if not changed:
         return None
     more = f" and {len(changed) - 3} more" if len(changed) > 3 else ""
-    return (f"{', '.join(changed[:3])}{more} changed since the checkpoint was saved (size or content: the tokens or "
-            "document offsets were rewritten), so its positions would name other samples")
+    return (
+        f"{', '.join(changed[:3])}{more} changed since the checkpoint was saved (size or content: the tokens or "
+        "document offsets were rewritten), so its positions would name other samples"
+    )
 
 
 def _map_limit() -> int:
@@ -170,8 +176,10 @@ class _Mapped:
         except FileNotFoundError:
             raise TokenFileError(f"{self.path} disappeared after the TokenSource was built; restore it") from None
         if now != self.state:
-            raise self._changed(f"size, mtime_ns, inode, ctime_ns {self.state} -> {now}; the ctime alone moves "
-                                "on a write with the mtime restored, a chmod or a new hard link")
+            raise self._changed(
+                f"size, mtime_ns, inode, ctime_ns {self.state} -> {now}; the ctime alone moves "
+                "on a write with the mtime restored, a chmod or a new hard link"
+            )
 
     def _check_size(self, size: int) -> None:
         if size != self.state[0]:
@@ -226,8 +234,9 @@ def _npy(path: str) -> tuple[int, np.dtype, int]:
     with open(path, "rb") as f:
         try:
             version = np.lib.format.read_magic(f)
-            read_header = np.lib.format.read_array_header_1_0 if version == (1, 0) else \
-                np.lib.format.read_array_header_2_0
+            read_header = (
+                np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+            )
             shape, fortran, dtype = read_header(f)
         except ValueError as err:
             raise TokenFileError(f"{path}: not a .npy file ({err})") from None
@@ -239,8 +248,10 @@ def _npy(path: str) -> tuple[int, np.dtype, int]:
 
 def _check_declared(path: str, found: np.dtype, given: np.dtype | None) -> None:
     if given is not None and given != found:
-        raise TokenFileError(f"{path} declares {found.name} tokens but dtype={given.name!r} was given: pass the "
-                             "matching dtype, or none (this format says it)")
+        raise TokenFileError(
+            f"{path} declares {found.name} tokens but dtype={given.name!r} was given: pass the "
+            "matching dtype, or none (this format says it)"
+        )
 
 
 def _npy_tokens(path: str, dtype: np.dtype | None) -> _Mapped:
@@ -252,12 +263,16 @@ def _npy_tokens(path: str, dtype: np.dtype | None) -> _Mapped:
 
 def _raw_tokens(path: str, dtype: np.dtype | None) -> _Mapped:
     if dtype is None:
-        raise ValueError(f"{path}: a raw token file has no header saying its dtype: pass dtype='uint16' (nanoGPT; "
-                         "vocabularies below 65536) or dtype='uint32'")
+        raise ValueError(
+            f"{path}: a raw token file has no header saying its dtype: pass dtype='uint16' (nanoGPT; "
+            "vocabularies below 65536) or dtype='uint32'"
+        )
     size = os.path.getsize(path)
     if size % dtype.itemsize:
-        raise TokenFileError(f"{path}: {size} bytes is not a whole number of {dtype.name} tokens "
-                             f"({dtype.itemsize} bytes each); the file is truncated or dtype= is wrong")
+        raise TokenFileError(
+            f"{path}: {size} bytes is not a whole number of {dtype.name} tokens "
+            f"({dtype.itemsize} bytes each); the file is truncated or dtype= is wrong"
+        )
     return _Mapped(path, 0, size // dtype.itemsize, dtype)
 
 
@@ -276,8 +291,10 @@ def _litdata_tokens(directory: str, dtype: np.dtype | None) -> list[_Mapped]:
         )
     found = _token_dtype(_LITDATA_DTYPES[formats[0]], index_path)
     _check_declared(index_path, found, dtype)
-    return [_Mapped(os.path.join(directory, c["filename"]), (2 + c["chunk_size"]) * 4, c["dim"], found)
-            for c in index["chunks"]]
+    return [
+        _Mapped(os.path.join(directory, c["filename"]), (2 + c["chunk_size"]) * 4, c["dim"], found)
+        for c in index["chunks"]
+    ]
 
 
 def _check_named_ids(files: list[_Mapped], eos_id: int | None, vocab_size: int | None) -> None:
@@ -304,8 +321,10 @@ def _expand(files: Files, what: str) -> list[str]:
     if isinstance(files, (str, os.PathLike)):
         pattern = os.fspath(files)
         if os.path.isdir(pattern) and not os.path.exists(os.path.join(pattern, "index.json")):
-            raise ValueError(f"{pattern} is a directory without a LitData index.json: pass a glob of its {what}, "
-                             f"e.g. {os.path.join(pattern, '*.bin')!r}")
+            raise ValueError(
+                f"{pattern} is a directory without a LitData index.json: pass a glob of its {what}, "
+                f"e.g. {os.path.join(pattern, '*.bin')!r}"
+            )
         paths = sorted(glob.glob(pattern)) if glob.has_magic(pattern) else [pattern]
     else:
         paths = [os.fspath(p) for p in files]
@@ -343,8 +362,10 @@ class _DocumentStarts:
             self.starts = _Mapped(path, offset, count, dtype)
             starts = self.starts.array()
             if count and (int(starts[0]) < 0 or int(starts[-1]) >= tokens.count):
-                raise TokenFileError(f"{path}: document offsets must lie in [0, {tokens.count}) (the tokens of "
-                                     f"{tokens.path}), found {int(starts[0])} ... {int(starts[-1])}")
+                raise TokenFileError(
+                    f"{path}: document offsets must lie in [0, {tokens.count}) (the tokens of "
+                    f"{tokens.path}), found {int(starts[0])} ... {int(starts[-1])}"
+                )
 
     def _megatron(self, path: str, tokens: _Mapped) -> None:
         with open(path, "rb") as f:
@@ -353,8 +374,10 @@ class _DocumentStarts:
             raise TokenFileError(f"{path}: not a Megatron .idx file (no MMIDIDX header)")
         version, code, sequences, documents = _MEGATRON_HEADER.unpack(header)
         if version != 1 or _MEGATRON_DTYPES.get(code) != tokens.dtype.name:
-            raise TokenFileError(f"{path}: version {version}, dtype code {code}; expected version 1 and the dtype "
-                                 f"of {tokens.path} ({tokens.dtype.name})")
+            raise TokenFileError(
+                f"{path}: version {version}, dtype code {code}; expected version 1 and the dtype "
+                f"of {tokens.path} ({tokens.dtype.name})"
+            )
         pointers_at = len(_MEGATRON_MAGIC) + _MEGATRON_HEADER.size + 4 * sequences  # after the int32 lengths
         self.starts = _Mapped(path, pointers_at, sequences, np.dtype("<i8"), ends_file=False)
         self.documents = _Mapped(path, pointers_at + 8 * sequences, documents, np.dtype("<i8"))
@@ -365,7 +388,7 @@ class _DocumentStarts:
         """Token offsets in [low, high) where a document starts."""
         starts = self.starts.array()
         if self.documents is None:
-            return starts[np.searchsorted(starts, low):np.searchsorted(starts, high)]
+            return starts[np.searchsorted(starts, low) : np.searchsorted(starts, high)]
         documents = self.documents.array()
         first, last = np.searchsorted(starts, [low * self.itemsize, high * self.itemsize])
         lo, hi = np.searchsorted(documents, [first, last])
@@ -426,15 +449,19 @@ class TokenSource(torch.utils.data.Dataset):
         self.tokens = int(self._starts[-1])
         self._len = max(0, (self.tokens - 1) // seq_len)
         if not self._len:
-            raise ValueError(f"{len(self._files)} token file(s) hold {self.tokens} tokens: too few for one sample of "
-                             f"seq_len + 1 = {seq_len + 1}")
+            raise ValueError(
+                f"{len(self._files)} token file(s) hold {self.tokens} tokens: too few for one sample of "
+                f"seq_len + 1 = {seq_len + 1}"
+            )
         _check_named_ids(self._files, eos_id, vocab_size)
         self._documents, self._fingerprint, self._groups = None, None, []
         if doc_offsets is not None:
             paths = _expand(doc_offsets, "offsets files")
             if len(paths) != len(self._files):
-                raise ValueError(f"doc_offsets: {len(paths)} offsets files for {len(self._files)} token files; pass "
-                                 "one per token file, in the same order")
+                raise ValueError(
+                    f"doc_offsets: {len(paths)} offsets files for {len(self._files)} token files; pass "
+                    "one per token file, in the same order"
+                )
             self._documents = [_DocumentStarts(p, f) for p, f in zip(paths, self._files)]
 
     @property
@@ -466,8 +493,8 @@ class TokenSource(torch.utils.data.Dataset):
         filled = 0
         while filled < len(out):
             touched.add(file)
-            piece = self._files[file].array()[offset:offset + len(out) - filled]
-            out[filled:filled + len(piece)] = piece
+            piece = self._files[file].array()[offset : offset + len(out) - filled]
+            out[filled : filled + len(piece)] = piece
             filled, file, offset = filled + len(piece), file + 1, 0
 
     def _doc_ids(self, tokens: np.ndarray, starts: np.ndarray) -> np.ndarray:
@@ -559,8 +586,11 @@ class TokenSource(torch.utils.data.Dataset):
             return
         file, span = files[0], self._span
         target = slice(rows.start, rows.stop) if type(rows) is range and rows.step == 1 else rows
-        if len(files) >= GATHER_ROWS and files.count(file) == len(files) and max(offsets) + span <= \
-                self._files[file].count:
+        if (
+            len(files) >= GATHER_ROWS
+            and files.count(file) == len(files)
+            and max(offsets) + span <= self._files[file].count
+        ):
             out[target] = self._windows(file)[np.asarray(offsets) // self.seq_len]
             touched = {file}
         else:
@@ -569,7 +599,7 @@ class TokenSource(torch.utils.data.Dataset):
             for row, file, offset in zip(rows, files, offsets):
                 tokens = arrays[file]
                 if offset + span <= len(tokens):  # the usual sample: inside one file
-                    out[row] = tokens[offset:offset + span]
+                    out[row] = tokens[offset : offset + span]
                 else:
                     self._read(out[row], file, offset, touched)
         for file in touched:
@@ -629,7 +659,9 @@ class TokenSource(torch.utils.data.Dataset):
     def _layout(self) -> dict[str, Any]:
         return {
             "files": [[os.path.basename(f.path), f.count] for f in self._files],
-            "dtype": self._files[0].dtype.name, "seq_len": self.seq_len, "eos_id": self.eos_id,
+            "dtype": self._files[0].dtype.name,
+            "seq_len": self.seq_len,
+            "eos_id": self.eos_id,
             "doc_offsets": None if self._documents is None else [os.path.basename(d.path) for d in self._documents],
         }
 
@@ -644,8 +676,9 @@ class TokenSource(torch.utils.data.Dataset):
             blocks = max(2, min(64, DIGEST_BLOCKS // len(mapped)))
             content = []
             for file in mapped:
-                content.append([os.path.basename(file.path), file.state[0],
-                                _content_digest(file.path, file.state[0], blocks)])
+                content.append(
+                    [os.path.basename(file.path), file.state[0], _content_digest(file.path, file.state[0], blocks)]
+                )
                 file.check_unchanged()  # the content read is that of the file measured
             groups = [g.tolist() for g in np.array_split(np.arange(len(mapped)), min(len(mapped), NAMED_GROUPS))]
             tags = "".join(_digest([content[k] for k in group])[:4] for group in groups)
@@ -663,5 +696,7 @@ class TokenSource(torch.utils.data.Dataset):
         return _digest(self._layout())
 
     def __repr__(self) -> str:
-        return (f"TokenSource({len(self._files)} files, {self.tokens} tokens, seq_len={self.seq_len}, {len(self)} "
-                f"samples, fingerprint={self.fingerprint()})")
+        return (
+            f"TokenSource({len(self._files)} files, {self.tokens} tokens, seq_len={self.seq_len}, {len(self)} "
+            f"samples, fingerprint={self.fingerprint()})"
+        )

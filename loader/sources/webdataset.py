@@ -48,8 +48,13 @@ from loader.sources.tar_index import (
 )
 
 __all__ = [
-    "MissingKeyError", "ShardFormatError", "ShardUnavailableError", "StaleIndexError", "WebDatasetSource",
-    "expand_shards", "prepare_indexes",
+    "MissingKeyError",
+    "ShardFormatError",
+    "ShardUnavailableError",
+    "StaleIndexError",
+    "WebDatasetSource",
+    "expand_shards",
+    "prepare_indexes",
 ]
 
 T = TypeVar("T")
@@ -286,8 +291,11 @@ def prepare_indexes(
         raise ValueError(f"no shards found for {urls!r}")
     cache = None if cache_dir is None else os.fspath(cache_dir)
     if any(map(is_remote, shards)):
-        remote = (RemoteShards(storage_options, None) if cache is None
-                  else _remote_shards(shards, cache, cache_limit, storage_options, retries=5))
+        remote = (
+            RemoteShards(storage_options, None)
+            if cache is None
+            else _remote_shards(shards, cache, cache_limit, storage_options, retries=5)
+        )
 
         def prepare(shard: str) -> tuple[int, bool]:
             if not is_remote(shard):
@@ -382,8 +390,9 @@ class WebDatasetSource(torch.utils.data.Dataset):
         self._prefetch = prefetch
         self._prefetcher: Prefetcher | None = None
         if group is not None and distributed():
-            index_shards(self.shards[rank(group)::world_size(group)], self._index_of(cache_dir, rebuild_index),
-                         progress, jobs)
+            index_shards(
+                self.shards[rank(group) :: world_size(group)], self._index_of(cache_dir, rebuild_index), progress, jobs
+            )
             barrier(group)
             rebuild_index = False  # every index was just built by some rank of the group
         self._indexes = index_shards(self.shards, self._index_of(cache_dir, rebuild_index), progress, jobs)
@@ -415,8 +424,10 @@ class WebDatasetSource(torch.utils.data.Dataset):
             readers = max(1, workers) * ranks
             if (readers - 1) * REMOTE_OPEN_FILES + 1 > shards:
                 shards = (readers - 1) * REMOTE_OPEN_FILES + 1
-                held = (f"the {REMOTE_OPEN_FILES} shards open in each but one of the {readers} processes reading "
-                        f"remote shards on this node ({max(1, workers)} per rank, {ranks} ranks) and one more")
+                held = (
+                    f"the {REMOTE_OPEN_FILES} shards open in each but one of the {readers} processes reading "
+                    f"remote shards on this node ({max(1, workers)} per rank, {ranks} ranks) and one more"
+                )
         minimum = shards * cache.copy_footprint(largest) + 2 * cache.footprint(1)  # and the counters, a plan
         if cache.limit < minimum:
             raise ValueError(
@@ -446,8 +457,10 @@ class WebDatasetSource(torch.utils.data.Dataset):
         count would silently resume onto other samples. Not the payloads (the same keys in another copy are the
         same dataset). Computed once: hashing every key costs about a second per 1e8 samples."""
         if self._fingerprint is None:
-            layout = [[os.path.basename(s), n, hashlib.blake2b(index.key_blob.tobytes(), digest_size=16).hexdigest()]
-                      for s, n, index in zip(self.shards, self.shard_sizes, self._indexes)]
+            layout = [
+                [os.path.basename(s), n, hashlib.blake2b(index.key_blob.tobytes(), digest_size=16).hexdigest()]
+                for s, n, index in zip(self.shards, self.shard_sizes, self._indexes)
+            ]
             self._fingerprint = hashlib.sha256(json.dumps(layout).encode("utf-8", "surrogateescape")).hexdigest()[:16]
         return self._fingerprint
 

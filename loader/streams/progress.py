@@ -38,8 +38,17 @@ _ENDED_ELSEWHERE = worker_snapshot(0, True, None, None, [0, 0], None)
 
 
 class StreamProgress:
-    def __init__(self, dataset, world_size: int, rank: int, grad_accum: int, num_workers: int, persistent: bool,
-                 seed: int, shuffle: bool):
+    def __init__(
+        self,
+        dataset,
+        world_size: int,
+        rank: int,
+        grad_accum: int,
+        num_workers: int,
+        persistent: bool,
+        seed: int,
+        shuffle: bool,
+    ):
         self.dataset, self.world_size, self.rank, self.grad_accum = dataset, world_size, rank, grad_accum
         self.num_workers, self.persistent = num_workers, persistent and num_workers > 0
         self.workers = max(num_workers, 1)
@@ -55,17 +64,34 @@ class StreamProgress:
         self._unread = True  # no pass of this loader read the dataset, and no state was loaded: see `_origins`
         self._start(0, (None,) * self.workers)
 
-    def attach(self, batch_size: int | None, drop_last: bool, collate_fn, worker_init_fn,
-               keep: Callable[[None, Any], bool] | None = None) -> StreamSource:
+    def attach(
+        self,
+        batch_size: int | None,
+        drop_last: bool,
+        collate_fn,
+        worker_init_fn,
+        keep: Callable[[None, Any], bool] | None = None,
+    ) -> StreamSource:
         """The dataset torch iterates: this stream's batches, made where it is read, each with its worker's state;
         of the records `keep(None, record)` keeps, if given."""
         deal = None if self.shards is None else self.shards.deal(self.world_size, self.workers)
-        self.source = StreamSource(self.dataset, batch_size, drop_last, collate_fn, self.num_workers, worker_init_fn,
-                                   self.rank, deal, keep)
+        self.source = StreamSource(
+            self.dataset, batch_size, drop_last, collate_fn, self.num_workers, worker_init_fn, self.rank, deal, keep
+        )
         return self.source
 
-    def _start(self, epoch: int, origins: tuple, *, delivered: int = 0, latest=None, next_worker: int = 0,
-               base_seed: int | None = None, exhausted: bool = False, ended: bool = False) -> None:
+    def _start(
+        self,
+        epoch: int,
+        origins: tuple,
+        *,
+        delivered: int = 0,
+        latest=None,
+        next_worker: int = 0,
+        base_seed: int | None = None,
+        exhausted: bool = False,
+        ended: bool = False,
+    ) -> None:
         self.epoch, self.delivered, self.exhausted, self.ended = epoch, delivered, exhausted, ended
         self.origins, self.base_seed, self.next_worker = origins, base_seed, next_worker
         self.latest = list(latest or (None,) * self.workers)
@@ -158,8 +184,12 @@ class StreamProgress:
             self._advance()
         else:
             if self.delivered and not self.exhausted:
-                warn_abandoned(epoch, self.epoch, f"rank {self.rank}'s stream was not read to its end (after "
-                                                  f"{self.delivered} batch(es)): its rest is not delivered")
+                warn_abandoned(
+                    epoch,
+                    self.epoch,
+                    f"rank {self.rank}'s stream was not read to its end (after "
+                    f"{self.delivered} batch(es)): its rest is not delivered",
+                )
             self._reusable = self._origins_live = False
             if self.shards is not None:
                 self._rebase(self.shards.from_epoch(epoch))
@@ -170,9 +200,21 @@ class StreamProgress:
 
     def state_dict(self) -> dict:
         delivered, latest, next_worker = self._committed
-        return stream_state(self.world_size, self.rank, self.epoch, delivered, self.exhausted, self.ended,
-                            self.num_workers, self.base_seed, next_worker, self._origins(), latest, self.shards,
-                            self.identity)
+        return stream_state(
+            self.world_size,
+            self.rank,
+            self.epoch,
+            delivered,
+            self.exhausted,
+            self.ended,
+            self.num_workers,
+            self.base_seed,
+            next_worker,
+            self._origins(),
+            latest,
+            self.shards,
+            self.identity,
+        )
 
     def _origins(self) -> tuple:
         """The origins a state holds. Before the loader's first pass at num_workers=0, the pass begins where the
@@ -188,8 +230,9 @@ class StreamProgress:
         """Validate `state` in full, as load_state_dict does, changing nothing: on a fresh keeper of this
         configuration (restoring touches only the keeper; the dataset's own state is loaded in its workers)."""
         seed, shuffle = (self.shards.seed, self.shards.shuffle) if self.shards is not None else (0, False)
-        fresh = StreamProgress(self.dataset, self.world_size, self.rank, self.grad_accum, self.num_workers,
-                               self.persistent, seed, shuffle)
+        fresh = StreamProgress(
+            self.dataset, self.world_size, self.rank, self.grad_accum, self.num_workers, self.persistent, seed, shuffle
+        )
         fresh.attach(None, False, None, None)  # a source of its own, which a sharded stream's state is dealt to
         fresh.load_state_dict(state)
 
@@ -238,16 +281,24 @@ class StreamProgress:
             ("shuffle", saved.shuffle, ours.shuffle, f"construct the loader with shuffle={saved.shuffle}"),
         ):
             if theirs != mine:
-                raise StateError(f"state.shards.{name} is {theirs!r} in the saved state but {mine!r} in this loader: "
-                                 f"{hint}")
+                raise StateError(
+                    f"state.shards.{name} is {theirs!r} in the saved state but {mine!r} in this loader: {hint}"
+                )
 
     def _restore(self, mine: RankStream) -> None:
         if self.shards is not None:
             self._rebase(mine.shards)
         self._reusable = self._origins_live = self._unread = False
-        self._start(mine.epoch, mine.origins, delivered=mine.batches, latest=mine.workers,
-                    next_worker=mine.next_worker, base_seed=mine.base_seed, exhausted=mine.exhausted,
-                    ended=mine.ended)
+        self._start(
+            mine.epoch,
+            mine.origins,
+            delivered=mine.batches,
+            latest=mine.workers,
+            next_worker=mine.next_worker,
+            base_seed=mine.base_seed,
+            exhausted=mine.exhausted,
+            ended=mine.ended,
+        )
 
     def _redeal(self, ranks: list[RankStream]) -> None:
         """Another world size or number of workers: deal every rank's unfinished shards again, from their records."""

@@ -52,13 +52,15 @@ def _encode(torch_state: bytes, numpy: tuple, python: tuple) -> str:
     """numpy's (words, position, has_gauss, gauss) and random's (words, position, gauss), packed with torch's."""
     np_words, np_pos, np_has_gauss, np_gauss = numpy
     py_words, py_pos, py_gauss = python
-    packed = b"".join((
-        struct.pack(f"={_INTS}q{_FLOATS}d", np_pos, np_has_gauss, py_gauss is not None, np_gauss, py_gauss or 0.0),
-        np_words,
-        py_words,
-        struct.pack("=I", py_pos),
-        torch_state,
-    ))
+    packed = b"".join(
+        (
+            struct.pack(f"={_INTS}q{_FLOATS}d", np_pos, np_has_gauss, py_gauss is not None, np_gauss, py_gauss or 0.0),
+            np_words,
+            py_words,
+            struct.pack("=I", py_pos),
+            torch_state,
+        )
+    )
     return base64.b64encode(packed).decode("ascii")
 
 

@@ -62,9 +62,18 @@ class StreamSource(IterableDataset):
     records it drops are consumed before the batch's snapshot, so a resume never reads them again, nor evaluates the
     filter on them."""
 
-    def __init__(self, dataset, batch_size: int | None, drop_last: bool, collate_fn: Callable, num_workers: int,
-                 worker_init_fn: Callable | None, rank: int, deal: ShardDeal | None,
-                 keep: Callable[[None, Any], bool] | None = None):
+    def __init__(
+        self,
+        dataset,
+        batch_size: int | None,
+        drop_last: bool,
+        collate_fn: Callable,
+        num_workers: int,
+        worker_init_fn: Callable | None,
+        rank: int,
+        deal: ShardDeal | None,
+        keep: Callable[[None, Any], bool] | None = None,
+    ):
         self.dataset, self.batch_size, self.drop_last, self.collate_fn = dataset, batch_size, drop_last, collate_fn
         self.num_workers, self.user_init, self.rank, self.deal = num_workers, worker_init_fn, rank, deal
         self.keep = keep
@@ -209,8 +218,13 @@ def check_loadable(dataset, mine: RankStream) -> None:
                 except StateError as err:
                     raise StateError(f"the state of rank {mine.rank}: {name}[{worker}].iterator: {err}") from None
                 except Exception as err:  # noqa: BLE001 - whatever the user's load_state_dict raises
-                    field = "iterator" if value["dataset"] is None else "dataset" if value["iterator"] is None else (
-                        "dataset or .iterator")
+                    field = (
+                        "iterator"
+                        if value["dataset"] is None
+                        else "dataset"
+                        if value["iterator"] is None
+                        else ("dataset or .iterator")
+                    )
                     raise StateError(
                         f"the state of rank {mine.rank}: {name}[{worker}].{field} is a state "
                         f"{type(dataset).__name__} cannot load ({type(err).__name__}: {str(err)[:120]}): load a "
@@ -288,8 +302,15 @@ class _Batches:
     """One worker's pass: the stream's records made into batches here, each sent with the worker's snapshot. An
     error while drawing or collating consumes the batch (the stream moved past it) and travels in its place."""
 
-    def __init__(self, source: StreamSource, pass_id: int, records: Iterator, iterator, count: int,
-                 reader: _ShardReader | None = None):
+    def __init__(
+        self,
+        source: StreamSource,
+        pass_id: int,
+        records: Iterator,
+        iterator,
+        count: int,
+        reader: _ShardReader | None = None,
+    ):
         self.source, self.pass_id, self.iterator, self.reader = source, pass_id, iterator, reader
         # drawn through its __next__: islice would call iter() on it, which resets a dataset that is its own iterator.
         # Not iter(__next__, sentinel), which compares every record with the sentinel by `==` (element-wise on NumPy
@@ -368,8 +389,15 @@ class _Batches:
     def _made(self, error, batch, records: int) -> tuple:
         self.count += 1
         self.finished = self.exhausted  # a short last batch: the stream ended with it
-        return (self.source._worker, self.snapshot(ended=self.exhausted), error, False, batch, records,
-                0 if error is not None else self.dropped)
+        return (
+            self.source._worker,
+            self.snapshot(ended=self.exhausted),
+            error,
+            False,
+            batch,
+            records,
+            0 if error is not None else self.dropped,
+        )
 
     def replay(self, count: int) -> None:
         """Make `count` batches again, unseen: how a stream without state gets back to where its worker was."""

@@ -43,8 +43,25 @@ from loader.core.state import (
 from loader.streams.shards import EpochShards, RankShards, ShardDeal, ShardProgress, merge
 
 SNAPSHOT_KEYS = ("batches", "ended", "dataset", "iterator", "shard", "rng", "check")
-STATE_KEYS = ("format", "version", "kind", "world_size", "rank", "epoch", "batches", "exhausted", "ended",
-              "num_workers", "base_seed", "next_worker", "origins", "workers", "shards", "stream", "check")
+STATE_KEYS = (
+    "format",
+    "version",
+    "kind",
+    "world_size",
+    "rank",
+    "epoch",
+    "batches",
+    "exhausted",
+    "ended",
+    "num_workers",
+    "base_seed",
+    "next_worker",
+    "origins",
+    "workers",
+    "shards",
+    "stream",
+    "check",
+)
 IDENTITY_KEYS = ("class", "length", "fingerprint")
 _RNG_FIXED = 8 * 3 + 8 * 2 + 4 * 624 + 4 * 625  # see loader.streams.rng
 
@@ -68,8 +85,15 @@ def _check_rng(text, where: str) -> None:
 
 def worker_snapshot(batches: int, ended: bool, dataset, iterator, shard: list | None, rng: str | None) -> dict:
     """A worker's state, with the checksum of its progress."""
-    return {"batches": batches, "ended": ended, "dataset": dataset, "iterator": iterator, "shard": shard, "rng": rng,
-            "check": checksum(batches, ended, shard)}
+    return {
+        "batches": batches,
+        "ended": ended,
+        "dataset": dataset,
+        "iterator": iterator,
+        "shard": shard,
+        "rng": rng,
+        "check": checksum(batches, ended, shard),
+    }
 
 
 def checksum(*progress) -> int:
@@ -89,13 +113,17 @@ def _check_snapshot(value: dict, where: str, rank: int) -> None:
         changed = f"{where}.ended was changed (it would {'drop' if ended else 'read on past'} that worker's rest)"
     else:
         changed = f"{where}.batches, .shard or .check was changed"
-    raise StateError(f"the state of rank {rank}: {changed} after the state was saved: they do not match "
-                     f"{where}.check. The state is corrupted: load the state as it was saved")
+    raise StateError(
+        f"the state of rank {rank}: {changed} after the state was saved: they do not match "
+        f"{where}.check. The state is corrupted: load the state as it was saved"
+    )
 
 
 def _earlier_release(where: str, field: str) -> StateError:
-    return StateError(f"{where} was saved by an earlier release, which did not record {field}: resuming it could skip "
-                      f"or repeat records. Start the stream's epoch again (construct the loader without loading it)")
+    return StateError(
+        f"{where} was saved by an earlier release, which did not record {field}: resuming it could skip "
+        f"or repeat records. Start the stream's epoch again (construct the loader without loading it)"
+    )
 
 
 def _snapshot(value, where: str, sharded: bool, rank: int) -> dict | None:
@@ -132,8 +160,11 @@ def stream_identity(dataset) -> dict:
     fingerprint = dataset.fingerprint() if callable(getattr(dataset, "fingerprint", None)) else None
     if fingerprint is not None and not isinstance(fingerprint, str):
         raise TypeError(f"{type(dataset).__name__}.fingerprint() must return a str, got {short(fingerprint)}")
-    return {"class": f"{type(dataset).__module__}.{type(dataset).__qualname__}", "length": length,
-            "fingerprint": fingerprint}
+    return {
+        "class": f"{type(dataset).__module__}.{type(dataset).__qualname__}",
+        "length": length,
+        "fingerprint": fingerprint,
+    }
 
 
 def check_identity(saved: dict | None, current: dict, rank: int) -> None:
@@ -141,12 +172,16 @@ def check_identity(saved: dict | None, current: dict, rank: int) -> None:
     identity was recorded (None) is not compared."""
     if saved is None:
         return
-    for name, hint in (("class", "construct the loader with the stream class that saved it"),
-                       ("length", "the stream's len() changed: its progress would name other records"),
-                       ("fingerprint", "the stream's fingerprint() changed: it reads other records")):
+    for name, hint in (
+        ("class", "construct the loader with the stream class that saved it"),
+        ("length", "the stream's len() changed: its progress would name other records"),
+        ("fingerprint", "the stream's fingerprint() changed: it reads other records"),
+    ):
         if saved[name] != current[name]:
-            raise StateError(f"the state of rank {rank}: stream.{name} is {short(saved[name])} in the saved state "
-                             f"but {short(current[name])} in this loader: {hint}")
+            raise StateError(
+                f"the state of rank {rank}: stream.{name} is {short(saved[name])} in the saved state "
+                f"but {short(current[name])} in this loader: {hint}"
+            )
 
 
 def _identity(value, where: str) -> dict | None:
@@ -189,8 +224,11 @@ def _progress_to_dict(progress: ShardProgress) -> dict:
     return {
         "epoch": progress.epoch,
         "epochs": [
-            {"epoch": e, "done": intervals_to_json(_spans(s.done)),
-             "offsets": [[shard, offset] for shard, offset in sorted(s.offsets.items())]}
+            {
+                "epoch": e,
+                "done": intervals_to_json(_spans(s.done)),
+                "offsets": [[shard, offset] for shard, offset in sorted(s.offsets.items())],
+            }
             for e, s in sorted(progress.epochs.items())
         ],
     }
@@ -214,10 +252,21 @@ def _progress_from_dict(value, count: int, where: str) -> ShardProgress:
         done = set(np.concatenate([np.arange(a, b) for a, b in spans]).tolist()) if len(spans) else set()
         offsets = {}
         for pair in _get(entry, "offsets", list, at):
-            if not (isinstance(pair, list) and len(pair) == 2 and is_int(pair[0]) and 0 <= pair[0] < count
-                    and is_int(pair[1]) and 0 < pair[1] < LARGEST) or pair[0] in done or pair[0] in offsets:
-                raise StateError(f"{at}.offsets must be [shard, next record > 0] of unfinished shards, got "
-                                 f"{short(pair)}")
+            if (
+                not (
+                    isinstance(pair, list)
+                    and len(pair) == 2
+                    and is_int(pair[0])
+                    and 0 <= pair[0] < count
+                    and is_int(pair[1])
+                    and 0 < pair[1] < LARGEST
+                )
+                or pair[0] in done
+                or pair[0] in offsets
+            ):
+                raise StateError(
+                    f"{at}.offsets must be [shard, next record > 0] of unfinished shards, got {short(pair)}"
+                )
             offsets[pair[0]] = pair[1]
         epochs[e] = EpochShards(frozenset(done), offsets)
     return ShardProgress(count, epoch, epochs)
@@ -237,8 +286,13 @@ class Shards:
     @cached_property
     def serialised(self) -> dict:
         """Built once: the shards and their base progress do not change while a rank runs."""
-        return {"count": self.count, "digest": self.digest, "seed": self.seed, "shuffle": self.shuffle,
-                "base": _progress_to_dict(self.base)}
+        return {
+            "count": self.count,
+            "digest": self.digest,
+            "seed": self.seed,
+            "shuffle": self.shuffle,
+            "base": _progress_to_dict(self.base),
+        }
 
     @cached_property
     def check(self) -> int:
@@ -251,8 +305,9 @@ class Shards:
         digest = _get(value, "digest", str, where)
         seed = _get(value, "seed", int, where)
         shuffle = _get(value, "shuffle", bool, where)
-        return cls(count, digest, seed, shuffle, _progress_from_dict(_get(value, "base", dict, where), count,
-                                                                     f"{where}.base"))
+        return cls(
+            count, digest, seed, shuffle, _progress_from_dict(_get(value, "base", dict, where), count, f"{where}.base")
+        )
 
     def deal(self, world_size: int, workers: int) -> ShardDeal:
         return ShardDeal(self.base, world_size, workers, self.seed, self.shuffle)
@@ -285,9 +340,21 @@ class RankStream:
     stream: dict | None
 
     def to_dict(self) -> dict:
-        return stream_state(self.world_size, self.rank, self.epoch, self.batches, self.exhausted, self.ended,
-                            self.num_workers, self.base_seed, self.next_worker, self.origins, self.workers,
-                            self.shards, self.stream)
+        return stream_state(
+            self.world_size,
+            self.rank,
+            self.epoch,
+            self.batches,
+            self.exhausted,
+            self.ended,
+            self.num_workers,
+            self.base_seed,
+            self.next_worker,
+            self.origins,
+            self.workers,
+            self.shards,
+            self.stream,
+        )
 
     @classmethod
     def from_dict(cls, state, where: str = "state") -> RankStream:
@@ -296,8 +363,10 @@ class RankStream:
             if field not in state:
                 raise _earlier_release(where, field)
         if unknown := set(state) - set(STATE_KEYS):
-            raise StateError(f"{where} has unknown fields {short(sorted(map(str, unknown)))}: the state is "
-                             f"corrupted or not a stream state of this release")
+            raise StateError(
+                f"{where} has unknown fields {short(sorted(map(str, unknown)))}: the state is "
+                f"corrupted or not a stream state of this release"
+            )
         world_size, rank = _get(state, "world_size", int, where), _get(state, "rank", int, where)
         if world_size == 0 or rank >= world_size:
             raise StateError(f"{where}.rank is {rank}, outside world_size {world_size}: the state is corrupted")
@@ -314,28 +383,50 @@ class RankStream:
                 raise StateError(
                     f"{where}.{name} has {len(value)} entries for {count} worker(s): the state is corrupted"
                 )
-            lists[name] = tuple(_snapshot(v, f"{where}.{name}[{i}]", shards is not None, rank)
-                                for i, v in enumerate(value))
+            lists[name] = tuple(
+                _snapshot(v, f"{where}.{name}[{i}]", shards is not None, rank) for i, v in enumerate(value)
+            )
         next_worker = _get(state, "next_worker", int, where)
         delivered = sum(s["batches"] for s in lists["workers"] if s is not None)
-        if next_worker >= count or delivered != batches or (ended and not exhausted) or (
-            exhausted and not all(s is not None and s["ended"] for s in lists["workers"])
+        if (
+            next_worker >= count
+            or delivered != batches
+            or (ended and not exhausted)
+            or (exhausted and not all(s is not None and s["ended"] for s in lists["workers"]))
         ):
             raise StateError(
                 f"{where}: its workers' snapshots ({delivered} batches, next worker {next_worker} of {count}) do not "
                 f"add up to its progress ({batches} batches, exhausted={exhausted}, ended={ended}): the state is "
                 f"corrupted"
             )
-        if shards is not None and not (shards.base.epoch <= epoch <= shards.base.epoch + MAX_EPOCHS_AHEAD
-                                       or (epoch == shards.base.epoch - 1 and exhausted and not batches)):
-            raise StateError(f"{where}.epoch is {epoch}, not within its shard progress from epoch "
-                             f"{shards.base.epoch}: the state is corrupted")
-        _check_rank(_get(state, "check", int, where), epoch, batches, exhausted, ended, next_worker, shards, where,
-                    rank)
+        if shards is not None and not (
+            shards.base.epoch <= epoch <= shards.base.epoch + MAX_EPOCHS_AHEAD
+            or (epoch == shards.base.epoch - 1 and exhausted and not batches)
+        ):
+            raise StateError(
+                f"{where}.epoch is {epoch}, not within its shard progress from epoch "
+                f"{shards.base.epoch}: the state is corrupted"
+            )
+        _check_rank(
+            _get(state, "check", int, where), epoch, batches, exhausted, ended, next_worker, shards, where, rank
+        )
         base_seed = _seed(_get(state, "base_seed", (int, type(None)), where), f"{where}.base_seed")
         stream = _identity(_get(state, "stream", (dict, type(None)), where, default=None), f"{where}.stream")
-        rank_stream = cls(world_size, rank, epoch, batches, exhausted, ended, num_workers, base_seed, next_worker,
-                          lists["origins"], lists["workers"], shards, stream)
+        rank_stream = cls(
+            world_size,
+            rank,
+            epoch,
+            batches,
+            exhausted,
+            ended,
+            num_workers,
+            base_seed,
+            next_worker,
+            lists["origins"],
+            lists["workers"],
+            shards,
+            stream,
+        )
         if shards is not None:
             rank_stream.check_positions(where)
         return rank_stream
@@ -368,26 +459,52 @@ class RankStream:
         return RankShards(self.rank, self.epoch, positions)
 
 
-def _rank_check(epoch: int, batches: int, exhausted: bool, ended: bool, next_worker: int,
-                shards: Shards | None) -> int:
+def _rank_check(epoch: int, batches: int, exhausted: bool, ended: bool, next_worker: int, shards: Shards | None) -> int:
     return checksum(epoch, batches, exhausted, ended, next_worker, None if shards is None else shards.check)
 
 
-def _check_rank(check: int, epoch: int, batches: int, exhausted: bool, ended: bool, next_worker: int,
-                shards: Shards | None, where: str, rank: int) -> None:
+def _check_rank(
+    check: int,
+    epoch: int,
+    batches: int,
+    exhausted: bool,
+    ended: bool,
+    next_worker: int,
+    shards: Shards | None,
+    where: str,
+    rank: int,
+) -> None:
     if check == _rank_check(epoch, batches, exhausted, ended, next_worker, shards):
         return
-    changed = [name for name, flipped in (("exhausted", (not exhausted, ended)), ("ended", (exhausted, not ended)))
-               if check == _rank_check(epoch, batches, *flipped, next_worker, shards)]
-    fields = f"{where}.{changed[0]} was" if changed else (
-        f"{where}.epoch, .batches, .next_worker, .shards or .check was")
-    raise StateError(f"the state of rank {rank}: {fields} changed after the state was saved: they do not match "
-                     f"{where}.check. The state is corrupted: load the state as it was saved")
+    changed = [
+        name
+        for name, flipped in (("exhausted", (not exhausted, ended)), ("ended", (exhausted, not ended)))
+        if check == _rank_check(epoch, batches, *flipped, next_worker, shards)
+    ]
+    fields = (
+        f"{where}.{changed[0]} was" if changed else (f"{where}.epoch, .batches, .next_worker, .shards or .check was")
+    )
+    raise StateError(
+        f"the state of rank {rank}: {fields} changed after the state was saved: they do not match "
+        f"{where}.check. The state is corrupted: load the state as it was saved"
+    )
 
 
-def stream_state(world_size: int, rank: int, epoch: int, batches: int, exhausted: bool, ended: bool,
-                 num_workers: int, base_seed: int | None, next_worker: int, origins, workers,
-                 shards: Shards | None, stream: dict | None) -> dict:
+def stream_state(
+    world_size: int,
+    rank: int,
+    epoch: int,
+    batches: int,
+    exhausted: bool,
+    ended: bool,
+    num_workers: int,
+    base_seed: int | None,
+    next_worker: int,
+    origins,
+    workers,
+    shards: Shards | None,
+    stream: dict | None,
+) -> dict:
     """A rank's stream state in its serialised form, built directly: the loader makes one per state_dict() call,
     i.e. per step. The snapshots are shared, never copied: nothing changes them once made."""
     return {
@@ -414,8 +531,13 @@ def stream_state(world_size: int, rank: int, epoch: int, batches: int, exhausted
 def merge_stream_states(states: list[dict]) -> dict:
     """The states of all ranks side by side, each checked, one per rank (a stream's positions are per rank)."""
     ranks = _parse_all(states)
-    return {"format": FORMAT, "version": VERSION, "kind": "streams", "world_size": ranks[0].world_size,
-            "ranks": [r.to_dict() for r in ranks]}
+    return {
+        "format": FORMAT,
+        "version": VERSION,
+        "kind": "streams",
+        "world_size": ranks[0].world_size,
+        "ranks": [r.to_dict() for r in ranks],
+    }
 
 
 def _parse_all(states) -> list[RankStream]:
@@ -438,12 +560,16 @@ def rank_streams(state) -> list[RankStream]:
     if kind == "stream":
         return _parse_all([state])
     if set(state) != {"format", "version", "kind", "world_size", "ranks"}:
-        raise StateError(f"state must have exactly the fields format, version, kind, world_size and ranks, got "
-                         f"{short(sorted(map(str, state)))}: the state is corrupted")
+        raise StateError(
+            f"state must have exactly the fields format, version, kind, world_size and ranks, got "
+            f"{short(sorted(map(str, state)))}: the state is corrupted"
+        )
     ranks = _parse_all(_get(state, "ranks", list, "state"))
     if _get(state, "world_size", int, "state") != len(ranks):
-        raise StateError(f"state.world_size is {state['world_size']}, but it holds the states of {len(ranks)} ranks: "
-                         f"the state is corrupted")
+        raise StateError(
+            f"state.world_size is {state['world_size']}, but it holds the states of {len(ranks)} ranks: "
+            f"the state is corrupted"
+        )
     return ranks
 
 
