@@ -16,10 +16,18 @@ settings.load_profile(PROFILE)
 EXPLORE_FACTOR = int(os.environ.get("HYPOTHESIS_EXPLORE_FACTOR", "20"))
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
 def pytest_collection_modifyitems(config, items):
-    """Under the explore profile only the property tests run, and a test's own @settings (max_examples sized for CI,
+    """Under `-n 2 --dist loadgroup` (CI): the tests that start processes of their own (`slow`) run one after the
+    other on one worker, as they would alone, and every other module is a unit the other worker may take, so the
+    in-process tests run beside them (module fixtures are made once).
+
+    Under the explore profile only the property tests run, and a test's own @settings (max_examples sized for CI,
     some derandomize=True) would override the profile: re-parent each onto it, with EXPLORE_FACTOR times the
     examples. Hypothesis reads this attribute at call time and has no public hook for it."""
+    for item in items:
+        group = "slow" if item.get_closest_marker("slow") else item.module.__name__
+        item.add_marker(pytest.mark.xdist_group(group))
     if PROFILE != "explore":
         return
     kept, done = [], set()
