@@ -312,7 +312,10 @@ def run(cfg: Config) -> dict:
     tables, changed = padding(cfg.budget_samples), changes_bytes()
     rows = [r for case in cases for r in _rows(case)] + _padding_rows(tables)
     rows += [
-        {**row(f"mixture: state + plan bytes, one rank, after {n} online changes", single(b), "B"), "target": REPORTED}
+        {
+            **row(f"mixture: state + plan bytes, one rank, after {n} online change(s)", single(b), "B"),
+            "target": REPORTED,
+        }
         for n, b in changed.items()
     ]
     return {
