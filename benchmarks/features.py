@@ -1,5 +1,6 @@
 """13. The capabilities of issue 30, each against the same loader without it: filters (`filter=`), batch-size ramps
-(`BatchPolicy(global_batch=[(0, G1), (s, G2)])`) and token-budget batches (`TokenBudgetBatches`).
+(`BatchPolicy(global_batch=[(0, G1), (s, G2)])`), token-budget batches (`TokenBudgetBatches`) and a Mixture's
+weights changed online (`dl.change_mixture`).
 
 Cost per batch: the two loaders run interleaved (`timing.compare_each`), one pass each a round with num_workers=0
 over nearly free samples, so the loader's own per-batch cost shows; each pass gives batches per wall-clock and per
@@ -7,13 +8,17 @@ CPU second (`throughput.timed_pass`), and the row is the per-round ratio of the 
 above 1 costs more). The issue states no bound for them: a ratio whose rounds' quartiles straddle 1 reads "not
 resolved". The loaders without the feature: no filter (its batches are the filter's before it drops members); a
 fixed global batch of G1 (`grad_accum`); fixed-size batches of the same samples' indices, of the budget's mean
-count (what a token-budget batch holds with `dataset=None`). State bytes: `len(json.dumps(...))` of one rank's
-`state_dict()` after a few batches and of the merged state of 4 ranks that consumed unequal amounts. Padding of
-the token budget against an unbounded-buffer best fit and a sorted buffer (`benchmarks.budget`).
+count (what a token-budget batch holds with `dataset=None`); the same Mixture whose weights never changed, so no
+plan rides on its batches (2 workers on both sides: the plan is pickled to the workers with each batch's indices).
+State bytes: `len(json.dumps(...))` of one rank's `state_dict()` after a few batches and of the merged state of 4
+ranks that consumed unequal amounts, plus the plan a checkpoint records once the weights changed online (its
+manifest's `mixture_plan`), also after 1, 10 and 100 changes. Padding of the token budget against an
+unbounded-buffer best fit and a sorted buffer (`benchmarks.budget`).
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
@@ -30,6 +35,7 @@ from benchmarks.throughput import timed_pass
 from benchmarks.timing import compare_each, ratio_of, summary
 from loader import ResumableDataLoader, merge_states
 from loader.core.batch_policy import BatchPolicy
+from loader.sources import Mixture
 from loader.sources.budget import TokenBudgetBatches
 
 BATCH, FEATURES = 64, 64  # the micro-batch and the nearly free sample of throughput's cheap rows
@@ -41,6 +47,9 @@ PER_BUDGET = 34  # SFT samples a 16384-token batch holds, about: sizes the budge
 RATES = {"wall": "batches/s", "cpu": "batches per CPU second"}
 REPORTED = "reported"  # the issue asks for these figures, with no bound
 WITH, WITHOUT = "with", "without"
+MIX_WORKERS, MIX_WINDOW = 2, 100  # the mixture's loaders: its plan rides to the workers; slots per window
+MIX_BATCHES = 200  # at most, a timed pass of the mixture's (2 workers on 2 shared cores: ~50 ms a batch here)
+CHANGES = (1, 10, 100)  # online changes before the plan's bytes are read
 
 
 def keep(index: int, sample: Any) -> bool:
@@ -48,7 +57,7 @@ def keep(index: int, sample: Any) -> bool:
     return index % 10 != 0
 
 
-Make = Callable[[int, int], ResumableDataLoader]  # (rank, world_size) -> a loader
+Make = Callable[..., ResumableDataLoader]  # (rank, world_size, **loader options) -> a loader
 
 
 @dataclass(frozen=True)
@@ -57,6 +66,7 @@ class Capability:
     feature: Make  # the loader with the capability
     plain: Make  # the same loader without it
     without: str  # what the plain loader is, for the table
+    workers: int = 0
 
 
 def filters(batches: int) -> Capability:
@@ -94,7 +104,31 @@ def token_budget(batches: int) -> Capability:
     )
 
 
-CAPABILITIES = (filters, ramp, token_budget)
+def _mixture(batches: int, rank: int, world_size: int, changed: bool = False, **kwargs: Any) -> ResumableDataLoader:
+    """A loader over a Mixture of two sources of `batches` batches each, its weights changed online at step 0
+    (`changed`: from then on its plan rides on every batch) or never."""
+    half = batches * BATCH
+    sources = [FeatureDataset(half, FEATURES, seed=s) for s in range(2)]
+    mix = Mixture(sources, [0.5, 0.5], 2 * half, names=["a", "b"], window=MIX_WINDOW)
+    dl = _loader(mix, rank, world_size, batch_size=BATCH, shuffle=True, **kwargs)
+    dl.step = 0
+    if changed:
+        dl.change_mixture([1, 2])
+    return dl
+
+
+def online_mixture(batches: int) -> Capability:
+    make = partial(_mixture, min(batches, MIX_BATCHES))
+    return Capability(
+        "mixture weights changed online (once, at step 0)",
+        partial(make, changed=True),
+        make,
+        f"the same Mixture, weights never changed (no plan rides on its batches; {MIX_WORKERS} workers both)",
+        MIX_WORKERS,
+    )
+
+
+CAPABILITIES = (filters, ramp, token_budget, online_mixture)
 
 
 def _loader(dataset, rank: int, world_size: int, **kwargs: Any) -> ResumableDataLoader:
@@ -105,15 +139,20 @@ def _one(batch: Any) -> int:
     return 1
 
 
-def _pass(make: Make) -> dict[str, float]:
-    """Batches per wall-clock and CPU second of one pass of one rank of one."""
-    return timed_pass(iter(make(0, 1)), 0, "features", count=_one)
+def _pass(make: Make, workers: int) -> dict[str, float]:
+    """Batches per wall-clock and CPU second of one pass of one rank of one, with `workers` worker processes."""
+    return timed_pass(
+        iter(make(0, 1, **({"num_workers": workers} if workers else {}))), workers, "features", count=_one
+    )
 
 
 def costs(cfg: Config, capability: Capability) -> dict:
     """The two loaders interleaved; per clock, each one's µs per batch and the per-round cost ratio with / without."""
     measured = compare_each(
-        {WITH: partial(_pass, capability.feature), WITHOUT: partial(_pass, capability.plain)},
+        {
+            WITH: partial(_pass, capability.feature, capability.workers),
+            WITHOUT: partial(_pass, capability.plain, capability.workers),
+        },
         WITHOUT,
         cfg.reps,
         cfg.warmup,
@@ -132,13 +171,37 @@ def costs(cfg: Config, capability: Capability) -> dict:
     }
 
 
+def plan_bytes(dl: ResumableDataLoader) -> int:
+    """JSON bytes of the plan a checkpoint records beside the state once a Mixture's weights changed online (its
+    manifest's `mixture_plan`); 0 for any other loader."""
+    carried = getattr(dl.dataset, "carried_plan", None)
+    plan = carried() if callable(carried) else None
+    return 0 if plan is None else len(json.dumps({"mixture_plan": plan.to_dict()}).encode())
+
+
 def state_bytes(make: Make) -> dict[str, int]:
     """JSON bytes of one rank's state after a few batches, and of the merged state of 4 ranks that delivered
-    `UNEVEN` micro-batches."""
-    one = advance(make(0, 1), UNEVEN[0]).state_dict()
+    `UNEVEN` micro-batches, each with the plan a checkpoint records (`plan_bytes`)."""
+    one = advance(make(0, 1), UNEVEN[0])
     ranks = [advance(make(rank, len(UNEVEN)), stop) for rank, stop in enumerate(UNEVEN)]
     merged = merge_states([dl.state_dict() for dl in ranks], uneven=True)
-    return {"one rank": serialized_bytes(one)["json"], "merged, 4 ranks uneven": serialized_bytes(merged)["json"]}
+    return {
+        "one rank": serialized_bytes(one.state_dict())["json"] + plan_bytes(one),
+        "merged, 4 ranks uneven": serialized_bytes(merged)["json"] + plan_bytes(ranks[0]),
+    }
+
+
+def changes_bytes() -> dict[int, int]:
+    """One rank's state and recorded plan, in JSON bytes, after each count of online changes in `CHANGES`: a change
+    after every update (one micro-batch each) from step 0 on."""
+    dl, counts = _mixture(max(CHANGES), 0, 1), {}
+    batches = iter(dl)
+    for change in range(1, max(CHANGES) + 1):
+        dl.change_mixture([1 + change % 3, 2])
+        if change in CHANGES:
+            counts[change] = serialized_bytes(dl.state_dict())["json"] + plan_bytes(dl)
+        next(batches)
+    return counts
 
 
 def padding(samples: int) -> dict[str, list]:
@@ -246,15 +309,26 @@ def run(cfg: Config) -> dict:
                 "state_bytes": {WITH: state_bytes(small.feature), WITHOUT: state_bytes(small.plain)},
             }
         )
-    tables = padding(cfg.budget_samples)
+    tables, changed = padding(cfg.budget_samples), changes_bytes()
     rows = [r for case in cases for r in _rows(case)] + _padding_rows(tables)
+    rows += [
+        {
+            **row(f"mixture: state + plan bytes, one rank, after {n} online change(s)", single(b), "B"),
+            "target": REPORTED,
+        }
+        for n, b in changed.items()
+    ]
     return {
         "cases": cases,
         "padding": tables,
+        "changes_bytes": changed,
         "tables": _table(cases, tables),
         "notes": [
             'Targets: issue 30 states none for these figures ("reported"); a cost ratio whose rounds\' '
-            'quartiles straddle 1 reads "not resolved".'
+            'quartiles straddle 1 reads "not resolved".',
+            "A Mixture's state and recorded plan (JSON bytes, one rank) after "
+            + ", ".join(f"{n} online change{'s' * (n > 1)}: {b:,}" for n, b in changed.items())
+            + ".",
         ],
         "rows": rows,
     }

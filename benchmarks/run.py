@@ -67,8 +67,8 @@ SECTIONS: tuple[tuple[str, str, Callable[[Config], dict]], ...] = (
     ),
     (
         "features",
-        "13. Filters, batch-size ramps, token-budget batches (cost per batch against the same loader without "
-        "them, state bytes, padding against a best fit)",
+        "13. Filters, batch-size ramps, token-budget batches, online mixture changes (cost per batch against the "
+        "same loader without them, state bytes, padding against a best fit)",
         features.run,
     ),
 )

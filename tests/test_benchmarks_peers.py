@@ -9,8 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.peers import ours, torch_skip
+from benchmarks.peers import capabilities, ours, torch_skip
 from benchmarks.peers.faults import FAULTS, GLOBAL_BATCH, Fault, exactly_once, tally
+from benchmarks.peers.samples import SEQ_LEN
 from benchmarks.peers.section import exactly_once_table
 from benchmarks.peers.systems import SYSTEMS
 
@@ -19,6 +20,17 @@ REPO = Path(__file__).resolve().parent.parent
 
 def test_tally_counts_skipped_and_extra_deliveries():
     assert tally(5, [[0, 1], [1, 1, 4]]) == {"skipped": 2, "duplicated": 2, "delivered": 5}
+
+
+def test_tally_counts_a_filtered_record_as_a_delivery_and_each_source_apart():
+    # ~i is sample i recorded as filtered: 2 filtered once is no skip, 3 trained and filtered is a duplicate
+    assert tally(5, [[0, ~2, 3], [~3, 4, 4]], [range(0, 3), range(3, 5)]) == {
+        "skipped": 1,
+        "duplicated": 2,
+        "delivered": 4,
+        "filtered": 2,
+        "by_source": [{"skipped": 1, "duplicated": 0}, {"skipped": 0, "duplicated": 2}],
+    }
 
 
 def test_every_fault_keeps_the_global_batch():
@@ -143,3 +155,57 @@ def test_energon_resumes_at_its_world_size_and_refuses_another(peers):
     assert "State must be a list of size world_size" in results["4→3"]["cannot_resume"]
     assert (results["no restart, W=3"]["skipped"], results["no restart, W=3"]["duplicated"]) == (0, 0)
     assert "Megatron Energon" in peers["_markdown"] and "restore_state_global" in peers["_markdown"]
+
+
+def _case_counts(capability: str, system: str, n: int = 240) -> dict[str, dict]:
+    case = next(c for c in capabilities.CASES if (c.capability, c.system) == (capability, system))
+    results = capabilities.run_case(case, n, 2)
+    assert "not_run" not in results, results
+    return results
+
+
+def _without_state(results: dict[str, dict]) -> dict[str, dict]:
+    return {label: {k: v for k, v in r.items() if k != "state_bytes"} for label, r in results.items()}
+
+
+def test_ours_trains_or_records_as_filtered_every_sample_of_a_filter_a_packing_and_a_mixture():
+    # 240 samples = 5 global batches, stopped after 2 updates: the filter's 24 (every tenth) recorded as filtered,
+    # every packed token once (240 x 32 tokens), every sample of each mixture source once
+    sources = [{"skipped": 0, "duplicated": 0}] * 2
+    for label, result in _without_state(_case_counts("filter", "ours")).items():
+        assert result == {"skipped": 0, "duplicated": 0, "delivered": 216, "filtered": 24}, label
+    for label, result in _without_state(_case_counts("packing", "ours")).items():
+        assert result == {"skipped": 0, "duplicated": 0, "delivered": 240 * SEQ_LEN}, label
+    for label, result in _without_state(_case_counts("mixture", "ours")).items():
+        assert result == {"skipped": 0, "duplicated": 0, "delivered": 240, "by_source": sources}, label
+
+
+def test_grain_refuses_a_filter_and_packing_and_mixes_in_lockstep_only():
+    """Grain's ElasticIterator (the `peers` extra) raises on `filter` and on its packer, at the stop already; its
+    `MapDataset.mix` resumes a lockstep run at 3 ranks, and loses rank 2's missing micro-batch and repeats rank 1's
+    extra one after an uneven stop (12 each), per source as they fell."""
+    pytest.importorskip("benchmarks.peers.grain_elastic", reason="grain: pip install -e '.[peers]'")
+    filtered, packed = _case_counts("filter", "grain_elastic"), _case_counts("packing", "grain_elastic")
+    assert "ElasticIterator does not support `filter` transformation" in filtered["4→3"]["error"]
+    assert "'FirstFitPackIterDataset' object is not subscriptable" in packed["4→3"]["error"]
+    assert all("error" in r for r in [*filtered.values(), *packed.values()])
+    mixed = _without_state(_case_counts("mixture", "grain_elastic"))
+    assert (mixed["4→3"]["skipped"], mixed["4→3"]["duplicated"]) == (0, 0)
+    uneven = mixed["4→3 uneven"]
+    assert (uneven["skipped"], uneven["duplicated"]) == (12, 12)
+    assert [sum(s[k] for s in uneven["by_source"]) for k in ("skipped", "duplicated")] == [12, 12]
+    table = capabilities.table({"cases": [{"capability": "filter", "system": "grain_elastic", "results": filtered}]})
+    assert table[2].endswith(
+        "| raised at the stop [1] | raised at the stop [1] | raised at the stop [1] | raised [1] |"
+    )
+    assert table[-1].startswith("[1] ValueError: ElasticIterator does not support `filter` transformation.")
+
+
+@pytest.mark.slow  # a gloo group of rank processes per launch
+def test_litdata_refuses_a_mixture_at_another_world_size():
+    pytest.importorskip("litdata", reason="litdata: installed with --target, see benchmarks/README.md")
+    results = _case_counts("mixture", "lit")
+    refusal = "support resume only when world_size, num_workers, and batch_size match the checkpoint"
+    assert refusal in results["4→3"]["cannot_resume"] and refusal in results["4→3 uneven"]["cannot_resume"]
+    control = results["no restart, W=4"]
+    assert (control["skipped"], control["duplicated"]) == (0, 0)

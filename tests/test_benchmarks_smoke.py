@@ -149,7 +149,12 @@ def test_remote_compares_the_same_loaders_and_counts_bytes(results):
 
 def test_features_measure_each_capability_against_the_loader_without_it(results):
     features = results["sections"]["features"]
-    assert [case["capability"].split(" ")[0] for case in features["cases"]] == ["filter", "batch-size", "token"]
+    assert [case["capability"].split(" ")[0] for case in features["cases"]] == [
+        "filter",
+        "batch-size",
+        "token",
+        "mixture",
+    ]
     for case in features["cases"]:
         for clock in ("wall", "cpu"):
             measured = case["costs"][clock]
@@ -160,6 +165,8 @@ def test_features_measure_each_capability_against_the_loader_without_it(results)
             assert set(case["state_bytes"][which]) == {"one rank", "merged, 4 ranks uneven"}
             assert all(_positive(n) for n in case["state_bytes"][which].values())
     assert len(features["tables"]) == 2 + len(features["cases"])  # a row per capability under the header
+    changed = features["changes_bytes"]  # state + recorded plan grow with the online changes, a few dozen B each
+    assert list(changed) == ["1", "10", "100"] and changed["1"] < changed["10"] < changed["100"]
     for batchers in features["padding"].values():  # the best fit first: no batcher makes fewer batches
         assert batchers[0]["batcher"].startswith("best fit")
         assert all(b["batches"] >= batchers[0]["batches"] and 0 <= b["padding"] < 1 for b in batchers)

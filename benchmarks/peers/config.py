@@ -14,6 +14,9 @@ class PeersConfig:
     stop_updates: int  # optimizer updates (global batch 48) before the stop
     faults: tuple[Fault, ...]
     launch_timeout_s: float  # one launch of every rank (processes for Streaming and LitData)
+    # the capability cases (`capabilities.py`): samples (packing: tokens of about as many rows), updates to the stop
+    capability_n: int
+    capability_stop: int
     # costs, each system at one rank
     batch: int  # rounds and warm-up rounds are the suite's (Config.reps, Config.warmup), but for throughput
     resume_sizes: tuple[int, ...]  # resumed at N/2; each system until its budget stops it
@@ -31,6 +34,8 @@ QUICK = PeersConfig(
     stop_updates=50,
     faults=FAULTS,
     launch_timeout_s=600.0,
+    capability_n=3000,
+    capability_stop=20,
     batch=64,
     resume_sizes=tuple(10**k for k in range(5, 10)),
     resume_budget_s=3.0,
@@ -48,6 +53,8 @@ SMOKE = replace(
     stop_updates=5,
     faults=(Fault(4, 4), Fault(4, 3), Fault(4, 3, uneven=True), Fault(4, 4, batch_after=96), Fault(3, None)),
     launch_timeout_s=300.0,
+    capability_n=480,
+    capability_stop=3,
     resume_sizes=(2000,),
     resume_budget_s=1.0,
     write_budget_s=10.0,

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import pickle
 import tempfile
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -87,15 +88,32 @@ FAULTS = (
 )
 
 
-def tally(n: int, delivered: list[list[int]]) -> dict:
-    """Skipped (never delivered) and duplicated (delivered more than once: the extra deliveries) sample counts."""
+def _missed(counts: np.ndarray) -> dict:
+    return {"skipped": int((counts == 0).sum()), "duplicated": int((counts[counts > 1] - 1).sum())}
+
+
+def tally(n: int, delivered: list[list[int]], sources: Sequence[range] = ()) -> dict:
+    """Skipped (never delivered) and duplicated (delivered more than once: the extra deliveries) sample counts; an
+    id ~i (below 0) is sample i recorded as filtered by policy, a delivery of its own (counted as "filtered").
+    With `sources` (the ids of each source of a mixture), the same counts per source too."""
     flat = np.fromiter((i for rank in delivered for i in rank), dtype=np.int64)
-    counts = np.bincount(flat, minlength=n)
+    filtered = int((flat < 0).sum())
+    counts = np.bincount(np.where(flat < 0, ~flat, flat), minlength=n)
     return {
-        "skipped": int((counts == 0).sum()),
-        "duplicated": int((counts[counts > 1] - 1).sum()),
-        "delivered": int(flat.size),
+        **_missed(counts),
+        "delivered": int(flat.size) - filtered,
+        **({"filtered": filtered} if filtered else {}),
+        **({"by_source": [_missed(counts[ids.start : ids.stop]) for ids in sources]} if sources else {}),
     }
+
+
+def cell(result: dict) -> str:
+    """skipped / duplicated, or why there is no count."""
+    if "cannot_resume" in result:
+        return f"cannot resume ({result['cannot_resume'].split(':')[0]})"
+    if "error" in result:
+        return f"error ({result['error'].split(':')[0]})"
+    return f"{result['skipped']}/{result['duplicated']}"
 
 
 def _launch(peer: Peer, module: str, phases: list[Phase], timeout_s: float) -> list[Outcome]:
@@ -108,7 +126,7 @@ def _launch(peer: Peer, module: str, phases: list[Phase], timeout_s: float) -> l
         return [Outcome(error=error_text(err))] * len(phases)
 
 
-def _result(n: int, stop: Outcome | None, outcome: Outcome) -> dict:
+def _result(n: int, stop: Outcome | None, outcome: Outcome, sources: Sequence[range] = ()) -> dict:
     """Counts of the stop and the resume together (or of the control alone), or why there are none."""
     if stop is not None and stop.error:  # nothing was saved: what ran after it is no resume
         return {"error": f"the stop failed: {stop.error}"}
@@ -116,8 +134,8 @@ def _result(n: int, stop: Outcome | None, outcome: Outcome) -> dict:
         key = "cannot_resume" if stop is not None else "error"
         return {key: outcome.error, **({"state_bytes": len(pickle.dumps(stop.saved))} if stop and stop.saved else {})}
     if stop is None:
-        return tally(n, outcome.ids)
-    return {"state_bytes": len(pickle.dumps(stop.saved)), **tally(n, stop.ids + outcome.ids)}
+        return tally(n, outcome.ids, sources)
+    return {"state_bytes": len(pickle.dumps(stop.saved)), **tally(n, stop.ids + outcome.ids, sources)}
 
 
 def _resume(fault: Fault, same_launch: bool, index: dict, stopped: list[Outcome]):
@@ -129,12 +147,19 @@ def _resume(fault: Fault, same_launch: bool, index: dict, stopped: list[Outcome]
 
 
 def exactly_once(
-    peer: Peer, module: str, n: int, stop_updates: int, faults: tuple[Fault, ...] = FAULTS, timeout_s: float = 600.0
+    peer: Peer,
+    module: str,
+    n: int,
+    stop_updates: int,
+    faults: tuple[Fault, ...] = FAULTS,
+    timeout_s: float = 600.0,
+    sources: Sequence[range] = (),
 ) -> dict[str, dict]:
     """Every fault on one system, as few launches as the script allows: one per world size. The first launch (at
     the world size every fault stops at) makes the stops, the resumes at that size and its control; each other
     world size resumes from the saved states in a launch of its own. Data is written once, in a temporary
-    directory, in the system's own format."""
+    directory, in the system's own format. `module` names the adapter module (`module:NAME`: its NAME, not its
+    PEER, as a process rank loads it); `sources`, for a mixture, the ids of each source (counted apart too)."""
     (before,) = {f.before for f in faults if f.after is not None} or {faults[0].before}
     with tempfile.TemporaryDirectory(prefix="loader-peers-") as directory:
         data = Path(directory) / "data"
@@ -168,5 +193,5 @@ def exactly_once(
                 stopped, outcomes = outcomes[: len(first)], outcomes[len(first) :]
             for f, outcome in zip(mine, outcomes):
                 stop = None if f.after is None else stopped[index[f.key]]
-                results[f.label] = _result(n, stop, outcome)
+                results[f.label] = _result(n, stop, outcome, sources)
     return {f.label: results[f.label] for f in faults}

@@ -4,15 +4,22 @@
 It reads the rank from torch.distributed, so every simulated rank is a process in a gloo group (`ranks.launch`).
 Under data parallelism rank 0's StreamingDataLoader.state_dict() is saved (as Lightning Fabric does) and every
 rank loads it.
+
+The mixture case (`benchmarks.peers.capabilities`): a `CombinedStreamingDataset` of two sources, each written as
+its own chunks (`samples.MIXTURE`), with its defaults (`iterate_over_all=True`: sampled by the sources' lengths
+until every sample was served once).
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterable
+from pathlib import Path
 
 import litdata
 from litdata.streaming.writer import BinaryWriter
 
 from benchmarks.peers.phase import RankZero
-from benchmarks.peers.samples import SEED, decode, item
+from benchmarks.peers.samples import MIXTURE, SEED, decode, item, mixture_sources
 
 SAMPLES_PER_CHUNK = 4096
 
@@ -34,16 +41,28 @@ def _loader(
     return litdata.StreamingDataLoader(dataset, batch_size=batch, num_workers=workers)
 
 
+def _write(data: Path, samples: Iterable[int], kind: str = "index") -> None:
+    """Chunks of the samples, in its format: sample i's item under "i"."""
+    writer = BinaryWriter(str(data), chunk_size=SAMPLES_PER_CHUNK)
+    for index, i in enumerate(samples):
+        writer[index] = {"i": item(kind, i)}
+    writer.done()
+    writer.merge()
+
+
+def _mixture(data, batch: int, workers: int = 0, kind: str = "index") -> litdata.StreamingDataLoader:
+    sources = [litdata.StreamingDataset(str(data / name), shuffle=True, seed=SEED) for name in MIXTURE]
+    return litdata.StreamingDataLoader(
+        litdata.CombinedStreamingDataset(sources, seed=SEED), batch_size=batch, num_workers=workers
+    )
+
+
 class Lit(RankZero):
     _loader = staticmethod(_loader)
     saves = "rank 0's StreamingDataLoader.state_dict(); every rank loads it"
 
     def prepare(self, n, data, kind="index") -> None:
-        writer = BinaryWriter(str(data), chunk_size=SAMPLES_PER_CHUNK)
-        for i in range(n):
-            writer[i] = {"i": item(kind, i)}
-        writer.done()
-        writer.merge()
+        _write(data, range(n), kind)
 
     def _moved(self, state: dict, position: int) -> dict:
         state["num_samples_yielded"] = state["dataset"]["num_samples_yielded"] = position
@@ -51,4 +70,12 @@ class Lit(RankZero):
         return state
 
 
-PEER = Lit()
+class LitMixture(Lit):
+    _loader = staticmethod(_mixture)
+
+    def prepare(self, n, data, kind="index") -> None:
+        for name, ids in zip(MIXTURE, mixture_sources(n)):
+            _write(data / name, ids, kind)
+
+
+PEER, MIXED = Lit(), LitMixture()

@@ -47,9 +47,9 @@ def _env(rank: int, world: int, port: int) -> dict[str, str]:
 
 
 def launch(module: str, phases: list[Phase], timeout_s: float) -> list[Outcome]:
-    """Start every rank of the phases' world, each playing `module`.PEER through the phases; return the outcomes
-    with every rank's ids. Raises with the failing rank's last error line when a rank fails or the launch runs
-    past `timeout_s`."""
+    """Start every rank of the phases' world, each playing `module`.PEER (`module:NAME`: its NAME) through the
+    phases; return the outcomes with every rank's ids. Raises with the failing rank's last error line when a rank
+    fails or the launch runs past `timeout_s`."""
     world = phases[0].world
     with tempfile.TemporaryDirectory(prefix="loader-ranks-") as directory:
         job = Path(directory) / "phases.pkl"
@@ -108,7 +108,8 @@ def _main(module: str, job: str, out: str) -> None:
         dist.all_gather_object(every, states)
         return every
 
-    outcomes = play(importlib.import_module(module).PEER, phases, [rank], gather)
+    path, _, name = module.partition(":")
+    outcomes = play(getattr(importlib.import_module(path), name or "PEER"), phases, [rank], gather)
     Path(out).write_bytes(pickle.dumps(outcomes))
     dist.barrier()  # no rank tears the group down while another still reads
     dist.destroy_process_group()

@@ -8,23 +8,14 @@ from pathlib import Path
 
 from benchmarks.config import Config
 from benchmarks.environment import usable_cpus
-from benchmarks.peers import memory, resume, throughput
+from benchmarks.peers import capabilities, memory, resume, throughput
 from benchmarks.peers.config import PeersConfig, peers_config
-from benchmarks.peers.faults import GLOBAL_BATCH, Fault, exactly_once
+from benchmarks.peers.faults import GLOBAL_BATCH, Fault, cell, exactly_once
 from benchmarks.peers.store import Store
 from benchmarks.peers.systems import SYSTEMS, System, load_all, versions
 from benchmarks.peers.throughput import BASELINE
 from benchmarks.progress import say
 from benchmarks.rows import count, resolves, row, single
-
-
-def _cell(result: dict) -> str:
-    """skipped / duplicated, or why there is no count."""
-    if "cannot_resume" in result:
-        return f"cannot resume ({result['cannot_resume'].split(':')[0]})"
-    if "error" in result:
-        return f"error ({result['error'].split(':')[0]})"
-    return f"{result['skipped']}/{result['duplicated']}"
 
 
 def _system(key: str) -> System:
@@ -44,7 +35,7 @@ def exactly_once_table(section: dict) -> list[str]:
         "|---" * (len(faults) + 2) + "|",
     ]
     for key, results in section["exactly_once"].items():
-        lines.append(f"| {_name(key)} | {_system(key).drops} | " + " | ".join(_cell(results[f]) for f in faults) + " |")
+        lines.append(f"| {_name(key)} | {_system(key).drops} | " + " | ".join(cell(results[f]) for f in faults) + " |")
     for key, error in section["not_run"].items():
         lines.append(f"| {_name(key)} | {_system(key).drops} | not run: {error} |" + " |" * (len(faults) - 1))
     return lines
@@ -188,6 +179,14 @@ def tables(section: dict, script: str) -> list[str]:
         ["### Exactly once: skipped / duplicated samples, by identity", "", script, ""]
         + exactly_once_table(section)
         + errors(section)
+        + [
+            "",
+            "### The capabilities of issue 30: filter, packing, mixture",
+            "",
+            capabilities.script(section["capabilities"]),
+            "",
+        ]
+        + capabilities.table(section["capabilities"])
         + costs
         + ["", "### How each system saves its state", ""]
         + saves_table(section)
@@ -248,6 +247,7 @@ def _exactly_once(pc: PeersConfig) -> dict:
             peer, _system(key).module, pc.n, pc.stop_updates, pc.faults, pc.launch_timeout_s
         )
         section["seconds"][f"exactly_once {key}"] = time.perf_counter() - start
+    section["capabilities"] = capabilities.run(pc)
     return section
 
 
