@@ -112,7 +112,7 @@ class Segment(NamedTuple):
         return self.plan.samples_from(self.rank, at + first) - self.plan.samples_from(self.rank, at + stop)
 
 
-def batch_nbytes(batch) -> int:
+def batch_nbytes(batch: object) -> int:
     """Bytes of the tensors and arrays in a batch (nested in dicts, lists and tuples); O(number of tensors)."""
     if isinstance(batch, dict):
         return sum(batch_nbytes(value) for value in batch.values())

@@ -13,6 +13,7 @@ torch.distributed.checkpoint (~0.6 s) into each one.
 from __future__ import annotations
 
 import importlib
+from typing import Any
 
 _EXPORTS = {
     "merge_states": "merge",
@@ -28,7 +29,7 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS)
 
 
-def __getattr__(name: str):
+def __getattr__(name: str) -> Any:
     if name not in _EXPORTS:
         raise AttributeError(f"module 'loader.checkpoint' has no attribute {name!r}")
     return getattr(importlib.import_module(f"loader.checkpoint.{_EXPORTS[name]}"), name)

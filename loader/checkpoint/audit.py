@@ -13,6 +13,7 @@ records of an N = 10**9 dataset is audited in a few MB; a whole epoch of N = 10*
 from __future__ import annotations
 
 import inspect
+import os
 import sys
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -172,7 +173,7 @@ def _by_group(
     return tuple(GroupAudit(name, *map(int, row)) for name, row in zip(grouping.names, columns))
 
 
-def tally(records: list[Record], epochs) -> Iterator[EpochTally]:
+def tally(records: list[Record], epochs: Iterable[int]) -> Iterator[EpochTally]:
     """Per epoch (those of the records and `epochs`, in order): the distinct indices the records delivered and how
     often, the indices of the batches that failed to load, and the distinct indices the loader's filter dropped and
     how often. One epoch's indices in memory at a time."""
@@ -194,7 +195,7 @@ def _distinct(batches: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
     return np.unique(np.concatenate(batches + [np.zeros(0, np.int64)]), return_counts=True)
 
 
-def audit(run_dir, grouping: Grouping | None = None) -> list[EpochAudit]:
+def audit(run_dir: str | os.PathLike, grouping: Grouping | None = None) -> list[EpochAudit]:
     """The audit of a run's ledger; raises FileNotFoundError (no ledger) or LedgerError (a file unreadable or
     inconsistent, named with its field) before judging anything."""
     run = read_run(run_dir)

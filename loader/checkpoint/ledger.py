@@ -38,12 +38,16 @@ import struct
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
+from numpy.typing import ArrayLike
+from torch.distributed import ProcessGroup
 
 from loader.checkpoint.publish import fsync
 from loader.core.checks import MAX_SAMPLES, is_int
 from loader.core.collectives import from_rank0, rank, world_size
+from loader.core.order import Order
 from loader.core.progress import EMPTY
 
 _HEADER = struct.Struct("<qqIB")  # step, epoch, number of indices, flags:
@@ -61,11 +65,11 @@ class LedgerError(ValueError):
     the field."""
 
 
-def _ledger_dir(run_dir) -> Path:
+def _ledger_dir(run_dir: str | os.PathLike) -> Path:
     return Path(run_dir) / "ledger"
 
 
-def _generations(run_dir) -> list[Path]:
+def _generations(run_dir: str | os.PathLike) -> list[Path]:
     root = _ledger_dir(run_dir)
     return sorted(root.glob("gen-[0-9][0-9][0-9][0-9][0-9][0-9]")) if root.is_dir() else []
 
@@ -76,7 +80,7 @@ class Ledger:
     Attach it with `loader.checkpoint.ledger = Ledger.open(...)`.
     """
 
-    def __init__(self, run_dir, path: Path, resumed_step: int):
+    def __init__(self, run_dir: str | os.PathLike, path: Path, resumed_step: int) -> None:
         self.run_dir, self.path, self.step = Path(run_dir), path, resumed_step
         self.rank = int(path.stem[5:])
         self.attempts = False  # an attempts generation's (torchft): ends are recorded by the caller, who deals
@@ -89,14 +93,16 @@ class Ledger:
         return int(self.path.parent.name[4:])
 
     @classmethod
-    def open(cls, run_dir, resumed_step: int, num_samples: int, group=None) -> Ledger:
+    def open(
+        cls, run_dir: str | os.PathLike, resumed_step: int, num_samples: int, group: ProcessGroup | None = None
+    ) -> Ledger:
         """Start a new generation (rank 0 creates it, every rank learns its number, or its error); a collective when
         torch.distributed is initialised."""
         made = from_rank0(lambda: _new_generation(run_dir, resumed_step, world_size(group), num_samples), group)
         return cls(run_dir, made / f"rank-{rank(group):05d}.bin", resumed_step)
 
     @classmethod
-    def open_attempts(cls, run_dir, num_samples: int, name: str) -> Ledger:
+    def open_attempts(cls, run_dir: str | os.PathLike, num_samples: int, name: str) -> Ledger:
         """This process's own generation of attempts (no collective: the processes of a torchft job share no
         group that outlives a membership change); `name` says whose it is (e.g. its replica group and rank)."""
         path = _new_generation(run_dir, 0, 1, num_samples, attempts=name)
@@ -136,7 +142,7 @@ class Ledger:
             self.step += 1
             self._file.flush()
 
-    def record_end(self, loader) -> None:
+    def record_end(self, loader: Any) -> None:
         """The loader handed out this rank's whole share of its epoch, whose last update is the step just completed
         (or, in a pass that had nothing left, the step it resumed from). Rank 0 records what the epoch dropped by
         policy and skipped on request, as the global progress its state stands for at this point holds them (every
@@ -162,7 +168,7 @@ class Ledger:
         ids = np.ascontiguousarray(indices, dtype="<i8")
         self._file.write(_HEADER.pack(self.step + 1 if step is None else step, epoch, len(ids), flags) + ids.tobytes())
 
-    def record_finished(self, progress: dict, loader) -> None:
+    def record_finished(self, progress: dict, loader: Any) -> None:
         """Store the indices dropped by policy of the epochs a merged progress reports finished, and those skipped
         on request (`loader.skip`) of the epochs it holds, as that progress has them (rank 0, with the
         checkpoint: a drop or skip lost with a later checkpoint is no longer recorded either). A save that was lost
@@ -196,13 +202,13 @@ class Ledger:
         self._file.close()
 
 
-def _positions(spans) -> np.ndarray:
+def _positions(spans: ArrayLike) -> np.ndarray:
     """Every position of a set of intervals (flat [a, b, ...] or shape (k, 2))."""
     spans = np.asarray(spans, dtype=np.int64).reshape(-1, 2)
     return np.concatenate([np.arange(a, b) for a, b in spans] + [np.zeros(0, np.int64)])
 
 
-def _save_indices(target: Path, order, epoch: int, flat_spans: list) -> None:
+def _save_indices(target: Path, order: Order, epoch: int, flat_spans: list) -> None:
     """The dataset indices at these positions of the epoch, written atomically."""
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.with_suffix(f".{os.getpid()}.tmp.npy")  # writers may race (torchft)
@@ -212,7 +218,9 @@ def _save_indices(target: Path, order, epoch: int, flat_spans: list) -> None:
     fsync(target.parent)
 
 
-def _new_generation(run_dir, resumed_step: int, world_size: int, num_samples: int, attempts: str | None = None) -> Path:
+def _new_generation(
+    run_dir: str | os.PathLike, resumed_step: int, world_size: int, num_samples: int, attempts: str | None = None
+) -> Path:
     root = _ledger_dir(run_dir)
     root.mkdir(parents=True, exist_ok=True)
     existing = _generations(run_dir)
@@ -378,7 +386,7 @@ def _load_indices(path: Path, num_samples: int, where: str) -> np.ndarray:
     return values
 
 
-def _read_epochs(run_dir, kind: str, num_samples: int, where: str) -> dict[int, np.ndarray]:
+def _read_epochs(run_dir: str | os.PathLike, kind: str, num_samples: int, where: str) -> dict[int, np.ndarray]:
     """The indices dropped by policy (kind "dropped") or skipped on request ("skipped") per epoch, as
     `Ledger.record_finished` wrote them (a writer's leftover temporary files are not read)."""
     found = {}
@@ -389,7 +397,7 @@ def _read_epochs(run_dir, kind: str, num_samples: int, where: str) -> dict[int, 
     return found
 
 
-def read_run(run_dir) -> RunLedger:
+def read_run(run_dir: str | os.PathLike) -> RunLedger:
     """Every generation of the run, every record each wrote, and what finished epochs dropped and skips skipped.
 
     A record of generation g counts when its step is at most the step every later generation resumed from, and
@@ -444,7 +452,7 @@ def read_run(run_dir) -> RunLedger:
     return RunLedger(generations, records, dropped, requested, n)
 
 
-def read_generations(run_dir) -> tuple[list[Generation], list[Record]]:
+def read_generations(run_dir: str | os.PathLike) -> tuple[list[Generation], list[Record]]:
     """Every generation of the run, and every record each wrote, marked whether it counts (see `read_run`)."""
     run = read_run(run_dir)
     return run.generations, run.records
@@ -481,7 +489,7 @@ def _attempt_records(generations: list[tuple[Generation, Path]], num_samples: in
     ]
 
 
-def read_ledger(run_dir) -> tuple[list[Record], dict[int, np.ndarray], int]:
+def read_ledger(run_dir: str | os.PathLike) -> tuple[list[Record], dict[int, np.ndarray], int]:
     """The records that count (completed steps not replayed later), the dropped indices per finished epoch, and N."""
     run = read_run(run_dir)
     return [r for r in run.records if r.counted], run.dropped, run.num_samples

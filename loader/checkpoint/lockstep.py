@@ -91,14 +91,14 @@ def _counts(value: bytes, token: tuple[int, str, int], fields: int) -> list[int]
     return [int(p) for p in parts[2:]]
 
 
-def _read(store, keys: list[str]) -> list[bytes]:
+def _read(store: dist.Store, keys: list[str]) -> list[bytes]:
     """The values of the keys, b"" for a key not set yet (a plain get would wait for it)."""
     return (
         store.multi_get(keys) if store.check(keys) else [store.get(key) if store.check([key]) else b"" for key in keys]
     )
 
 
-def _store():
+def _store() -> dist.Store | None:
     """The default process group's store, or None (one process, or a torch without it: then nothing is checked)."""
     if not distributed():
         return None
@@ -128,7 +128,7 @@ class _StoreThread:
     """The daemon thread that makes this process's store round trips, one at a time, in order. One abandoned in a
     round trip that never returned is replaced by a new one (as is one a fork left behind)."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._abandoned = False
         self._thread = threading.Thread(target=self._serve, name="loader-lockstep-store", daemon=True)
@@ -186,7 +186,7 @@ class LockstepWatch:
     called directly rather than through the store thread, whose keys the identity alone names (many ranks
     simulated in one process, as `benchmarks.scale` does); by default the process group's store."""
 
-    def __init__(self, identity: str, store=None):
+    def __init__(self, identity: str, store: dist.Store | None = None) -> None:
         self._identity = identity
         self._given = store
         self._keys: str | None = None if store is None else f"{_PREFIX}/{identity}"  # the key prefix, else fixed
@@ -199,7 +199,7 @@ class LockstepWatch:
         # left for rank 0 (once)
         self._off = False  # the store failed or stalled once (see `_ask`): never touched again
 
-    def _store(self):
+    def _store(self) -> dist.Store | None:
         return None if self._off else self._given if self._given is not None else _store()
 
     def _ask(self, calls: Callable[[], Any]) -> Any:

@@ -151,7 +151,7 @@ class PlainLoadPlanner(DefaultLoadPlanner):
     """DCP's load planner, except that a value other than a tensor is read with `load_plain`: DCP's own reads it
     with torch.load(weights_only=False), which runs whatever code a crafted checkpoint holds."""
 
-    def load_bytes(self, read_item, value: io.BytesIO) -> None:
+    def load_bytes(self, read_item: dcp_planner.ReadItem, value: io.BytesIO) -> None:
         fqn = read_item.dest_index.fqn
         *parents, last = self.mappings[fqn]  # where the flattened key sits in the caller's nested state
         target: Any = self.original_state_dict  # nested dicts and lists, by str and int keys

@@ -26,14 +26,19 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from errno import errorcode
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import numpy as np
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed import ProcessGroup
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.stateful import Stateful
+from torch.distributed.checkpoint.storage import WriteResult
+from torch.futures import Future
 from torch.utils._pytree import tree_map_only
 
 from loader.checkpoint.merge import merge_states, one_per_data_rank
@@ -44,10 +49,13 @@ from loader.core.sampler import ResumableSampler
 from loader.core.state import FORMAT, VERSION, StateError, attach_base, check_fingerprint, detach_base
 from loader.streams.rng import rng_state, set_rng_state
 
+if TYPE_CHECKING:
+    from loader.checkpoint.ledger import Ledger
+
 CHECKPOINT_FORMAT = 2  # 2: RNG states as JSON, nothing unpickled; 1 (refused) pickled them
 
 
-def _dcp(call, state: dict, path, group, **options) -> None:
+def _dcp(call: Callable[..., Any], state: dict, path: str | Path, group: ProcessGroup | None, **options: Any) -> None:
     """dcp.save or dcp.load; in one process it runs without a process group on purpose, so DCP's warning that it
     does is silenced."""
     with warnings.catch_warnings():
@@ -55,11 +63,11 @@ def _dcp(call, state: dict, path, group, **options) -> None:
         call(state, checkpoint_id=str(path), process_group=group, no_dist=not distributed(), **options)
 
 
-def _save(state: dict, path, group) -> None:
+def _save(state: dict, path: str | Path, group: ProcessGroup | None) -> None:
     _dcp(dcp.save, state, path, group, storage_writer=_Writer(path))
 
 
-def _load(state: dict, path, group) -> None:
+def _load(state: dict, path: str | Path, group: ProcessGroup | None) -> None:
     check_metadata(path)
     _dcp(dcp.load, state, path, group, storage_reader=PlainReader(path), planner=PlainLoadPlanner())
 
@@ -69,7 +77,7 @@ class _Writer(FileSystemWriter):
     Why: torch.save reports a full disk as a RuntimeError ("unexpected pos") with the OSError only in its
     __context__, which DCP drops when it sends a rank's error to the others."""
 
-    def write_data(self, plan, planner):
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         try:
             return super().write_data(plan, planner)
         except Exception as err:
@@ -79,7 +87,7 @@ class _Writer(FileSystemWriter):
             raise OSError(cause.errno, cause.strerror, cause.filename or str(self.path)) from err
 
 
-def global_progress(loader, group=None) -> dict:
+def global_progress(loader: Any, group: ProcessGroup | None = None) -> dict:
     """The loader progress of all ranks, merged: loadable at any world size. A collective: every rank calls it.
 
     Ranks exchange their states without the base they share (see `detach_base`): O(world size) bytes. The states
@@ -130,7 +138,7 @@ def _seed_new_rank(rank: int, saved_world: int, step: int) -> None:
     torch.manual_seed(seed)
 
 
-def _to_bytes(obj) -> bytes:
+def _to_bytes(obj: object) -> bytes:
     buffer = io.BytesIO()
     torch.save(obj, buffer)
     return buffer.getvalue()
@@ -181,19 +189,19 @@ def _json(text: Any, what: str) -> Any:
         raise CheckpointError(f"{what}: not JSON ({err}); the checkpoint was not written by this release") from None
 
 
-def _fingerprint_of(loader) -> dict | None:
+def _fingerprint_of(loader: Any) -> dict | None:
     sampler = getattr(loader, "resumable_sampler", None)
     return None if sampler is None else sampler.order.fingerprint()
 
 
-def _before_change(loader) -> str | None:
+def _before_change(loader: Any) -> str | None:
     """The dataset's fingerprint before a change it declares (a Mixture's `amends=`): a checkpoint saved under it
     resumes, its progress checked against the change (`check_change`)."""
     before = getattr(loader.dataset, "fingerprint_before_change", None)
     return before() if callable(before) else None
 
 
-def dataset_fingerprint(loader) -> str | None:
+def dataset_fingerprint(loader: Any) -> str | None:
     """A source's own digest (e.g. WebDataset shard names and sizes, a Mixture's plan and sources), when it has one:
     what a checkpoint records of the dataset (the manifest's "dataset", `LoaderState`'s), as the progress records
     only the order (length, seed, shuffle)."""
@@ -201,14 +209,14 @@ def dataset_fingerprint(loader) -> str | None:
     return fingerprint() if callable(fingerprint) else None
 
 
-def _of_earlier_release(loader) -> str | None:
+def _of_earlier_release(loader: Any) -> str | None:
     """The dataset's fingerprint as the previous release recorded it, where it offers one that differs (a
     TokenSource's then held no file content): a checkpoint of that release resumes as it would have there."""
     earlier = getattr(loader.dataset, "fingerprint_of_earlier_release", None)
     return earlier() if callable(earlier) else None
 
 
-def _plan_record(loader) -> dict:
+def _plan_record(loader: Any) -> dict:
     """The dataset's plan where it changed online (a Mixture's weights, `change_mixture`): JSON in the manifest, a
     few hundred bytes, which `resume` hands back to the dataset before it checks the fingerprint."""
     carried = getattr(loader.dataset, "carried_plan", None)
@@ -216,7 +224,7 @@ def _plan_record(loader) -> dict:
     return {} if plan is None else {"mixture_plan": plan.to_dict()}
 
 
-def recorded_plan(extra: dict, loader, where: str):
+def recorded_plan(extra: dict, loader: Any, where: str) -> Any:
     """The plan with the online changes a checkpoint recorded, checked to extend this run's dataset's own (which
     `load_checkpoint` then takes): the steps replayed after the restart train under the recorded weights. None
     when it recorded none."""
@@ -235,7 +243,7 @@ def recorded_plan(extra: dict, loader, where: str):
         raise StateError(f"{where}: {err}") from None
 
 
-def check_dataset(saved: str | None, loader, where: str, plan=None) -> None:
+def check_dataset(saved: str | None, loader: Any, where: str, plan: Any = None) -> None:
     """A checkpoint's dataset fingerprint against this loader's (under `plan`, the one the checkpoint recorded, if
     any): the same, the one before a change the dataset declares (then `check_change` checks the progress), or the
     previous release's (`check_change` warns). A StateError names `where`, both, and the files that changed where
@@ -253,7 +261,7 @@ def check_dataset(saved: str | None, loader, where: str, plan=None) -> None:
         )
 
 
-def check_change(saved: str | None, loader, progress: dict) -> None:
+def check_change(saved: str | None, loader: Any, progress: dict) -> None:
     """A progress saved under the plan before the dataset's declared change (`saved`: its dataset fingerprint) must
     have committed nothing the change moves (the dataset's `check_change`, given the loader's order, through which
     committed positions name dataset indices; a StateError otherwise); one saved with the previous release's
@@ -360,14 +368,14 @@ def save_checkpoint(
     *,
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
-    loader,
-    scheduler=None,
-    scaler=None,
+    loader: Any,
+    scheduler: Stateful | None = None,
+    scaler: Stateful | None = None,
     manifest_extra: dict | None = None,
     keep_last: int | None = 3,
     keep_quarantined: int | None = 3,
-    ledger=None,
-    group=None,
+    ledger: Ledger | None = None,
+    group: ProcessGroup | None = None,
 ) -> Path:
     """Publish the checkpoint of completed optimizer step `step`; every rank calls it, after the step.
 
@@ -460,7 +468,13 @@ def _agreed_step(step: int | None, counted: list[int | None], labelled: list[int
 
 
 def _publish_as_rank0(
-    run_dir, step: int, state: dict, extra: dict, keep: dict, group, prepare: Callable[[], None]
+    run_dir: str | Path,
+    step: int,
+    state: dict,
+    extra: dict,
+    keep: dict,
+    group: ProcessGroup | None,
+    prepare: Callable[[], None],
 ) -> Path:
     written = None
 
@@ -486,7 +500,7 @@ def _publish_as_rank0(
     return published
 
 
-def _write_as_other_rank(step: int, state: dict, group) -> Path:
+def _write_as_other_rank(step: int, state: dict, group: ProcessGroup | None) -> Path:
     target, failure = broadcast(None, group), None
     if isinstance(target, str):
         try:
@@ -506,10 +520,10 @@ def load_checkpoint(
     *,
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
-    loader,
-    scheduler=None,
-    scaler=None,
-    group=None,
+    loader: Any,
+    scheduler: Stateful | None = None,
+    scaler: Stateful | None = None,
+    group: ProcessGroup | None = None,
 ) -> int:
     """Restore everything saved by `save_checkpoint` at any world size; returns the step. Every rank calls it.
 
@@ -543,7 +557,15 @@ def load_checkpoint(
     return step
 
 
-def _read_checkpoint(path: Path, model, optimizer, loader, scheduler, scaler, group) -> tuple[int, dict]:
+def _read_checkpoint(
+    path: Path,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    loader: Any,
+    scheduler: Stateful | None,
+    scaler: Stateful | None,
+    group: ProcessGroup | None,
+) -> tuple[int, dict]:
     """Every part of the checkpoint, read and validated, nothing applied. Each stage ends with the ranks agreeing on
     its outcome, so they all go on, or all raise, together."""
     verdict = None
@@ -562,7 +584,7 @@ def _read_checkpoint(path: Path, model, optimizer, loader, scheduler, scaler, gr
     return step, parts
 
 
-def _agreed(path: Path, group, stage: Callable[[], Any]) -> Any:
+def _agreed(path: Path, group: ProcessGroup | None, stage: Callable[[], Any]) -> Any:
     """stage() on every rank, then one all_gather of the outcomes: a rank that failed alone would leave the others
     applying a checkpoint it refused, or waiting for it in the next collective."""
     try:
@@ -584,7 +606,7 @@ def _agreed(path: Path, group, stage: Callable[[], Any]) -> Any:
     return value
 
 
-def _check_manifest(path: Path, loader) -> tuple[int, Any]:
+def _check_manifest(path: Path, loader: Any) -> tuple[int, Any]:
     """The manifest against this run: format, order fingerprint, dataset. Returns the step, and the dataset's plan
     the checkpoint recorded (a Mixture changed online), None if none."""
     manifest = verify(path, check_checksums=False)
@@ -612,7 +634,9 @@ def _check_manifest(path: Path, loader) -> tuple[int, Any]:
     return manifest.step, plan
 
 
-def _read_small_parts(path: Path, loader, scheduler, scaler, group) -> dict:
+def _read_small_parts(
+    path: Path, loader: Any, scheduler: Stateful | None, scaler: Stateful | None, group: ProcessGroup | None
+) -> dict:
     """Loader progress, RNG states, scheduler and scaler: read (a collective), then validated."""
     state: dict[str, dict[str, Any]] = {"loader": {"progress": ""}, "rng": {"all": ""}, "extras": {"blob": b""}}
     _load(state, path, group)
@@ -639,7 +663,7 @@ def read_progress(path: str | Path) -> Any:
     return _json(state["loader"]["progress"], f"checkpoint {path}: the loader progress")
 
 
-def _check_progress(loader, progress: dict) -> None:
+def _check_progress(loader: Any, progress: dict) -> None:
     """The loader's own validation of a progress, without changing the loader: run on a fresh progress keeper of
     the same configuration (its load_state_dict validates in full, then replaces)."""
     sampler = loader.resumable_sampler
@@ -649,7 +673,9 @@ def _check_progress(loader, progress: dict) -> None:
         loader._stream.check(progress)
 
 
-def _read_weights(path: Path, model, optimizer, group) -> dict:
+def _read_weights(
+    path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, group: ProcessGroup | None
+) -> dict:
     """Model and optimizer states read into new tensors shaped like the live ones (a collective): a mismatch in
     shape or keys fails here, while the model and optimizer are untouched."""
     model_sd, optim_sd = get_state_dict(model, optimizer)
@@ -658,7 +684,7 @@ def _read_weights(path: Path, model, optimizer, group) -> dict:
     return weights
 
 
-def resume(run_dir: str | Path, **objects) -> int:
+def resume(run_dir: str | Path, **objects: Any) -> int:
     """Load the newest checkpoint of `run_dir` that verifies, if any; returns its step (0 for a fresh run).
 
     Rank 0 chooses (torn or corrupted checkpoints are skipped with a warning) and every rank loads that one; a

@@ -206,7 +206,7 @@ class ProgressLine:
     """The job's progress as it happens, every number labelled: each launch (its workers and the checkpoint step it
     resumed from) opens a line of the optimizer steps rank 0 completes; the fault gets a line of its own."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.launches, self.listing = 0, False  # listing: the current line is a list of completed steps
 
     def show(self, line: str) -> None:

@@ -4,14 +4,18 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from loader.checkpoint import audit
 from loader.checkpoint.ledger import LedgerError
 
+if TYPE_CHECKING:
+    from loader.sources import MixturePlan
 
-def describe_by_key(shards: str):
+
+def describe_by_key(shards: str) -> Callable[[int], str]:
     from loader.sources import WebDatasetSource
 
     source = WebDatasetSource(shards, progress=False)
@@ -23,7 +27,7 @@ def describe_by_key(shards: str):
     return describe
 
 
-def _in_epoch(plan, window: int) -> str:
+def _in_epoch(plan: MixturePlan, window: int) -> str:
     """Where a change at `window` falls when the plan's loader epochs continue its stream: that epoch's position."""
     if not plan.epochs_continue:
         return ""
@@ -31,7 +35,7 @@ def _in_epoch(plan, window: int) -> str:
     return f"; epoch {epoch}, position {position}"
 
 
-def read_plan(plan_path: str | os.PathLike):
+def read_plan(plan_path: str | os.PathLike) -> MixturePlan:
     """A run's mixture plan file (MixturePlan.save); a ValueError names the file and what is wrong with it."""
     from loader.sources import MixturePlan
 

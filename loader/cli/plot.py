@@ -10,14 +10,19 @@ audit found: seen once, skipped, duplicated, failed to load, dropped by policy, 
 
 from __future__ import annotations
 
+import os
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from loader.checkpoint.audit import EpochAudit, EpochTally, audit_records, tally
 from loader.checkpoint.ledger import Generation, Record, read_run
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 # what an index of an epoch was, by severity: a bin of many indices shows the most severe one it holds
 ONCE, NOT_YET, DROPPED, FILTERED, REQUESTED, FAILED, SKIPPED, DUPLICATED = range(8)
@@ -165,7 +170,7 @@ def require_matplotlib() -> None:
         ) from err
 
 
-def _figure(width: float, height: float):
+def _figure(width: float, height: float) -> Figure:
     """A figure of its own, outside pyplot's global state (no backend switched, nothing left open)."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
@@ -175,7 +180,7 @@ def _figure(width: float, height: float):
     return figure
 
 
-def plot(run_dir, out) -> Picture:
+def plot(run_dir: str | os.PathLike, out: str | os.PathLike) -> Picture:
     """Draw the run's picture (see the module docstring) into the PNG `out`; returns what was drawn."""
     require_matplotlib()
     run = read_run(run_dir)
@@ -205,7 +210,14 @@ def plot(run_dir, out) -> Picture:
     return picture
 
 
-def _draw(picture: Picture, report: list[EpochAudit], strips: dict, num_samples: int, run_dir, out) -> None:
+def _draw(
+    picture: Picture,
+    report: list[EpochAudit],
+    strips: dict,
+    num_samples: int,
+    run_dir: str | os.PathLike,
+    out: str | os.PathLike,
+) -> None:
     from matplotlib.colors import ListedColormap
     from matplotlib.patches import Patch
     from matplotlib.ticker import MaxNLocator

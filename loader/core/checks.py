@@ -13,12 +13,12 @@ def is_int(value: object) -> TypeIs[int]:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def check_positive_int(name: str, value) -> None:
+def check_positive_int(name: str, value: object) -> None:
     if not is_int(value) or value <= 0:
         raise ValueError(f"{name} must be a positive int, got {value!r}")
 
 
-def check_rank(rank, world_size: int) -> None:
+def check_rank(rank: object, world_size: int) -> None:
     if not is_int(rank) or not 0 <= rank < world_size:
         raise ValueError(f"rank must be an int in [0, world_size={world_size}), got {rank!r}")
 
@@ -27,7 +27,7 @@ MAX_SAMPLES = 2**62 - 1  # the most samples (positions) an epoch may have, the o
 # and the state: a state holds positions up to num_samples, and refuses larger ints as corruption (int64 headroom)
 
 
-def check_num_samples(name: str, value, least: int = 0) -> None:
+def check_num_samples(name: str, value: object, least: int = 0) -> None:
     """Refused at construction, so that nothing trains whose state the loader would then refuse."""
     if not is_int(value) or not least <= value <= MAX_SAMPLES:
         raise ValueError(

@@ -17,22 +17,22 @@ def distributed() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
-def rank(group=None) -> int:
+def rank(group: dist.ProcessGroup | None = None) -> int:
     return dist.get_rank(group) if distributed() else 0
 
 
-def world_size(group=None) -> int:
+def world_size(group: dist.ProcessGroup | None = None) -> int:
     return dist.get_world_size(group) if distributed() else 1
 
 
-def global_ranks(group=None) -> list[int]:
+def global_ranks(group: dist.ProcessGroup | None = None) -> list[int]:
     """The global rank of each member of the group, in the group's rank order."""
     if not distributed():
         return [0]
     return list(range(dist.get_world_size())) if group is None else dist.get_process_group_ranks(group)
 
 
-def all_gather(value: Any, group=None) -> list:
+def all_gather(value: Any, group: dist.ProcessGroup | None = None) -> list:
     """Every rank's value, in rank order, on every rank."""
     if not distributed():
         return [value]
@@ -41,13 +41,13 @@ def all_gather(value: Any, group=None) -> list:
     return gathered
 
 
-def barrier(group=None) -> None:
+def barrier(group: dist.ProcessGroup | None = None) -> None:
     """Wait until every rank of the group got here."""
     if distributed():
         dist.barrier(group=group)
 
 
-def broadcast(value: Any, group=None) -> Any:
+def broadcast(value: Any, group: dist.ProcessGroup | None = None) -> Any:
     """Rank 0's value on every rank of the group (src is a global rank, hence the translation)."""
     if not distributed():
         return value
@@ -56,7 +56,7 @@ def broadcast(value: Any, group=None) -> Any:
     return box[0]
 
 
-def from_rank0(compute: Callable[[], Any], group=None) -> Any:
+def from_rank0(compute: Callable[[], Any], group: dist.ProcessGroup | None = None) -> Any:
     """compute() run on rank 0, its value on every rank of the group. An exception it raises is raised on every
     rank: raised on rank 0 alone, it would leave the others waiting in the broadcast until the group's timeout."""
     outcome, error = None, None

@@ -51,19 +51,19 @@ class Sifting:
 
     __slots__ = ("dataset", "keep", "collate_fn", "filtered")
 
-    def __init__(self, dataset, keep: Callable[[int, Any], bool], collate_fn: Callable, filtered: str):
+    def __init__(self, dataset: Any, keep: Callable[[int, Any], bool], collate_fn: Callable, filtered: str) -> None:
         for name, value in zip(Sifting.__slots__, (dataset, keep, collate_fn, filtered)):
             object.__setattr__(self, name, value)
 
     def __len__(self) -> int:
         return len(self.dataset)
 
-    def __getattr__(self, name: str):
+    def __getattr__(self, name: str) -> Any:
         if name in Sifting.__slots__ or name.startswith("__"):  # not set yet (unpickling), or a protocol's probe
             raise AttributeError(name)
         return getattr(self.dataset, name)
 
-    def __setattr__(self, name: str, value) -> None:
+    def __setattr__(self, name: str, value: object) -> None:
         setattr(self.dataset, name, value)
 
     def __getstate__(self) -> tuple:

@@ -11,10 +11,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 
 from loader.core.collectives import distributed
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
 
 def flat_rank(coordinate: Sequence[int], shape: Sequence[int]) -> int:
@@ -28,7 +32,7 @@ def flat_rank(coordinate: Sequence[int], shape: Sequence[int]) -> int:
     return rank
 
 
-def _of_mesh(mesh) -> tuple[int, int]:
+def _of_mesh(mesh: DeviceMesh) -> tuple[int, int]:
     if not callable(getattr(mesh, "get_coordinate", None)):
         raise TypeError(
             f"dp_mesh must be a torch.distributed DeviceMesh (e.g. world_mesh['dp'], or "
@@ -45,7 +49,7 @@ def _of_mesh(mesh) -> tuple[int, int]:
     return flat_rank(coordinate, shape), math.prod(shape)
 
 
-def _of_group(group) -> tuple[int, int]:
+def _of_group(group: dist.ProcessGroup) -> tuple[int, int]:
     rank = dist.get_rank(group)
     if rank < 0:
         raise ValueError(
@@ -55,7 +59,12 @@ def _of_group(group) -> tuple[int, int]:
     return rank, dist.get_world_size(group)
 
 
-def data_parallel(rank: int | None, world_size: int | None, dp_mesh=None, dp_group=None) -> tuple:
+def data_parallel(
+    rank: int | None,
+    world_size: int | None,
+    dp_mesh: DeviceMesh | None = None,
+    dp_group: dist.ProcessGroup | None = None,
+) -> tuple:
     """(rank, world_size) to partition over: the data-parallel coordinates of `dp_mesh` (1-D, or several
     dimensions flattened in the mesh's order) or of `dp_group`; else `rank` and `world_size` as given (None: the
     world's, read by the loader when iteration starts)."""
@@ -75,4 +84,7 @@ def data_parallel(rank: int | None, world_size: int | None, dp_mesh=None, dp_gro
         raise ValueError(
             f"{given[0]}= needs torch.distributed initialised: build the loader after init_process_group and the mesh"
         )
-    return _of_mesh(dp_mesh) if dp_mesh is not None else _of_group(dp_group)
+    if dp_mesh is not None:
+        return _of_mesh(dp_mesh)
+    assert dp_group is not None, "one of dp_mesh, dp_group is given (returned above otherwise)"
+    return _of_group(dp_group)

@@ -19,6 +19,7 @@ import math
 from dataclasses import dataclass, field
 
 import numpy as np
+from numpy.typing import ArrayLike
 
 from loader.core.checks import check_num_samples, check_positive_int
 from loader.core.progress import contains
@@ -56,7 +57,7 @@ def _fmix64(x: np.ndarray) -> np.ndarray:
     return x ^ (x >> np.uint64(33))
 
 
-def _u64(values) -> np.ndarray:
+def _u64(values: ArrayLike) -> np.ndarray:
     """Python ints of any sign and size, reduced modulo 2**64, as a uint64 array."""
     return np.asarray(np.asarray(values, dtype=object) % (1 << 64), dtype=np.uint64)
 
@@ -94,7 +95,7 @@ def _halves(n: int) -> tuple[int, int]:
     return int(widths[best]), int(heights[best])
 
 
-def _split_domain(n) -> tuple[np.ndarray, np.ndarray]:
+def _split_domain(n: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """`_halves` as uint64: scalars for one n; per element for an array of sizes (looked up for the distinct sizes
     only: a few block sizes per batch)."""
     if np.ndim(n) == 0:
@@ -105,7 +106,9 @@ def _split_domain(n) -> tuple[np.ndarray, np.ndarray]:
     return a[where.reshape(np.shape(n))], b[where.reshape(np.shape(n))]
 
 
-def _add_keyed_hash(value: np.ndarray, other: np.ndarray, key, modulus, subtract: bool = False) -> np.ndarray:
+def _add_keyed_hash(
+    value: np.ndarray, other: np.ndarray, key: np.uint64, modulus: np.ndarray | np.uint64, subtract: bool = False
+) -> np.ndarray:
     """value := (value + a keyed hash of `other` in [0, modulus)) mod modulus, in place, for value < modulus < 2**32
     (`subtract`: value - the hash, the inverse, by adding modulus - hash).
 
@@ -123,7 +126,9 @@ def _add_keyed_hash(value: np.ndarray, other: np.ndarray, key, modulus, subtract
     return value
 
 
-def _feistel(x: np.ndarray, a, b, keys: np.ndarray, inverse: bool = False) -> np.ndarray:
+def _feistel(
+    x: np.ndarray, a: np.ndarray | np.uint64, b: np.ndarray | np.uint64, keys: np.ndarray, inverse: bool = False
+) -> np.ndarray:
     """One pass of an alternating Feistel network over Z_a x Z_b: a bijection of [0, a*b).
 
     Even rounds add a keyed hash of the right half to the left one (mod a), odd rounds the other way (mod b): each
@@ -142,7 +147,7 @@ def _feistel(x: np.ndarray, a, b, keys: np.ndarray, inverse: bool = False) -> np
     return left
 
 
-def permute(x: np.ndarray, n, keys: np.ndarray, inverse: bool = False) -> np.ndarray:
+def permute(x: np.ndarray, n: ArrayLike, keys: np.ndarray, inverse: bool = False) -> np.ndarray:
     """Keyed permutation of range(n) applied to the 1-D array x (all x < n); `inverse`: its inverse permutation.
 
     One permutation: keys of shape (ROUNDS,). One per element: keys of shape (ROUNDS, len(x)), with n an int (all
@@ -188,7 +193,7 @@ def epoch_round_keys(seeds: np.ndarray, epochs: np.ndarray) -> np.ndarray:
     return _round_keys(key)
 
 
-def sample_seed(seed: int, epoch: int, index) -> np.ndarray | int:
+def sample_seed(seed: int, epoch: int, index: ArrayLike) -> np.ndarray | int:
     """A 63-bit seed for one sample's randomness, from (seed, epoch, dataset index) only.
 
     Vectorised: pass an array of indices to get an array of seeds; an int gives an int."""

@@ -11,11 +11,12 @@ Intervals are int64 arrays of shape (k, 2); all functions here are pure.
 from __future__ import annotations
 
 import numpy as np
+from numpy.typing import ArrayLike
 
 EMPTY = np.zeros((0, 2), dtype=np.int64)
 
 
-def normalize(intervals) -> np.ndarray:
+def normalize(intervals: ArrayLike) -> np.ndarray:
     """Sort, drop empty intervals and merge overlapping or touching ones."""
     spans = np.asarray(intervals, dtype=np.int64).reshape(-1, 2)
     spans = spans[spans[:, 1] > spans[:, 0]]
@@ -33,7 +34,7 @@ def whole(n: int) -> np.ndarray:
     return np.array([[0, n]], dtype=np.int64) if n > 0 else EMPTY
 
 
-def union(*interval_sets) -> np.ndarray:
+def union(*interval_sets: ArrayLike) -> np.ndarray:
     return normalize(np.concatenate([np.asarray(s, dtype=np.int64).reshape(-1, 2) for s in interval_sets]))
 
 
@@ -61,7 +62,7 @@ def contains(intervals: np.ndarray, positions: np.ndarray) -> np.ndarray:
     return inside
 
 
-def spans_of(positions) -> np.ndarray:
+def spans_of(positions: ArrayLike) -> np.ndarray:
     """Positions as intervals: a range of step 1 in O(1) (range(0, 10**12) is one interval), else any integers."""
     if isinstance(positions, range) and positions.step == 1:
         return normalize([[positions.start, positions.stop]])

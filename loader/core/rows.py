@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from operator import is_
+from typing import Any
 
 import torch
 from torch.utils.data import default_collate
@@ -41,13 +42,13 @@ class Rows(list):
         views = self._views
         return len(self) == len(views) and all(map(is_, self, views))
 
-    def __reduce__(self):
+    def __reduce__(self) -> tuple[type, tuple]:
         """Pickled (to another process) as its tensor once, not as a row view each (each of which would carry the
         whole storage); a list changed since it was built pickles as the plain list it now is."""
         return (Rows, (self.batch,)) if self.intact() else (list, (list(self),))
 
 
-def collate(data):
+def collate(data: Any) -> Any:
     """default_collate, except that an intact `Rows` is its tensor as is: stacking its rows would copy the tensor
     they are views of. A Rows changed since it was built (an element replaced, appended, removed) is collated
     from what it holds, as any list is."""
@@ -56,7 +57,7 @@ def collate(data):
     return default_collate(data)
 
 
-def batch_reader(dataset) -> Callable[[Sequence[int]], torch.Tensor] | None:
+def batch_reader(dataset: object) -> Callable[[Sequence[int]], torch.Tensor] | None:
     """What `dataset.batch_reader()` returns, if it has that method: None, or a function of a batch's indices whose
     tensor is exactly `collate(dataset.__getitems__(indices))`, read without making the Rows first."""
     reader = getattr(dataset, "batch_reader", None)

@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, replace
 
 import numpy as np
+from numpy.typing import ArrayLike
 
 from loader.core.checks import check_rank, is_int
 from loader.core.order import EpochOrder, Order
@@ -354,7 +355,7 @@ class ResumableSampler:
         ended = self._ended and completed == self._position
         return rank_state(self._base, self.layout, self.rank, self._epoch, completed, ended)
 
-    def load_state_dict(self, state) -> None:
+    def load_state_dict(self, state: dict | list | tuple) -> None:
         """Accepts a merged (global) state, the list of all ranks' states, or one rank's state (standing for every
         rank in lockstep). Everything is validated before anything changes: a rejected state leaves the sampler
         as it was."""
@@ -370,7 +371,11 @@ class ResumableSampler:
             self._start_epoch(progress.epoch, progress)
 
     def skip(
-        self, epoch: int | None = None, positions=None, updates: int | range | None = None, indices=None
+        self,
+        epoch: int | None = None,
+        positions: range | ArrayLike | None = None,
+        updates: int | range | None = None,
+        indices: range | ArrayLike | None = None,
     ) -> np.ndarray:
         """Commit positions of `epoch` (default: the epoch the next batch comes from) as skipped on request: never
         dealt, never trained, recorded in the progress. `updates`: updates counted from the next one (an int n:
@@ -412,7 +417,14 @@ class ResumableSampler:
         return spans
 
 
-def _positions_to_skip(committed: np.ndarray, n: int, global_batch: int, epoch: int, positions, updates) -> np.ndarray:
+def _positions_to_skip(
+    committed: np.ndarray,
+    n: int,
+    global_batch: int,
+    epoch: int,
+    positions: range | ArrayLike | None,
+    updates: int | np.integer | range | None,
+) -> np.ndarray:
     """The intervals `skip` commits: each position of [0, n) not committed yet, or the remaining positions that
     updates [a, b) from the next one would take (update g: remaining indices [g G, (g + 1) G), the last one short)."""
     if updates is not None:
@@ -430,6 +442,7 @@ def _positions_to_skip(committed: np.ndarray, n: int, global_batch: int, epoch: 
             )
         span = [[steps.start * global_batch, min(steps.stop * global_batch, remaining.count)]]
         return difference(remaining.covering_spans(span), committed, n)
+    assert positions is not None, "skip() takes exactly one of updates=, positions=, indices= (checked there)"
     spans = spans_of(_ints_in(positions, n, "skip(positions=...): positions", f"epoch {epoch}'s [0, {n})"))
     overlap = difference(spans, difference(spans, committed, n), n)
     if len(overlap):
@@ -440,7 +453,7 @@ def _positions_to_skip(committed: np.ndarray, n: int, global_batch: int, epoch: 
     return spans
 
 
-def _ints_in(values, n: int, name: str, within: str) -> range | np.ndarray:
+def _ints_in(values: range | ArrayLike, n: int, name: str, within: str) -> range | np.ndarray:
     """`values` (a range, an int, a list or an array of ints of any dtype) as a range or int64s, each checked in
     [0, n) before it is converted: numpy would wrap 2**64 - 1 to -1, and a position 2**63 - 1 ends at -2**63. Bools
     and floats are refused, not read as 0, 1 or truncated. A ValueError says `name` must be ints `within`."""
@@ -460,7 +473,7 @@ def _ints_in(values, n: int, name: str, within: str) -> range | np.ndarray:
     return values if isinstance(values, range) else array.astype(np.int64)
 
 
-def _positions_of(order: EpochOrder, committed: np.ndarray, indices) -> np.ndarray:
+def _positions_of(order: EpochOrder, committed: np.ndarray, indices: range | ArrayLike) -> np.ndarray:
     """The positions of dataset `indices` in the epoch (the inverse of its order), refused naming the indices out of
     the dataset or at positions already committed."""
     n = order.order.num_samples

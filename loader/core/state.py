@@ -17,9 +17,10 @@ import hashlib
 import itertools
 import json
 import reprlib
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from functools import cached_property
+from typing import Any
 
 import numpy as np
 
@@ -80,7 +81,7 @@ def intervals_from_json(flats: list, n: int, name: Callable[[int], str]) -> list
     return np.split(spans, ends[:-1])
 
 
-def short(value) -> str:
+def short(value: object) -> str:
     """A value for an error message: a corrupted state can hold megabytes (or lists nested a million deep), a
     message stays one short line."""
     return _REPR.repr(value)
@@ -88,10 +89,10 @@ def short(value) -> str:
 
 _REPR = reprlib.Repr()
 _REPR.maxlevel, _REPR.maxstring, _REPR.maxother, _REPR.maxlong = 3, 40, 40, 40
-_MISSING = object()
+_MISSING: Any = object()  # a sentinel that compares with any field's value
 
 
-def _get(state: dict, key: str, kind, where: str, default=_MISSING):
+def _get(state: dict, key: str, kind: type[Any] | tuple[type[Any], ...], where: str, default: Any = _MISSING) -> Any:
     """state[key] checked to be of `kind` (int: a non-negative int below LARGEST, never a bool); `default` for
     fields added after the first release, which older states lack."""
     if type(state) is dict:  # the common case first, in a few operations: a merge of 65,536 ranks reads a dozen
@@ -101,7 +102,7 @@ def _get(state: dict, key: str, kind, where: str, default=_MISSING):
     return _checked(state, key, kind, where, default)
 
 
-def _checked(state: dict, key: str, kind, where: str, default):
+def _checked(state: dict, key: str, kind: type[Any] | tuple[type[Any], ...], where: str, default: Any) -> Any:
     """`_get` in full, with the error that says what is wrong."""
     if not isinstance(state, dict):
         raise StateError(f"{where} must be a dict, got {type(state).__name__}: the state is corrupted")
@@ -301,7 +302,7 @@ class Progress:
         return cls(fingerprint, epoch, committed, finished, end, done, samples_done, skipped, schedule, step)
 
 
-def schedule_from(points, where: str) -> tuple[tuple[int, int], ...]:
+def schedule_from(points: object, where: str) -> tuple[tuple[int, int], ...]:
     """A global batch schedule as a tuple of (first step, global batch): from step 0, first steps increasing, global
     batches positive; a ValueError (a StateError when read from a state) names `where` otherwise."""
     error = StateError if where.startswith("state") else ValueError
@@ -681,7 +682,7 @@ def merge_rank_states(states: list[dict], uneven: bool = False) -> dict:
     return merge(sorted(ranks, key=lambda r: r.rank), uneven).to_dict()
 
 
-def progress_of(state) -> Progress:
+def progress_of(state: dict | list | tuple) -> Progress:
     """The global progress in whatever form a checkpoint holds it: a merged state, the list of all ranks' states,
     or one rank's state. One rank's state of a multi-rank run stands for every rank, which is exact when the ranks
     ran in lockstep (every optimizer update involved every rank, as under DDP or FSDP): what most scripts and
@@ -739,7 +740,7 @@ def attach_base(states: list[dict], base: dict) -> list[dict]:
     return attached
 
 
-def _first(values, limit: int = 8) -> str:
+def _first(values: Collection[object], limit: int = 8) -> str:
     shown = ", ".join(map(str, itertools.islice(values, limit)))
     return f"[{shown}, ...]" if len(values) > limit else f"[{shown}]"
 

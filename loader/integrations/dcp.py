@@ -6,9 +6,12 @@ running code from the checkpoint."""
 from __future__ import annotations
 
 import json
+import os
 import warnings
+from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.checkpoint.stateful import Stateful
@@ -17,6 +20,7 @@ from loader.checkpoint.plain import PlainLoadPlanner, PlainReader, check_metadat
 from loader.checkpoint.publish import CheckpointWarning
 from loader.checkpoint.save import check_change, check_dataset, dataset_fingerprint, global_progress
 from loader.core.state import StateError
+from loader.dataloader import ResumableDataLoader
 
 _WHERE = "the DCP checkpoint loaded into LoaderState"  # DCP does not tell a Stateful which checkpoint it loads
 
@@ -28,7 +32,7 @@ class LoaderState(Stateful):
     `global_progress`). load_state_dict() refuses what `resume` refuses: another dataset (a Mixture's weights or
     schedule edited without `amends=`), or a declared change of schedule inside what the checkpoint committed."""
 
-    def __init__(self, loader, group=None):
+    def __init__(self, loader: ResumableDataLoader, group: dist.ProcessGroup | None = None) -> None:
         self.loader, self.group = loader, group
 
     def state_dict(self) -> dict:
@@ -85,7 +89,7 @@ class _ProgressOnly(Stateful):
         )
 
 
-def dcp_load(state_dict: dict, checkpoint_id, **options) -> None:
+def dcp_load(state_dict: dict, checkpoint_id: str | os.PathLike, **options: Any) -> None:
     """`torch.distributed.checkpoint.load`, except that nothing the checkpoint holds runs code: its `.metadata` is
     read with only DCP's metadata types, values besides tensors with torch.load(weights_only=True); a crafted file
     raises a CheckpointError naming it and what it names (DCP's own load unpickles both). `options`: dcp.load's

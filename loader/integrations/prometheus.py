@@ -25,7 +25,7 @@ from __future__ import annotations
 import re
 
 try:
-    from prometheus_client import REGISTRY, Counter, Gauge
+    from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge
 except ImportError as err:  # pragma: no cover - the extra is optional
     raise ImportError(
         "loader.integrations.prometheus needs prometheus_client: pip install 'loader[prometheus]'"
@@ -45,7 +45,14 @@ class PrometheusMetrics:
     `start_http_server` serves). `launch`: the label of this launch (default: the ledger's generation, from the
     metrics; none: an empty label)."""
 
-    def __init__(self, *, rank: int = 0, launch: int | None = None, registry=REGISTRY, namespace: str = "loader"):
+    def __init__(
+        self,
+        *,
+        rank: int = 0,
+        launch: int | None = None,
+        registry: CollectorRegistry = REGISTRY,
+        namespace: str = "loader",
+    ):
         self.rank, self.launch, self.registry, self.namespace = rank, launch, registry, namespace
         self._gauges: dict[str, Gauge] = {}
         self._counters = {

@@ -25,6 +25,7 @@ step's scalars are lost, and the next write opens a new event file (torch's Summ
 from __future__ import annotations
 
 import contextlib
+from typing import Any
 
 from loader.metrics import STEP_KEYS, Retrying
 
@@ -36,7 +37,7 @@ class TensorBoardMetrics:
     value, `prefix` + its key, at the step it belongs to. Values that are None (nothing measured yet, bytes not
     counted) are left out."""
 
-    def __init__(self, writer, prefix: str = "loader/") -> None:
+    def __init__(self, writer: Any, prefix: str = "loader/") -> None:
         if not callable(getattr(writer, "add_scalar", None)):
             raise TypeError(
                 f"TensorBoardMetrics needs a SummaryWriter (with add_scalar), got {type(writer).__name__}: "

@@ -32,8 +32,8 @@ import functools
 import hashlib
 import heapq
 import json
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Iterator, Sequence
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -65,7 +65,7 @@ def bucket_bounds(buckets: float | Sequence[int] | None, max_tokens: int) -> np.
         breaks = max_tokens // np.arange(1, min(BREAKS, max_tokens) + 1)  # where a batch holds one more
         given = np.concatenate((np.ceil(float(buckets) ** np.arange(steps)).astype(np.int64), breaks))
     else:
-        given = np.asarray(list(buckets))
+        given = np.asarray(list(cast(Sequence[int], buckets)))  # a bool: list() raises TypeError
         if given.ndim != 1 or not all(is_int(b) and b > 0 for b in given.tolist()):
             raise ValueError(f"buckets must be a ratio > 1, None or a list of positive int bounds, got {buckets!r}")
     return np.unique(np.concatenate((given.astype(np.int64), [max_tokens, _LAST])))
@@ -153,7 +153,7 @@ class TokenBudgetBatches(torch.utils.data.Dataset):
         self.batch_start = np.concatenate(([0], np.cumsum(self.bucket_batches))).astype(np.int64)
         self.index = self._sorted_index(used)
 
-    def _chunks(self):
+    def _chunks(self) -> Iterator[tuple[int, np.ndarray]]:
         for low in range(0, len(self.lengths), CHUNK):
             chunk = np.asarray(self.lengths[low : low + CHUNK])
             _check_chunk(chunk, low)

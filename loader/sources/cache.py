@@ -421,6 +421,9 @@ class ShardCache:
         path, partial, need = self.copy_path(name), self._partial_path(name, nbytes), self.copy_footprint(nbytes)
         deadline, pause, seen, still_since = time.monotonic() + self.wait_s, _POLL_S[0], None, time.monotonic()
         missed = False  # a reader that found no copy at its first look, and waited for another's download
+        progress: object  # what waiting watches: a download's size, or (pins, bytes written) of the room
+        stalled: Exception  # raised if it stops changing
+        lock: int | None  # the download's lock, until it becomes a pin
         while True:
             with self._locked():
                 if os.path.exists(path):

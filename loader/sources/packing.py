@@ -28,7 +28,7 @@ import hashlib
 import json
 from collections import OrderedDict
 from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import numpy as np
 import torch
@@ -68,6 +68,8 @@ class ArrowDocuments:
     ListArray's offsets are the document offsets and its values the tokens, both read in place (memory-mapped
     for a dataset saved with `save_to_disk`), never copied or loaded whole."""
 
+    _chunks: list[tuple[np.ndarray, np.ndarray]] | None  # see `_arrays`
+
     def __init__(self, dataset: Any, column: str = "input_ids") -> None:
         if getattr(dataset, "_indices", None) is not None:
             raise ValueError(
@@ -88,7 +90,7 @@ class ArrowDocuments:
         self.tokens = int(self._bases[-1])
 
     @staticmethod
-    def _offsets(chunk) -> np.ndarray:
+    def _offsets(chunk: Any) -> np.ndarray:
         return chunk.offsets.to_numpy(zero_copy_only=True)
 
     def _arrays(self) -> list[tuple[np.ndarray, np.ndarray]]:
@@ -186,7 +188,7 @@ def pack(lengths: Sequence[int], capacity: int, rows: int, best: bool) -> np.nda
     return np.array(parts, dtype=np.int64).reshape(-1, 5)
 
 
-def row_metadata(lengths: Sequence[int], seq_len: int) -> dict[str, torch.Tensor]:
+def row_metadata(lengths: Sequence[int] | np.ndarray, seq_len: int) -> dict[str, torch.Tensor]:
     """The document-mask metadata of a row of seq_len + 1 tokens whose segments (documents or pieces of them) have
     these lengths from column 0 on, padding after them: segment_ids (0, 1, ... per segment, -1 for padding),
     positions (restarting at 0 at each segment, 0 for padding) and cu_seqlens over the seq_len inputs (segment
@@ -355,7 +357,9 @@ class PackedSource(torch.utils.data.Dataset):
             owner = np.searchsorted(bounds, piece_start, side="right") - 1
             doc = bounds[owner]
             doc[owner == 0] = first
-            starts.append(piece_start), lengths.append(piece_length), documents.append(doc)
+            starts.append(piece_start)
+            lengths.append(piece_length)
+            documents.append(doc)
         return np.concatenate(starts), np.concatenate(lengths), np.concatenate(documents)
 
     def layout(self, window: int, epoch: int | None = None) -> tuple[np.ndarray, np.ndarray]:
@@ -402,7 +406,7 @@ class PackedSource(torch.utils.data.Dataset):
         parts = self._row_parts(self._check(row), self._epoch_of(epoch, row)).tolist()
         if self.mode == "concat":
             parts = [[c, s, min(n, self.seq_len - c), d] for c, s, n, d in parts if c < self.seq_len]
-        original = self._stream.original if self._keep else int
+        original = cast(KeptDocuments, self._stream).original if self._keep else int  # kept under keep=
         return [(original(d), s - d, n, c) for c, s, n, d in parts]
 
     def sample_key(self, row: int, epoch: int | None = None) -> tuple[str, ...]:

@@ -36,7 +36,7 @@ import weakref
 from collections.abc import Callable
 from datetime import datetime
 from email.utils import parsedate_to_datetime
-from typing import Any, NamedTuple, TypeVar
+from typing import Any, BinaryIO, NamedTuple, TypeVar, cast
 
 from loader.sources.cache import ShardCache, disk_full
 from loader.sources.tar_index import (
@@ -58,6 +58,7 @@ from loader.sources.tar_index import (
 __all__ = ["RemoteShard", "RemoteShards", "ShardUnavailableError", "is_remote", "local_path"]
 
 log = logging.getLogger(__name__)
+NO_CACHE = "only publish_index runs without a cache (cache=None)"
 INDEX_READ_BYTES = 256 * 1024
 RETRY_DELAY_S = 0.5  # the first pause; it doubles up to RETRY_MAX_DELAY_S
 RETRY_MAX_DELAY_S = 8.0
@@ -300,7 +301,7 @@ class RemoteShards:
         self.storage_options = dict(storage_options or {})
         self.cache, self.retries = cache, retries
 
-    def _fs(self, url: str):
+    def _fs(self, url: str) -> tuple[Any, str]:
         """fsspec's file system and path for ``url`` (fsspec keeps one instance per process and options)."""
         import fsspec
 
@@ -362,7 +363,8 @@ class RemoteShards:
         f = _Ranges(fs, path, shard, deadline)
         head = f.read(BLOCK)
         f.seek(0)
-        samples = list(group_samples(scan_tar(f, shard.url, shard.size), shard.url))
+        reads = cast(BinaryIO, f)  # scan_tar only seeks and reads, given the size
+        samples = list(group_samples(scan_tar(reads, shard.url, shard.size), shard.url))
         self._check(shard, deadline)  # the ranged reads all saw this version
         index = assemble_index(samples, shard.size, shard.mtime_ns, shard.identity, head)
         return index, f.cache.total_requested_bytes
@@ -381,13 +383,14 @@ class RemoteShards:
         """The index of this version of the shard: cached, stored next to it, or built by ranged reads (and
         cached); also whether it was built."""
         name = index_name(shard.url)
+        assert self.cache is not None, NO_CACHE
         if not rebuild:
             if (index := _matching(self.cache.load_index(name), shard)) is not None:
                 return index, False
             data = self._retry(
                 lambda deadline: self._stored_index(shard.url, deadline), shard.url, "reading the index of"
             )
-            if (index := _matching(data, shard)) is not None:
+            if data is not None and (index := _matching(data, shard)) is not None:
                 self.cache.store_index(name, data)
                 return index, False
         index, fetched = self._retry(lambda deadline: self._build(shard, deadline), shard.url, "indexing")
@@ -429,6 +432,7 @@ class RemoteShards:
         """Have a copy in the cache ahead of its readers (``rank``: its place in the plan); False when the cache has
         no room without evicting a shard needed sooner."""
         fill = lambda dest: self.download(shard, index, dest)  # noqa: E731
+        assert self.cache is not None, NO_CACHE
         return self.cache.fetch(shard.copy_name(), shard.size, fill, rank=rank) is not None
 
     def open_copy(
@@ -443,8 +447,11 @@ class RemoteShards:
         discarded (``damaged_copies`` in the cache's stats) and fetched again.
         """
         name, fill = shard.copy_name(), lambda dest: self.download(shard, index, dest)
+        assert self.cache is not None, NO_CACHE
         for _ in range(2):
-            path, fd, fetched = self.cache.fetch(name, shard.size, fill, pin=True, release=release)
+            copy = self.cache.fetch(name, shard.size, fill, pin=True, release=release)
+            assert copy is not None and copy.fd is not None, "a reader's fetch waits for its copy, pinned"
+            path, fd, fetched = copy.path, copy.fd, copy.fetched
             try:
                 if not fetched:
                     self.check_current(shard)
@@ -461,4 +468,5 @@ class RemoteShards:
     def discard_copy(self, shard: RemoteShard) -> None:
         """Drop a copy found damaged while reading: the next open fetches it again."""
         log.warning("a read of the cached copy of %s failed its checks: fetching it again", shard.url)
+        assert self.cache is not None, NO_CACHE
         self.cache.discard(shard.copy_name())

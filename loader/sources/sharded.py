@@ -13,6 +13,7 @@ from __future__ import annotations
 import itertools
 import os
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any
 
 from loader.streams.shards import ShardedStream
 
@@ -58,7 +59,7 @@ class HuggingFaceShards(ShardedStream):
     `num_shards` shards (files, or row groups after `reshard()`) are dealt by the loader, so do not split it by node
     (`split_dataset_by_node`) or call its `set_epoch`: pass shuffle=True to the loader to shuffle the shards."""
 
-    def __init__(self, dataset):
+    def __init__(self, dataset: Any) -> None:
         self.dataset = dataset
 
     def shards(self) -> list[str]:

@@ -39,7 +39,7 @@ import warnings
 import zipfile
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from typing import BinaryIO, NamedTuple
+from typing import Any, BinaryIO, NamedTuple
 
 import numpy as np
 from webdataset.tariterators import base_plus_ext
@@ -276,7 +276,8 @@ def group_samples(members: Iterable[TarMember], shard: str) -> Iterator[tuple[st
 
     A key must name one sample: (shard, key) is the identity that resume and audit rely on.
     """
-    key, sample = None, {}
+    key: str | None = None
+    sample: dict[str, TarMember] = {}
     first_members: dict[str, TarMember] = {}  # each key's first member, to name both places of a repeat
     for member in members:
         if _META.match(member.name):
@@ -286,6 +287,7 @@ def group_samples(members: Iterable[TarMember], shard: str) -> Iterator[tuple[st
             continue
         if prefix != key:
             if sample:
+                assert key is not None, "a sample has members under its key"
                 yield key, sample
             if prefix in first_members:
                 raise _repeated_key(shard, prefix, first_members[prefix], member)
@@ -304,6 +306,7 @@ def group_samples(members: Iterable[TarMember], shard: str) -> Iterator[tuple[st
             )
         sample[suffix] = member
     if sample:
+        assert key is not None, "a sample has members under its key"
         yield key, sample
 
 
@@ -373,7 +376,7 @@ class ShardIndex:
         rows = self.member_table[picks].tolist()
         return [(0, BLOCK, self.head_digest), *((offset - length, length, d) for offset, _, length, d in rows)]
 
-    def to_arrays(self) -> dict[str, np.ndarray]:
+    def to_arrays(self) -> dict[str, Any]:  # arrays, and the format's version as an np.int64
         suffix_blob, suffix_offsets = _pack_strings(list(self.suffixes))
         arrays = {k: v for k, v in vars(self).items() if isinstance(v, np.ndarray)}
         shard = np.array([getattr(self, name) for name in _SHARD_FIELDS], dtype=np.int64)
@@ -381,7 +384,7 @@ class ShardIndex:
         return {"version": np.int64(INDEX_VERSION), "shard": shard, **strings, **arrays}
 
     @classmethod
-    def from_arrays(cls, arrays: dict[str, np.ndarray]) -> ShardIndex:
+    def from_arrays(cls, arrays: dict[str, Any]) -> ShardIndex:
         blob, offsets = arrays.pop("suffix_blob"), arrays.pop("suffix_offsets")
         suffixes = tuple(_unpack_string(blob, offsets, i) for i in range(len(offsets) - 1))
         arrays.pop("version")

@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 import torch
 import torch.utils.data
+from numpy.typing import ArrayLike, DTypeLike
 
 from loader.core.checks import check_positive_int
 from loader.core.rows import Rows
@@ -219,7 +220,7 @@ class _Mapped:
         return {**self.__dict__, "_map": None, "_derived": None}
 
 
-def _token_dtype(value, where: str) -> np.dtype:
+def _token_dtype(value: DTypeLike, where: str) -> np.dtype:
     try:
         dtype = np.dtype(value)
     except TypeError:
@@ -351,6 +352,8 @@ class _DocumentStarts:
     Megatron's `.idx` (sequence pointers in bytes, and the document index into the sequences). Read by binary
     search on the mapped arrays: O(log documents) per sample, nothing loaded."""
 
+    documents: _Mapped | None  # Megatron's document index into its sequences; None for a .npy
+
     def __init__(self, path: str, tokens: _Mapped):
         self.path, self.itemsize, self.documents = path, tokens.dtype.itemsize, None
         if path.endswith(".idx"):
@@ -423,6 +426,10 @@ class TokenSource(torch.utils.data.Dataset):
     (a uint16 file read as uint32 pairs its tokens into ids of 65536 and more). Nothing contradicts a uint32 file of
     ids below 65536 read as uint16 without a Megatron `.idx`: every other token is 0, a valid id.
     """
+
+    _documents: list[_DocumentStarts] | None  # one per token file, with doc_offsets=
+    _fingerprint: str | None  # computed at the first fingerprint()
+    _groups: list[list[str]]  # the files each tag of the fingerprint covers
 
     def __init__(
         self,
@@ -513,6 +520,7 @@ class TokenSource(torch.utils.data.Dataset):
         the read, ids below vocab_size): the read that packing (`loader.sources.packing`) builds its rows from."""
         if not 0 <= low <= high <= self.tokens:
             raise IndexError(f"tokens [{low}, {high}) out of range for {self.tokens} tokens")
+        touched: set[int]  # the files read
         out, touched = np.empty(high - low, dtype=np.int64), set()
         if high > low:
             file = int(np.searchsorted(self._starts, low, side="right")) - 1
@@ -536,7 +544,7 @@ class TokenSource(torch.utils.data.Dataset):
             return np.concatenate(([0] if low == 0 else [], ends)).astype(np.int64)
         if self._documents is None:
             raise ValueError("this TokenSource has no document boundaries: pass eos_id= or doc_offsets=")
-        found = []
+        found: list[ArrayLike] = []
         file = int(np.searchsorted(self._starts, low, side="right")) - 1
         while file < len(self._files) and self._starts[file] < high:
             first = int(self._starts[file])
@@ -614,6 +622,7 @@ class TokenSource(torch.utils.data.Dataset):
         ids = tokens.view(np.uint64)
         if ids.max() < self.vocab_size:
             return
+        assert self.vocab_size is not None, "checked only with a vocab_size"
         row, column = np.argwhere(ids >= self.vocab_size)[0].tolist()
         token = int(firsts[row]) + column
         file = int(np.searchsorted(self._starts, token, side="right")) - 1
@@ -653,7 +662,7 @@ class TokenSource(torch.utils.data.Dataset):
         doc_ids = torch.from_numpy(self._doc_ids(batch.numpy(), starts)).unbind(0)
         return [{"tokens": t, "doc_ids": d} for t, d in zip(tokens, doc_ids)]
 
-    def __getitem__(self, index: int):
+    def __getitem__(self, index: int) -> torch.Tensor | dict[str, torch.Tensor]:
         return self.__getitems__([index])[0]
 
     def _layout(self) -> dict[str, Any]:

@@ -12,7 +12,7 @@ A plain stream resumes at the same world size and number of workers; a sharded s
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from functools import cached_property
 from typing import Any
 
@@ -40,7 +40,7 @@ _ENDED_ELSEWHERE = worker_snapshot(0, True, None, None, [0, 0], None)
 class StreamProgress:
     def __init__(
         self,
-        dataset,
+        dataset: Any,
         world_size: int,
         rank: int,
         grad_accum: int,
@@ -48,11 +48,11 @@ class StreamProgress:
         persistent: bool,
         seed: int,
         shuffle: bool,
-    ):
+    ) -> None:
         self.dataset, self.world_size, self.rank, self.grad_accum = dataset, world_size, rank, grad_accum
         self.num_workers, self.persistent = num_workers, persistent and num_workers > 0
         self.workers = max(num_workers, 1)
-        self.shards = None
+        self.shards: Shards | None = None
         if is_sharded(dataset):
             names = list(dataset.shards())
             self.shards = Shards(len(names), shard_digest(names), seed, bool(shuffle), ShardProgress(len(names)))
@@ -68,8 +68,8 @@ class StreamProgress:
         self,
         batch_size: int | None,
         drop_last: bool,
-        collate_fn,
-        worker_init_fn,
+        collate_fn: Callable,
+        worker_init_fn: Callable | None,
         keep: Callable[[None, Any], bool] | None = None,
     ) -> StreamSource:
         """The dataset torch iterates: this stream's batches, made where it is read, each with its worker's state;
@@ -86,7 +86,7 @@ class StreamProgress:
         origins: tuple,
         *,
         delivered: int = 0,
-        latest=None,
+        latest: Sequence[dict | None] | None = None,
         next_worker: int = 0,
         base_seed: int | None = None,
         exhausted: bool = False,
@@ -134,7 +134,7 @@ class StreamProgress:
         origins = (None,) * self.workers if self._origins_live and not self.num_workers else self.origins
         return Plan(self._pass_id, self.epoch, self.base_seed, self.next_worker, tuple(zip(origins, self.latest)))
 
-    def started(self, torch_iterator, plan: Plan | None) -> None:
+    def started(self, torch_iterator: Any, plan: Plan | None) -> None:
         """A torch iterator was made (or persistent workers reset) for the plan: note torch's base seed where the
         workers took it, and, in the main process, the stream's state before its first batch."""
         self._reusable = self._origins_live = self._unread = False  # the workers (the dataset) move on from the
@@ -144,6 +144,7 @@ class StreamProgress:
         self._rotation = plan.rotation
         if self.num_workers and plan.base_seed is None:
             self.base_seed = torch_iterator._base_seed
+        assert self.source is not None, "attach() made the dataset that torch iterates"
         if not self.num_workers and self.latest[0] is None and self.source._live is not None:
             self.latest[0] = self.source._live.snapshot(ended=False)
             if not self.delivered:
@@ -153,7 +154,9 @@ class StreamProgress:
         """A worker's snapshot came in (with a batch to deliver or fail, or its end): it stands there now. Its random
         state is sent only when it changed since the worker's previous snapshot, which came in just before."""
         if snapshot["rng"] == UNCHANGED:
-            snapshot["rng"] = self.latest[worker]["rng"]
+            previous = self.latest[worker]
+            assert previous is not None, "sent only after the worker's previous snapshot, which came in before"
+            snapshot["rng"] = previous["rng"]
         self.latest[worker] = snapshot
         self.next_worker = (worker + 1) % self.workers
 
@@ -226,17 +229,18 @@ class StreamProgress:
             return (standing(self.dataset),)
         return self.origins
 
-    def check(self, state) -> None:
+    def check(self, state: Any) -> None:
         """Validate `state` in full, as load_state_dict does, changing nothing: on a fresh keeper of this
         configuration (restoring touches only the keeper; the dataset's own state is loaded in its workers)."""
         seed, shuffle = (self.shards.seed, self.shards.shuffle) if self.shards is not None else (0, False)
         fresh = StreamProgress(
             self.dataset, self.world_size, self.rank, self.grad_accum, self.num_workers, self.persistent, seed, shuffle
         )
-        fresh.attach(None, False, None, None)  # a source of its own, which a sharded stream's state is dealt to
+        fresh.attach(None, False, list, None)  # a source of its own, which a sharded stream's state is dealt to
+        # (never iterated: its collate_fn is never called)
         fresh.load_state_dict(state)
 
-    def load_state_dict(self, state) -> None:
+    def load_state_dict(self, state: Any) -> None:
         ranks = rank_streams(state)
         for r in ranks:
             check_identity(r.stream, self.identity, r.rank)
@@ -249,6 +253,7 @@ class StreamProgress:
                 f"construct the loader with the dataset that saved it"
             )
         if self.shards is not None:
+            assert saved.shards is not None, "both sharded (checked above)"
             self._check_same_shards(saved.shards)
             if (saved.world_size, saved.num_workers) != (self.world_size, self.num_workers):
                 return self._redeal(ranks)
@@ -274,6 +279,7 @@ class StreamProgress:
 
     def _check_same_shards(self, saved: Shards) -> None:
         ours = self.shards
+        assert ours is not None, "compared for a sharded stream only"
         for name, theirs, mine, hint in (
             ("count", saved.count, ours.count, "the stream lists another number of shards"),
             ("digest", saved.digest, ours.digest, "the stream lists other shards, or in another order"),
@@ -287,6 +293,7 @@ class StreamProgress:
 
     def _restore(self, mine: RankStream) -> None:
         if self.shards is not None:
+            assert mine.shards is not None, "both sharded (checked in load_state_dict)"
             self._rebase(mine.shards)
         self._reusable = self._origins_live = self._unread = False
         self._start(
@@ -303,6 +310,7 @@ class StreamProgress:
     def _redeal(self, ranks: list[RankStream]) -> None:
         """Another world size or number of workers: deal every rank's unfinished shards again, from their records."""
         progress, epoch, over = regathered(ranks)
+        assert self.shards is not None, "dealt again for a sharded stream only"
         self._rebase(Shards(self.shards.count, self.shards.digest, self.shards.seed, self.shards.shuffle, progress))
         self._reusable = self._origins_live = self._unread = False
         consumed = epoch < progress.epoch  # every record of the epoch read: the pass ends without a batch
@@ -311,4 +319,5 @@ class StreamProgress:
 
     def _rebase(self, shards: Shards) -> None:
         self.shards = shards
+        assert self.source is not None, "attach() made the source the shards are dealt to"
         self.source.deal = shards.deal(self.world_size, self.workers)

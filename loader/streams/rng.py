@@ -13,6 +13,7 @@ import random
 import struct
 import sys
 from collections.abc import Callable
+from typing import cast
 
 import numpy as np
 import torch
@@ -31,7 +32,7 @@ class RngWatch:
     13 KB. The check reads the generators' words where they are, and a state that changed is encoded from what it
     read: 9 us, where get_state() and getstate() (which copy the words into Python objects one by one) took 75."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self._numpy, self._python = _numpy_reader(), _python_reader()
         self._raw: tuple | None = None
 
@@ -96,11 +97,11 @@ def _numpy_reader() -> Callable[[], tuple]:
 
 
 @functools.cache
-def _numpy_gaussian(generator) -> tuple | None:
+def _numpy_gaussian(generator: np.random.RandomState) -> tuple | None:
     """Where RandomState keeps its cached gaussian (has_gauss, an int 8 bytes before gauss, a double): found by
     setting two known cached values in turn and looking for them in the object (its state is put back exactly);
     None where they are not found, once each, at one place. Once per process (and its forks): the object stays."""
-    saved, places = generator.get_state(legacy=True), set()
+    saved, places = cast(tuple, generator.get_state(legacy=True)), set()  # a tuple (stubs: or a dict)
     try:
         for has_gauss, gauss in ((1, 0.7853981633974483), (0, -2.718281828459045)):
             generator.set_state(saved[:3] + (has_gauss, gauss))

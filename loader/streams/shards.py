@@ -36,7 +36,7 @@ class ShardedStream(IterableDataset):
             yield from self.iter_shard(index, 0)
 
 
-def is_sharded(dataset) -> bool:
+def is_sharded(dataset: object) -> bool:
     return callable(getattr(dataset, "shards", None)) and callable(getattr(dataset, "iter_shard", None))
 
 

@@ -18,7 +18,7 @@ import itertools
 import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeGuard
 
 import torch.utils.data._utils.worker as torch_worker
 from torch._utils import ExceptionWrapper
@@ -30,7 +30,7 @@ from loader.streams.shards import ShardDeal
 from loader.streams.state import RankStream, worker_snapshot
 
 
-def is_stateful(obj) -> bool:
+def is_stateful(obj: object) -> bool:
     return callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))
 
 
@@ -62,9 +62,11 @@ class StreamSource(IterableDataset):
     records it drops are consumed before the batch's snapshot, so a resume never reads them again, nor evaluates the
     filter on them."""
 
+    _live: _Batches | None  # the main process's pass (num_workers=0), which a new iterator may go on with
+
     def __init__(
         self,
-        dataset,
+        dataset: Any,
         batch_size: int | None,
         drop_last: bool,
         collate_fn: Callable,
@@ -73,7 +75,7 @@ class StreamSource(IterableDataset):
         rank: int,
         deal: ShardDeal | None,
         keep: Callable[[None, Any], bool] | None = None,
-    ):
+    ) -> None:
         self.dataset, self.batch_size, self.drop_last, self.collate_fn = dataset, batch_size, drop_last, collate_fn
         self.num_workers, self.user_init, self.rank, self.deal = num_workers, worker_init_fn, rank, deal
         self.keep = keep
@@ -87,6 +89,7 @@ class StreamSource(IterableDataset):
         """torch's worker_init_fn: become the logical worker of the plan, reseeded as that worker when resuming, then
         the user's worker_init_fn. WorkerInfo names the user's dataset and the logical id."""
         info, plan = get_worker_info(), self.plan
+        assert info is not None, "torch calls its worker_init_fn in a worker"
         seed = info.seed
         if plan is not None:
             self._worker = (worker_id + plan.rotation) % self.num_workers
@@ -139,6 +142,7 @@ class StreamSource(IterableDataset):
         return _Batches(self, pass_id, iterator, iterator, 0)
 
     def _open_shards(self, epoch: int, pass_id: int, origin: dict | None, latest: dict | None) -> _Batches:
+        assert self.deal is not None, "opened for a sharded stream only"
         tasks = self.deal.tasks(epoch, self.rank, self._worker)
         if latest is not None:
             _set_rng(latest)
@@ -151,12 +155,12 @@ class StreamSource(IterableDataset):
         return _Batches(self, pass_id, reader, None, batches, reader)
 
 
-def _holds_states(value: dict | None) -> bool:
+def _holds_states(value: dict | None) -> TypeGuard[dict]:
     """A snapshot holds the stream's own states (its dataset's, its iterator's)."""
     return value is not None and (value["dataset"] is not None or value["iterator"] is not None)
 
 
-def _resumed(dataset, latest: dict, worker: int, opened: Callable) -> Iterator:
+def _resumed(dataset: Any, latest: dict, worker: int, opened: Callable) -> Iterator:
     """The dataset's iterator where a worker's snapshot left it (StatefulDataLoader's protocol): the dataset's state
     loaded before its __iter__ (`opened`), the iterator's after."""
     if latest["dataset"] is not None:
@@ -173,7 +177,7 @@ def _resumed(dataset, latest: dict, worker: int, opened: Callable) -> Iterator:
     return iterator
 
 
-def _restored(dataset, origin: dict, worker: int, opened: Callable) -> None:
+def _restored(dataset: Any, origin: dict, worker: int, opened: Callable) -> None:
     """The dataset as the previous pass left it: its state, and for a dataset that is its own iterator that pass's
     iterator state, loaded after an __iter__ (`opened`), as StatefulDataLoader does."""
     if origin["dataset"] is not None:
@@ -188,14 +192,14 @@ class _NotHere(Exception):
     """A dataset's __iter__ raised in the main process, where no worker_init_fn ran: its states cannot be tried."""
 
 
-def _opened_here(dataset) -> Iterator:
+def _opened_here(dataset: Any) -> Iterator:
     try:
         return iter(dataset)
     except Exception as err:  # noqa: BLE001 - whatever the user's __iter__ raises outside its worker
         raise _NotHere from err
 
 
-def check_loadable(dataset, mine: RankStream) -> None:
+def check_loadable(dataset: Any, mine: RankStream) -> None:
     """Load each of a rank's snapshots that holds the stream's own states into a copy of the dataset, as its worker
     will: a state the dataset or its iterator refuses (its load_state_dict raises) is refused on load, naming the
     worker, not when the worker starts. Only the dataset can tell its states apart, so it is asked. Not tried here: a
@@ -237,7 +241,7 @@ def check_loadable(dataset, mine: RankStream) -> None:
 _ATOMS = (int, float, str, bool, type(None))
 
 
-def _frozen(state):
+def _frozen(state: Any) -> Any:
     """A copy the dataset can no longer change: its state_dict may return objects it goes on mutating. A flat dict
     of numbers and strings (the usual state) is copied shallowly, 10x faster than deepcopy."""
     if type(state) is dict and all(type(v) in _ATOMS for v in state.values()):
@@ -245,7 +249,7 @@ def _frozen(state):
     return copy.deepcopy(state)
 
 
-def standing(dataset) -> dict | None:
+def standing(dataset: Any) -> dict | None:
     """The snapshot of a main-process dataset before any pass of the loader: its own state, as it stands (a dataset's
     state is loaded before its __iter__, so it can be taken now). None for a dataset without state, and for one that
     is its own iterator (it defines __next__): its state is an iterator's, loaded after an __iter__, and exists only
@@ -266,14 +270,16 @@ class _ShardReader:
     being made and consumes the rest of that shard (a shard that cannot be read would otherwise fail every batch
     after it); the worker goes on with its next shard."""
 
-    def __init__(self, dataset, tasks: list, task: int, offset: int):
+    _records: Iterator | None  # the current shard's, once opened
+
+    def __init__(self, dataset: Any, tasks: list, task: int, offset: int) -> None:
         self.dataset, self.tasks, self.task, self.offset = dataset, tasks, task, offset
         self._records, self.done = None, not tasks
 
     def __iter__(self) -> _ShardReader:
         return self
 
-    def __next__(self):
+    def __next__(self) -> Any:
         while not self.done:
             try:  # opening a shard may raise too (an iter_shard that opens its file at once): that shard failed
                 if self._records is None:
@@ -307,10 +313,10 @@ class _Batches:
         source: StreamSource,
         pass_id: int,
         records: Iterator,
-        iterator,
+        iterator: Any,
         count: int,
         reader: _ShardReader | None = None,
-    ):
+    ) -> None:
         self.source, self.pass_id, self.iterator, self.reader = source, pass_id, iterator, reader
         # drawn through its __next__: islice would call iter() on it, which resets a dataset that is its own iterator.
         # Not iter(__next__, sentinel), which compares every record with the sentinel by `==` (element-wise on NumPy
@@ -386,7 +392,7 @@ class _Batches:
                 break
         return items
 
-    def _made(self, error, batch, records: int) -> tuple:
+    def _made(self, error: Raised | None, batch: Any, records: int) -> tuple:
         self.count += 1
         self.finished = self.exhausted  # a short last batch: the stream ended with it
         return (
@@ -414,10 +420,10 @@ class Raised:
 
     __slots__ = ("error",)
 
-    def __init__(self, error):
-        self.error = error
+    def __init__(self, error: BaseException | ExceptionWrapper) -> None:
+        self.error: BaseException | ExceptionWrapper | None = error
 
-    def take(self):
+    def take(self) -> BaseException | ExceptionWrapper | None:
         error, self.error = self.error, None
         return error
 

@@ -19,11 +19,14 @@ import base64
 import binascii
 import inspect
 import zlib
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, replace
 from functools import cached_property
+from typing import Any
 
 import numpy as np
 import torch
+from torch.utils.data import IterableDataset
 
 from loader.core.checks import is_int
 from loader.core.progress import normalize
@@ -66,13 +69,13 @@ IDENTITY_KEYS = ("class", "length", "fingerprint")
 _RNG_FIXED = 8 * 3 + 8 * 2 + 4 * 624 + 4 * 625  # see loader.streams.rng
 
 
-def _seed(value, where: str):
+def _seed(value: Any, where: str) -> int | None:
     if value is not None and not (is_int(value) and 0 <= value < 2**64):
         raise StateError(f"{where} must be None or a 64-bit seed, got {short(value)}: the state is corrupted")
     return value
 
 
-def _check_rng(text, where: str) -> None:
+def _check_rng(text: object, where: str) -> None:
     if text is None:
         return
     try:
@@ -83,7 +86,9 @@ def _check_rng(text, where: str) -> None:
         raise StateError(f"{where}.rng is not a random state of this torch: the state is corrupted")
 
 
-def worker_snapshot(batches: int, ended: bool, dataset, iterator, shard: list | None, rng: str | None) -> dict:
+def worker_snapshot(
+    batches: int, ended: bool, dataset: Any, iterator: Any, shard: list | None, rng: str | None
+) -> dict:
     """A worker's state, with the checksum of its progress."""
     return {
         "batches": batches,
@@ -96,7 +101,7 @@ def worker_snapshot(batches: int, ended: bool, dataset, iterator, shard: list | 
     }
 
 
-def checksum(*progress) -> int:
+def checksum(*progress: object) -> int:
     """A CRC-32 of progress that nothing else in a state confirms: whether a worker's stream ended (its length is the
     stream's, which the loader does not know), its batch count and shard position, a rank's epoch (a sharded rank
     past an epoch read all of its share of it) and shard progress. Changed after the state was saved, they would
@@ -126,7 +131,7 @@ def _earlier_release(where: str, field: str) -> StateError:
     )
 
 
-def _snapshot(value, where: str, sharded: bool, rank: int) -> dict | None:
+def _snapshot(value: Any, where: str, sharded: bool, rank: int) -> dict | None:
     if value is None:
         return None
     if isinstance(value, dict) and set(value) == set(SNAPSHOT_KEYS) - {"check"}:
@@ -149,7 +154,7 @@ def _snapshot(value, where: str, sharded: bool, rank: int) -> dict | None:
     return value
 
 
-def stream_identity(dataset) -> dict:
+def stream_identity(dataset: Any) -> dict:
     """What a stream state is compared with on load: the stream's class, its len() when it has one, and its
     `fingerprint()` when it offers one (a str naming its content: files, a version). Not its repr, which by default
     names the object's address, another in every process."""
@@ -184,7 +189,7 @@ def check_identity(saved: dict | None, current: dict, rank: int) -> None:
             )
 
 
-def _identity(value, where: str) -> dict | None:
+def _identity(value: Any, where: str) -> dict | None:
     if value is None:
         return None
     if not isinstance(value, dict) or set(value) != set(IDENTITY_KEYS):
@@ -196,7 +201,7 @@ def _identity(value, where: str) -> dict | None:
     return value
 
 
-def check_payloads(ranks: list[RankStream], dataset, stateful: bool) -> None:
+def check_payloads(ranks: list[RankStream], dataset: IterableDataset, stateful: bool) -> None:
     """A snapshot may hold a dataset state only for a dataset with load_state_dict (`stateful`), and an iterator state
     only where __iter__ is no generator function (a generator keeps no state): anything else would fail in a
     worker, after the state was accepted."""
@@ -234,13 +239,13 @@ def _progress_to_dict(progress: ShardProgress) -> dict:
     }
 
 
-def _spans(shards) -> np.ndarray:
+def _spans(shards: Collection[int]) -> np.ndarray:
     """A set of shard indices as sorted, disjoint, non-touching intervals: a finished run of shards is one pair."""
     starts = np.fromiter(shards, dtype=np.int64, count=len(shards))
     return normalize(np.stack((starts, starts + 1), axis=1))
 
 
-def _progress_from_dict(value, count: int, where: str) -> ShardProgress:
+def _progress_from_dict(value: Any, count: int, where: str) -> ShardProgress:
     epoch = _get(value, "epoch", int, where)
     epochs = {}
     for i, entry in enumerate(_get(value, "epochs", list, where)):
@@ -300,7 +305,7 @@ class Shards:
         return checksum(self.serialised)
 
     @classmethod
-    def from_dict(cls, value, where: str) -> Shards:
+    def from_dict(cls, value: Any, where: str) -> Shards:
         count = _get(value, "count", int, where)
         digest = _get(value, "digest", str, where)
         seed = _get(value, "seed", int, where)
@@ -357,7 +362,7 @@ class RankStream:
         )
 
     @classmethod
-    def from_dict(cls, state, where: str = "state") -> RankStream:
+    def from_dict(cls, state: Any, where: str = "state") -> RankStream:
         check_header(state, ("stream",), where)
         for field in ("num_workers", "check"):
             if field not in state:
@@ -434,6 +439,7 @@ class RankStream:
     def check_positions(self, where: str) -> None:
         """Every worker's shard position must name one of its tasks in this epoch, at or after the task's start; a
         worker whose stream ended stands in its last task (its reader ends there)."""
+        assert self.shards is not None, "checked for the states of a sharded stream only"
         deal = self.shards.deal(self.world_size, len(self.workers))
         for worker, value in enumerate(self.workers):
             if value is None or self.epoch < self.shards.base.epoch:
@@ -500,8 +506,8 @@ def stream_state(
     num_workers: int,
     base_seed: int | None,
     next_worker: int,
-    origins,
-    workers,
+    origins: Sequence[dict | None],
+    workers: Sequence[dict | None],
     shards: Shards | None,
     stream: dict | None,
 ) -> dict:
@@ -540,7 +546,7 @@ def merge_stream_states(states: list[dict]) -> dict:
     }
 
 
-def _parse_all(states) -> list[RankStream]:
+def _parse_all(states: object) -> list[RankStream]:
     if not isinstance(states, (list, tuple)) or not states:
         raise StateError("stream progress needs a non-empty list of per-rank states (one per rank)")
     ranks = [RankStream.from_dict(s, f"states[{i}]") for i, s in enumerate(states)]
@@ -551,7 +557,7 @@ def _parse_all(states) -> list[RankStream]:
     return sorted(ranks, key=lambda r: r.rank)
 
 
-def rank_streams(state) -> list[RankStream]:
+def rank_streams(state: Any) -> list[RankStream]:
     """Every rank's parsed state out of a merged state, a list of states, or the state of a one-rank run: a stream
     has no progress that one rank's state could stand for in the others."""
     if isinstance(state, (list, tuple)):
@@ -585,6 +591,7 @@ def regathered(ranks: list[RankStream]) -> tuple[ShardProgress, int, bool]:
                 f"the state of rank {r.rank} has another shard list, order or number of workers than rank "
                 f"{first.rank}'s: pass the states of one step of one run"
             )
+    assert first.shards is not None, "refused in the loop above"
     deal = first.shards.deal(first.world_size, max(first.num_workers, 1))
     progress = merge(deal, [r.shard_positions() for r in ranks])
     last = max(r.epoch for r in ranks)
