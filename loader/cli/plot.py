@@ -16,8 +16,8 @@ from pathlib import Path
 
 import numpy as np
 
-from loader.checkpoint.audit import EpochAudit, EpochTally, audit_records, tally
-from loader.checkpoint.ledger import Generation, Record, read_run
+from loader.checkpoint.audit import EpochAudit, EpochTally, audit_records, read_indexed, tally
+from loader.checkpoint.ledger import Generation, Record
 
 # what an index of an epoch was, by severity: a bin of many indices shows the most severe one it holds
 ONCE, NOT_YET, DROPPED, FILTERED, REQUESTED, FAILED, SKIPPED, DUPLICATED = range(8)
@@ -178,7 +178,7 @@ def _figure(width: float, height: float):
 def plot(run_dir, out) -> Picture:
     """Draw the run's picture (see the module docstring) into the PNG `out`; returns what was drawn."""
     require_matplotlib()
-    run = read_run(run_dir)
+    run = read_indexed(run_dir)
     generations, records, dropped, requested = run.generations, run.records, run.dropped, run.requested
     counted = [r for r in records if r.counted]
     num_samples = run.num_samples
