@@ -42,6 +42,7 @@ from loader.core.rows import batch_reader, collate
 from loader.core.sampler import ResumableSampler
 from loader.core.state import short
 from loader.metrics import DataStallWarning, Monitor, batch_nbytes, stall_message
+from loader.streams.filtered import count as count_dropped
 from loader.streams.progress import StreamProgress
 from loader.streams.shards import is_sharded
 
@@ -158,6 +159,7 @@ class ContinuedPassWarning(UserWarning):
     consumed, so a batch that was only looked at (`next(iter(loader))`) is never trained."""
 
 
+_NO_INDICES = np.zeros(0, np.int64)  # a stream's batch in the ledger: it counts its step, its records have no index
 _INTERRUPTED = (
     "this iterator was interrupted inside next(): take a new iter(), which serves the interrupted batch again"
 )
@@ -431,8 +433,7 @@ class _StreamDelivery(_Delivery):
             loader._stream.receive(worker, snapshot)
             if not end:
                 break
-            loader.monitor.records += filtered  # records the filter dropped before the worker's stream ended
-            loader.monitor.filtered += filtered
+            loader._dropped_at_end(filtered)
         if raised is not None:
             loader._fail(started)
             error = _unwrapped(raised.take())
@@ -440,7 +441,7 @@ class _StreamDelivery(_Delivery):
                 raise error
             finally:
                 del error  # no cycle (exception -> traceback -> this frame -> exception) keeps the workers alive
-        loader._deliver(started, batch, records + filtered, filtered)  # a stream's samples: counted where made
+        loader._deliver(started, batch, records, filtered)  # a stream's samples: counted where made
         return batch
 
 
@@ -682,6 +683,8 @@ class ResumableDataLoader(DataLoader[T_co]):
         self._iterations = 0  # iterators superseded so far: only the newest iterator delivers
         self._filter = None if filter is None else (filter, filtered)
         self._kept: np.ndarray | None = None  # the filter's verdicts on the members of the batch delivered last
+        self._tails: list[tuple[int, np.ndarray]] = []  # (epoch, runs) a stream's filter dropped after its workers'
+        # last batches, not yet in the ledger (see `_dropped_at_end`)
         self._delivered_by_iterator = 0  # batches the newest iterator delivered
         if isinstance(dataset, IterableDataset):
             _refuse_datapipes(dataset)
@@ -868,8 +871,12 @@ class ResumableDataLoader(DataLoader[T_co]):
         return ahead
 
     def _stream_iter(self) -> _StreamDelivery:
-        if self.ledger is not None:
-            raise TypeError("a ledger records sample indices, which an IterableDataset does not have")
+        if self.ledger is not None and not self.ledger.stream:
+            raise TypeError(
+                "this ledger records sample indices, which an IterableDataset does not have: open it with "
+                "Ledger.open_stream(run_dir, resumed_step), which names the records the filter drops by shard and "
+                "record instead"
+            )
         stream = self._stream
         if stream.exhausted and not stream.ended:  # set_epoch() named the epoch whose stream is over: empty pass
             return _StreamDelivery(iter(()), self, self._iterations)
@@ -932,12 +939,18 @@ class ResumableDataLoader(DataLoader[T_co]):
         self._delivered_by_iterator = 0
         self.monitor.new_pass()
 
-    def _deliver(self, started: float, batch, records: int = 0, filtered: int | None = None) -> None:
-        """`batch` was handed to the loop; a stream's consumed `records` of its stream, `filtered` of them dropped by
-        the filter."""
+    def _deliver(self, started: float, batch, records: int = 0, runs: np.ndarray | None = None) -> None:
+        """`batch` was handed to the loop; a stream's `records` of its stream, and the `runs` of those its filter
+        dropped before them (`loader.streams.filtered`)."""
         self.__dict__["_delivered_by_iterator"] += 1  # not through DataLoader.__setattr__: Python, 0.3 us a batch
         if self._stream is not None:
             self._stream.deliver()
+            filtered = count_dropped(runs)
+            records += filtered
+            if self.ledger is not None:
+                self._record_tails(None)  # their workers' ends are committed with this batch's update
+                named = None if runs is None else runs.ravel()
+                self.ledger.record(self.epoch, _NO_INDICES, self.update_complete, named)
         else:
             self.resumable_sampler.deliver()
             if self._world_size > 1:
@@ -951,11 +964,28 @@ class ResumableDataLoader(DataLoader[T_co]):
         monitor = self.monitor
         if monitor.count_bytes:
             monitor.bytes += batch_nbytes(batch)
-        if filtered is None:  # a map-style batch: its members the filter dropped, from the verdicts
+        if self._stream is None:  # a map-style batch: its members the filter dropped, from the verdicts
             filtered = 0 if self._filter is None else len(self._kept) - int(self._kept.sum())
         if monitor.handed(started, perf_counter(), records, filtered):
             self._stalled()
         self._follow_ramp()
+
+    def _dropped_at_end(self, runs: np.ndarray | None) -> None:
+        """A stream's worker ended, its filter having dropped `runs` after its last batch: counted now, named with
+        the next batch this rank delivers or, once the pass is over, when a state holding their end is taken (their
+        end is committed then, not with the step before)."""
+        dropped = count_dropped(runs)
+        self.monitor.records += dropped
+        self.monitor.filtered += dropped
+        if runs is not None and self.ledger is not None:
+            self._tails.append((self.epoch, runs.ravel()))
+
+    def _record_tails(self, step: int | None) -> None:
+        """Name in the ledger the records dropped after workers' last batches (see `_dropped_at_end`), for `step`
+        (None: the step under way)."""
+        for epoch, runs in self._tails:
+            self.ledger.record_filtered(epoch, runs, step)
+        self._tails.clear()
 
     def _follow_ramp(self) -> None:
         """Under a batch-size ramp, the monitor closes a step after the K of the update under way."""
@@ -971,6 +1001,9 @@ class ResumableDataLoader(DataLoader[T_co]):
         if self._stream is not None:
             self._stream.deliver()  # the stream moved past it: resuming must not replay it
             samples = 0  # the records it consumed are the stream's own; none was delivered
+            if self.ledger is not None:  # no indices, but it may complete a step, which the ledger counts
+                self._record_tails(None)
+                self.ledger.record_failed(self.epoch, _NO_INDICES, self.update_complete)
         else:
             failed = self.resumable_sampler.next_indices()
             samples = len(failed)
@@ -1038,7 +1071,11 @@ class ResumableDataLoader(DataLoader[T_co]):
         }
 
     def _end_pass(self) -> None:
-        (self._stream or self.resumable_sampler).end_pass()
+        stream = self._stream
+        partial = stream is not None and not stream.ended and stream.delivered % self.grad_accum
+        (stream or self.resumable_sampler).end_pass()
+        if partial and self.ledger is not None:  # the stream's end completed its last, short update: a step
+            self.ledger.record(self.epoch, _NO_INDICES, True)
         self._settle()
 
     def _end_map_pass(self) -> None:
@@ -1251,7 +1288,8 @@ class ResumableDataLoader(DataLoader[T_co]):
         if self._stream is not None:
             raise TypeError(
                 "an IterableDataset has no sample indices: its records the filter dropped are counted "
-                "(metrics()['filtered'], ['total/filtered']), not named"
+                "(metrics()['filtered'], ['total/filtered']) and named by shard and record in a ledger opened with "
+                "Ledger.open_stream (python -m loader audit lists them)"
             )
         ids = self.resumable_sampler.last_indices()
         if self._kept is None:
@@ -1302,6 +1340,8 @@ class ResumableDataLoader(DataLoader[T_co]):
         `check_lockstep=False` is for callers that gather every rank's state anyway."""
         state = (self._stream or self.resumable_sampler).state_dict()  # no rank resolution: before the first
         # iter() nothing was delivered, and a state without progress means the same under any layout
+        if self._tails and self.ledger is not None and self._stream.settled:  # this state holds their workers'
+            self._record_tails(self.ledger.step)  # ends: it consumes them, after the step it stands for
         if check_lockstep and self._stream is None and self._world_size > 1:
             mark = self._lockstep.check(self._rank, self._world_size, self.resumable_sampler.progress_id)
             if mark is not None:
@@ -1336,6 +1376,7 @@ class ResumableDataLoader(DataLoader[T_co]):
         Validated in full first: a rejected state raises StateError and leaves the loader unchanged."""
         self._settle()
         (self._stream or self.resumable_sampler).load_state_dict(state)
+        self._tails.clear()  # of the progress the loaded state replaces: its stream names them again if it reads them
         self.__dict__.update(_step_base=None, _updates=0)  # the state holds no step: `resume` sets it
         self._supersede()
         self.monitor.loaded(perf_counter())

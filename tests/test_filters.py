@@ -5,7 +5,9 @@ batches, mixtures, worker processes) is in tests/test_exactly_once.py; here the 
 the audit across a 4 -> 3 -> 2 restart, the masked shape, and the edges (all filtered, none, a raising predicate).
 """
 
+import os
 import pickle
+import signal
 from collections import namedtuple
 
 import numpy as np
@@ -14,14 +16,16 @@ import torch
 from torch.utils.data import Dataset, TensorDataset
 
 from loader import ResumableDataLoader, Rows, merge_states
-from loader.checkpoint.audit import EXACTLY_ONCE, Grouping, audit
+from loader.checkpoint.audit import EXACTLY_ONCE, Grouping, audit, audit_stream
 from loader.checkpoint.audit import main as audit_main
 from loader.checkpoint.ledger import Ledger, read_ledger
 from loader.core.batch_policy import BatchPolicy
 from loader.core.filtering import Sifting, emptied
+from loader.streams.filtered import SHARDED
 from tests.conftest import IndexDataset
 from tests.streams import Plain
-from tests.test_sharded_streams import every_record, loaders, names, take, write_shards
+from tests.test_sharded_streams import LENGTHS, every_record, loaders, names, take, write_shards
+from tests.test_worker_deaths import new_iter
 
 
 def not_a_multiple_of_3(index, sample) -> bool:
@@ -361,3 +365,125 @@ def test_a_filter_under_a_batch_size_ramp_across_2_to_3_ranks_is_audited_from_th
     assert sorted(trained) == [i for i in range(n) if i % 3]
     assert epoch.finished and epoch.clean and epoch.seen_once == 40
     assert epoch.filtered.tolist() == list(range(0, n, 3))
+
+
+# -- streams: the records the filter drops, named in the ledger -----------------------------------------------------
+
+LONG_SHARDS = [40, 0, 75, 33, 90, 1, 61]  # 300 records "shard:number"
+
+
+def stream_launch(run_dir, paths, world, workers, resumed, state, stops, kill=False):
+    """One launch of a stream's job in this process, each rank with its file of the launch's ledger: each rank
+    trains `stops[r]` batches (None: to its end) and the state is taken there (the checkpoint, at the step of the
+    rank that trained most); that rank then trains two more, which the next launch replays, before the job dies.
+    `kill`: rank 0's worker 0 is SIGKILLed after its first batches, and the rank goes on with a new iter(), as a
+    training loop that skips errors does. Returns the records trained in the checkpoint's steps, the state and the
+    step it stands for."""
+    ranks = loaders(paths, world, workers, shuffle=True, filter=keep_record)
+    first = Ledger.open_stream(run_dir, resumed)
+    trained, its = [], []
+    for r, dl in enumerate(ranks):
+        if r:
+            dl.ledger = Ledger(run_dir, first.path.with_name(f"rank-{r:05d}.bin"), resumed)
+            dl.ledger.stream = True
+        else:
+            dl.ledger = first
+        if state is not None:
+            dl.load_state_dict(state)
+        current = [None]
+        it = new_iter(dl, current)
+        if kill and r == 0:
+            trained += names(take(it, 2))
+            os.kill(it._inner._workers[0].pid, signal.SIGKILL)
+            for _ in range(6):  # the batches on their way, then the death, then the loader's word to re-iter
+                try:
+                    trained += names([next(it)])
+                except (RuntimeError, ConnectionError, EOFError) as err:
+                    if "new iter()" in str(err):
+                        it = new_iter(dl, current)
+                        break
+        while stops[r] is None or dl.ledger.step - resumed < stops[r]:
+            batch = next(it, None)
+            if batch is None:
+                break
+            trained += names([batch])
+        its.append(it)
+    states = [dl.state_dict() for dl in ranks]  # the checkpoint; a finished rank names its workers' last drops
+    steps = [dl.ledger.step for dl in ranks]
+    take(its[steps.index(max(steps))], 2)  # past the checkpoint's step: replayed by the next launch, not counted
+    for dl in ranks:
+        dl.close()
+    return trained, merge_states(states), max(steps)
+
+
+@pytest.mark.parametrize("workers", [0, pytest.param(2, marks=pytest.mark.slow)])  # 2: starts worker processes
+def test_a_filtered_streams_dropped_records_are_named_once_across_a_worker_kill_and_resumes(tmp_path, workers, capsys):
+    """Three launches at 2, 3 and 1 ranks (another number of workers at 3), ranks stopping at their own points,
+    with 2 workers a worker SIGKILLed mid-epoch: every record of the epoch trained once or named once by the
+    ledger as filtered by policy, never both, never neither (each filtered record by shard and record)."""
+    paths, run_dir = write_shards(tmp_path, LONG_SHARDS), tmp_path / "run"
+    trained, state, resumed = [], None, 0
+    for world, stops, count in ((2, [7, 3], workers), (3, [5, 0, 9], max(workers - 1, 0)), (1, [None], workers)):
+        kill = world == 2 and workers > 0
+        more, state, resumed = stream_launch(run_dir, paths, world, count, resumed, state, stops, kill)
+        trained += more
+    every = every_record(LONG_SHARDS)
+    assert len(trained) == len(set(trained)) and sorted(trained) == [n for n in every if keep_record(None, n)]
+    (epoch,) = audit_stream(run_dir)
+    assert epoch.clean and all(rank == SHARDED and batch == SHARDED for rank, _, batch, _ in epoch.filtered.tolist())
+    filtered = sorted(f"{shard}:{record}" for _, shard, _, record in epoch.filtered.tolist())
+    assert filtered == [n for n in every if not keep_record(None, n)]
+    assert audit_main(str(run_dir), limit=3) == EXACTLY_ONCE
+    out = capsys.readouterr().out
+    assert f"audit: a stream's run: {len(filtered)} record(s) filtered by policy" in out
+    assert "filtered by policy (consumed, not trained): shard 0 record 0, shard 0 record 3, shard 0 record 6, .." in out
+
+
+def keep_short(index, record) -> bool:
+    """keep_record's, and no record past a shard's 5th (a plain stream's record is its number, none past 30): so
+    the stream ends with records dropped after its last batch, which is full (16 and 20 kept)."""
+    shard, number = map(int, record.split(":")) if isinstance(record, str) else (0, record)
+    return (shard + number) % 3 != 0 and number < (5 if isinstance(record, str) else 30)
+
+
+@pytest.mark.parametrize("saved_after_the_end", [False, True])
+@pytest.mark.parametrize("kind", ["sharded", "plain"])
+def test_records_dropped_after_a_workers_last_batch_are_named_once_wherever_the_checkpoint_stood(
+    tmp_path, kind, saved_after_the_end
+):
+    """A stream's last records are dropped after its last batch: consumed by the state that holds the stream's end.
+    Launch 1 reads the whole stream, its checkpoint taken after the last batch, before the stream's end came in (or
+    after, once the pass ended); launch 2 resumes from it. Either the end was committed and launch 1 names them, or
+    launch 2 reads them again and names them: once, never twice, never not at all."""
+
+    def loader():
+        if kind == "plain":
+            return ResumableDataLoader(Plain(40), batch_size=4, filter=keep_short)
+        (dl,) = loaders(write_shards(tmp_path), 1, 0, filter=keep_short)
+        return dl
+
+    dl, trained, run_dir = loader(), [], tmp_path / "run"
+    dl.ledger = Ledger.open_stream(run_dir, 0)
+    for batch in dl:
+        trained.append(batch)
+        state = dl.state_dict()  # a checkpoint each step: the last one before the stream's end came in
+    if saved_after_the_end:
+        state = dl.state_dict()
+    dl.close()
+    resumed = loader()
+    resumed.ledger = Ledger.open_stream(run_dir, len(trained))
+    resumed.load_state_dict(state)
+    if not saved_after_the_end:  # else the epoch is over: the next pass would read the next one
+        trained += list(resumed)
+    resumed.state_dict()
+    resumed.close()
+    every = [f"{s}:{r}" for s, n in enumerate(LENGTHS) for r in range(n)] if kind == "sharded" else list(range(40))
+    kept = [record for record in every if keep_short(None, record)]
+    assert sorted(names(trained) if kind == "sharded" else torch.cat(trained).tolist()) == sorted(kept)
+    (epoch,) = audit_stream(run_dir)
+    assert epoch.clean and len(epoch.filtered) == len(every) - len(kept)
+    if kind == "sharded":
+        named = sorted(f"{shard}:{record}" for _, shard, _, record in epoch.filtered.tolist())
+        assert named == sorted(set(every) - set(kept))
+    else:  # (rank 0, worker 0, batch, record of its draw): batch 0 drew 0..5 (kept 1, 2, 4, 5), dropping 0 and 3
+        assert epoch.filtered[:2].tolist() == [[0, 0, 0, 0], [0, 0, 0, 3]]

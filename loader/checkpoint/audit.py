@@ -22,8 +22,10 @@ from typing import Any, Protocol, TypeVar
 
 import numpy as np
 
-from loader.checkpoint.ledger import LedgerError, Record, read_run
+from loader.checkpoint.ledger import LedgerError, Record, RunLedger, read_run
 from loader.core.progress import EMPTY, complement, spans_of, total
+from loader.streams.filtered import WIDTH, records_of
+from loader.streams.filtered import describe as describe_record
 
 GROUP_CHUNK = 1 << 18  # indices grouped per call: bounds the memory a grouping function may take
 T = TypeVar("T")
@@ -195,10 +197,25 @@ def _distinct(batches: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
     return np.unique(np.concatenate(batches + [np.zeros(0, np.int64)]), return_counts=True)
 
 
+def read_indexed(run_dir: str | os.PathLike) -> RunLedger:
+    """The ledger of a run that recorded dataset indices (`read_run`); a stream's is refused with a LedgerError
+    saying what reads it."""
+    run = read_run(run_dir)
+    if run.stream:
+        raise LedgerError(
+            f"{run_dir}: the ledger of a stream's run (Ledger.open_stream) names the records its filter dropped, "
+            f"not dataset indices: read it with audit_stream(run_dir) (python -m loader audit does)"
+        )
+    return run
+
+
 def audit(run_dir: str | os.PathLike, grouping: Grouping | None = None) -> list[EpochAudit]:
     """The audit of a run's ledger; raises FileNotFoundError (no ledger) or LedgerError (a file unreadable or
-    inconsistent, named with its field) before judging anything."""
-    run = read_run(run_dir)
+    inconsistent, named with its field; a stream's ledger, see `audit_stream`) before judging anything."""
+    return _report(read_indexed(run_dir), grouping, run_dir)
+
+
+def _report(run: RunLedger, grouping: Grouping | None, run_dir: str | os.PathLike) -> list[EpochAudit]:
     if grouping is not None and grouping.num_samples != run.num_samples:
         raise LedgerError(
             f"the grouping describes a dataset of {grouping.num_samples} samples, the ledger of {run_dir} "
@@ -261,6 +278,61 @@ def audit_records(
     return report
 
 
+@dataclass(frozen=True)
+class StreamEpochAudit:
+    """One epoch of a stream's run (`Ledger.open_stream`): the records its filter dropped, as rows (rank, source,
+    batch, record) named by `loader.streams.filtered.describe`, those named once and those named more than once (a
+    record consumed twice). Its trained records have no index: the ledger counts its steps, not them."""
+
+    epoch: int
+    filtered: np.ndarray  # (n, 4): named once, filtered by policy
+    duplicated: np.ndarray  # (m, 4): named more than once
+
+    @property
+    def clean(self) -> bool:
+        return not len(self.duplicated)
+
+
+def audit_stream(run_dir: str | os.PathLike) -> list[StreamEpochAudit]:
+    """The audit of a stream's run: per epoch that counted records hold, the records its filter dropped."""
+    run = read_run(run_dir)
+    if not run.stream:
+        raise LedgerError(f"{run_dir}: the ledger of a map-style run, which audit(run_dir) reads")
+    return _stream_report(run)
+
+
+def _stream_report(run: RunLedger) -> list[StreamEpochAudit]:
+    named: dict[int, list[np.ndarray]] = defaultdict(lambda: [np.zeros((0, WIDTH), np.int64)])
+    for r in run.records:
+        if r.counted:
+            named[r.epoch] += [records_of(r.indices, r.rank)] if r.filtered else []
+    report = []
+    for epoch, rows in sorted(named.items()):
+        distinct, times = np.unique(np.concatenate(rows), axis=0, return_counts=True)
+        report.append(StreamEpochAudit(epoch, distinct[times == 1], distinct[times > 1]))
+    return report
+
+
+def _stream_main(report: list[StreamEpochAudit], limit: int) -> int:
+    """`main` for a stream's run: per epoch the records its filter dropped, counted and named."""
+    print(f"{'epoch':>5} {'filtered by policy':>19} {'named twice or more':>20}")
+    for e in report:
+        print(f"{e.epoch:>5} {len(e.filtered):>19} {len(e.duplicated):>20}")
+        for label, rows in (("filtered by policy (consumed, not trained)", e.filtered), ("named twice", e.duplicated)):
+            if len(rows):
+                more = f", ... ({len(rows)} in all)" if len(rows) > limit else ""
+                print(f"      {label}: {', '.join(map(describe_record, rows[:limit]))}{more}")
+    if not all(e.clean for e in report):
+        print("audit: FAILED (a stream's record filtered more than once)")
+        return FAILED
+    filtered = sum(len(e.filtered) for e in report)
+    print(
+        f"audit: a stream's run: {filtered} record(s) filtered by policy (the loader's filter=), each named once, "
+        f"not trained (its trained records have no index to name)"
+    )
+    return EXACTLY_ONCE
+
+
 def by_epoch(describe: Callable[..., T]) -> Callable[[Any, int], T]:
     """`describe` as a function of (index, epoch): a describer with an `epoch` parameter (`PackedSource.describe`,
     whose rows hold other documents in each epoch) names an index as the ledger's epoch had it; any other names it
@@ -283,7 +355,7 @@ def _listed(indices: np.ndarray | Unseen, limit: int, describe: Callable[[int, i
 EXACTLY_ONCE, FAILED, NO_LEDGER, UNFINISHED = 0, 1, 2, 3  # the exit statuses of `python -m loader audit`
 EXIT_STATUSES = f"""exit statuses:
   {EXACTLY_ONCE}: every epoch finished, every sample exactly once (failed-to-load, skipped-on-request and
-     filtered-by-policy samples listed, not trained)
+     filtered-by-policy samples listed, not trained); a stream's run: every record its filter dropped named once
   {FAILED}: a sample was skipped or duplicated
   {NO_LEDGER}: no ledger to audit (no such directory, a run without a Ledger attached), or an input that cannot
      be read or contradicts the rest (the file and field named on stderr)
@@ -314,7 +386,10 @@ def main(
     inconsistent), or UNFINISHED (an epoch in
     progress, nothing duplicated so far: a crashed job never restarted, or one still running)."""
     try:
-        report = audit(run_dir, grouping)
+        run = read_run(run_dir)
+        if run.stream:
+            return _stream_main(_stream_report(run), limit)
+        report = _report(run, grouping, run_dir)
     except (OSError, LedgerError) as err:
         print(f"audit: {err}", file=sys.stderr)
         return NO_LEDGER

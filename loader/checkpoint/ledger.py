@@ -49,6 +49,7 @@ from loader.core.checks import MAX_SAMPLES, is_int
 from loader.core.collectives import from_rank0, rank, world_size
 from loader.core.order import Order
 from loader.core.progress import EMPTY
+from loader.streams.filtered import check_runs
 
 _HEADER = struct.Struct("<qqIB")  # step, epoch, number of indices, flags:
 COMPLETE, FAILED = 1, 2  # the batch completed its update; its loading raised (consumed, never trained)
@@ -84,6 +85,7 @@ class Ledger:
         self.run_dir, self.path, self.step = Path(run_dir), path, resumed_step
         self.rank = int(path.stem[5:])
         self.attempts = False  # an attempts generation's (torchft): ends are recorded by the caller, who deals
+        self.stream = False  # a stream's (`open_stream`): its batches hold no indices, its filtered records runs
         self._ended: set[tuple[int, int]] = set()  # (epoch, step) of the ends recorded
         self._file = open(path, "ab")
 
@@ -100,6 +102,16 @@ class Ledger:
         torch.distributed is initialised."""
         made = from_rank0(lambda: _new_generation(run_dir, resumed_step, world_size(group), num_samples), group)
         return cls(run_dir, made / f"rank-{rank(group):05d}.bin", resumed_step)
+
+    @classmethod
+    def open_stream(cls, run_dir: str | os.PathLike, resumed_step: int, group: ProcessGroup | None = None) -> Ledger:
+        """`open` for a loader of a stream (IterableDataset): its records have no index, so its batches are recorded
+        without any (they count the steps) and the records its filter dropped by where they stand in the stream
+        (`loader.streams.filtered`)."""
+        made = from_rank0(lambda: _new_generation(run_dir, resumed_step, world_size(group), 0, stream=True), group)
+        ledger = cls(run_dir, made / f"rank-{rank(group):05d}.bin", resumed_step)
+        ledger.stream = True
+        return ledger
 
     @classmethod
     def open_attempts(cls, run_dir: str | os.PathLike, num_samples: int, name: str) -> Ledger:
@@ -126,12 +138,19 @@ class Ledger:
         """One delivered batch, its trained `indices` and those its loader's filter dropped (`filtered`, recorded
         first, for the same step: the audit lists them as filtered by policy); flushed at each completed update so a
         crash loses only the replayed tail."""
-        if filtered is not None and len(filtered):
-            self._write(epoch, filtered, FILTERED)
+        if filtered is not None:
+            self.record_filtered(epoch, filtered)
         self._write(epoch, indices, COMPLETE if update_complete else 0)
         if update_complete:
             self.step += 1
             self._file.flush()
+
+    def record_filtered(self, epoch: int, filtered: np.ndarray, step: int | None = None) -> None:
+        """Records the loader's filter dropped (dataset indices; a stream's runs), for the step under way unless
+        `step` says which: a stream's records dropped after a worker's last batch are consumed by the state that
+        holds its end, which is taken after the step it stands for (see `ResumableDataLoader.state_dict`)."""
+        if len(filtered):
+            self._write(epoch, filtered, FILTERED, step)
 
     def record_failed(self, epoch: int, indices: np.ndarray, update_complete: bool) -> None:
         """A batch whose loading raised: consumed and never served again, so the audit lists its samples as
@@ -219,7 +238,12 @@ def _save_indices(target: Path, order: Order, epoch: int, flat_spans: list) -> N
 
 
 def _new_generation(
-    run_dir: str | os.PathLike, resumed_step: int, world_size: int, num_samples: int, attempts: str | None = None
+    run_dir: str | os.PathLike,
+    resumed_step: int,
+    world_size: int,
+    num_samples: int,
+    attempts: str | None = None,
+    stream: bool = False,
 ) -> Path:
     root = _ledger_dir(run_dir)
     root.mkdir(parents=True, exist_ok=True)
@@ -232,9 +256,15 @@ def _new_generation(
             break
         except FileExistsError:
             number += 1
-    meta: dict[str, int | str] = {"resumed_step": resumed_step, "world_size": world_size, "num_samples": num_samples}
+    meta: dict[str, int | str | bool] = {
+        "resumed_step": resumed_step,
+        "world_size": world_size,
+        "num_samples": num_samples,
+    }
     if attempts is not None:
         meta["attempts"] = attempts
+    if stream:
+        meta["stream"] = True
     (path / "meta.json").write_text(json.dumps(meta))
     return path
 
@@ -261,6 +291,7 @@ class Generation:
     world_size: int
     num_samples: int
     attempts: str | None = None  # whose attempts generation it is (see the module), None for a launch
+    stream: bool = False  # a stream's launch (`Ledger.open_stream`)
 
 
 @dataclass(frozen=True)
@@ -272,6 +303,7 @@ class RunLedger:
     dropped: dict[int, np.ndarray]  # per finished epoch: the indices it dropped by policy
     requested: dict[int, np.ndarray]  # per epoch: the indices skipped on request
     num_samples: int  # the last generation's: every index recorded must be below it
+    stream: bool = False  # a stream's run: batches without indices, filtered records as runs (`Ledger.open_stream`)
 
 
 _META = {"resumed_step": 0, "world_size": 1, "num_samples": 0}  # meta.json's fields and their least values
@@ -295,7 +327,12 @@ def _read_meta(path: Path) -> Generation:
     attempts = meta.get("attempts")
     if attempts is not None and not isinstance(attempts, str):
         raise LedgerError(f"{file}: field 'attempts' must be a string (whose attempts they are), got {attempts!r}")
-    return Generation(int(path.name[4:]), meta["resumed_step"], meta["world_size"], meta["num_samples"], attempts)
+    stream = meta.get("stream", False)
+    if not isinstance(stream, bool):
+        raise LedgerError(f"{file}: field 'stream' must be true or false (a stream's launch or not), got {stream!r}")
+    return Generation(
+        int(path.name[4:]), meta["resumed_step"], meta["world_size"], meta["num_samples"], attempts, stream
+    )
 
 
 def _rank_files(path: Path) -> list[tuple[Path, int]]:
@@ -310,12 +347,15 @@ def _rank_files(path: Path) -> list[tuple[Path, int]]:
     return found
 
 
-def _payload_error(step: int, epoch: int, ids: np.ndarray, flags: int) -> str | None:
-    """What is wrong with a record's header or payload length, besides its indices' range (None: nothing)."""
+def _payload_error(step: int, epoch: int, ids: np.ndarray, flags: int, stream: bool) -> str | None:
+    """What is wrong with a record's header or payload length, besides its indices' range (None: nothing); a
+    stream's filtered record holds runs (`loader.streams.filtered`)."""
     if flags & ~_FLAGS:
         return f"flags {flags:#x} has bits this reader does not know"
     if flags & FILTERED and flags != FILTERED:
         return f"flags {flags:#x}: a filtered record ({FILTERED:#x}) carries no other flag"
+    if flags & FILTERED and stream:
+        return check_runs(ids)
     if flags & ATTEMPT:
         return None if len(ids) == 2 else f"an attempt's key must be 2 ints, got {len(ids)}"
     if flags & VERDICT:
@@ -327,9 +367,11 @@ def _payload_error(step: int, epoch: int, ids: np.ndarray, flags: int) -> str | 
     return None
 
 
-def _read_file(path: Path, num_samples: int, where: str) -> list[tuple[int, int, np.ndarray, int]]:
+def _read_file(
+    path: Path, num_samples: int, where: str, stream: bool = False
+) -> list[tuple[int, int, np.ndarray, int]]:
     """A rank file's records (step, epoch, payload, flags), checked: every index of a batch or an epoch's end in
-    [0, num_samples) (`where` says whose num_samples)."""
+    [0, num_samples) (`where` says whose num_samples); a `stream` ledger's filtered records hold runs instead."""
     try:
         data = path.read_bytes()
     except OSError as err:
@@ -341,18 +383,17 @@ def _read_file(path: Path, num_samples: int, where: str) -> list[tuple[int, int,
         if end > len(data):
             break  # a record torn by a crash: its update never completed, so it is replayed anyway
         ids = np.frombuffer(data, dtype="<i8", count=count, offset=at + _HEADER.size)
-        wrong = _payload_error(step, epoch, ids, flags)
+        wrong = _payload_error(step, epoch, ids, flags, stream)
         if wrong is not None:
             raise LedgerError(f"{path}: the record at byte {at} (step {step}): {wrong}; the file is damaged")
         records.append((step, epoch, ids, flags))
         at = end
-    indexed = [ids[1:] if flags & END else ids for _, _, ids, flags in records if not flags & (ATTEMPT | VERDICT)]
+    named = ATTEMPT | VERDICT | (FILTERED if stream else 0)  # flags of records whose payload holds no indices
+    indexed = [ids[1:] if flags & END else ids for _, _, ids, flags in records if not flags & named]
     every = np.concatenate(indexed + [np.zeros(0, np.int64)])
     if len(every) and (every.min() < 0 or every.max() >= num_samples):
         step, epoch, ids, _ = next(
-            r
-            for r in records
-            if not r[3] & (ATTEMPT | VERDICT) and len(r[2]) and (r[2].min() < 0 or r[2].max() >= num_samples)
+            r for r in records if not r[3] & named and len(r[2]) and (r[2].min() < 0 or r[2].max() >= num_samples)
         )
         bad = ids[(ids < 0) | (ids >= num_samples)][0]
         raise LedgerError(
@@ -411,8 +452,14 @@ def read_run(run_dir: str | os.PathLike) -> RunLedger:
     if not paths:
         raise FileNotFoundError(f"{_ledger_dir(run_dir)} holds no ledger: run the job with a Ledger attached")
     generations = [_read_meta(g) for g in paths]
-    n = generations[-1].num_samples
+    n, stream = generations[-1].num_samples, generations[-1].stream
     where = f"the field 'num_samples' of {paths[-1] / 'meta.json'}"
+    for path, generation in zip(paths, generations):
+        if generation.stream != stream:
+            raise LedgerError(
+                f"{path / 'meta.json'}: a {'stream' if generation.stream else 'map-style'} loader's launch in the "
+                f"ledger of a {'stream' if stream else 'map-style'} loader's run ({paths[-1]}): one run, one kind"
+            )
     records, ended = [], {}
     launches = [g for g in generations if g.attempts is None]
     for path, generation in zip(paths, generations):
@@ -423,7 +470,7 @@ def read_run(run_dir: str | os.PathLike) -> RunLedger:
         ends: defaultdict[int, dict[int, np.ndarray]] = defaultdict(dict)
         for file, rank_number in _rank_files(path):
             ranks.add(rank_number)
-            raw = _read_file(file, n, where)
+            raw = _read_file(file, n, where, stream)
             completed = max((step for step, _, _, flags in raw if flags & COMPLETE), default=generation.resumed_step)
             for step, epoch, ids, flags in raw:
                 counted = step <= min(cutoff, completed)
@@ -449,7 +496,7 @@ def read_run(run_dir: str | os.PathLike) -> RunLedger:
     requested = _read_epochs(run_dir, "skipped", n, where)
     for e, ids in ended.items():
         requested[e] = np.union1d(requested.get(e, np.zeros(0, np.int64)), ids[1 + ids[0] :])
-    return RunLedger(generations, records, dropped, requested, n)
+    return RunLedger(generations, records, dropped, requested, n, stream)
 
 
 def read_generations(run_dir: str | os.PathLike) -> tuple[list[Generation], list[Record]]:

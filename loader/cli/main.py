@@ -135,5 +135,8 @@ def _audit(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         except OSError as err:  # the picture's file: a folder removed meanwhile, no room, no permission
             print(f"audit: --plot {args.plot}: not written ({err})", file=sys.stderr)
             return audit.NO_LEDGER
+        except LedgerError as err:  # a stream's ledger: no indices of an epoch to draw
+            print(f"audit: --plot {args.plot}: not drawn ({err})", file=sys.stderr)
+            return status
         print(f"audit: the run drawn in {args.plot}")
     return status

@@ -18,8 +18,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from loader.checkpoint.audit import EpochAudit, EpochTally, audit_records, tally
-from loader.checkpoint.ledger import Generation, Record, read_run
+from loader.checkpoint.audit import EpochAudit, EpochTally, audit_records, read_indexed, tally
+from loader.checkpoint.ledger import Generation, Record
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -183,7 +183,7 @@ def _figure(width: float, height: float) -> Figure:
 def plot(run_dir: str | os.PathLike, out: str | os.PathLike) -> Picture:
     """Draw the run's picture (see the module docstring) into the PNG `out`; returns what was drawn."""
     require_matplotlib()
-    run = read_run(run_dir)
+    run = read_indexed(run_dir)
     generations, records, dropped, requested = run.generations, run.records, run.dropped, run.requested
     counted = [r for r in records if r.counted]
     num_samples = run.num_samples

@@ -172,6 +172,11 @@ class StreamProgress:
         self._commit()
 
     @property
+    def settled(self) -> bool:
+        """Every snapshot received is in the committed state (none came in after the last commit)."""
+        return all(a is b for a, b in zip(self._committed[1], self.latest))
+
+    @property
     def completed(self) -> int:
         return self._committed[0]
 

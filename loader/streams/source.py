@@ -25,6 +25,7 @@ from torch._utils import ExceptionWrapper
 from torch.utils.data import IterableDataset, get_worker_info
 
 from loader.core.state import StateError
+from loader.streams.filtered import SHARDED, Runs
 from loader.streams.rng import RngWatch, rng_state, seed_like_torch, set_rng_state
 from loader.streams.shards import ShardDeal
 from loader.streams.state import RankStream, worker_snapshot
@@ -38,7 +39,8 @@ def is_stateful(obj: object) -> bool:
 # `snapshot` is the worker's state right after the batch ("ended" once its stream is exhausted); `error` (a Raised),
 # when making the batch raised (the batch is then consumed, not delivered); `end`, when no batch comes: the worker's
 # stream ended after its last one; `records`, how many the batch holds (a worker's last may hold fewer), and
-# `filtered`, how many records the loader's filter dropped before it (or before the end), for the loader's metrics.
+# `filtered`, the runs of records the loader's filter dropped before it (or before the end; None: none), named as
+# `loader.streams.filtered` names them.
 # A plain tuple: it pickles 3x faster than an object, and pin_memory passes through it.
 
 
@@ -323,7 +325,7 @@ class _Batches:
         # arrays, so ambiguous); starmap compares nothing, and goes on after a record that raised
         self.records = itertools.starmap(records.__next__, itertools.repeat(()))
         self.count, self.finished, self.exhausted, self.clean = count, False, False, True
-        self.dropped = 0  # records the filter dropped while the batch being made was drawn
+        self.dropped = Runs()  # the records the filter dropped while the batch being made was drawn
         self._pending: tuple | None = None
         # what a snapshot holds, decided once: a dataset that is its own iterator keeps its state once
         self._keeps_dataset = reader is None and iterator is not source.dataset and is_stateful(source.dataset)
@@ -362,13 +364,12 @@ class _Batches:
 
     def _make(self) -> tuple:
         source, size = self.source, self.source.batch_size or 1
-        self.dropped = 0
         try:
             items = self._draw(size) if not self.exhausted else []
             self.exhausted = len(items) < size  # the records ended (their end was drawn: a stream's last code ran)
             if not items or (source.drop_last and len(items) < size):
                 self.finished = True
-                return source._worker, self.snapshot(ended=True), None, True, None, 0, self.dropped
+                return source._worker, self.snapshot(ended=True), None, True, None, 0, self.dropped.take()
             batch = source.collate_fn(items if source.batch_size is not None else items[0])
         except Exception as err:  # noqa: BLE001 - whatever the user's code raised fails this batch only
             # a shard reader whose last shard failed has nothing left: its snapshot must say so, or a resume would
@@ -378,14 +379,18 @@ class _Batches:
         return self._made(None, batch, len(items))
 
     def _draw(self, size: int) -> list:
-        """The next `size` records the filter keeps (fewer where the stream ends), counting those it drops."""
+        """The next `size` records the filter keeps (fewer where the stream ends), naming those it drops: a sharded
+        stream's by (shard, record), a plain one's by (worker, batch, record of this draw)."""
         keep = self.source.keep
         if keep is None:
             return list(itertools.islice(self.records, size))
-        items = []
-        for record in self.records:
+        items, reader = [], self.reader
+        for drawn, record in enumerate(self.records):
             if not keep(None, record):
-                self.dropped += 1
+                if reader is None:
+                    self.dropped.add(self.source._worker, self.count, drawn)
+                else:
+                    self.dropped.add(reader.tasks[reader.task][0], SHARDED, reader.offset - 1)
                 continue
             items.append(record)
             if len(items) == size:
@@ -393,6 +398,7 @@ class _Batches:
         return items
 
     def _made(self, error: Raised | None, batch: Any, records: int) -> tuple:
+        dropped = self.dropped.take()  # a failed batch's go with it: its records are consumed, none is named
         self.count += 1
         self.finished = self.exhausted  # a short last batch: the stream ended with it
         return (
@@ -402,7 +408,7 @@ class _Batches:
             False,
             batch,
             records,
-            0 if error is not None else self.dropped,
+            dropped if error is None else None,
         )
 
     def replay(self, count: int) -> None:
