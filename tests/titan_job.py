@@ -7,6 +7,12 @@ device (`_get_available_device_type() or "cuda"`) and `Trainer.__init__` dies at
 type is "cpu" and its module answers those calls as a device with no memory statistics; everything else is
 torchtitan's, on gloo (its backend for "cpu"). Pass --training.disable_cuda_graphs.
 
+triton: `torchtitan.trainer` imports, through its MoE token dispatcher, the Triton kernels of MinimalAsyncEP (expert
+parallelism over CUDA symmetric memory), and triton is not among its declared dependencies (a 286 MB wheel). The
+dense debug model never calls them, so that one module is replaced by one whose kernels refuse to run, by name: a
+call would fail loudly, never compute anything. triton itself is not faked (torch asks whether triton is importable
+to choose its compiler backends).
+
 `LOADER_TITAN_KILL=STEP:RANK` SIGKILLs that rank after it trained step STEP, before the step's checkpoint would be
 saved, once per run directory (a marker in --dump_folder).
 """
@@ -31,6 +37,26 @@ CPU = types.SimpleNamespace(
     memory_stats=lambda *a: {},
     get_device_properties=lambda device=None: types.SimpleNamespace(name="cpu", total_memory=1 << 34),
 )
+
+
+KERNELS = "torchtitan.distributed.minimal_async_ep.kernels"
+
+
+def _no_kernel(name: str):
+    """The stand-in for one of MinimalAsyncEP's Triton kernels (module `__getattr__`, PEP 562)."""
+    if name.startswith("__"):  # what importlib and inspect ask a module: not a kernel
+        raise AttributeError(name)
+
+    def refuse(*args, **kwargs):
+        raise RuntimeError(f"{KERNELS}.{name}: a Triton kernel of MinimalAsyncEP, not on CPU (tests/titan_job.py)")
+
+    return refuse
+
+
+def without_triton_kernels() -> None:
+    kernels = types.ModuleType(KERNELS)
+    kernels.__getattr__ = _no_kernel
+    sys.modules[KERNELS] = kernels
 
 
 def llama3_debugmodel_loader_cpu():
@@ -77,6 +103,7 @@ def kill_after(step: int, rank: int, marker: Path) -> None:
 def main() -> None:
     torch._utils._get_available_device_type = lambda: "cpu"
     torch._utils._get_device_module = lambda device_type="cpu": CPU
+    without_triton_kernels()
     from torchtitan.distributed import utils as dist_utils
     from torchtitan.train import main as train
 
