@@ -28,7 +28,7 @@ a release move them, the epoch-end check refuses to go on rather than skip sampl
 from __future__ import annotations
 
 import warnings
-from typing import Any
+from typing import Any, cast
 
 from lightning.pytorch import Callback, LightningModule, Trainer
 
@@ -39,7 +39,8 @@ from loader.dataloader import ResumableDataLoader
 def _whole_epoch(trainer: Trainer) -> bool:
     """No limit of the user's: `limit_train_batches` is the float 1.0 (the int 1 means one batch) and no overfitting."""
     limit = trainer.limit_train_batches
-    return isinstance(limit, float) and limit == 1.0 and not trainer.overfit_batches
+    overfit = cast(Any, trainer).overfit_batches  # Lightning sets it in its setup (trainer/setup.py), undeclared
+    return isinstance(limit, float) and limit == 1.0 and not overfit
 
 
 def _loaders(trainer: Trainer) -> list[ResumableDataLoader]:
@@ -58,6 +59,7 @@ class ResumableLoaderCallback(Callback):
     def _follow_len(self, trainer: Trainer) -> None:
         """Lightning's batch limit for this epoch is our loaders' len() as it is now, not as it was measured once."""
         fit_loop, combined = trainer.fit_loop, trainer.fit_loop._combined_loader
+        assert combined is not None, "called only when the trainer has our loaders, in its combined loader"
         if not _whole_epoch(trainer) or combined.limits is None:
             return  # a deliberately shortened epoch: Lightning's limits are the user's
         for i, dl in enumerate(combined.flattened):  # in place: the running iterator holds this very list
@@ -77,6 +79,7 @@ class ResumableLoaderCallback(Callback):
         finished = [dl for dl in loaders if trainer.fit_loop.restarting and dl.exhausted]
         for dl in finished:  # restored at an epoch's end: Lightning goes on with the next epoch through the
             dl.set_epoch(dl.epoch + 1)  # iterator it made before its own set_epoch, which would supersede it
+        assert trainer.fit_loop._data_fetcher is not None, "Lightning's setup_data made it, before on_train_start"
         if finished:
             iter(trainer.fit_loop._data_fetcher)  # the next epoch's iterators (and length)
         else:
@@ -119,13 +122,15 @@ class ResumableLoaderCallback(Callback):
                     f"epoch where ResumableLoaderCallback does not lift the limit: report it with the Lightning version"
                 )
 
-    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch, batch_idx: int) -> None:
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
         """Before Lightning asks whether this batch is the epoch's last (to step on it) or the loop is done."""
         self._steps_before = trainer.global_step
         if _loaders(trainer):
             self._follow_len(trainer)
 
-    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs, batch, batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         stepped = trainer.global_step != self._steps_before
         for dl in _loaders(trainer):
             if dl.update_complete != stepped:

@@ -64,7 +64,7 @@ class ResumableTitanLoader(BaseDataLoader):
                 "LitData directory): --dataloader.dataset_path 'data/*.bin'"
             )
         source = TokenSource(config.dataset_path, seq_len, config.dtype, vocab_size=config.vocab_size)
-        self.loader = ResumableDataLoader(
+        self.loader: ResumableDataLoader[Any] = ResumableDataLoader(
             source,
             batch_size=local_batch_size,
             shuffle=config.shuffle,
@@ -92,6 +92,8 @@ class ResumableTitanLoader(BaseDataLoader):
     def __iter__(self) -> Iterator[tuple[dict[str, torch.Tensor], torch.Tensor]]:
         loader = self.loader
         if self.config.ledger_dir is not None and loader.ledger is None:  # first iter(): after the checkpoint loaded
+            assert loader.step is not None, "load_state_dict sets the step with the state"
+            assert isinstance(loader.dataset, TokenSource), "the source __init__ built"
             loader.ledger = Ledger.open(self.config.ledger_dir, loader.step, len(loader.dataset))
         while True:
             for tokens in loader:  # the rest of the epoch

@@ -33,7 +33,7 @@ import hashlib
 import json
 import os
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from functools import cached_property
 from itertools import accumulate
@@ -42,11 +42,12 @@ from typing import Any
 import numpy as np
 import torch
 import torch.utils.data
+from numpy.typing import ArrayLike
 
 from loader.core.checks import MAX_SAMPLES, check_num_samples, check_positive_int, is_int
 from loader.core.order import ORDER_VERSION, Order, epoch_round_keys, permute, window_arrangements
 from loader.core.rows import Rows
-from loader.core.state import StateError, check_fingerprint, progress_of
+from loader.core.state import Progress, StateError, check_fingerprint, progress_of
 from loader.sources.tokens import TokenSource
 
 __all__ = ["MAX_WINDOW", "Mixture", "MixturePlan", "Piece", "schedule_pieces", "window_counts"]
@@ -64,7 +65,7 @@ CONTINUING_VERSION = 3  # a plan whose loader epochs continue one stream (`epoch
 _EXACT = 1e-6  # a weight times M within this of an integer counts as exact (weights written with 6 decimals)
 
 
-def _normalised(weights, where: str = "weights", zero_ok: bool = False) -> np.ndarray:
+def _normalised(weights: ArrayLike, where: str = "weights", zero_ok: bool = False) -> np.ndarray:
     """Weights as fractions of one; a schedule's may hold zeros (a source not drawn yet), a fixed mixture's not."""
     try:
         w = np.asarray(weights, dtype=float)
@@ -208,7 +209,11 @@ def schedule_pieces(schedule: Sequence[dict], sources: int, window: int | None) 
     pieces, start = [], 0
     for first, last, length in segments:
         a, b = _apportion(first, window), _apportion(last, window)
-        pieces.append(Piece(start, start, length if a != b else 1, a, b))
+        ramp = 1
+        if a != b:
+            assert length is not None, "a ramp's windows were checked above"
+            ramp = length
+        pieces.append(Piece(start, start, ramp, a, b))
         start += length or 0
     if segments[-1][2] is not None:
         pieces.append(Piece(start, start, 1, pieces[-1].last, pieces[-1].last))
@@ -326,7 +331,7 @@ class MixturePlan:
         """The positions there are: num_samples, or (epochs continuing) those of every epoch the stream may reach."""
         return int(np.iinfo(np.int64).max) if self.epochs_continue else self.num_samples
 
-    def in_epoch(self, positions, epoch: int) -> np.ndarray:
+    def in_epoch(self, positions: ArrayLike, epoch: int) -> np.ndarray:
         """The stream positions of loader positions of `epoch`: offset by epoch * num_samples when epochs continue."""
         positions = np.asarray(positions, dtype=np.int64)
         return positions + epoch * self.num_samples if self.epochs_continue else positions
@@ -393,7 +398,7 @@ class MixturePlan:
         np.put_along_axis(rank, by_source, np.arange(m) - first_of, axis=1)
         return source, rank
 
-    def _slots(self, positions) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def _slots(self, positions: ArrayLike) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(draws of its source before the position's window, source, rank among the source's slots of the
         window) at each position."""
         positions = np.asarray(positions, dtype=np.int64)
@@ -408,13 +413,13 @@ class MixturePlan:
         source = sources[row, slot]
         return drawn[row, source], source, ranks[row, slot]
 
-    def source_of(self, positions, epoch: int = 0, *, names: bool = False) -> np.ndarray:
+    def source_of(self, positions: ArrayLike, epoch: int = 0, *, names: bool = False) -> np.ndarray:
         """The source at each position (of loader `epoch`: see `in_epoch`): its number, or with `names=True` the
         name the Mixture was given for it."""
         sources = self._slots(self.in_epoch(positions, epoch))[1]
         return np.asarray(self.names)[sources] if names else sources
 
-    def locate(self, positions) -> tuple[np.ndarray, np.ndarray]:
+    def locate(self, positions: ArrayLike) -> tuple[np.ndarray, np.ndarray]:
         """(source number, index within that source) at each position: a pure function of (plan, position)."""
         before, source, rank = self._slots(positions)
         draw = before + rank
@@ -572,7 +577,7 @@ class MixturePlan:
 _NO_LISTS: tuple[int, list[int], list[int]] = (-1, [], [])  # no block's lists yet (-1: no block)
 
 
-def _fetch(source, indices: list[int]) -> list:
+def _fetch(source: Any, indices: list[int]) -> list:
     """A source's samples at these indices, in one call when it takes batches (TokenSource, HF datasets)."""
     getitems = getattr(source, "__getitems__", None)
     return getitems(indices) if getitems else [source[i] for i in indices]
@@ -592,7 +597,7 @@ def _token_span(sources: Sequence[Any]) -> int | None:
     return None
 
 
-def _source_fingerprint(source) -> str | None:
+def _source_fingerprint(source: Any) -> str | None:
     """A source's own digest when it has one (`fingerprint()`; Hugging Face datasets keep `_fingerprint`)."""
     fingerprint = getattr(source, "fingerprint", None)
     return fingerprint() if callable(fingerprint) else getattr(source, "_fingerprint", None)
@@ -674,7 +679,9 @@ class Mixture(torch.utils.data.Dataset):
                 "amends= (the plan the run trained with) and change_at= (where the change begins) go together"
             )
         window = amends.window if window is None and amends is not None else window
+        pieces: tuple[Piece, ...]
         if schedule is None:
+            assert weights is not None, "weights= or schedule=, checked above"
             counts, pieces = window_counts(weights, window), ()
         else:
             window, pieces = schedule_pieces(schedule, len(self.sources), window)
@@ -690,6 +697,7 @@ class Mixture(torch.utils.data.Dataset):
         )
         self.amends = amends
         if amends is not None:
+            assert change_at is not None, "amends= and change_at= go together, checked above"
             self.plan = _amend(amends, self.plan, change_at)
             self._change_at = -(-change_at // self.plan.window) * self.plan.window  # the first window it changes
         self._block = -(-BLOCK // self.plan.window) * self.plan.window  # whole windows
@@ -784,7 +792,7 @@ class Mixture(torch.utils.data.Dataset):
                 self._cache.popitem(last=False)
         return self._cache[block]
 
-    def locate(self, positions: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
+    def locate(self, positions: Sequence[int] | np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(source number, index within it) per position: `plan.locate`, through a per-process cache of the last
         blocks when positions come in order (shuffle=False at any world size), where a batch then costs a lookup."""
         if not len(positions):
@@ -818,6 +826,7 @@ class Mixture(torch.utils.data.Dataset):
             block = low // self._block
             if low >= 0 and high < self.plan.end and high // self._block == block:
                 sources, indices = self._block_lists(block)
+                shares: dict[int, tuple[list[int], list[int]]]  # a source's rows in the batch and its indices
                 origin, shares = block * self._block, {}
                 for row, position in enumerate(positions):
                     at = position - origin
@@ -829,7 +838,7 @@ class Mixture(torch.utils.data.Dataset):
                 return [(s, *shares[s]) for s in sorted(shares)]
         return list(self._by_source(*self.locate(positions)))
 
-    def _by_source(self, source: np.ndarray, index: np.ndarray):
+    def _by_source(self, source: np.ndarray, index: np.ndarray) -> Iterator[tuple[int, list[int], list[int]]]:
         """Each source's share of a batch: (source number, its rows in the batch, its indices), in position order."""
         by_source = source.argsort(kind="stable")
         ends = accumulate(np.bincount(source, minlength=len(self.sources)).tolist())
@@ -856,6 +865,7 @@ class Mixture(torch.utils.data.Dataset):
 
     def _tokens(self, positions: Sequence[int]) -> torch.Tensor:
         """The int64 tensor (len(positions), seq_len + 1) of a batch of TokenSources, each filling its rows."""
+        assert self._span is not None, "read as tokens only with a token span (batch_reader, __getitems__)"
         out = np.empty((len(positions), self._span), dtype=np.int64)
         for s, rows, indices in self._shares(self._stream(positions)):
             self.sources[s]._fill(out, rows, indices)
@@ -876,15 +886,16 @@ class Mixture(torch.utils.data.Dataset):
         if self._span is not None:
             return Rows(self._tokens(positions))
         carried = len(positions) and hasattr(positions[0], "carried_to")  # the loader's SampleIndex
+        carriers: Sequence[Any] = positions  # then ints with what they carry (sources may not import the loader)
         out: list = [None] * len(positions)
         for s, rows, indices in self._shares(self._stream(positions)):
             if carried:  # a source index carries its position's seed and epoch
-                indices = [positions[r].carried_to(i) for r, i in zip(rows, indices)]
+                indices = [carriers[r].carried_to(i) for r, i in zip(rows, indices)]
             for row, sample in zip(rows, _fetch(self.sources[s], indices)):
                 out[row] = sample
         return out
 
-    def __getitem__(self, position: int):
+    def __getitem__(self, position: int) -> Any:
         return self.__getitems__([position])[0]
 
     def sample_key(self, position: int, epoch: int = 0) -> tuple[str, int]:
@@ -961,7 +972,7 @@ class Mixture(torch.utils.data.Dataset):
                 f"{epoch} committed {held} under the old plan: {advice}"
             )
 
-    def _check_continuing(self, saved, at: int) -> None:
+    def _check_continuing(self, saved: Progress, at: int) -> None:
         """`check_change` where loader epoch e is mixture positions [e N, (e + 1) N): the last position trained is
         the largest committed one, or the end of the epochs finished before the progress's."""
         n = len(self)

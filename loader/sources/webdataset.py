@@ -25,17 +25,18 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
-from typing import Any, TypeVar
+from typing import Any, TypeAlias, TypeVar
 
 import numpy as np
 import torch.utils.data
+from torch.distributed import ProcessGroup
 from webdataset import autodecode
 from webdataset.shardlists import expand_urls
 
 from loader.core.collectives import barrier, distributed, rank, world_size
 from loader.sources.cache import ShardCache, human
 from loader.sources.prefetch import Prefetcher
-from loader.sources.remote import RemoteShard, RemoteShards, ShardUnavailableError, is_remote, local_path
+from loader.sources.remote import NO_CACHE, RemoteShard, RemoteShards, ShardUnavailableError, is_remote, local_path
 from loader.sources.tar_index import (
     IndexedMember,
     ShardFormatError,
@@ -60,9 +61,10 @@ __all__ = [
 T = TypeVar("T")
 REMOTE_JOBS = 16  # concurrent requests while looking up and indexing remote shards
 REMOTE_OPEN_FILES = 2  # cached copies a process keeps open: an open copy is pinned against eviction
+LOCAL = "only a source with remote shards has their versions, a plan and a RemoteShards (with its cache)"
 
 Handler = str | Callable[[str, bytes], Any]
-DecodeSpec = Handler | Sequence[Handler] | autodecode.Decoder | None
+DecodeSpec: TypeAlias = Handler | Sequence[Handler] | autodecode.Decoder | None
 
 
 class MissingKeyError(KeyError):
@@ -72,13 +74,13 @@ class MissingKeyError(KeyError):
         return str(self.args[0])
 
 
-def expand_shards(urls: str | os.PathLike | Sequence[str | os.PathLike]) -> list[str]:
+def expand_shards(urls: str | os.PathLike[str] | Sequence[str | os.PathLike[str]]) -> list[str]:
     """Shard paths from a directory (its ``*.tar``, sorted), a brace pattern, or a list, as webdataset lists them."""
     if isinstance(urls, os.PathLike):
         urls = os.fspath(urls)
     if isinstance(urls, str) and os.path.isdir(urls):
         return [os.path.join(urls, n) for n in sorted(os.listdir(urls)) if n.endswith(".tar")]
-    shards = [local_path(s) for s in (expand_urls(urls) if isinstance(urls, str) else map(os.fspath, urls))]
+    shards = [local_path(s) for s in (expand_urls(urls) if isinstance(urls, str) else (os.fspath(u) for u in urls))]
     other = [s for s in shards if not is_remote(s) and ":" in s.split("/", 1)[0] and not os.path.exists(s)]
     if other:
         raise ValueError(
@@ -194,7 +196,7 @@ class _OpenShards:
         return {"max_open": self.max_open}
 
     def __setstate__(self, state: dict[str, int]) -> None:
-        self.__init__(state["max_open"])
+        _OpenShards.__init__(self, state["max_open"])
 
     def __len__(self) -> int:
         return len(self._files)
@@ -296,6 +298,7 @@ def prepare_indexes(
             if cache is None
             else _remote_shards(shards, cache, cache_limit, storage_options, retries=5)
         )
+        assert remote is not None, "some shard is remote"
 
         def prepare(shard: str) -> tuple[int, bool]:
             if not is_remote(shard):
@@ -310,8 +313,8 @@ def prepare_indexes(
     elif jobs == 1:
         results = list(map(_load_or_build, [(shard, cache, rebuild) for shard in shards]))
     else:
-        with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
-            results = list(pool.map(_load_or_build, [(shard, cache, rebuild) for shard in shards]))
+        with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as processes:
+            results = list(processes.map(_load_or_build, [(shard, cache, rebuild) for shard in shards]))
     return {"shards": len(shards), "samples": sum(n for n, _ in results), "built": sum(b for _, b in results)}
 
 
@@ -364,7 +367,7 @@ class WebDatasetSource(torch.utils.data.Dataset):
         rebuild_index: bool = False,
         max_open_files: int = 16,
         progress: bool = True,
-        group=None,
+        group: ProcessGroup | None = None,
         storage_options: dict | None = None,
         cache_limit: int | str | None = None,
         prefetch: int = 2,
@@ -406,6 +409,7 @@ class WebDatasetSource(torch.utils.data.Dataset):
     def _index_of(self, cache_dir: str | None, rebuild: bool) -> Callable[[str], tuple[ShardIndex, bool]]:
         def index_of(shard: str) -> tuple[ShardIndex, bool]:
             if shard in self._versions:
+                assert self._remote is not None, LOCAL
                 return self._remote.index(self._versions[shard], rebuild)
             return load_or_build_index(shard, cache_dir, rebuild)
 
@@ -417,6 +421,7 @@ class WebDatasetSource(torch.utils.data.Dataset):
         each other reader's open copies (it may idle, its next batch waiting on ours) and one more."""
         if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
             raise ValueError(f"prefetch must be an int >= 0, got {prefetch!r}")
+        assert self._remote is not None and self._remote.cache is not None, LOCAL
         cache, largest = self._remote.cache, max(shard.size for shard in self._versions.values())
         shards, held = prefetch + 2, f"the shard being read, the next one and prefetch={prefetch} more"
         if workers is not None:
@@ -486,15 +491,17 @@ class WebDatasetSource(torch.utils.data.Dataset):
         version = self._versions.get(shard)
         if version is None:
             return self._files.get(shard, index).read_sample(members, key)
+        remote = self._remote
+        assert remote is not None, LOCAL
         opener = lambda: _ShardFile(  # noqa: E731
-            *self._remote.open_copy(version, index, release=self._copies.clear), index
+            *remote.open_copy(version, index, release=self._copies.clear), index
         )
         copy = self._copies.get(shard, index, opener)  # a shard changed on the server is refused here
         try:
             return copy.read_sample(members, key)
         except (StaleIndexError, ShardFormatError):
             self._copies.drop(shard)
-            self._remote.discard_copy(version)
+            remote.discard_copy(version)
         return self._copies.get(shard, index, opener).read_sample(members, key)
 
     def __getitem__(self, index: int) -> dict[str, Any] | tuple[Any, ...]:
@@ -538,17 +545,22 @@ class WebDatasetSource(torch.utils.data.Dataset):
 
     def _prefetch_shard(self, shard_no: int, rank: int) -> bool:
         version = self._versions.get(self.shards[shard_no])
+        assert self._remote is not None, LOCAL
         return version is None or self._remote.prefetch(version, self._indexes[shard_no], rank)
 
     def _publish(self, shard_nos: list[int]) -> None:
         versions = (self._versions.get(self.shards[n]) for n in shard_nos)
+        assert self._remote is not None and self._remote.cache is not None, LOCAL
         self._remote.cache.publish_plan([v.copy_name() for v in versions if v is not None])
 
     def cache_stats(self) -> dict[str, int]:
         """The node cache's counters (remote shards): ``downloads``, ``downloaded_bytes``, ``damaged_copies``,
         ``indexes_built``, ``index_bytes`` (read by ranged requests to index), ``cache_hits``, ``cache_misses``,
         ``evictions``, ``evicted_bytes``, across every process using ``cache_dir``."""
-        return {} if self._remote is None else self._remote.cache.stats()
+        if self._remote is None:
+            return {}
+        assert self._remote.cache is not None, NO_CACHE
+        return self._remote.cache.stats()
 
     def metrics(self) -> dict[str, int]:
         """What a ResumableDataLoader merges into its metrics as ``source/...`` (see loader.metrics): with remote
