@@ -208,9 +208,9 @@ def _of_earlier_release(loader) -> str | None:
     return earlier() if callable(earlier) else None
 
 
-def _plan_record(loader) -> dict:
+def plan_record(loader) -> dict:
     """The dataset's plan where it changed online (a Mixture's weights, `change_mixture`): JSON in the manifest, a
-    few hundred bytes, which `resume` hands back to the dataset before it checks the fingerprint."""
+    few hundred bytes, which `resume` (and `LoaderState`) hands back to the dataset before it checks the fingerprint."""
     carried = getattr(loader.dataset, "carried_plan", None)
     plan = carried() if callable(carried) else None
     return {} if plan is None else {"mixture_plan": plan.to_dict()}
@@ -417,7 +417,7 @@ def save_checkpoint(
         "progress_format": [FORMAT, VERSION],
         "fingerprint": _fingerprint_of(loader),
         "dataset": dataset_fingerprint(loader),
-        **_plan_record(loader),
+        **plan_record(loader),
         **(manifest_extra or {}),
     }
 
