@@ -234,10 +234,10 @@ def _online(rank, world_size, path, resumed_step):
     DCP after unequal consumption (rank r takes r more updates), or loaded at another world size and trained to the
     end of epoch 1, its replayed request at the saved step asked with other weights. Returns what it trained as
     (epoch, position, sample) and the plan's JSON."""
-    from tests.test_mixture_online import N, WINDOW, sources
+    from loader.sources import Mixture
+    from tests.test_mixture_online import WINDOW, N, sources
 
     warnings.simplefilter("ignore")  # DCP's and the lockstep warnings of unequal consumption
-    from loader.sources import Mixture
 
     mix = Mixture(sources(), [0.5, 0.2, 0.3], N, seed=5, window=WINDOW)
     dl = ResumableDataLoader(
@@ -299,7 +299,7 @@ def test_a_dcp_state_with_online_changes_is_refused_by_another_mixture_and_leave
     `dataset` entry is the fingerprint alone, as before."""
     from loader.core.state import StateError
     from loader.sources import Mixture
-    from tests.test_mixture_online import N, WINDOW, sources
+    from tests.test_mixture_online import WINDOW, N, sources
 
     def loader(weights=(0.5, 0.2, 0.3)):
         mix = Mixture(sources(), list(weights), N, seed=5, window=WINDOW)
