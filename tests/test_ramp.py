@@ -302,3 +302,22 @@ def test_skip_by_positions_under_the_ramp_stays_exact():
     at_skipped = set(dl.resumable_sampler.order.for_epoch(0)(np.arange(6)).tolist())
     assert skipped.tolist() == [[0, 6]]
     assert sorted(i for e, i in run.trained if e == 0) == sorted(set(range(N)) - at_skipped)
+
+
+def test_save_checkpoint_and_resume_carry_the_ramp(tmp_path):
+    """resume validated the checkpoint's progress on a sampler without the loader's schedule, so every checkpoint
+    of a ramp was refused ("batch_schedule ... but 'none (a fixed grad_accum)' in this loader"): now it resumes at
+    its step, and the steps after it are the uninterrupted run's."""
+    from loader.checkpoint.save import resume, save_checkpoint
+
+    def objects():
+        model = torch.nn.Linear(1, 1)
+        return dict(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), loader=loaders(1)[0])
+
+    run, saved = Run(), objects()
+    run.drive([saved["loader"]], 5)
+    save_checkpoint(tmp_path, 5, **saved)
+    resumed = objects()
+    assert resume(tmp_path, **resumed) == 5 and resumed["loader"].grad_accum == 24
+    run.drive([resumed["loader"]], 10**9)
+    assert run.steps == REFERENCE

@@ -644,7 +644,8 @@ def _check_progress(loader, progress: dict) -> None:
     the same configuration (its load_state_dict validates in full, then replaces)."""
     sampler = loader.resumable_sampler
     if sampler is not None:
-        ResumableSampler(sampler.order, sampler.layout, sampler.rank).load_state_dict(progress)
+        fresh = ResumableSampler(sampler.order, sampler.layout, sampler.rank, sampler.schedule, sampler.amended)
+        fresh.load_state_dict(progress)
     else:
         loader._stream.check(progress)
 
