@@ -216,10 +216,10 @@ def plan_record(loader) -> dict:
     return {} if plan is None else {"mixture_plan": plan.to_dict()}
 
 
-def recorded_plan(extra: dict, loader, where: str):
-    """The plan with the online changes a checkpoint recorded, checked to extend this run's dataset's own (which
-    `load_checkpoint` then takes): the steps replayed after the restart train under the recorded weights. None
-    when it recorded none."""
+def recorded_plan(extra: dict, loader, where: str, base=None):
+    """The plan with the online changes a checkpoint recorded, checked to extend this run's dataset's own (or
+    `base`'s), which `load_checkpoint` then takes: the steps replayed after the restart train under the recorded
+    weights. None when it recorded none."""
     recorded = extra.get("mixture_plan")
     check = getattr(loader.dataset, "recorded_plan", None)
     if recorded is None:
@@ -230,7 +230,7 @@ def recorded_plan(extra: dict, loader, where: str):
             f"{type(loader.dataset).__name__}: resume it with the Mixture it trained"
         )
     try:
-        return check(recorded)
+        return check(recorded, base)
     except ValueError as err:
         raise StateError(f"{where}: {err}") from None
 
