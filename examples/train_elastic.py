@@ -5,7 +5,9 @@
 
 Every launch resumes from the newest checkpoint that verifies (model, optimizer, scheduler, RNG and the loader's
 merged progress of one completed step), at whatever world size torchrun gives it. The global batch stays
-`--global-batch`: the gradient-accumulation steps follow the world size (`loader.core.batch_policy.BatchPolicy`).
+`--global-batch`: the gradient-accumulation steps follow the world size (`loader.core.batch_policy.BatchPolicy`);
+`--ramp 0:24,3:48` grows it by optimizer step instead (a batch-size ramp: K follows the step and the world size,
+every step trains the samples of an uninterrupted run's).
 Fault injection (once per run directory and step): `sigkill`, `node`, `hang` and `exception` strike mid-step (the
 failing rank has already fetched a micro-batch of the next step); `node` also kills the rank's torchrun agent, so the
 job comes back with fewer workers; `hang` SIGSTOPs the agent and the rank, a node that stops answering (SIGCONT
@@ -95,6 +97,11 @@ def parse_args(
     p.add_argument("--epochs", type=int, default=1)
     p.add_argument("--global-batch", type=int, default=24)
     p.add_argument("--micro-batch", type=int, default=2)
+    p.add_argument(
+        "--ramp",
+        type=_ramp,
+        help="a global batch schedule by optimizer step, STEP:G,...: e.g. 0:24,3:48 (instead of --global-batch)",
+    )
     p.add_argument("--lr", type=float, default=0.05, help="SGD learning rate (momentum 0.9, halved every 10 steps)")
     p.add_argument("--checkpoint-every", type=int, default=3, help="steps between checkpoints")
     p.add_argument("--keep-last", type=int, default=3)
@@ -115,6 +122,16 @@ def parse_args(
     if add_arguments is not None:
         add_arguments(p)
     return p.parse_args(argv)
+
+
+def _ramp(text: str) -> list[tuple[int, int]]:
+    """--ramp's STEP:G pairs, e.g. "0:24,3:48" (BatchPolicy checks the schedule itself)."""
+    try:
+        return [(int(step), int(g)) for step, g in (pair.split(":") for pair in text.split(","))]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"--ramp takes STEP:G pairs separated by commas, e.g. 0:24,3:48; got {text!r}"
+        ) from None
 
 
 def log(message: str) -> None:
@@ -190,15 +207,15 @@ def train(args, make_task: Callable[[argparse.Namespace], Task] = regression_tas
     ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
     optimizer = torch.optim.SGD(ddp.parameters(), lr=args.lr, momentum=0.9)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=10, gamma=0.5)
-    policy = BatchPolicy(args.global_batch, args.micro_batch)
-    accum = policy.grad_accum(world)
+    policy = BatchPolicy(args.ramp or args.global_batch, args.micro_batch)
+    accum = policy.grad_accum(world)  # of step 0; under --ramp the loader's follows the step
     dataset = task.dataset
     loader = ResumableDataLoader(
         dataset,
         batch_size=args.micro_batch,
         shuffle=task.shuffle,
         seed=args.seed,
-        grad_accum=accum,
+        **({"batch_policy": policy} if args.ramp else {"grad_accum": accum}),
         num_workers=args.workers,
         drop_last=True,
     )
@@ -208,13 +225,13 @@ def train(args, make_task: Callable[[argparse.Namespace], Task] = regression_tas
     started = time.perf_counter()
     step = resume(args.run_dir, **objects)  # and loader.step, which counts on from it
     log(
-        f"world size {world}, grad_accum {accum}, resumed at step {step}, epoch {loader.epoch} "
+        f"world size {world}, grad_accum {loader.grad_accum}, resumed at step {step}, epoch {loader.epoch} "
         f"(checkpoint load {time.perf_counter() - started:.3f} s)"
     )
     if args.ledger:
         loader.ledger = Ledger.open(args.run_dir, step, len(dataset))
     faults = FaultInjector(args)
-    scale = world / (args.global_batch * task.items_per_sample)  # DDP averages over ranks: gradient sum / items
+    scale = world / task.items_per_sample  # DDP averages over ranks: gradient sum / items of the step's global batch
     saved = step
 
     def run_pass() -> bool:
@@ -225,7 +242,7 @@ def train(args, make_task: Callable[[argparse.Namespace], Task] = regression_tas
                 faults.strike_mid_step(step, rank)
                 with contextlib.nullcontext() if loader.update_complete else ddp.no_sync():
                     loss = task.loss(ddp, batch, device)
-                    (loss * scale).backward()
+                    (loss * scale / policy.at(step)).backward()
                 if not loader.update_complete:
                     continue
                 optimizer.step()
@@ -247,7 +264,7 @@ def train(args, make_task: Callable[[argparse.Namespace], Task] = regression_tas
                     save_checkpoint(args.run_dir, **objects, keep_last=args.keep_last, ledger=loader.ledger)
                     log(f"checkpoint of step {step} saved in {time.perf_counter() - started:.3f} s")
                     saved = step
-                if args.uneven and loader.batches_left <= rank * args.uneven * accum:
+                if args.uneven and loader.batches_left <= rank * args.uneven * loader.grad_accum:
                     log(f"uneven input: stopping with {loader.batches_left} micro-batches of epoch {loader.epoch} left")
                     return True
         if loader.exhausted:

@@ -124,7 +124,7 @@ def main(argv=None) -> int:
     waits = {int(step): Path(path) for step, path in (w.split(":", 1) for w in args.wait_before)}
     (args.run_dir / f"up-{args.group}-{rank}-{os.getpid()}").touch()  # for a launcher: this process is up
     try:
-        while manager.current_step() < args.epochs * dl.deal.steps_per_epoch:
+        while manager.current_step() < dl.deal.first_step(args.epochs):
             if manager.current_step() in waits:
                 wait_for(waits.pop(manager.current_step()))
             step, trained, total = manager.current_step(), 0, 0.0

@@ -98,6 +98,41 @@ class MixtureChange(NamedTuple):
     step: int | None  # the step (as loader.step counts) whose update first trains a sample under them
 
 
+def check_mixture(dataset, order: Order) -> None:
+    """Refuse an online change of weights (`change_mixture`) where the dataset is not a Mixture, or where loader
+    positions are not mixture positions (lanes= spread them)."""
+    if not callable(getattr(dataset, "change_weights", None)):
+        raise TypeError(
+            "change_mixture changes a loader.sources.Mixture's weights; this loader's dataset is "
+            f"a {type(dataset).__name__}"
+        )
+    if order.lanes is not None:
+        raise ValueError(
+            "change_mixture needs loader positions that are mixture positions: lanes= spread them "
+            "over the epoch; build the loader without lanes (shuffle=True leaves the order to the "
+            "Mixture)"
+        )
+
+
+def planned_change(dataset, weights, step: int, epoch: int, position: int, num_samples: int):
+    """A Mixture's plan with `weights` from the first whole window at or after loader `position` of `epoch`, asked
+    at `step`; None where the plan already recorded a request at that step or a later one (a step replayed after a
+    restart or a failed commit: the recorded weights stand, never recomputed)."""
+    requests = dataset.plan.requests
+    if requests and step <= requests[-1][0]:
+        return None
+    if dataset.plan.epochs_continue:
+        position += epoch * num_samples
+    elif epoch > 0:
+        raise ValueError(
+            f"change_mixture in epoch {epoch} of a loader with shuffle=False, whose every epoch "
+            f"serves the same positions (trained in epoch 0 under the weights of then): change the "
+            f"weights online in epoch 0, or run the loader with shuffle=True (each epoch continues "
+            f"the mixture's stream)"
+        )
+    return dataset.change_weights(weights, position, step)
+
+
 class _Carrying:
     """Index lists -> lists of SampleIndex, for datasets that asked for per-sample seeds, take the epoch, or carry a
     plan that changes while the workers run (`carried_plan`, read as each batch is dispatched)."""
@@ -1206,19 +1241,13 @@ class ResumableDataLoader(DataLoader[T_co]):
         torch.distributed the ranks' changes are compared (one all_gather): weights that differ are refused.
         Returns where the change applies: its mixture position, and the step whose update first trains a sample
         under the new weights (None when that lies past this epoch)."""
-        change = getattr(self.dataset, "change_weights", None)
-        if not callable(change) or self._stream is not None:
+        if self._stream is not None:
             raise TypeError(
                 "change_mixture changes a loader.sources.Mixture's weights; this loader's dataset is "
                 f"a {type(self.dataset).__name__}"
             )
         step, sampler = self.step, self.resumable_sampler
-        if sampler.order.lanes is not None:
-            raise ValueError(
-                "change_mixture needs loader positions that are mixture positions: lanes= spread them "
-                "over the epoch; build the loader without lanes (shuffle=True leaves the order to the "
-                "Mixture)"
-            )
+        check_mixture(self.dataset, sampler.order)
         if step is None:
             raise ValueError(
                 "change_mixture needs the loader's step (the plan records the step each change was "
@@ -1230,22 +1259,12 @@ class ResumableDataLoader(DataLoader[T_co]):
                 "change_mixture in the middle of an optimizer update: call it after the update's last "
                 "micro-batch (loader.update_complete)"
             )
-        requests = self.dataset.plan.requests
-        if requests and step <= requests[-1][0]:
-            return None
         prefetched = self.num_workers * (self.prefetch_factor or 2)
         position, updates = sampler.undealt(prefetched)
         epoch = sampler.epoch
-        if self.dataset.plan.epochs_continue:
-            position += epoch * sampler.order.num_samples
-        elif epoch > 0:
-            raise ValueError(
-                f"change_mixture in epoch {epoch} of a loader with shuffle=False, whose every epoch "
-                f"serves the same positions (trained in epoch 0 under the weights of then): change the "
-                f"weights online in epoch 0, or run the loader with shuffle=True (each epoch continues "
-                f"the mixture's stream)"
-            )
-        plan = change(weights, position, step)
+        plan = planned_change(self.dataset, weights, step, epoch, position, sampler.order.num_samples)
+        if plan is None:
+            return None
         window = plan.requests[-1][1]
         if _distributed() and len(set(all_gather(plan.fingerprint()))) > 1:
             raise ValueError(

@@ -227,3 +227,100 @@ def test_dcp_load_resumes_a_loader_state_saved_before_0_1_0_with_a_warning(tmp_p
         ):
             dcp_load({"dataloader": LoaderState(resumed)}, tmp_path)
     assert sorted(delivered + [i for b in resumed for i in b.tolist()]) == list(range(30))
+
+
+def _online(rank, world_size, path, resumed_step):
+    """A Mixture whose weights the loop changes at steps 2 and 3 (the second right before the save), saved through
+    DCP after unequal consumption (rank r takes r more updates), or loaded at another world size and trained to the
+    end of epoch 1, its replayed request at the saved step asked with other weights. Returns what it trained as
+    (epoch, position, sample) and the plan's JSON."""
+    from loader.sources import Mixture
+    from tests.test_mixture_online import WINDOW, N, sources
+
+    warnings.simplefilter("ignore")  # DCP's and the lockstep warnings of unequal consumption
+
+    mix = Mixture(sources(), [0.5, 0.2, 0.3], N, seed=5, window=WINDOW)
+    dl = ResumableDataLoader(
+        mix, batch_size=2, grad_accum=2, shuffle=True, seed=2, rank=rank, world_size=world_size, collate_fn=list
+    )
+    trained = []
+
+    def update(it):
+        for _ in range(dl.grad_accum):
+            batch = next(it)
+            trained.extend((dl.epoch, p, int(s[0])) for p, s in zip(dl.last_indices().tolist(), batch))
+
+    if resumed_step is None:
+        dl.step, it = 0, iter(dl)
+        for step in range(3):
+            if step == 2:
+                assert dl.change_mixture([0, 1, 1]) is not None
+            update(it)
+        assert dl.change_mixture([1, 0, 1]) is not None  # at step 3
+        for _ in range(rank):
+            update(it)
+        dcp.save({"loader": LoaderState(dl)}, checkpoint_id=path)
+    else:
+        dcp.load({"loader": LoaderState(dl)}, checkpoint_id=path)
+        dl.step = resumed_step
+        assert dl.change_mixture([1, 1, 1]) is None  # step 3 replayed: the recorded weights stand
+        for epoch in (dl.epoch, dl.epoch + 1):
+            dl.set_epoch(epoch)
+            trained += [(epoch, p, int(s[0])) for b in dl for p, s in zip(dl.last_indices().tolist(), b)]
+    return trained, json.dumps(mix.plan.to_dict())
+
+
+@pytest.mark.slow
+def test_online_mixture_changes_ride_in_the_dcp_state_and_resume_at_another_world_size(tmp_path):
+    """Weights changed online at steps 2 and 3, saved through DCP by 3 ranks that consumed unequally, loaded by 2:
+    the plan with both changes comes back (the replayed request at step 3 ignored), and over two epochs every
+    position is trained once, as the sample the recorded plan names there, each source a permutation per source
+    epoch; after the first change (source 0 at weight 0) no sample of source 0 until the second."""
+    from loader.sources import MixturePlan
+    from tests.test_mixture_online import WINDOW, check_exactly_once
+
+    path = str(tmp_path / "ckpt")
+    saved = run_group(_online, 3, path, None)
+    resumed = run_group(_online, 2, path, 3)
+    plans = {plan for _, plan in saved + resumed}
+    assert len(plans) == 1  # every rank of both runs under the saved plan
+    plan = MixturePlan.from_dict(json.loads(plans.pop()))
+    (first, a), (second, b) = plan.requests
+    assert (first, second) == (2, 3) and a < b
+    trained = [t for run in saved + resumed for t in run[0]]
+    check_exactly_once(trained, plan, 2)
+    paused = [v for e, p, v in trained if e == 0 and a * WINDOW <= p < b * WINDOW]
+    assert paused and all(v // 1000 != 0 for v in paused)
+
+
+def test_a_dcp_state_with_online_changes_is_refused_by_another_mixture_and_leaves_it_as_it_was(tmp_path):
+    """The plan in the DCP state is checked as resume checks the manifest's: a Mixture of other weights, or a
+    dataset that is not a Mixture, is refused naming it, the loader and its plan unchanged; without a change the
+    `dataset` entry is the fingerprint alone, as before."""
+    from loader.core.state import StateError
+    from loader.sources import Mixture
+    from tests.test_mixture_online import WINDOW, N, sources
+
+    def loader(weights=(0.5, 0.2, 0.3)):
+        mix = Mixture(sources(), list(weights), N, seed=5, window=WINDOW)
+        return ResumableDataLoader(mix, batch_size=4, shuffle=True, collate_fn=list)
+
+    dl = loader()
+    assert json.loads(LoaderState(dl).state_dict()["dataset"]) == dl.dataset.fingerprint()
+    dl.step, it = 0, iter(dl)
+    next(it)
+    dl.change_mixture([1, 1, 0])
+    entry = json.loads(LoaderState(dl).state_dict()["dataset"])
+    assert entry["mixture_plan"] == dl.dataset.plan.to_dict() and len(json.dumps(entry)) < 1000
+    _dcp_call(dcp.save, dl, tmp_path)
+    for other, message in (
+        (loader([0.4, 0.3, 0.3]), "not this mixture's plan with changes added"),
+        (ResumableDataLoader(IndexDataset(N), batch_size=4), "this loader's dataset is a IndexDataset"),
+    ):
+        before = other.state_dict(), getattr(other.dataset, "plan", None)
+        with pytest.raises(StateError, match=f"the DCP checkpoint loaded into LoaderState: .*{message}"):
+            _dcp_call(dcp.load, other, tmp_path)
+        assert (other.state_dict(), getattr(other.dataset, "plan", None)) == before
+    resumed = loader()
+    _dcp_call(dcp.load, resumed, tmp_path)
+    assert resumed.dataset.plan == dl.dataset.plan

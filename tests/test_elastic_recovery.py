@@ -208,3 +208,34 @@ def test_exception_and_clean_exhaustion_are_told_apart_in_the_logs(tmp_path):
     assert run_generation(2, job(tmp_path / "b"), tmp_path / "lb") == [0, 0]
     for t in logs(tmp_path / "lb").values():
         assert "epoch 0 finished: iterator exhausted after step 10" in t and "FAILED" not in t
+
+
+def test_a_batch_size_ramp_resumes_at_another_world_size_with_every_step_as_uninterrupted(tmp_path):
+    """--ramp 0:12,3:24,5:36 over 120 samples: rank 2 of 3 SIGKILLed in step 5, the job resumes from step 3 at 2
+    ranks (K 6 for 24); every step trains the samples an uninterrupted single-process loader's step does, each sample
+    once."""
+    from examples.train_elastic import Regression
+    from loader import ResumableDataLoader
+    from loader.checkpoint.ledger import read_ledger
+    from loader.core.batch_policy import BatchPolicy
+
+    run, ramp = tmp_path / "run", [(0, 12), (3, 24), (5, 36)]
+    argv = job(run, "--ramp", "0:12,3:24,5:36", "--samples", "120")
+    assert run_generation(3, [*argv, "--fail-at-step", "4", "--fail-rank", "2"], tmp_path / "logs1")[2] == -9
+    assert run_generation(2, argv, tmp_path / "logs2") == [0, 0]
+    assert "world size 2, grad_accum 6, resumed at step 3" in logs(tmp_path / "logs2")[0]
+    assert_audit_clean(run)
+    trained: dict[int, list[int]] = {}
+    for record in read_ledger(run)[0]:
+        trained.setdefault(record.step, []).extend(record.indices.tolist())
+    uninterrupted = ResumableDataLoader(
+        Regression(120), batch_size=2, shuffle=True, seed=0, batch_policy=BatchPolicy(ramp, 2), drop_last=True
+    )
+    expected, current = [], []
+    for _ in uninterrupted:
+        current += uninterrupted.last_indices().tolist()
+        if uninterrupted.update_complete:
+            expected.append(sorted(current))
+            current = []
+    assert [len(s) for s in expected] == [12, 12, 12, 24, 24, 36]
+    assert [sorted(trained[s]) for s in sorted(trained)] == expected

@@ -235,11 +235,66 @@ def test_the_plan_deals_each_update_its_global_batch(remaining, world_size, batc
         position, batch = position + k * per_step, batch + k
 
 
-def test_skip_by_updates_is_refused_and_by_positions_kept_exact():
-    """skip(updates=n) would count updates of one global batch: refused; skipped positions stay out of every step."""
+def positions_of(dl: ResumableDataLoader, epoch: int, spans) -> list[int]:
+    """The dataset indices at skipped position intervals of `epoch`."""
+    positions = np.concatenate([np.arange(a, b) for a, b in np.asarray(spans).reshape(-1, 2)])
+    return dl.resumable_sampler.order.for_epoch(epoch)(positions).tolist()
+
+
+def test_skip_by_updates_skips_the_samples_of_those_steps_across_4_3_2_ranks():
+    """skip(updates=4) at step 2 under the ramp skips what steps 2-5 of an uninterrupted run train (12 + 12 + 24 +
+    24 samples: the schedule's sum, not 4 x G); a skipped update steps no optimizer, so the next update is step 2
+    again, G 12, and the schedule goes on from there. A skip of a range of updates in epoch 1 after a restart at 3
+    ranks with unequal consumption, then 2 ranks: every index of both epochs trained once or skipped once."""
+    run = Run()
+    run.drive(ranks := loaders(4), 2)
+    skipped = {0: positions_of(ranks[0], 0, [dl.skip(updates=4) for dl in ranks][0])}
+    assert sorted(skipped[0]) == sorted(i for s in REFERENCE[2:6] for i in s)
+    assert ranks[0].resumable_sampler.standing().step == 2 and ranks[0].grad_accum == 3  # 12 over 4 ranks
+    run.drive(ranks, 5)
+    assert [len(s) for s in run.steps] == [12] * 4 + [24]  # steps 2, 3 (12) and 4 (24) after the skip
+    run.one_more_update(ranks[1])
+    state = merge_states([dl.state_dict(check_lockstep=False) for dl in ranks], uneven=True)
+    run.drive(ranks := loaders(3, state=state), 10)  # steps 6-9 (epoch 0's tail: 30) and 10 (epoch 1's first)
+    assert ranks[0].epoch == 1 and [len(s) for s in run.steps[5:]] == [24, 48, 48, 30, 48]
+    with pytest.raises(ValueError, match=r"epoch=2\) under a global batch schedule: the updates of epoch 2"):
+        ranks[0].skip(updates=1, epoch=2)
+    step = ranks[0].resumable_sampler.standing().step
+    skipped[1] = positions_of(ranks[0], 1, [dl.skip(updates=range(1, 3)) for dl in ranks][0])
+    assert step == 11 and len(skipped[1]) == 2 * 96  # steps 12 and 13, after the next one (step 11, G 48)
+    with pytest.raises(ValueError, match=r"updates from step \d+ of the global batch schedule at most"):
+        ranks[0].skip(updates=10**6)
+    run.drive(loaders(2, state=ranks[0].state_dict()), 10**9)
+    for epoch in range(EPOCHS):
+        trained = [i for e, i in run.trained if e == epoch]
+        assert len(trained) == len(set(trained)) and not set(trained) & set(skipped[epoch])
+        assert sorted(trained + skipped[epoch]) == list(range(N))
+
+
+def test_a_skip_under_the_ramp_is_in_the_ledger_and_the_audit(tmp_path, capsys):
+    """The skipped updates' samples are committed as skipped on request: the ledger records them, the audit counts
+    them in their own column, every other index seen once."""
+    from loader.checkpoint.audit import main as audit_main
+    from loader.checkpoint.ledger import Ledger
+
     (dl,) = loaders(1)
-    with pytest.raises(ValueError, match=r"skip\(updates=...\) counts updates of one global batch"):
-        dl.skip(updates=1)
+    dl.ledger = Ledger.open(tmp_path, 0, N)
+    it = iter(dl)
+    for _ in range(36):  # steps 0, 1 and 2 of 12 samples, as micro-batches of 1
+        next(it)
+    skipped = positions_of(dl, 0, dl.skip(updates=range(0, 3)))  # steps 3, 4, 5: 12 + 24 + 24
+    for _ in dl:
+        pass
+    dl.ledger.record_finished(merge_states([dl.state_dict()]), dl)
+    dl.ledger.close()
+    assert len(skipped) == 60 and audit_main(str(tmp_path), describe=str) == 0
+    row = capsys.readouterr().out.splitlines()[1].split()
+    assert row[:4] == ["0", "finished", str(N), str(N - 60)] and row[-2:] == ["60", "0"]
+
+
+def test_skip_by_positions_under_the_ramp_stays_exact():
+    """Skipped positions stay out of every step; the steps keep the schedule's sizes."""
+    (dl,) = loaders(1)
     skipped = dl.skip(positions=range(0, 6))
     run = Run()
     run.drive([dl], 10**9)
@@ -247,3 +302,22 @@ def test_skip_by_updates_is_refused_and_by_positions_kept_exact():
     at_skipped = set(dl.resumable_sampler.order.for_epoch(0)(np.arange(6)).tolist())
     assert skipped.tolist() == [[0, 6]]
     assert sorted(i for e, i in run.trained if e == 0) == sorted(set(range(N)) - at_skipped)
+
+
+def test_save_checkpoint_and_resume_carry_the_ramp(tmp_path):
+    """resume validated the checkpoint's progress on a sampler without the loader's schedule, so every checkpoint
+    of a ramp was refused ("batch_schedule ... but 'none (a fixed grad_accum)' in this loader"): now it resumes at
+    its step, and the steps after it are the uninterrupted run's."""
+    from loader.checkpoint.save import resume, save_checkpoint
+
+    def objects():
+        model = torch.nn.Linear(1, 1)
+        return dict(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), loader=loaders(1)[0])
+
+    run, saved = Run(), objects()
+    run.drive([saved["loader"]], 5)
+    save_checkpoint(tmp_path, 5, **saved)
+    resumed = objects()
+    assert resume(tmp_path, **resumed) == 5 and resumed["loader"].grad_accum == 24
+    run.drive([resumed["loader"]], 10**9)
+    assert run.steps == REFERENCE

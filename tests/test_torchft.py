@@ -4,6 +4,7 @@ sampler, without a Manager), the ledger's rule and the state torchft transfers, 
 and replica groups on gloo running examples/train_torchft.py, one SIGKILLed mid-epoch and restarted, one added
 later; and two Managers whose fetches out of order are refused."""
 
+import itertools
 import json
 import os
 import re
@@ -58,10 +59,19 @@ def run(deal: StepDeal, order: Order, events: list[tuple[int, bool]], group_size
     return committed
 
 
+def ramp(stretches: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """(steps, G) stretches as a global batch schedule from step 0 (the last stretch runs on)."""
+    firsts = [0, *itertools.accumulate(steps for steps, _ in stretches[:-1])]
+    return [(first, g) for first, (_, g) in zip(firsts, stretches)]
+
+
+ramps = st.lists(st.tuples(st.integers(1, 4), st.integers(4, 12)), min_size=1, max_size=3).map(ramp)
+
+
 @settings(max_examples=60, deadline=None)
 @given(
     n=st.integers(5, 60),
-    global_batch=st.integers(4, 12),
+    global_batch=st.integers(4, 12) | ramps,
     micro=st.integers(1, 4),
     group_size=st.integers(1, 2),
     drop_last=st.booleans(),
@@ -70,7 +80,10 @@ def run(deal: StepDeal, order: Order, events: list[tuple[int, bool]], group_size
 def test_every_sample_once_and_every_step_as_uninterrupted_across_quorum_changes_and_failed_commits(
     n, global_batch, micro, group_size, drop_last, events
 ):
-    deal = StepDeal(n, global_batch, micro, drop_last) if drop_last <= (n >= global_batch) else None
+    """A constant global batch or a ramp (G(s) positions at step s, epochs of differing steps before its last
+    change): each committed step the uninterrupted run's samples, each finished epoch every sample once."""
+    largest = max(g for _, g in global_batch) if isinstance(global_batch, list) else global_batch
+    deal = StepDeal(n, global_batch, micro, drop_last) if drop_last <= (n >= largest) else None
     if deal is None:
         with pytest.raises(ValueError, match="drops them all"):
             StepDeal(n, global_batch, micro, drop_last)
@@ -80,21 +93,24 @@ def test_every_sample_once_and_every_step_as_uninterrupted_across_quorum_changes
     uninterrupted = run(deal, order, [(1, True)] * len(steps), 1)
     for step, (samples, ranks) in steps.items():  # a failed commit's block dealt again, to the next quorum
         block = deal.block(step)  # an epoch's last block of fewer samples than ranks: dropped by policy (below)
+        assert block.global_batch == dict(deal.schedule)[max(f for f, _ in deal.schedule if f <= step)]
         expected = [] if block.size < ranks else sorted(uninterrupted[step][0])
         assert sorted(samples) == expected, f"step {step}"
-    per_epoch = deal.steps_per_epoch
-    for epoch in range(len(steps) // per_epoch):  # each finished epoch: every sample once, or dropped by policy
-        seen = [i for s in range(epoch * per_epoch, (epoch + 1) * per_epoch) for i in steps[s][0]]
-        last = (epoch + 1) * per_epoch - 1
+    epoch = 0
+    while deal.first_step(epoch + 1) <= len(steps):  # each finished epoch: every sample once, or dropped by policy
+        seen = [i for s in range(deal.first_step(epoch), deal.first_step(epoch + 1)) for i in steps[s][0]]
+        last = deal.first_step(epoch + 1) - 1
         a, b = deal.dropped(deal.block(last), steps[last][1])
         positions = order.for_epoch(epoch)(np.arange(n))
         assert b == n and sorted(seen) == sorted(positions[:a].tolist())
         assert len(seen) == len(set(seen)) and set(positions[a:].tolist()) == set(range(n)) - set(seen)
+        epoch += 1
 
 
 def test_a_step_deals_its_block_near_evenly_over_the_quorum():
     deal, order = StepDeal(100, 12, 2), Order(100, 0, "none")
-    assert deal.steps_per_epoch == 9 and deal.block(9) == (1, 0, 0, 12) and deal.block(8) == (0, 8, 96, 4)
+    assert deal.steps_per_epoch == 9 and deal.block(9) == (1, 0, 0, 12, 12, False)
+    assert deal.block(8) == (0, 8, 96, 4, 12, True)
     sizes = [[len(b) for b in rank] for rank in dealt(deal, order, 0, 5, 1)]  # 12 over 5 ranks: 3, 3, 2, 2, 2
     assert sizes == [[3], [3], [2], [2], [2]]
     sizes = [[len(b) for b in rank] for rank in dealt(deal, order, 0, 3, 1)]  # 12 = 3 ranks x 2 micro x 2
@@ -113,7 +129,7 @@ def test_the_transferred_state_is_small_plain_and_checked_field_by_field():
     for field, value, message in (
         ("global_batch", 16, "global_batch is 16"),
         ("drop_last", 1, "drop_last is 1"),
-        ("version", 2, "version is 2"),
+        ("version", 3, "version is 3"),
         ("format", "x", "not a 'loader.torchft'"),
     ):
         with pytest.raises(StateError, match=message):
@@ -122,6 +138,89 @@ def test_the_transferred_state_is_small_plain_and_checked_field_by_field():
         check_step_state({**state, "fingerprint": {**state["fingerprint"], "seed": 4}}, order.fingerprint(), deal)
     with pytest.raises(StateError, match="global_batch is 8 but 16"):
         check_step_state(state, order.fingerprint(), StepDeal(50, 16, 2))
+
+
+class ManagerSteps:
+    """What ManagedLoader's state and `change_mixture` read of a torchft Manager: its committed step, and where the
+    state callbacks register. No quorum: a step is dealt below as ManagedLoader's iter() deals it once the quorum is
+    known (the production composition); the real Manager runs in the process tests further down."""
+
+    def __init__(self):
+        self.step, self.callbacks = 0, {}
+
+    def current_step(self) -> int:
+        return self.step
+
+    def register_state_dict_fn(self, key, load_state_dict, state_dict) -> None:
+        self.callbacks[key] = load_state_dict, state_dict
+
+
+def test_online_mixture_changes_ride_in_the_transferred_state_under_a_ramp_and_a_replayed_request_is_ignored():
+    """Group A changes a Mixture's weights at step 2 of a batch-size ramp; the step fails its commit and is asked
+    again (ignored: the recorded weights stand). Group B, which asked for weights of its own at step 0, heals from
+    A's state (as JSON: plain data) and takes A's plan whole; the two deal the rest of two epochs: every position
+    once, each the sample the recorded plan names, each source a permutation per source epoch."""
+    from loader.integrations.torchft import ManagedLoader
+    from loader.sources import Mixture
+    from tests.test_mixture_online import WINDOW, N, check_exactly_once, sources
+
+    def group() -> tuple[ManagerSteps, ManagedLoader]:
+        manager, mix = ManagerSteps(), Mixture(sources(), [0.5, 0.2, 0.3], N, seed=5, window=WINDOW)
+        managed = ManagedLoader(
+            manager, mix, global_batch=[(0, 12), (3, 24)], batch_size=2, group_rank=0, group_size=1, shuffle=True
+        )
+        managed.loader.collate_fn = list
+        return manager, managed
+
+    trained = []
+
+    def deal(groups: list[ManagedLoader], step: int) -> None:
+        block = groups[0].deal.block(step)
+        for dp_rank, managed in enumerate(groups):  # each group's own mixture names the samples
+            dl = managed.loader
+            dl.load_state_dict(managed.deal.progress(dl.resumable_sampler.order.fingerprint(), block))
+            dl.resumable_sampler.relayout(managed.deal.layout(block, len(groups)), dp_rank)
+            for batch in dl:
+                trained.extend((block.epoch, p, int(s[0])) for p, s in zip(dl.last_indices().tolist(), batch))
+
+    (a_steps, a), (_, b) = group(), group()
+    deal([a], 0)
+    deal([a], 1)
+    a_steps.step = 2  # steps 0 and 1 committed
+    assert a.change_mixture([0, 1, 1]) == (30, 2)  # the first whole window at or after step 2's block (24)
+    failed = len(trained)
+    deal([a], 2)
+    del trained[failed:]  # its commit failed: the step is dealt again
+    assert a.change_mixture([1, 1, 1]) is None and a.loader.dataset.plan.requests == ((2, 3),)
+    deal([a], 2)
+    assert b.change_mixture([5, 1, 1]) == (0, 0)  # B's own, before it healed: never stands
+    b.load_state_dict(json.loads(json.dumps(a.state_dict())))
+    assert b.loader.dataset.plan == a.loader.dataset.plan
+    for step in range(3, a.deal.first_step(2)):
+        deal([a, b], step)
+    check_exactly_once(trained, a.loader.dataset.plan, 2)
+    paused = [v for e, p, v in trained if e == 0 and p >= 30]
+    assert paused and all(v // 1000 != 0 for v in paused)  # source 0 at weight 0 from position 30 on
+
+
+def test_a_peer_without_online_changes_resets_a_group_that_asked_alone_and_a_plain_dataset_refuses_a_plan():
+    from loader.integrations.torchft import ManagedLoader
+    from loader.sources import Mixture
+    from tests.test_mixture_online import WINDOW, N, sources
+
+    def managed(dataset):
+        return ManagedLoader(ManagerSteps(), dataset, global_batch=12, batch_size=2, group_rank=0, group_size=1)
+
+    peer, alone = (managed(Mixture(sources(), [0.5, 0.2, 0.3], N, seed=5, window=WINDOW)) for _ in range(2))
+    built = alone.loader.dataset.plan
+    alone.change_mixture([1, 1, 1])
+    state = peer.state_dict()
+    assert "mixture_plan" not in state and state["version"] == 2
+    alone.load_state_dict({**state, "version": 1})  # a state of the release before: no plan, the same steps
+    assert alone.loader.dataset.plan == built
+    peer.change_mixture([1, 1, 1])
+    with pytest.raises(StateError, match="the run changed a Mixture's weights online, but this loader's dataset is"):
+        managed(torch.utils.data.TensorDataset(torch.arange(N))).load_state_dict(peer.state_dict())
 
 
 def test_a_step_counts_by_its_committed_attempt_with_the_largest_key(tmp_path):

@@ -216,18 +216,18 @@ def _of_earlier_release(loader: Any) -> str | None:
     return earlier() if callable(earlier) else None
 
 
-def _plan_record(loader: Any) -> dict:
+def plan_record(loader: Any) -> dict:
     """The dataset's plan where it changed online (a Mixture's weights, `change_mixture`): JSON in the manifest, a
-    few hundred bytes, which `resume` hands back to the dataset before it checks the fingerprint."""
+    few hundred bytes, which `resume` (and `LoaderState`) hands back to the dataset before it checks the fingerprint."""
     carried = getattr(loader.dataset, "carried_plan", None)
     plan = carried() if callable(carried) else None
     return {} if plan is None else {"mixture_plan": plan.to_dict()}
 
 
-def recorded_plan(extra: dict, loader: Any, where: str) -> Any:
-    """The plan with the online changes a checkpoint recorded, checked to extend this run's dataset's own (which
-    `load_checkpoint` then takes): the steps replayed after the restart train under the recorded weights. None
-    when it recorded none."""
+def recorded_plan(extra: dict, loader: Any, where: str, base: Any = None) -> Any:
+    """The plan with the online changes a checkpoint recorded, checked to extend this run's dataset's own (or
+    `base`'s), which `load_checkpoint` then takes: the steps replayed after the restart train under the recorded
+    weights. None when it recorded none."""
     recorded = extra.get("mixture_plan")
     check = getattr(loader.dataset, "recorded_plan", None)
     if recorded is None:
@@ -238,7 +238,7 @@ def recorded_plan(extra: dict, loader: Any, where: str) -> Any:
             f"{type(loader.dataset).__name__}: resume it with the Mixture it trained"
         )
     try:
-        return check(recorded)
+        return check(recorded, base)
     except ValueError as err:
         raise StateError(f"{where}: {err}") from None
 
@@ -425,7 +425,7 @@ def save_checkpoint(
         "progress_format": [FORMAT, VERSION],
         "fingerprint": _fingerprint_of(loader),
         "dataset": dataset_fingerprint(loader),
-        **_plan_record(loader),
+        **plan_record(loader),
         **(manifest_extra or {}),
     }
 
@@ -668,7 +668,8 @@ def _check_progress(loader: Any, progress: dict) -> None:
     the same configuration (its load_state_dict validates in full, then replaces)."""
     sampler = loader.resumable_sampler
     if sampler is not None:
-        ResumableSampler(sampler.order, sampler.layout, sampler.rank).load_state_dict(progress)
+        fresh = ResumableSampler(sampler.order, sampler.layout, sampler.rank, sampler.schedule, sampler.amended)
+        fresh.load_state_dict(progress)
     else:
         loader._stream.check(progress)
 

@@ -259,3 +259,29 @@ def plan_at(remaining: int, layout: Layout, schedule: tuple[tuple[int, int], ...
         (first - step, k) for (first, _), k in zip(schedule[at + 1 :], ks[at + 1 :]) if first - step <= remaining
     )
     return EpochPlan(remaining, replace(layout, grad_accum=ks[at]), changes)
+
+
+def samples_of_updates(schedule: tuple[tuple[int, int], ...], step: int, updates: int) -> int:
+    """Σ G(s) over steps [step, step + updates) of a global batch `schedule` ((first step, global batch),
+    increasing from step 0): the remaining samples those updates take, as `plan_at` lays them out (the epoch's end
+    aside). O(#changes)."""
+    total = 0
+    ends = [first for first, _ in schedule[1:]] + [step + updates]
+    for (first, global_batch), end in zip(schedule, ends):
+        total += global_batch * max(0, min(end, step + updates) - max(first, step))
+    return total
+
+
+def updates_of_samples(schedule: tuple[tuple[int, int], ...], step: int, remaining: int) -> int:
+    """The updates from `step` that take `remaining` samples, the last one short where they do not fill it (the
+    inverse of `samples_of_updates`, rounded up). O(#changes)."""
+    updates, left = 0, remaining
+    ends = [first for first, _ in schedule[1:]] + [None]
+    for (_, global_batch), end in zip(schedule, ends):
+        if end is not None and end <= step + updates:
+            continue
+        if end is None or left <= global_batch * (end - step - updates):
+            return updates - (-left // global_batch)
+        left -= global_batch * (end - step - updates)
+        updates = end - step
+    raise AssertionError("unreachable: the schedule's last global batch runs on")

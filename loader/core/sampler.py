@@ -19,7 +19,7 @@ from numpy.typing import ArrayLike
 
 from loader.core.checks import check_rank, is_int
 from loader.core.order import EpochOrder, Order
-from loader.core.partition import EpochPlan, Layout, plan_at
+from loader.core.partition import EpochPlan, Layout, plan_at, samples_of_updates, updates_of_samples
 from loader.core.progress import EMPTY, Remaining, contains, difference, spans_of, union, whole
 from loader.core.state import (
     MAX_EPOCHS_AHEAD,
@@ -396,10 +396,11 @@ class ResumableSampler:
                 f"[{current.epoch}, {current.epoch + MAX_EPOCHS_AHEAD}]"
             )
         n, committed = self.order.num_samples, current.committed_in(epoch)
-        if updates is not None and self.schedule is not None:
+        if updates is not None and self.schedule is not None and epoch != current.epoch:
             raise ValueError(
-                "skip(updates=...) counts updates of one global batch, and this loader's global batch "
-                "follows a schedule: skip positions= or indices= instead"
+                f"skip(updates=..., epoch={epoch}) under a global batch schedule: the updates of epoch {epoch} "
+                f"start at a step that depends on what epoch {current.epoch} has left to train; skip updates of "
+                f"the current epoch, or positions= or indices= of a later one"
             )
         if sum(given is not None for given in (positions, updates, indices)) != 1:
             raise ValueError(
@@ -409,7 +410,9 @@ class ResumableSampler:
             )
         if indices is not None:
             positions = _positions_of(self.order.for_epoch(epoch), committed, indices)
-        spans = _positions_to_skip(committed, n, self.layout.global_batch, epoch, positions, updates)
+        schedule = self.schedule or ((0, self.layout.global_batch),)
+        step = current.step if self.schedule else 0  # the step of the next update: a skipped one steps nothing
+        spans = _positions_to_skip(committed, n, schedule, step, epoch, positions, updates)
         skipped = {**current.skipped, epoch: union(current.skipped.get(epoch, EMPTY), spans)}
         self._restore(
             replace(current, committed={**current.committed, epoch: union(committed, spans)}, skipped=skipped)
@@ -420,13 +423,15 @@ class ResumableSampler:
 def _positions_to_skip(
     committed: np.ndarray,
     n: int,
-    global_batch: int,
+    schedule: tuple[tuple[int, int], ...],
+    step: int,
     epoch: int,
     positions: range | ArrayLike | None,
     updates: int | np.integer | range | None,
 ) -> np.ndarray:
     """The intervals `skip` commits: each position of [0, n) not committed yet, or the remaining positions that
-    updates [a, b) from the next one would take (update g: remaining indices [g G, (g + 1) G), the last one short)."""
+    updates [a, b) from the next one, optimizer step `step`, would take under the global batch `schedule` (update
+    g: remaining indices [P(g), P(g + 1)) with P(g) the sum of G over the g steps before it, the last one short)."""
     if updates is not None:
         steps = range(int(updates)) if is_int(updates) or isinstance(updates, np.integer) else updates
         remaining = Remaining(committed, n)
@@ -435,12 +440,15 @@ def _positions_to_skip(
                 f"skip(updates={updates!r}): pass a positive int or a non-empty range(a, b) of updates "
                 f"counted from the next one (0)"
             )
-        if steps.stop > -(-remaining.count // global_batch):
+        most = updates_of_samples(schedule, step, remaining.count)
+        if steps.stop > most:
+            of = f"of {schedule[0][1]}" if len(schedule) == 1 else f"from step {step} of the global batch schedule"
             raise ValueError(
-                f"skip(updates={updates!r}): epoch {epoch} has {remaining.count} positions left, "
-                f"{-(-remaining.count // global_batch)} updates of {global_batch} at most"
+                f"skip(updates={updates!r}): epoch {epoch} has {remaining.count} positions left, {most} updates "
+                f"{of} at most"
             )
-        span = [[steps.start * global_batch, min(steps.stop * global_batch, remaining.count)]]
+        span = [[samples_of_updates(schedule, step, u) for u in (steps.start, steps.stop)]]
+        span[0][1] = min(span[0][1], remaining.count)
         return difference(remaining.covering_spans(span), committed, n)
     assert positions is not None, "skip() takes exactly one of updates=, positions=, indices= (checked there)"
     spans = spans_of(_ints_in(positions, n, "skip(positions=...): positions", f"epoch {epoch}'s [0, {n})"))

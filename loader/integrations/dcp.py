@@ -18,7 +18,14 @@ from torch.distributed.checkpoint.stateful import Stateful
 
 from loader.checkpoint.plain import PlainLoadPlanner, PlainReader, check_metadata
 from loader.checkpoint.publish import CheckpointWarning
-from loader.checkpoint.save import check_change, check_dataset, dataset_fingerprint, global_progress
+from loader.checkpoint.save import (
+    check_change,
+    check_dataset,
+    dataset_fingerprint,
+    global_progress,
+    plan_record,
+    recorded_plan,
+)
 from loader.core.state import StateError
 from loader.dataloader import ResumableDataLoader
 
@@ -27,28 +34,40 @@ _WHERE = "the DCP checkpoint loaded into LoaderState"  # DCP does not tell a Sta
 
 class LoaderState(Stateful):
     """A ResumableDataLoader as a DCP Stateful, under replicated keys: the merged progress and the dataset's
-    fingerprint (what `save_checkpoint`'s manifest records), as JSON. Its state_dict() is a collective over `group`
-    (default: the world): under a mesh, one progress per data-parallel rank, its peers' checked equal (see
-    `global_progress`). load_state_dict() refuses what `resume` refuses: another dataset (a Mixture's weights or
-    schedule edited without `amends=`), or a declared change of schedule inside what the checkpoint committed."""
+    fingerprint (what `save_checkpoint`'s manifest records), as JSON strings (DCP saves them as bytes; nothing is
+    unpickled to read them). Once a Mixture's weights changed online (`change_mixture`), `dataset` holds the
+    fingerprint and the plan with its changes, `{"fingerprint": ..., "mixture_plan": ...}`, a few hundred bytes, so
+    that the replayed steps train the recorded weights; without a change it is the fingerprint alone, as before.
+    Its state_dict() is a collective over `group` (default: the world): under a mesh, one progress per data-parallel
+    rank, its peers' checked equal (see `global_progress`). load_state_dict() refuses what `resume` refuses: another
+    dataset (a Mixture's weights or schedule edited without `amends=`, or a recorded plan that is not this
+    mixture's with changes added), or a declared change of schedule inside what the checkpoint committed. It does
+    not hold the step: set `loader.step` after loading (`change_mixture` needs it)."""
 
     def __init__(self, loader: ResumableDataLoader, group: dist.ProcessGroup | None = None) -> None:
         self.loader, self.group = loader, group
 
     def state_dict(self) -> dict:
+        fingerprint, plan = dataset_fingerprint(self.loader), plan_record(self.loader)
         return {
             "progress": json.dumps(global_progress(self.loader, self.group)),
-            "dataset": json.dumps(dataset_fingerprint(self.loader)),
+            "dataset": json.dumps({"fingerprint": fingerprint, **plan} if plan else fingerprint),
         }
 
     def load_state_dict(self, state_dict: dict) -> None:
         progress, saved = json.loads(state_dict["progress"]), json.loads(state_dict["dataset"])
-        check_dataset(saved, self.loader, _WHERE)
+        plan = None
+        if isinstance(saved, dict):  # a Mixture changed online: its fingerprint and the plan with the changes
+            plan, saved = recorded_plan(saved, self.loader, _WHERE), saved.get("fingerprint")
+        check_dataset(saved, self.loader, _WHERE, plan)
         try:
             check_change(saved, self.loader, progress)
         except StateError as err:
             raise StateError(f"{_WHERE}: the loader progress does not fit this run: {err}") from None
-        self.loader.load_state_dict(progress)
+        self.loader.load_state_dict(progress)  # validated in full first: a refusal leaves the plan as it was too
+        if plan is not None:  # recorded_plan returned one: the dataset is a Mixture
+            mixture: Any = self.loader.dataset
+            mixture.use_plan(plan)  # the weights changed online up to the checkpoint
 
 
 class ModelAndOptimizer(Stateful):

@@ -16,83 +16,133 @@ batches of participant 0 so that its forward and backward run (torchft zeroes it
 
 from __future__ import annotations
 
+import bisect
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any, NamedTuple
 
 import numpy as np
 
 from loader.checkpoint.ledger import Ledger
+from loader.checkpoint.save import plan_record, recorded_plan
 from loader.core.checks import check_positive_int, check_rank
-from loader.core.partition import EpochPlan, Layout
-from loader.core.state import Progress, StateError, check_fingerprint, short
-from loader.dataloader import ResumableDataLoader
+from loader.core.partition import EpochPlan, Layout, samples_of_updates, updates_of_samples
+from loader.core.state import Progress, StateError, check_fingerprint, schedule_from, short
+from loader.dataloader import MixtureChange, ResumableDataLoader, check_mixture, planned_change
 
 FORMAT = "loader.torchft"
-VERSION = 1
+VERSION = 2  # 2: global_batch may be a schedule, and mixture_plan carries a Mixture's online changes
+READS = (1, VERSION)
 STATE_KEY = "loader"  # the key of the loader's state among the Manager's state_dict callbacks
 
 
 class Block(NamedTuple):
-    """The positions [start, start + size) of the epoch's order that a step trains, the epoch's step `index`."""
+    """The positions [start, start + size) of the epoch's order that a step trains, the epoch's step `index`, the
+    step's `global_batch` (size is less for the epoch's short last step) and whether it is the epoch's `last`."""
 
     epoch: int
     index: int
     start: int
     size: int
+    global_batch: int
+    last: bool
 
 
 @dataclass(frozen=True)
 class StepDeal:
     """The pure arithmetic: which positions a step trains, and how they are dealt over a quorum.
 
-    An epoch of N samples is ceil(N / G) steps of G = `global_batch` positions, the last one short (N mod G), as
-    DataLoader's last batch; with `drop_last` the N mod G are dropped by policy and the epoch is N // G steps."""
+    An epoch of N samples is steps of G = `global_batch` positions, the last one short, as DataLoader's last batch;
+    with `drop_last` that short one is dropped by policy. `global_batch` may be a batch-size ramp, (first step, G)
+    pairs from step 0 as `BatchPolicy` takes them: step s then trains G(s) positions, an epoch's steps following
+    on from the previous epoch's last (so epochs before the ramp's last change differ in steps, the later ones
+    not), and every step still trains the same samples whatever the quorum."""
 
     num_samples: int
-    global_batch: int
+    global_batch: int | tuple[tuple[int, int], ...]
     micro_batch: int
     drop_last: bool = False
 
     def __post_init__(self) -> None:
-        for name in ("num_samples", "global_batch", "micro_batch"):
+        for name in ("num_samples", "micro_batch"):
             check_positive_int(name, getattr(self, name))
-        if self.steps_per_epoch == 0:
+        if isinstance(self.global_batch, (list, tuple)):
+            object.__setattr__(self, "global_batch", schedule_from(self.global_batch, "global_batch"))
+        else:
+            check_positive_int("global_batch", self.global_batch)
+        too_large = [(first, g) for first, g in self.schedule if g > self.num_samples]
+        if self.drop_last and too_large:
+            first, g = too_large[0]
             raise ValueError(
-                f"the dataset has {self.num_samples} samples, fewer than one global batch of "
-                f"{self.global_batch}, and drop_last=True drops them all: lower global_batch"
+                f"the dataset has {self.num_samples} samples, fewer than one global batch of {g}"
+                f"{f' (from step {first})' if first else ''}, and drop_last=True drops them all: lower global_batch"
             )
 
     @property
+    def schedule(self) -> tuple[tuple[int, int], ...]:
+        """The global batch by step, (first step, G) pairs: one pair for a constant global batch."""
+        return self.global_batch if isinstance(self.global_batch, tuple) else ((0, self.global_batch),)
+
+    def _steps_from(self, first: int) -> int:
+        """The steps of an epoch whose first step is `first`: its full ones, and the short last one unless
+        drop_last."""
+        updates = updates_of_samples(self.schedule, first, self.num_samples)
+        return updates - (self.drop_last and samples_of_updates(self.schedule, first, updates) > self.num_samples)
+
+    @cached_property
+    def _firsts(self) -> tuple[list[int], int]:
+        """The first step of each epoch up to the first that starts at or after the ramp's last change, and the
+        steps of that epoch, which every later one has too."""
+        firsts = [0]
+        while firsts[-1] < self.schedule[-1][0]:
+            firsts.append(firsts[-1] + self._steps_from(firsts[-1]))
+        return firsts, self._steps_from(firsts[-1])
+
+    def first_step(self, epoch: int) -> int:
+        """The step that starts `epoch`: `first_step(E)` steps train epochs 0 .. E - 1."""
+        firsts, steps = self._firsts
+        return firsts[epoch] if epoch < len(firsts) else firsts[-1] + (epoch - len(firsts) + 1) * steps
+
+    @property
     def steps_per_epoch(self) -> int:
-        full, tail = divmod(self.num_samples, self.global_batch)
-        return full + (tail > 0 and not self.drop_last)
+        """The steps of every epoch, for a constant global batch (a ramp's epochs differ: `first_step`)."""
+        if len(self.schedule) > 1:
+            raise ValueError("under a batch-size ramp the epochs differ in steps: use first_step(epoch)")
+        return self._firsts[1]
 
     def block(self, step: int) -> Block:
         """The positions step `step` (the Manager's `current_step()`: steps committed before it) trains."""
-        epoch, index = divmod(step, self.steps_per_epoch)
-        start = index * self.global_batch
-        return Block(epoch, index, start, min(self.global_batch, self.num_samples - start))
+        firsts, steps = self._firsts
+        if step < firsts[-1]:
+            epoch = bisect.bisect_right(firsts, step) - 1
+        else:
+            epoch = len(firsts) - 1 + (step - firsts[-1]) // steps
+        first = self.first_step(epoch)
+        index, global_batch = step - first, samples_of_updates(self.schedule, step, 1)
+        start = samples_of_updates(self.schedule, first, index)
+        size = min(global_batch, self.num_samples - start)
+        return Block(epoch, index, start, size, global_batch, index + 1 == self._steps_from(first))
 
     def layout(self, block: Block, ranks: int) -> Layout:
         """One optimizer update over `ranks` data-parallel ranks: micro-batches of `micro_batch` samples at most
         (B + 1 where the block does not divide evenly, as the loader's tail rule has it), as many as the block needs
         at this size. A full block fewer than the ranks cannot give each one a sample: refused."""
-        if block.size == self.global_batch and self.global_batch < ranks:
+        if block.size == block.global_batch and block.global_batch < ranks:
             raise ValueError(
                 f"the quorum has {ranks} data-parallel ranks (replica groups x ranks per group), more "
-                f"than the global batch of {self.global_batch} samples: every rank needs one. Raise "
+                f"than the global batch of {block.global_batch} samples: every rank needs one. Raise "
                 f"global_batch, or cap the replica groups (torchft's WorldSizeMode.FIXED_WITH_SPARES)"
             )
-        accum = -(-self.global_batch // (ranks * self.micro_batch))
+        accum = -(-block.global_batch // (ranks * self.micro_batch))
         return Layout(ranks, accum, self.micro_batch, False)
 
     def dropped(self, block: Block, ranks: int) -> tuple[int, int] | None:
         """Positions [a, b) of the block's epoch that no step deals, often none (a == b), recorded when the epoch's
         last step commits (None for another step): the drop_last tail, and an epoch's last block of fewer samples
         than the quorum's ranks (the README's rule: fewer samples than ranks are dropped by policy)."""
-        if block.index + 1 < self.steps_per_epoch:
+        if not block.last:
             return None
         return block.start + EpochPlan(block.size, self.layout(block, ranks)).served, self.num_samples
 
@@ -152,6 +202,8 @@ class ManagedLoader:
             dataset, batch_size=batch_size, drop_last=False, rank=0, world_size=1, **loader_args
         )
         self.deal = StepDeal(len(dataset), global_batch, batch_size, drop_last)
+        mixture = callable(getattr(self.loader.dataset, "use_plan", None))
+        self._built_plan = self.loader.dataset.plan if mixture else None  # before any online change
         self.ledger: Ledger | None = None  # Ledger.open_attempts(...): the batches of the steps that commit
         self.participating = False  # whether this rank's batches of the current step count
         self._dealt: tuple | None = None  # (quorum future, step, attempt key, block, ranks) of the last deal
@@ -231,41 +283,82 @@ class ManagedLoader:
         """The epoch of the Manager's current step."""
         return self.deal.block(self.manager.current_step()).epoch
 
+    def change_mixture(self, weights) -> MixtureChange | None:
+        """Change a Mixture's weights from the training loop (`ResumableDataLoader.change_mixture` under torchft):
+        call it on every rank of every replica group with the same weights (the controller's inputs all-reduced
+        through the Manager) after `optimizer.step()` and before the next step's `zero_grad()`, which starts the
+        quorum in which a healing group takes a peer's state. The change applies from the first whole window of the
+        mixture at or after the next step's block (nothing is dealt past a step's block), the plan records it as
+        asked at the Manager's step, and a request at a step the plan already recorded one at or after (the step
+        again after a failed commit) is ignored: the recorded weights stand (returns None then). A healing group
+        takes the peers' plan whole, whatever it asked itself. Returns where the change applies: its mixture
+        position, and the step whose block first holds a sample under the new weights (None past this epoch)."""
+        order = self.loader.resumable_sampler.order
+        check_mixture(self.loader.dataset, order)
+        step = self.manager.current_step()
+        block = self.deal.block(step)
+        plan = planned_change(self.loader.dataset, weights, step, block.epoch, block.start, order.num_samples)
+        if plan is None:
+            return None
+        self.loader.dataset.use_plan(plan)
+        at = plan.requests[-1][1] * plan.window
+        local = at - block.epoch * order.num_samples if plan.epochs_continue else at
+        if local >= order.num_samples:
+            return MixtureChange(at, None)
+        first = self.deal.first_step(block.epoch)
+        return MixtureChange(at, first + updates_of_samples(self.deal.schedule, first, local + 1) - 1)
+
     # -- the state torchft transfers -------------------------------------------------------------------------------
 
     def state_dict(self) -> dict:
-        return step_state(self.loader.resumable_sampler.order.fingerprint(), self.deal)
+        """`step_state`, with a Mixture's plan once it changed online (`change_mixture`): a few hundred bytes."""
+        return {**step_state(self.loader.resumable_sampler.order.fingerprint(), self.deal), **plan_record(self.loader)}
 
     def load_state_dict(self, state: dict) -> None:
-        """A peer's state (torchft's heal) or a checkpoint's: checked; nothing changes, the step is the Manager's."""
+        """A peer's state (torchft's heal) or a checkpoint's: checked; the step is the Manager's. A Mixture takes
+        the peer's plan: with its online changes, or the plan as built when the peer recorded none (changes this
+        group asked for alone, e.g. at step 0 before it healed, never stand)."""
         check_step_state(state, self.loader.resumable_sampler.order.fingerprint(), self.deal)
+        plan = recorded_plan(state, self.loader, _WHERE, self._built_plan) or self._built_plan
+        if plan is not None:
+            self.loader.dataset.use_plan(plan)
+
+
+_WHERE = "the loader state (from torchft's heal or a checkpoint)"
+
+
+def _plain(value):
+    """A global batch as JSON holds it: an int, or a schedule as [[first step, G], ...] (tuples as lists)."""
+    if isinstance(value, (list, tuple)):
+        return [list(pair) if isinstance(pair, (list, tuple)) else pair for pair in value]
+    return value
 
 
 def step_state(fingerprint: dict, deal: StepDeal) -> dict:
-    """What a healing group checks: the same data (fingerprint) in the same steps (global batch, drop_last). The
-    step itself is the Manager's own state, which torchft transfers with it."""
+    """What a healing group checks: the same data (fingerprint) in the same steps (global batch or its schedule,
+    drop_last). The step itself is the Manager's own state, which torchft transfers with it."""
     return {
         "format": FORMAT,
         "version": VERSION,
         "fingerprint": fingerprint,
-        "global_batch": deal.global_batch,
+        "global_batch": _plain(deal.global_batch),
         "drop_last": deal.drop_last,
     }
 
 
 def check_step_state(state, fingerprint: dict, deal: StepDeal) -> None:
     """Refuse, naming the field, a state that would deal other data or other steps than this replica group."""
-    where = "the loader state (from torchft's heal or a checkpoint)"
+    where = _WHERE
     if not isinstance(state, dict) or state.get("format") != FORMAT:
         raise StateError(f"{where} is not a {FORMAT!r} state: got {short(state)}")
-    if state.get("version") != VERSION:
-        raise StateError(f"{where}.version is {short(state.get('version'))}, this loader reads {VERSION}")
+    if state.get("version") not in READS:
+        raise StateError(f"{where}.version is {short(state.get('version'))}, this loader reads {list(READS)}")
     saved = state.get("fingerprint")
     if not isinstance(saved, dict):
         raise StateError(f"{where}.fingerprint must be a dict, got {short(saved)}")
     check_fingerprint(saved, fingerprint, where)
-    for name, ours in (("global_batch", deal.global_batch), ("drop_last", deal.drop_last)):
-        theirs = state.get(name)
+    for name, ours in (("global_batch", _plain(deal.global_batch)), ("drop_last", deal.drop_last)):
+        theirs = _plain(state.get(name))
         if type(theirs) is not type(ours) or theirs != ours:
             raise StateError(
                 f"{where}.{name} is {short(theirs)} but {ours!r} in this replica group: every group "

@@ -754,11 +754,12 @@ class Mixture(torch.utils.data.Dataset):
             )
         return self.plan.with_weights(weights, -(-position // self.window), step)
 
-    def recorded_plan(self, recorded: dict) -> MixturePlan:
+    def recorded_plan(self, recorded: dict, base: MixturePlan | None = None) -> MixturePlan:
         """The plan a checkpoint recorded (`MixturePlan.to_dict`, read as JSON, never unpickled), with the online
-        changes of the run it continues, for `use_plan`: refused unless it is this mixture's with changes added."""
+        changes of the run it continues, for `use_plan`: refused unless it is this mixture's (or `base`, the plan
+        before changes this process made itself) with changes added."""
         plan = MixturePlan.from_dict(recorded, "the checkpoint's mixture plan")
-        if not plan.extends(self.plan):
+        if not plan.extends(self.plan if base is None else base):
             raise StateError(
                 "the checkpoint's mixture plan (with the weights changed online) is not this mixture's "
                 "plan with changes added: build the Mixture with the sources, weights or schedule, "
