@@ -140,3 +140,64 @@ def test_bad_masks_are_refused_clearly(corpus, tmp_path):
     ):
         with pytest.raises(ValueError, match=message):
             packed(corpus, "best_fit", keep=keep)
+
+
+def every_row(source, epochs=(0, 1)):
+    return [source.pieces(row, epoch) for epoch in epochs for row in range(len(source))]
+
+
+@pytest.mark.parametrize("keep", ("file", "predicate"))
+def test_the_cached_kept_documents_pack_the_same_rows_and_a_restart_maps_them(corpus, tmp_path, keep):
+    """Without a cache, building it and loading it pack the same rows in every epoch with the same fingerprint and
+    the same dropped documents; the load maps the tables, and a spawned worker maps them too (pickled as files)."""
+    import pickle
+
+    _, stream = corpus
+    _, lengths = documents_of(stream)
+    np.save(tmp_path / "keep.npy", mask_of("some", lengths))
+    mask = tmp_path / "keep.npy" if keep == "file" else (lambda n: (n % 3 != 0) & (np.arange(len(n)) % 7 != 1))
+    plain = packed(corpus, "best_fit", keep=mask)
+    built = packed(corpus, "best_fit", keep=mask, cache=tmp_path / "cache")
+    loaded = packed(corpus, "best_fit", keep=mask, cache=tmp_path / "cache")
+    assert len(list((tmp_path / "cache").glob("kept-documents-*.json"))) == 1
+    assert isinstance(loaded._stream.bases, np.memmap) and isinstance(loaded.filtered_documents(), np.memmap)
+    assert every_row(plain) == every_row(built) == every_row(loaded)
+    assert plain.fingerprint() == loaded.fingerprint()
+    assert plain.filtered_documents().tolist() == loaded.filtered_documents().tolist()
+    first = int(plain.filtered_documents()[0])
+    assert plain.describe_document(first) == loaded.describe_document(first)
+    shipped = pickle.loads(pickle.dumps(loaded))
+    assert isinstance(shipped._stream.starts, np.memmap) and every_row(shipped) == every_row(plain)
+
+
+def test_a_cache_of_another_mask_is_never_reused_and_a_damaged_one_is_rebuilt(corpus, tmp_path):
+    from loader.sources.array_cache import CacheWarning
+
+    _, stream = corpus
+    starts, lengths = documents_of(stream)
+    first, second = np.flatnonzero(lengths == np.bincount(lengths).argmax())[:2]
+    for dropped in (first, second):  # the same number of kept tokens: only the mask's digest tells
+        keep = np.arange(len(lengths)) != dropped
+        source = packed(corpus, "first_fit", keep=keep, cache=tmp_path)
+        assert source.filtered_documents().tolist() == [starts[dropped]]
+        assert every_row(source) == every_row(packed(corpus, "first_fit", keep=keep))
+    assert len(list(tmp_path.glob("kept-documents-*.json"))) == 2
+    for path in tmp_path.glob("kept-documents-*.bases.npy"):
+        data = path.read_bytes()
+        path.write_bytes(data[:-3] + bytes([data[-3] ^ 4]) + data[-2:])
+    with pytest.warns(CacheWarning, match=r"not usable, rebuilding it: .*kept-documents-.*\.bases\.npy: its content"):
+        rebuilt = packed(corpus, "first_fit", keep=keep, cache=tmp_path)
+    assert every_row(rebuilt) == every_row(packed(corpus, "first_fit", keep=keep))
+
+
+@pytest.mark.parametrize("mode", BIN_MODES)
+def test_every_kept_token_once_across_a_4_3_2_resume_through_the_cached_tables(corpus, tmp_path, mode):
+    _, stream = corpus
+    _, lengths = documents_of(stream)
+    mask = mask_of("some", lengths)
+    packed(corpus, mode, keep=mask, cache=tmp_path)
+    source = packed(corpus, mode, keep=mask, cache=tmp_path)
+    assert isinstance(source._stream.starts, np.memmap)
+    counts = trained_across_4_3_2(source, stream)
+    assert max(counts.values()) == 1, "a token trained twice"
+    assert counts == expected_kept(source, stream, mask)
