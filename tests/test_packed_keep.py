@@ -201,3 +201,17 @@ def test_every_kept_token_once_across_a_4_3_2_resume_through_the_cached_tables(c
     counts = trained_across_4_3_2(source, stream)
     assert max(counts.values()) == 1, "a token trained twice"
     assert counts == expected_kept(source, stream, mask)
+
+
+def test_the_masks_digest_read_in_chunks_is_that_of_the_whole_mask(tmp_path, monkeypatch):
+    """The digest a checkpoint holds (`+keep:DIGEST`) is unchanged by reading the mask in chunks of any size."""
+    import hashlib
+
+    from loader.sources import array_cache, kept
+
+    mask = np.random.default_rng(0).random(1001) < 0.5
+    whole = hashlib.sha256(np.packbits(mask).tobytes() + b"1001").hexdigest()[:12]
+    np.save(tmp_path / "mask.npy", mask)
+    monkeypatch.setattr(kept, "CHUNK", 5)  # 40 entries a chunk
+    assert kept.mask_digest(mask) == kept.mask_digest(np.load(tmp_path / "mask.npy", mmap_mode="r")) == whole
+    assert len(list(array_cache.chunks(mask, 40))) == 26

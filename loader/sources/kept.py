@@ -74,7 +74,8 @@ def mask_digest(mask: np.ndarray) -> str:
     hashed = hashlib.sha256()
     for _, chunk in chunks(mask, CHUNK * 8):  # whole bytes of bits: the chunks' bits pack as the whole's
         hashed.update(np.packbits(chunk).tobytes())
-    return hashlib.sha256(hashed.digest() + str(len(mask)).encode()).hexdigest()[:12]
+    hashed.update(str(len(mask)).encode())
+    return hashed.hexdigest()[:12]
 
 
 def kept_arrays(documents: Any, mask: np.ndarray, name: str) -> dict[str, np.ndarray]:
