@@ -10,6 +10,7 @@ import torch
 from loader import ResumableDataLoader, merge_states
 from loader.checkpoint import audit
 from loader.checkpoint.ledger import Ledger
+from loader.cli.main import main as cli
 from tests.test_packing import (
     BIN_MODES,
     EOS,
@@ -94,6 +95,13 @@ def test_the_audit_names_the_documents_filtered_before_packing(corpus, tmp_path,
     assert first == f"part-0.bin:{starts[~mask][0]}+{lengths[~mask][0]}"
     assert f"documents filtered by policy before packing (keep=, never trained): {first}, " in out
     assert f"({dropped} in all)" in out and f"audit: {dropped} document(s) filtered by policy" in out
+    np.save(tmp_path / "keep.npy", mask)  # the command line, given the mask: the documents by number
+    assert cli(["audit", str(tmp_path), "--limit", "3", "--documents", str(tmp_path / "keep.npy")]) == 0
+    out = capsys.readouterr().out
+    numbers = np.flatnonzero(~mask)
+    listed = ", ".join(f"document {n}" for n in numbers[:3])
+    assert f"before packing (keep=, never trained): {listed}, ... ({dropped} in all)" in out
+    assert f"audit: {dropped} document(s) filtered by policy before packing" in out
 
 
 def test_a_resume_with_another_mask_is_refused_naming_it(corpus, tmp_path):

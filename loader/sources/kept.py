@@ -29,19 +29,23 @@ def document_table(documents: Any) -> tuple[np.ndarray, np.ndarray]:
     return starts, np.diff(np.append(starts, documents.tokens))
 
 
-def read_mask(keep: np.ndarray | str | os.PathLike) -> tuple[np.ndarray, str]:
-    """A keep= mask given as an array or a .npy path (memory-mapped), and a name for it: a 1-D bool array."""
+def read_mask(keep: np.ndarray | str | os.PathLike, label: str = "keep=") -> tuple[np.ndarray, str]:
+    """A keep= mask given as an array or a .npy path (memory-mapped), and a name for it: a 1-D bool array. Errors
+    name a path as `label` gives it (keep=, or a command line's option)."""
     if isinstance(keep, (str, os.PathLike)):
         name = os.fspath(keep)
+        where = f"{label}{name!r}"
         try:
             mask = np.load(name, mmap_mode="r", allow_pickle=False)
         except (OSError, ValueError) as err:
-            raise ValueError(f"keep={name!r}: not a readable .npy mask ({err})") from None
+            raise ValueError(f"{where}: not a readable .npy mask ({err})") from None
     else:
         name, mask = "keep= (the mask array)", np.asarray(keep)
+        where = name
     if mask.dtype != np.bool_ or mask.ndim != 1:
         raise ValueError(
-            f"{name}: must be a bool array of one entry per document, got {mask.dtype} of shape {mask.shape}"
+            f"{where}: must be a bool array of one entry per document (the keep= mask), got {mask.dtype} of shape "
+            f"{mask.shape}"
         )
     return mask, name
 
