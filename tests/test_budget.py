@@ -391,3 +391,16 @@ def test_every_sample_once_across_a_4_3_2_resume_through_the_cached_index(tmp_pa
     assert max(counts.values()) == 1, "a sample trained twice"
     assert sorted(counts) == list(range(len(lengths)))
     assert 0 < len(dropped) < len(lengths) // 10
+
+
+def test_a_cache_crafted_with_matching_digests_that_does_not_fit_is_refused(tmp_path):
+    from tests.test_packed_keep import crafted
+
+    lengths = lognormal_lengths(300)
+    TokenBudgetBatches(lengths, 256, cache=tmp_path)
+    (path,) = tmp_path.glob("budget-index-*.buckets.npy")
+    table = np.load(path)
+    table[0, 1] += 1  # a bucket one member more than the samples hold
+    crafted(path, table)
+    with pytest.raises(ValueError, match="does not describe 300 samples .*delete its budget-index-\\* files"):
+        TokenBudgetBatches(lengths, 256, cache=tmp_path)

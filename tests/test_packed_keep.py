@@ -223,3 +223,27 @@ def test_the_masks_digest_read_in_chunks_is_that_of_the_whole_mask(tmp_path, mon
     monkeypatch.setattr(kept, "CHUNK", 5)  # 40 entries a chunk
     assert kept.mask_digest(mask) == kept.mask_digest(np.load(tmp_path / "mask.npy", mmap_mode="r")) == whole
     assert len(list(array_cache.chunks(mask, 40))) == 26
+
+
+def crafted(path, values):
+    """The .npy at `path` replaced by `values`, its header's digest made to match: only a check of the content's
+    sense can tell."""
+    import hashlib
+    import json
+
+    np.save(path, values)
+    header = path.with_name(path.name.split(".")[0] + ".json")
+    content = json.loads(header.read_text())
+    field = path.name.split(".")[1]
+    content["digests"][field] = hashlib.sha256(np.load(path).tobytes()).hexdigest()
+    header.write_text(json.dumps(content))
+
+
+def test_a_cache_crafted_with_matching_digests_that_does_not_fit_is_refused(corpus, tmp_path):
+    _, stream = corpus
+    _, lengths = documents_of(stream)
+    packed(corpus, "best_fit", keep=mask_of("some", lengths), cache=tmp_path)
+    (path,) = tmp_path.glob("kept-documents-*.dropped_starts.npy")
+    crafted(path, np.load(path)[1:])  # a dropped document forgotten
+    with pytest.raises(ValueError, match=r"do not describe these \d+ documents .*delete its kept-documents-\* files"):
+        packed(corpus, "best_fit", keep=mask_of("some", lengths), cache=tmp_path)

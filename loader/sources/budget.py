@@ -132,6 +132,24 @@ def sort_by_bucket(
     return index
 
 
+def _fits(table: np.ndarray, samples: int, buckets: int, multiple_of: int) -> bool:
+    """Whether a buckets table (bucket, members, longest, batches) can be these samples': ascending buckets, members
+    summing to the samples, 1 to members batches each, a multiple of `multiple_of` in all."""
+    if table.ndim != 2 or table.shape[1] != 4 or not len(table):
+        return False
+    bucket, members, longest, batches = table.T
+    return bool(
+        (np.diff(bucket) > 0).all()
+        and 0 <= bucket[0]
+        and bucket[-1] < buckets
+        and members.sum() == samples
+        and (longest >= 1).all()
+        and (batches >= 1).all()
+        and (batches <= members).all()
+        and batches.sum() % multiple_of == 0
+    )
+
+
 @functools.lru_cache(maxsize=1024)
 def _deal(seed: int, bucket: int, members: int, epoch: int) -> EpochOrder:
     """A bucket's keyed order of its member slots in `epoch` (kept: its keys cost more than a batch's deal)."""
@@ -245,7 +263,7 @@ class TokenBudgetBatches(torch.utils.data.Dataset):
         fields = {"index": _index_dtype(len(self.lengths)), "buckets": np.dtype(np.int64)}
         arrays, built = cached(cache, "budget-index", key, fields, build)
         table = np.asarray(arrays["buckets"])
-        if table.ndim != 2 or table.shape[1] != 4 or table[:, 1].sum() != len(self.lengths) or (table < 0).any():
+        if not _fits(table, len(self.lengths), len(self.bounds), self.multiple_of):
             raise ValueError(
                 f"the cached index of TokenBudgetBatches in {cache} does not describe {len(self.lengths)} samples "
                 f"(a buckets table of shape {table.shape}): delete its budget-index-* files to rebuild it"

@@ -111,8 +111,16 @@ def kept_documents(
     fields = dict.fromkeys(("starts", "bases", "dropped_starts", "dropped_lengths"), np.dtype(np.int64))
     arrays, _ = cached(cache, "kept-documents", key, fields, lambda: kept_arrays(documents, mask, name))
     kept = KeptDocuments(documents, **arrays)
-    if kept.tokens != int(kept.bases[-1]) or len(kept.bases) != len(kept.starts) + 1:
-        raise ValueError(f"the cached kept documents in {cache} do not fit together: delete its kept-documents-* files")
+    if (
+        len(kept.bases) != len(kept.starts) + 1
+        or len(kept.starts) + len(kept.dropped_starts) != len(mask)
+        or len(kept.dropped_starts) != len(kept.dropped_lengths)
+        or not 0 < kept.tokens <= documents.tokens
+    ):
+        raise ValueError(
+            f"the cached kept documents in {cache} do not describe these {len(mask)} documents of "
+            f"{documents.tokens} tokens: delete its kept-documents-* files to rebuild them"
+        )
     return kept, (name, digest)
 
 
