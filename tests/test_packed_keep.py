@@ -137,7 +137,9 @@ def test_a_resume_with_another_mask_is_refused_naming_it(corpus, tmp_path):
         resume(tmp_path / "run-None", **objects())
 
 
-def test_bad_masks_are_refused_clearly(corpus, tmp_path):
+@pytest.mark.parametrize("cached", (False, True))
+def test_bad_masks_are_refused_clearly(corpus, tmp_path, cached):
+    """With a cache too: refused as without one, and nothing cached of a refused mask."""
     _, stream = corpus
     count = len(documents_of(stream)[0])
     for keep, message in (
@@ -147,7 +149,8 @@ def test_bad_masks_are_refused_clearly(corpus, tmp_path):
         (tmp_path / "missing.npy", "not a readable .npy mask"),
     ):
         with pytest.raises(ValueError, match=message):
-            packed(corpus, "best_fit", keep=keep)
+            packed(corpus, "best_fit", keep=keep, cache=tmp_path / "cache" if cached else None)
+    assert not (tmp_path / "cache").exists() or not list((tmp_path / "cache").iterdir())
 
 
 def every_row(source, epochs=(0, 1)):
