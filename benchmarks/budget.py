@@ -3,6 +3,12 @@ unbounded-buffer best fit and a sorted-buffer batcher (fairseq's `max_tokens`, L
 synthetic lengths; the cost of a batch and of making the batches. `python -m benchmarks.budget [--samples N]`;
 section 13 of `python -m benchmarks` (`benchmarks.features`) reports its table with the suite's.
 
+`python -m benchmarks.budget --startup 1e6,1e7,1e8` measures a start: the seconds to construct
+`TokenBudgetBatches(lengths.npy, 16384)` and the process's peak RSS, each in a fresh process, without a cache (every
+start sorts the lengths), building the cache (the first start with `cache=`) and loading it (every later start:
+the lengths' digest, the index's digest, nothing sorted), over int32 SFT-like lengths in a .npy (memory-mapped);
+with `--keep`, of `PackedSource(documents, keep=mask.npy)` over that many computed documents (a 90% mask).
+
 The budget counts a batch padded: count x longest <= max_tokens (a length 0 counts 1). Best fit, unbounded buffer:
 all of the epoch's lengths sorted and cut greedily, the fewest batches any batcher makes (an optimal cut of sorted
 lengths, and a batch of sorted neighbours pads least). Sorted buffer: the epoch's order in windows of `buffer`
@@ -15,11 +21,17 @@ from __future__ import annotations
 
 import argparse
 import bisect
+import json
+import os
+import tempfile
 import time
+from typing import Any
 
 import numpy as np
 
+from benchmarks.memory import in_child, kib
 from loader.sources.budget import TokenBudgetBatches
+from loader.sources.packing import PackedSource
 
 MAX_TOKENS = 16384
 BUFFER = 10_000  # Lhotse's DynamicBucketingSampler default buffer_size
@@ -104,10 +116,80 @@ def costs(lengths: np.ndarray, max_tokens: int = MAX_TOKENS, draws: int = 2000) 
     }
 
 
+def start(kind: str, path: str, cache: str | None) -> dict[str, float]:
+    """One start, in this (fresh) process: seconds to construct the source and take one batch or row at its middle,
+    and the RSS before it and at its peak (MiB). `kind`: "budget" (`path`: the lengths) or "keep" (`path`: a keep=
+    mask over `packing.AnalyticDocuments`, computed documents: only the mask and the tables are the start's)."""
+    before = kib("VmRSS")
+    started = time.perf_counter()
+    if kind == "budget":
+        source: Any = TokenBudgetBatches(path, MAX_TOKENS, cache=cache)
+        made = time.perf_counter() - started
+        source.members(len(source) // 2, 1)
+        built = source.built
+    else:
+        from benchmarks.packing import AnalyticDocuments
+
+        mask = np.load(path, mmap_mode="r")
+        source = PackedSource(AnalyticDocuments(len(mask)), 2047, rows_per_window=8, keep=path, cache=cache)
+        made = time.perf_counter() - started
+        source.pieces(len(source) // 2, 1)
+        built = not isinstance(source._stream.starts, np.memmap)
+    return {
+        "seconds": made,
+        "first_batch_s": time.perf_counter() - started - made,
+        "rss_before_mib": before / 1024,
+        "peak_rss_mib": kib("VmHWM") / 1024,
+        "built": built,
+    }
+
+
+def startup(kind: str, sizes: list[int], directory: str) -> list[dict]:
+    """Each size's three starts (no cache, the cache built, the cache loaded), each a fresh process, over int32
+    SFT-like lengths (budget) or a mask keeping 90% of the documents (keep)."""
+    rows = []
+    for samples in sizes:
+        path = os.path.join(directory, f"{kind}-{samples}.npy")
+        rng = np.random.default_rng(0)
+        if kind == "budget":
+            np.save(path, rng.lognormal(np.log(256), 1.0, samples).astype(np.int32))
+        else:
+            np.save(path, rng.random(samples) < 0.9)
+        cache = os.path.join(directory, f"cache-{kind}-{samples}")
+        for what, where in (("no cache", None), ("cache built", cache), ("cache loaded", cache)):
+            point = in_child("benchmarks.budget", ["--start", kind, path] + ([where] if where else []), 3600)
+            rows.append({"samples": samples, "start": what, **point})
+        os.unlink(path)
+    return rows
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.budget", description=__doc__)
     parser.add_argument("--samples", type=int, default=200_000)
-    samples = parser.parse_args(argv).samples
+    parser.add_argument("--startup", help="sizes to measure a start at, e.g. 1e6,1e7,1e8")
+    parser.add_argument(
+        "--keep", action="store_true", help="with --startup: PackedSource(keep=) of that many documents instead"
+    )
+    parser.add_argument("--start", nargs="+", help=argparse.SUPPRESS)  # a child of --startup: KIND PATH [CACHE]
+    args = parser.parse_args(argv)
+    if args.start:
+        print(json.dumps(start(args.start[0], args.start[1], args.start[2] if len(args.start) > 2 else None)))
+        return
+    if args.startup:
+        sizes = [int(float(size)) for size in args.startup.split(",")]
+        kind = "keep" if args.keep else "budget"
+        print(f"{kind}: load average {os.getloadavg()[0]:.1f} at the start, {os.cpu_count()} CPUs")
+        print(f"{'samples':>11} {'start':13} {'seconds':>8} {'first batch':>12} {'RSS before':>11} {'peak RSS':>9}")
+        with tempfile.TemporaryDirectory() as directory:
+            for row in startup(kind, sizes, directory):
+                print(
+                    f"{row['samples']:>11.0e} {row['start']:13} {row['seconds']:8.2f} "
+                    f"{row['first_batch_s'] * 1e3:9.1f} ms {row['rss_before_mib']:7.0f} MiB "
+                    f"{row['peak_rss_mib']:5.0f} MiB"
+                )
+        print(f"load average {os.getloadavg()[0]:.1f} at the end")
+        return
+    samples = args.samples
     for name, lengths in distributions(samples).items():
         print(f"\n{name}: {samples} samples, {int(lengths.sum())} tokens, max_tokens={MAX_TOKENS}")
         rows = table(lengths)

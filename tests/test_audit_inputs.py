@@ -45,6 +45,14 @@ def plan(run_dir, text: str) -> list[str]:
     return ["--mixture", str(run_dir / "mix.json")]
 
 
+def mask(run_dir, values, cut: int = 0) -> list[str]:
+    np.save(run_dir / "keep.npy", values, allow_pickle=True)
+    if cut:
+        data = (run_dir / "keep.npy").read_bytes()
+        (run_dir / "keep.npy").write_bytes(data[:-cut])
+    return ["--documents", str(run_dir / "keep.npy")]
+
+
 def record(run_dir, flags: int, ids) -> None:
     with open(run_dir / "ledger" / "gen-000001" / "rank-00000.bin", "ab") as f:
         f.write(np.array([2, 0], "<i8").tobytes() + np.array([len(ids)], "<u4").tobytes() + bytes([flags]))
@@ -122,6 +130,20 @@ CRAFTED = {  # name: (how the ledger is spoilt, returning extra CLI arguments, t
         ["grouping", "13", "12"],
     ),
     "a missing mixture plan": (lambda d: ["--mixture", str(d / "none.json")], ["--mixture", "none.json"]),
+    "a missing keep mask": (
+        lambda d: ["--documents", str(d / "none.npy")],
+        ["--documents", "none.npy", "not a readable .npy mask", "No such file"],
+    ),
+    "a keep mask of ints": (lambda d: mask(d, np.ones(12, np.int64)), ["--documents", "keep.npy", "int64", "bool"]),
+    "a keep mask of two dimensions": (
+        lambda d: mask(d, np.ones((3, 4), bool)),
+        ["--documents", "keep.npy", "shape (3, 4)", "one entry per document"],
+    ),
+    "a keep mask of objects": (
+        lambda d: mask(d, np.array([True, {}], dtype=object)),
+        ["--documents", "keep.npy", "not a readable .npy mask", "Python objects"],
+    ),
+    "a keep mask cut short": (lambda d: mask(d, np.ones(1000, bool), cut=100), ["--documents", "keep.npy"]),
 }
 
 

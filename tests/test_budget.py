@@ -286,3 +286,121 @@ def test_a_checkpoint_resumes_the_batches_and_refuses_other_lengths_naming_them(
     assert resume(tmp_path, model=model, optimizer=optimizer, loader=again) == 5
     trained += [i for members in again for i in members.tolist()]
     assert sorted(trained) == list(range(len(lengths)))
+
+
+def every_batch(batches, epochs=(0, 1)):
+    return [batches.members(k, epoch).tolist() for epoch in epochs for k in range(len(batches))]
+
+
+def test_the_cached_index_gives_the_same_batches_bit_for_bit_and_a_restart_maps_it(tmp_path):
+    """Without a cache, building it and loading it deal the same batches in every epoch, with the same
+    fingerprint; the load maps the index (nothing sorted again) and a spawned worker maps it too (pickled as its
+    file, not its content)."""
+    import pickle
+
+    lengths = lognormal_lengths(1500)
+    np.save(tmp_path / "lengths.npy", lengths)
+    plain = TokenBudgetBatches(lengths, 256, seed=3)
+    built = TokenBudgetBatches(str(tmp_path / "lengths.npy"), 256, seed=3, cache=True)
+    loaded = TokenBudgetBatches(tmp_path / "lengths.npy", 256, seed=3, cache=tmp_path)
+    assert built.built and not loaded.built and isinstance(loaded.index, np.memmap)
+    assert every_batch(plain) == every_batch(built) == every_batch(loaded)
+    assert plain.fingerprint() == built.fingerprint() == loaded.fingerprint()
+    assert np.array_equal(plain.index, loaded.index) and plain.index.dtype == loaded.index.dtype
+    shipped = pickle.dumps(loaded)
+    saved = len(pickle.dumps(plain)) - len(shipped)  # the lengths and the index travel as their files' names
+    assert saved > lengths.nbytes + plain.index.nbytes - 1000
+    assert every_batch(pickle.loads(shipped)) == every_batch(plain)
+    reseeded = TokenBudgetBatches(lengths, 256, seed=4, cache=tmp_path)  # the seed only deals: the same index
+    assert not reseeded.built and every_batch(reseeded) == every_batch(TokenBudgetBatches(lengths, 256, seed=4))
+
+
+@pytest.mark.parametrize(
+    "change",
+    ["a length", "max_tokens", "buckets", "max_samples", "multiple_of", "oversize"],
+)
+def test_a_cache_of_other_lengths_or_parameters_is_never_reused(tmp_path, change):
+    lengths = lognormal_lengths(400)
+    TokenBudgetBatches(lengths, 256, max_samples=9, cache=tmp_path)
+    edited = lengths.copy()
+    edited[17] += 1  # the same bucket: the index would be the same, the fingerprint is not
+    options = {
+        "a length": {},
+        "max_tokens": {"max_tokens": 255},
+        "buckets": {"buckets": 1.2},
+        "max_samples": {"max_samples": 8},
+        "multiple_of": {"multiple_of": 2},
+        "oversize": {"oversize": "refuse", "max_tokens": 10**6},
+    }[change]
+    arguments = {"max_tokens": 256, "max_samples": 9, **options}
+    other = TokenBudgetBatches(edited if change == "a length" else lengths, cache=tmp_path, **arguments)
+    assert other.built
+    fresh = TokenBudgetBatches(edited if change == "a length" else lengths, **arguments)
+    assert every_batch(other) == every_batch(fresh) and other.fingerprint() == fresh.fingerprint()
+
+
+@pytest.mark.parametrize("damage", ["truncated", "a flipped byte", "the buckets edited", "pickled", "header"])
+def test_a_damaged_or_crafted_cache_is_named_and_rebuilt(tmp_path, damage):
+    from loader.sources.array_cache import CacheWarning
+
+    lengths = lognormal_lengths(3000)
+    expected = every_batch(TokenBudgetBatches(lengths, 256, cache=tmp_path))
+    (index,) = tmp_path.glob("budget-index-*.index.npy")
+    (table,) = tmp_path.glob("budget-index-*.buckets.npy")
+    (header,) = tmp_path.glob("budget-index-*.json")
+    data = index.read_bytes()
+    if damage == "truncated":
+        index.write_bytes(data[: len(data) - 40])
+    elif damage == "a flipped byte":
+        index.write_bytes(data[:-9] + bytes([data[-9] ^ 1]) + data[-8:])
+    elif damage == "the buckets edited":  # two buckets' batch counts swapped: sums unchanged
+        edited = np.load(table)
+        rows = [int(np.argmin(edited[:, 3])), int(np.argmax(edited[:, 3]))]
+        edited[rows, 3] = edited[rows[::-1], 3]
+        np.save(table, edited)
+    elif damage == "pickled":
+        np.save(index, np.array([object()] * 3, dtype=object), allow_pickle=True)
+    else:
+        header.write_text(header.read_text().replace('"max_tokens": 256', '"max_tokens": 257'))
+    with pytest.warns(CacheWarning, match="not usable, rebuilding it: .*budget-index-"):
+        rebuilt = TokenBudgetBatches(lengths, 256, cache=tmp_path)
+    assert rebuilt.built and every_batch(rebuilt) == expected
+    assert not TokenBudgetBatches(lengths, 256, cache=tmp_path).built  # the rebuilt entry verifies
+
+
+def test_an_unwritable_cache_warns_and_keeps_the_index_in_memory(tmp_path):
+    from loader.sources.array_cache import CacheWarning
+
+    (tmp_path / "file").write_text("")
+    lengths = lognormal_lengths(50)
+    with pytest.warns(CacheWarning, match="could not cache the budget-index"):
+        batches = TokenBudgetBatches(lengths, 64, cache=tmp_path / "file")
+    assert every_batch(batches) == every_batch(TokenBudgetBatches(lengths, 64))
+    with pytest.raises(ValueError, match="cache=True keeps the index next to the lengths' .npy"):
+        TokenBudgetBatches(lengths, 64, cache=True)
+
+
+def test_every_sample_once_across_a_4_3_2_resume_through_the_cached_index(tmp_path):
+    """The resume above with every stage's batches loaded from the cache the first one built."""
+    lengths = lognormal_lengths(400)
+    TokenBudgetBatches(lengths, 128, seed=5, cache=tmp_path)
+    batches = TokenBudgetBatches(lengths, 128, seed=5, cache=tmp_path)
+    assert not batches.built
+    trained, dropped, _ = train_4_3_2(batches, ((5, 3, 4, 7), (2, 4, 3), None))
+    counts = Counter(trained + dropped)
+    assert max(counts.values()) == 1, "a sample trained twice"
+    assert sorted(counts) == list(range(len(lengths)))
+    assert 0 < len(dropped) < len(lengths) // 10
+
+
+def test_a_cache_crafted_with_matching_digests_that_does_not_fit_is_refused(tmp_path):
+    from tests.test_packed_keep import crafted
+
+    lengths = lognormal_lengths(300)
+    TokenBudgetBatches(lengths, 256, cache=tmp_path)
+    (path,) = tmp_path.glob("budget-index-*.buckets.npy")
+    table = np.load(path)
+    table[0, 1] += 1  # a bucket one member more than the samples hold
+    crafted(path, table)
+    with pytest.raises(ValueError, match="does not describe 300 samples .*delete its budget-index-\\* files"):
+        TokenBudgetBatches(lengths, 256, cache=tmp_path)

@@ -1,4 +1,5 @@
-"""Command line: `python -m loader demo [--lm]`, `python -m loader audit RUN_DIR [--plot OUT.png]`,
+"""Command line: `python -m loader demo [--lm]`, `python -m loader audit RUN_DIR [--plot OUT.png] [--documents
+KEEP.npy]`,
 `python -m loader inspect PATH` and `python -m loader index SHARDS`."""
 
 import argparse
@@ -9,7 +10,7 @@ from pathlib import Path
 from loader.checkpoint import audit
 from loader.checkpoint.ledger import LedgerError
 from loader.cli import demo, inspection
-from loader.cli.names import by_source, describe_by_key
+from loader.cli.names import MaskedDocuments, by_source, describe_by_key
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -40,6 +41,12 @@ def main(argv: list[str] | None = None) -> int:
     check.add_argument(
         "--mixture",
         help="the run's mixture plan (Mixture.plan.save): a row per source, samples named by source and index",
+    )
+    check.add_argument(
+        "--documents",
+        metavar="KEEP.npy",
+        help="the keep= mask of the run's PackedSource (one bool per document): lists the documents it filtered "
+        "before packing, by number, as filtered by policy",
     )
     check.add_argument(
         "--plot",
@@ -121,12 +128,13 @@ def _audit(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         )
     try:
         grouping, describe = by_source(args.mixture) if args.mixture else (None, str)
+        documents = MaskedDocuments(args.documents) if args.documents else None
     except LedgerError as err:
         print(f"audit: {err}", file=sys.stderr)
         return audit.NO_LEDGER
     if args.shards:
         describe = describe_by_key(args.shards)
-    status = audit.main(args.run_dir, args.limit, describe, grouping)
+    status = audit.main(args.run_dir, args.limit, describe, grouping, documents)
     if args.plot and status != audit.NO_LEDGER:
         from loader.cli.plot import plot
 

@@ -1,4 +1,5 @@
-"""How the audit names samples: by WebDataset shard and key, or by mixture source and index."""
+"""How the audit names samples: by WebDataset shard and key, or by mixture source and index; and the documents a
+keep= mask filtered before packing, by number."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ import numpy as np
 
 from loader.checkpoint import audit
 from loader.checkpoint.ledger import LedgerError
+from loader.sources.array_cache import chunks
+from loader.sources.kept import read_mask
 
 if TYPE_CHECKING:
     from loader.sources import MixturePlan
@@ -72,3 +75,23 @@ def by_source(plan_path: str) -> tuple[audit.Grouping, Callable[..., str]]:
         if k not in online
     ]
     return audit.Grouping(plan.names, plan.source_of, plan.num_samples, notes), describe
+
+
+class MaskedDocuments:
+    """The documents a keep= mask (`PackedSource(keep=)`'s .npy) drops, for `audit --documents`: named by their
+    number in stream order, as the mask counts them (the command line has no token files to name them by; the
+    Python audit, given the PackedSource, names them by file and offset). The same in every epoch."""
+
+    def __init__(self, path: str) -> None:
+        try:
+            mask, _ = read_mask(path, label="--documents ")
+            self.dropped = np.concatenate([np.flatnonzero(~chunk) + low for low, chunk in chunks(mask)])
+        except (OSError, ValueError) as err:  # a read of the mask's file: a truncated one fails here
+            named = str(err) if str(err).startswith("--documents") else f"--documents {path!r}: {err}"
+            raise LedgerError(named) from None
+
+    def filtered_documents(self, epoch: int) -> np.ndarray:
+        return self.dropped
+
+    def describe_document(self, number: int) -> str:
+        return f"document {number}"

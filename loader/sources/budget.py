@@ -18,8 +18,10 @@ binary search in the buckets' prefix of batch counts; each epoch deals a bucket'
 permutation of its slots (`Order`), so batch j of bucket b in epoch e is a pure function of (seed, e, k) in
 O(batch) time, and the loader's `shuffle=True` mixes the buckets' batches.
 
-Costs: construction reads the lengths twice in chunks (memory-mapped lengths stay on disk) and builds the index
-of samples sorted by bucket, 4 bytes a sample (8 past 2**31 samples); nothing is per epoch or per resume.
+Costs: construction reads the lengths twice in chunks (memory-mapped lengths read through their file, so they stay
+on disk) and builds the index of samples sorted by bucket, 4 bytes a sample (8 past 2**31 samples); nothing is per
+epoch or per resume. With `cache=`, that is done once: later starts read the lengths once for their digest and map
+the index (`loader.sources.array_cache`); the arithmetic stays in the pure functions below, the cache a shell.
 A batch costs count x longest <= max_tokens tokens padded (so also in sum); a batch pads each sample to at most
 the bucket's ratio, and a bucket's batches leave at most one batch's worth of budget unused: on 200,000 synthetic
 SFT and speech lengths, 1-3% more batches and 1-2% padding than a best fit of all the epoch's lengths sorted
@@ -32,7 +34,8 @@ import functools
 import hashlib
 import heapq
 import json
-from collections.abc import Iterator, Sequence
+import os
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, cast
 
 import numpy as np
@@ -41,8 +44,9 @@ import torch.utils.data
 
 from loader.core.checks import check_num_samples, check_positive_int, is_int
 from loader.core.order import EpochOrder, Order, sample_seed
+from loader.sources.array_cache import cached, chunks, from_state, to_state
 
-__all__ = ["OVERSIZE", "TokenBudgetBatches", "bucket_bounds"]
+__all__ = ["OVERSIZE", "TokenBudgetBatches", "batch_counts", "bucket_bounds", "bucket_of", "sort_by_bucket"]
 
 OVERSIZE = ("alone", "refuse")
 CHUNK = 1 << 22  # lengths read per step at construction: bounded temporaries for memory-mapped lengths
@@ -79,6 +83,73 @@ def _check_chunk(chunk: np.ndarray, low: int) -> None:
         raise ValueError(f"lengths must be non-negative: sample {at} has length {int(chunk[at - low])}")
 
 
+def _index_dtype(samples: int) -> np.dtype:
+    return np.dtype(np.int32 if samples < 2**31 else np.int64)
+
+
+def bucket_of(lengths: np.ndarray, bounds: np.ndarray) -> np.ndarray:
+    """Each length's bucket: the first bound at or above it (a length 0 counting 1)."""
+    return np.searchsorted(bounds, np.maximum(lengths.astype(np.int64), 1), side="left")
+
+
+def batch_counts(members: np.ndarray, per_batch: np.ndarray, multiple_of: int) -> np.ndarray:
+    """Batches per bucket: ceil(members / per batch), then one more for the bucket with the fullest batches
+    (members / batches, the first of equals) until the total is a multiple of `multiple_of`."""
+    batches = -(-members // per_batch)
+    extra = -int(batches.sum()) % multiple_of
+    if extra > int((members - batches).sum()):
+        raise ValueError(
+            f"{int(members.sum())} samples make {int(batches.sum())} batches, which cannot be split into a "
+            f"multiple of multiple_of={multiple_of} batches (a batch holds one sample at least): pass a "
+            f"smaller multiple_of or a smaller max_tokens"
+        )
+    fullest = [(-count / n, b) for b, (count, n) in enumerate(zip(members.tolist(), batches.tolist())) if count > n]
+    heapq.heapify(fullest)
+    for _ in range(extra):
+        _, b = heapq.heappop(fullest)
+        batches[b] += 1
+        if members[b] > batches[b]:
+            heapq.heappush(fullest, (-int(members[b]) / int(batches[b]), b))
+    return batches
+
+
+def sort_by_bucket(
+    chunks: Iterable[tuple[int, np.ndarray]], bounds: np.ndarray, used: np.ndarray, members: np.ndarray
+) -> np.ndarray:
+    """The sample indices sorted by bucket (the `used` buckets, of these member counts), data order within one:
+    a counting sort, chunk by chunk of the lengths."""
+    samples = int(members.sum())
+    index = np.empty(samples, _index_dtype(samples))
+    cursor = np.zeros(len(bounds), np.int64)
+    cursor[used] = np.concatenate(([0], np.cumsum(members)[:-1]))
+    for low, chunk in chunks:
+        bucket = bucket_of(chunk, bounds)
+        order = np.argsort(bucket, kind="stable")
+        ranked = bucket[order]
+        within = np.arange(len(chunk)) - np.searchsorted(ranked, ranked, side="left")
+        index[cursor[ranked] + within] = low + order
+        cursor += np.bincount(bucket, minlength=len(bounds))
+    return index
+
+
+def _fits(table: np.ndarray, samples: int, buckets: int, multiple_of: int) -> bool:
+    """Whether a buckets table (bucket, members, longest, batches) can be these samples': ascending buckets, members
+    summing to the samples, 1 to members batches each, a multiple of `multiple_of` in all."""
+    if table.ndim != 2 or table.shape[1] != 4 or not len(table):
+        return False
+    bucket, members, longest, batches = table.T
+    return bool(
+        (np.diff(bucket) > 0).all()
+        and 0 <= bucket[0]
+        and bucket[-1] < buckets
+        and members.sum() == samples
+        and (longest >= 1).all()
+        and (batches >= 1).all()
+        and (batches <= members).all()
+        and batches.sum() % multiple_of == 0
+    )
+
+
 @functools.lru_cache(maxsize=1024)
 def _deal(seed: int, bucket: int, members: int, epoch: int) -> EpochOrder:
     """A bucket's keyed order of its member slots in `epoch` (kept: its keys cost more than a batch's deal)."""
@@ -107,6 +178,10 @@ class TokenBudgetBatches(torch.utils.data.Dataset):
         seed: keys each bucket's deal of members per epoch.
         epoch: the default epoch, for batches asked by plain ints (`batches[k]`, torch's DataLoader); under a
             ResumableDataLoader every index carries the epoch of its batch (`epoch_aware`).
+        cache: a directory where the index of samples by bucket is kept (True: the lengths' .npy's own), so that
+            a restart maps it instead of sorting the lengths again: made once, keyed by the lengths' digest and the
+            parameters (the seed aside: it only deals), checked against its digests on every load. None: made in
+            memory at every start.
     """
 
     epoch_aware = True
@@ -123,6 +198,7 @@ class TokenBudgetBatches(torch.utils.data.Dataset):
         multiple_of: int = 1,
         seed: int = 0,
         epoch: int = 0,
+        cache: str | os.PathLike | bool | None = None,
     ) -> None:
         check_positive_int("max_tokens", max_tokens)
         check_positive_int("multiple_of", multiple_of)
@@ -133,34 +209,72 @@ class TokenBudgetBatches(torch.utils.data.Dataset):
         for name, value in (("seed", seed), ("epoch", epoch)):
             if not is_int(value) or value < 0:
                 raise ValueError(f"{name} must be a non-negative int, got {value!r}")
-        if isinstance(lengths, str):
-            lengths = np.load(lengths, mmap_mode="r")
+        source = os.fspath(lengths) if isinstance(lengths, (str, os.PathLike)) else None
+        if source is not None:
+            lengths = np.load(source, mmap_mode="r", allow_pickle=False)
         lengths = lengths if isinstance(lengths, np.ndarray) else np.asarray(lengths, dtype=np.int64)
         if lengths.ndim != 1 or not len(lengths):
             raise ValueError(f"lengths must be a non-empty 1-D array of ints, got shape {lengths.shape}")
         check_num_samples("len(lengths)", len(lengths))
+        _check_chunk(lengths[:0], 0)
+        if cache is True:
+            if source is None:
+                raise ValueError("cache=True keeps the index next to the lengths' .npy: pass lengths as a path")
+            cache = os.path.dirname(os.path.abspath(source))
         self.lengths, self.max_tokens, self.dataset, self.max_samples = lengths, max_tokens, dataset, max_samples
         self.oversize, self.multiple_of, self.seed, self.epoch = oversize, multiple_of, seed, epoch
         self.bounds = bucket_bounds(buckets, max_tokens)
-        counts, longest, self._lengths_digest = self._survey()
-        used = np.nonzero(counts)[0]
-        self.bucket_count, self.bucket_longest = counts[used], longest[used]
+        self.index, table, self.built = self._index(cache or None)
+        self.bucket_count, self.bucket_longest, self.bucket_batches = (np.array(table[:, c]) for c in (1, 2, 3))
         self.bucket_start = np.concatenate(([0], np.cumsum(self.bucket_count)[:-1])).astype(np.int64)
-        per_batch = np.maximum(1, max_tokens // self.bucket_longest)
-        self.bucket_batches = self._batch_counts(
-            per_batch if max_samples is None else np.minimum(per_batch, max_samples)
-        )
         self.batch_start = np.concatenate(([0], np.cumsum(self.bucket_batches))).astype(np.int64)
-        self.index = self._sorted_index(used)
+
+    def _index(self, cache: str | os.PathLike | None) -> tuple[np.ndarray, np.ndarray, bool]:
+        """The samples sorted by bucket and the used buckets' table (bucket, members, longest, batches), built
+        from the lengths or, with a cache directory, loaded there when made from the same lengths (their digest:
+        one read of them) and parameters; also whether they were built."""
+        digest = None
+        if cache is not None:
+            hashed = hashlib.sha256()
+            for _, chunk in self._chunks():
+                hashed.update(chunk.astype("<i8").tobytes())
+            digest = hashed.hexdigest()
+        key = {
+            "lengths": digest,
+            "samples": len(self.lengths),
+            "bounds": self.bounds.tolist(),
+            "max_tokens": self.max_tokens,
+            "max_samples": self.max_samples,
+            "oversize": self.oversize,
+            "multiple_of": self.multiple_of,
+        }
+
+        def build() -> dict[str, np.ndarray]:
+            nonlocal digest
+            counts, longest, digest = self._survey()
+            used = np.nonzero(counts)[0]
+            per_batch = np.maximum(1, self.max_tokens // longest[used])
+            if self.max_samples is not None:
+                per_batch = np.minimum(per_batch, self.max_samples)
+            batches = batch_counts(counts[used], per_batch, self.multiple_of)
+            index = sort_by_bucket(self._chunks(), self.bounds, used, counts[used])
+            return {"index": index, "buckets": np.stack([used, counts[used], longest[used], batches], 1)}
+
+        fields = {"index": _index_dtype(len(self.lengths)), "buckets": np.dtype(np.int64)}
+        arrays, built = cached(cache, "budget-index", key, fields, build)
+        table = np.asarray(arrays["buckets"])
+        if not _fits(table, len(self.lengths), len(self.bounds), self.multiple_of):
+            raise ValueError(
+                f"the cached index of TokenBudgetBatches in {cache} does not describe {len(self.lengths)} samples "
+                f"(a buckets table of shape {table.shape}): delete its budget-index-* files to rebuild it"
+            )
+        self._lengths_digest = str(digest)[:16]
+        return arrays["index"], table, built
 
     def _chunks(self) -> Iterator[tuple[int, np.ndarray]]:
-        for low in range(0, len(self.lengths), CHUNK):
-            chunk = np.asarray(self.lengths[low : low + CHUNK])
+        for low, chunk in chunks(self.lengths, CHUNK):
             _check_chunk(chunk, low)
             yield low, chunk
-
-    def _bucket_of(self, chunk: np.ndarray) -> np.ndarray:
-        return np.searchsorted(self.bounds, np.maximum(chunk.astype(np.int64), 1), side="left")
 
     def _survey(self) -> tuple[np.ndarray, np.ndarray, str]:
         """One pass over the lengths: members and longest (at least 1) per bucket, and the lengths' digest."""
@@ -177,49 +291,10 @@ class TokenBudgetBatches(torch.utils.data.Dataset):
                     f"({over} samples do): truncate them (and their lengths), raise max_tokens, or pass "
                     f'oversize="alone" (each in a batch of its own)'
                 )
-            bucket = self._bucket_of(chunk)
+            bucket = bucket_of(chunk, self.bounds)
             counts += np.bincount(bucket, minlength=len(self.bounds))
             np.maximum.at(longest, bucket, np.maximum(chunk.astype(np.int64), 1))
-        return counts, longest, digest.hexdigest()[:16]
-
-    def _batch_counts(self, per_batch: np.ndarray) -> np.ndarray:
-        """Batches per bucket: ceil(members / per batch), then one more for the bucket with the fullest batches
-        (members / batches, the first of equals) until the total is a multiple of `multiple_of`."""
-        batches = -(-self.bucket_count // per_batch)
-        extra = -int(batches.sum()) % self.multiple_of
-        if extra > int((self.bucket_count - batches).sum()):
-            raise ValueError(
-                f"{len(self.lengths)} samples make {int(batches.sum())} batches, which cannot be split into a "
-                f"multiple of multiple_of={self.multiple_of} batches (a batch holds one sample at least): pass a "
-                f"smaller multiple_of or a smaller max_tokens"
-            )
-        fullest = [
-            (-count / n, b)
-            for b, (count, n) in enumerate(zip(self.bucket_count.tolist(), batches.tolist()))
-            if count > n
-        ]
-        heapq.heapify(fullest)
-        for _ in range(extra):
-            _, b = heapq.heappop(fullest)
-            batches[b] += 1
-            if self.bucket_count[b] > batches[b]:
-                heapq.heappush(fullest, (-int(self.bucket_count[b]) / int(batches[b]), b))
-        return batches
-
-    def _sorted_index(self, used: np.ndarray) -> np.ndarray:
-        """The sample indices sorted by bucket, data order within one: a counting sort, chunk by chunk."""
-        n = len(self.lengths)
-        index = np.empty(n, np.int32 if n < 2**31 else np.int64)
-        cursor = np.zeros(len(self.bounds), np.int64)
-        cursor[used] = self.bucket_start
-        for low, chunk in self._chunks():
-            bucket = self._bucket_of(chunk)
-            order = np.argsort(bucket, kind="stable")
-            ranked = bucket[order]
-            within = np.arange(len(chunk)) - np.searchsorted(ranked, ranked, side="left")
-            index[cursor[ranked] + within] = low + order
-            cursor += np.bincount(bucket, minlength=len(self.bounds))
-        return index
+        return counts, longest, digest.hexdigest()
 
     def __len__(self) -> int:
         return int(self.batch_start[-1])
@@ -305,6 +380,12 @@ class TokenBudgetBatches(torch.utils.data.Dataset):
         if saved.partition("-")[2] != self._lengths_digest:
             return "the lengths of the TokenBudgetBatches changed (their number or a value)"
         return "the TokenBudgetBatches' max_tokens, buckets, max_samples, oversize, multiple_of or seed changed"
+
+    def __getstate__(self) -> dict:
+        return to_state(self.__dict__)  # a spawned worker maps the cached index and the lengths' file again
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(from_state(state))
 
     def __repr__(self) -> str:
         return (

@@ -26,6 +26,7 @@ from __future__ import annotations
 import bisect
 import hashlib
 import json
+import os
 from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any, Protocol, cast
@@ -37,7 +38,7 @@ import torch.utils.data
 from loader.core.checks import check_positive_int
 from loader.core.order import Order, sample_seed, window_arrangements
 from loader.core.state import StateError, progress_of
-from loader.sources.kept import KeepArg, KeptDocuments, document_table, keep_mask, mask_digest
+from loader.sources.kept import KeepArg, KeptDocuments, kept_documents
 
 __all__ = ["MODES", "ArrowDocuments", "Documents", "PackedSource", "label_mask", "pack", "row_metadata"]
 
@@ -251,6 +252,10 @@ class PackedSource(torch.utils.data.Dataset):
             stays about 1 - fill); `filtered_documents()` names the others, the audit lists them as filtered by
             policy (`audit.main(..., filtered_documents=source.filtered_documents)`), and the mask's content is
             part of the fingerprint: a resume with another mask is refused, naming it.
+        cache: with keep=, a directory where the kept documents' tables are kept (memory-mapped .npy files, made
+            once per documents and mask, keyed by the documents' fingerprint and the mask's digest, checked against
+            their digests on every load), so that a restart maps them instead of reading every document's start
+            and holding two int64 per document. None: made in memory at every start.
 
     Sample p: {"tokens": int64 [seq_len + 1], "segment_ids": int64 [seq_len + 1] (0, 1, ... per document piece,
     -1 for padding), "positions": int64 [seq_len + 1] (restart at 0 at each piece), "cu_seqlens": int32
@@ -271,6 +276,7 @@ class PackedSource(torch.utils.data.Dataset):
         epoch: int = 0,
         pad_id: int = 0,
         keep: KeepArg | None = None,
+        cache: str | os.PathLike | None = None,
     ) -> None:
         seq_len = getattr(documents, "seq_len", None) if seq_len is None else seq_len
         if seq_len is None:
@@ -300,12 +306,9 @@ class PackedSource(torch.utils.data.Dataset):
             pad_id,
         )
         self.capacity, self.rows_per_window, self.fill = seq_len + 1, rows_per_window, fill
-        self._stream, self._keep, self._dropped = documents, None, (np.zeros(0, np.int64),) * 2
+        self._stream, self._keep = documents, None
         if keep is not None:
-            starts, lengths = document_table(documents)
-            mask, name = keep_mask(keep, lengths)
-            self._stream = KeptDocuments(documents, starts, lengths, mask)
-            self._keep, self._dropped = (name, mask_digest(mask)), (starts[~mask], lengths[~mask])
+            self._stream, self._keep = kept_documents(documents, keep, cache)
         tokens = self._stream.tokens
         if tokens < (self.capacity if mode == "concat" else 1):
             raise ValueError(f"{tokens} tokens are too few for one row of seq_len + 1 = {self.capacity}")
@@ -406,7 +409,7 @@ class PackedSource(torch.utils.data.Dataset):
         parts = self._row_parts(self._check(row), self._epoch_of(epoch, row)).tolist()
         if self.mode == "concat":
             parts = [[c, s, min(n, self.seq_len - c), d] for c, s, n, d in parts if c < self.seq_len]
-        original = cast(KeptDocuments, self._stream).original if self._keep else int  # kept under keep=
+        original = self._kept().original if self._keep else int  # kept under keep=
         return [(original(d), s - d, n, c) for c, s, n, d in parts]
 
     def sample_key(self, row: int, epoch: int | None = None) -> tuple[str, ...]:
@@ -516,17 +519,22 @@ class PackedSource(torch.utils.data.Dataset):
         documents = self._documents_of_earlier_release()
         return self._digest(self.documents.fingerprint() if documents is None else documents, epoch=self.epoch)
 
+    def _kept(self) -> KeptDocuments:
+        """The documents `keep=` kept: `_stream` is one exactly when `keep=` was given."""
+        return cast(KeptDocuments, self._stream)
+
     def filtered_documents(self, epoch: int | None = None) -> np.ndarray:
         """The start tokens of the documents `keep=` drops (empty without it), ascending: the same in every epoch
         (`epoch` is taken for the audit, which asks per epoch)."""
-        return self._dropped[0]
+        return self._kept().dropped_starts if self._keep else np.zeros(0, np.int64)
 
     def describe_document(self, start: int) -> str:
         """A filtered document by its first token, as the documents name it, and its length (the audit's name)."""
-        at = int(np.searchsorted(self._dropped[0], start))
-        if at == len(self._dropped[0]) or self._dropped[0][at] != start:
+        starts = self.filtered_documents()
+        at = int(np.searchsorted(starts, start))
+        if at == len(starts) or starts[at] != start:
             raise ValueError(f"no filtered document starts at token {start}")
-        return f"{self.documents.describe_token(int(start))}+{int(self._dropped[1][at])}"
+        return f"{self.documents.describe_token(int(start))}+{int(self._kept().dropped_lengths[at])}"
 
     def check_change(self, progress: dict, order: Order) -> None:
         """A checkpoint of an earlier release packed every epoch of the loader with `epoch=` E; this release packs
