@@ -79,6 +79,8 @@ def test_fewer_samples_than_a_multiple_are_refused_and_oversize_refused_by_name(
     for options, match in (
         ({"buckets": 1.0}, "ratio"),
         ({"buckets": [0, 3]}, "positive int"),
+        ({"buckets": True}, "got True"),  # was a raw TypeError from list(True)
+        ({"buckets": {4, 16}}, "got \\{"),  # a set: no bounds in a known order
         ({"oversize": "cut"}, "oversize"),
         ({"max_samples": 0}, "max_samples"),
     ):

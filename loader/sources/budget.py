@@ -36,7 +36,7 @@ import heapq
 import json
 import os
 from collections.abc import Iterable, Iterator, Sequence
-from typing import Any, cast
+from typing import Any
 
 import numpy as np
 import torch
@@ -69,9 +69,12 @@ def bucket_bounds(buckets: float | Sequence[int] | None, max_tokens: int) -> np.
         breaks = max_tokens // np.arange(1, min(BREAKS, max_tokens) + 1)  # where a batch holds one more
         given = np.concatenate((np.ceil(float(buckets) ** np.arange(steps)).astype(np.int64), breaks))
     else:
-        given = np.asarray(list(cast(Sequence[int], buckets)))  # a bool: list() raises TypeError
+        wrong = f"buckets must be a ratio > 1, None or a list of positive int bounds, got {buckets!r}"
+        if not isinstance(buckets, (Sequence, np.ndarray)):  # a bool, a set: no bounds in a known order
+            raise ValueError(wrong)
+        given = np.asarray(list(buckets))
         if given.ndim != 1 or not all(is_int(b) and b > 0 for b in given.tolist()):
-            raise ValueError(f"buckets must be a ratio > 1, None or a list of positive int bounds, got {buckets!r}")
+            raise ValueError(wrong)
     return np.unique(np.concatenate((given.astype(np.int64), [max_tokens, _LAST])))
 
 
