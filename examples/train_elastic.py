@@ -51,16 +51,17 @@ IN_SAVE = ("checkpoint", "checkpoint-hang")  # fault modes that strike in the ch
 
 
 class Regression(Dataset):
-    """y = x . w + noise, each sample generated from its own index: any rank can load any sample."""
+    """y = x . w + noise, each sample generated from its own index (plus `offset`, which sets another source's
+    samples apart): any rank can load any sample."""
 
-    def __init__(self, size: int):
-        self.size = size
+    def __init__(self, size: int, offset: int = 0):
+        self.size, self.offset = size, offset
 
     def __len__(self) -> int:
         return self.size
 
     def __getitem__(self, index):
-        g = torch.Generator().manual_seed(int(index))
+        g = torch.Generator().manual_seed(self.offset + int(index))
         x = torch.randn(FEATURES, generator=g)
         return x, x.sum() * 0.5 + 0.1 * torch.randn((), generator=g)
 

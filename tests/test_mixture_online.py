@@ -23,14 +23,14 @@ def sources():
     return [torch.utils.data.TensorDataset(torch.arange(n) + 1000 * s) for s, n in enumerate(LENGTHS)]
 
 
-def permutations_per_source_epoch(samples_in_stream_order: list[int]) -> None:
-    """Each source's samples, in mixture-position order, cut into runs of its length: every whole run is a
-    permutation of the source, the last (partial) run has no repeat."""
+def permutations_per_source_epoch(samples_in_stream_order: list[int], lengths=LENGTHS) -> None:
+    """Each source's samples (source * 1000 + index), in mixture-position order, cut into runs of its length: every
+    whole run is a permutation of the source, the last (partial) run has no repeat."""
     by_source = defaultdict(list)
     for v in samples_in_stream_order:
         by_source[v // 1000].append(v % 1000)
     for s, drawn in by_source.items():
-        n = LENGTHS[s]
+        n = lengths[s]
         for start in range(0, len(drawn), n):
             run = drawn[start : start + n]
             assert len(set(run)) == len(run) and (len(run) < n or sorted(run) == list(range(n))), (s, start)

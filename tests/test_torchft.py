@@ -259,7 +259,9 @@ def test_a_step_counts_by_its_committed_attempt_with_the_largest_key(tmp_path):
 
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "train_torchft.py"
-SAMPLES, GLOBAL_BATCH, MICRO_BATCH, SEED, GROUP_SIZE = 96, 8, 2, 5, 2
+SAMPLES, MICRO_BATCH, SEED, GROUP_SIZE = 96, 2, 5, 2
+RAMP = [(0, 8), (6, 16)]  # the global batch: epoch 0 is 6 steps of 8 samples and 3 of 16, epoch 1 is 6 of 16
+WEIGHTS, CHANGED, CHANGE_AT = [1, 1], [1, 3], 4  # the Mixture's weights, and the controller's before Manager step 4
 
 
 def _lighthouse(address_out) -> None:
@@ -305,19 +307,26 @@ def read_logs(log_dir: Path) -> str:
 
 
 @pytest.mark.slow
-def test_replica_groups_killed_restarted_and_added_train_every_sample_once_in_the_uninterrupted_steps(tmp_path):
-    """examples/train_torchft.py with a lighthouse and replica groups of 2 ranks on gloo (forked processes): groups
-    0 and 1 start; group 1 is SIGKILLed mid-epoch, inside a step (which then fails its commit in group 0 and is
-    dealt again to the next quorum), and restarted (healed from group 0) while group 0 goes on; group 2 joins
-    later. The ledger's audit: every sample of both epochs exactly once, and each committed step's samples are
-    the uninterrupted run's (the step's block of the epoch order)."""
-    from loader.checkpoint.audit import audit
+def test_replica_groups_killed_restarted_and_added_train_every_sample_once_in_the_uninterrupted_steps(tmp_path, capsys):
+    """examples/train_torchft.py with a lighthouse and replica groups of 2 ranks on gloo (forked processes), on a
+    Mixture of two sources under a batch-size ramp: groups 0 and 1 start; before Manager step 4 each asks for new
+    weights; group 1 is SIGKILLed inside step 4 (which then fails its commit in group 0 and is dealt again to the
+    next quorum, group 0 asking again: ignored) and restarted, asking for weights of its own at step 0, then healed
+    from group 0 while group 0 goes on; group 2 joins later, in epoch 1. The ledger's audit: every sample of both
+    epochs exactly once, each source's a permutation per source epoch, each committed step's samples the
+    uninterrupted run's (the step's block of the ramp, under the recorded weights), and every group's plan the one
+    group 0 recorded (the healed groups took it, never their own)."""
+    from loader.checkpoint.audit import Grouping, audit
     from loader.checkpoint.ledger import read_generations, read_ledger
+    from loader.cli.main import main as cli
+    from loader.sources import MixturePlan
     from tests.distributed import free_port
     from tests.elastic import _rank_main
+    from tests.test_mixture_online import permutations_per_source_epoch
 
     ctx = mp.get_context("fork")  # a clean parent: torchft's runtime starts in the children only
-    steps, procs = 2 * SAMPLES // GLOBAL_BATCH, []
+    deal, procs = StepDeal(SAMPLES, RAMP, MICRO_BATCH), []
+    steps, restart_at, add_at = deal.first_step(2), 7, deal.first_step(1) + 2  # group 0 waits before these steps
     logs = tmp_path / "logs"
     logs.mkdir()
 
@@ -335,8 +344,12 @@ def test_replica_groups_killed_restarted_and_added_train_every_sample_once_in_th
             str(port),
             "--samples",
             str(SAMPLES),
-            "--global-batch",
-            str(GLOBAL_BATCH),
+            "--ramp",
+            ",".join(f"{step}:{g}" for step, g in RAMP),
+            "--mixture",
+            ",".join(map(str, WEIGHTS)),
+            "--change-mixture",
+            f"{CHANGE_AT}:{','.join(map(str, CHANGED))}",
             "--micro-batch",
             str(MICRO_BATCH),
             "--seed",
@@ -365,10 +378,10 @@ def test_replica_groups_killed_restarted_and_added_train_every_sample_once_in_th
 
     house, lighthouse = _forked(_lighthouse, "the lighthouse", 30)
     try:
-        # group 0 waits before step 0 for group 1, before step 8 for the restarted group 1 and before step 16 for
+        # group 0 waits before step 0 for group 1, before step 7 for the restarted group 1 and before step 11 for
         # group 2, so that it is still training when they join (the lighthouse waits for it meanwhile)
-        start(0, *(f"--wait-before={step}:{tmp_path / f'go-{step}'}" for step in (0, 8, 16)))
-        start(1, "--fail-at-step", "4")  # its processes SIGKILL themselves in step 4, before the allreduce
+        start(0, *(f"--wait-before={step}:{tmp_path / f'go-{step}'}" for step in (0, restart_at, add_at)))
+        start(1, "--fail-at-step", str(CHANGE_AT))  # its processes SIGKILL themselves in step 4, before the allreduce
         (tmp_path / "go-0").touch()
         first = [p for g, p in procs if g == 1]
         wait_until(lambda: any(p.exitcode == -signal.SIGKILL for p in first), "group 1 killed")
@@ -376,11 +389,11 @@ def test_replica_groups_killed_restarted_and_added_train_every_sample_once_in_th
             _end(p)
         done_before = _steps_done(tmp_path, 0)
         wait_until(lambda: _steps_done(tmp_path, 0) >= done_before + 2, "group 0 going on alone")
-        start(1)  # restarted: heals from group 0's live state
-        (tmp_path / "go-8").touch()
-        wait_until(lambda: _steps_done(tmp_path, 0) >= SAMPLES // GLOBAL_BATCH + 1, "group 0 in epoch 1")
+        start(1, "--change-mixture", "0:3,1")  # restarted, asks for its own weights, then heals from group 0
+        (tmp_path / f"go-{restart_at}").touch()
+        wait_until(lambda: _steps_done(tmp_path, 0) >= deal.first_step(1) + 1, "group 0 in epoch 1")
         start(2)  # a group added later
-        (tmp_path / "go-16").touch()
+        (tmp_path / f"go-{add_at}").touch()
         wait_until(lambda: all(p.exitcode is not None for _, p in procs), "the end of training", timeout=120)
         assert all(p.exitcode in (0, -signal.SIGKILL) for _, p in procs), read_logs(logs)
     finally:
@@ -389,11 +402,29 @@ def test_replica_groups_killed_restarted_and_added_train_every_sample_once_in_th
 
     printed = (logs / "group0" / "rank-0.log").read_text()  # the example's own steps, a failed commit among them
     assert "[group 0] step 1: " in printed and "not committed: dealt again" in printed, printed
-    report = audit(tmp_path)
+    assert "[group 0] mixture: weights [1.0, 3.0] from mixture position 32 (step 5)" in printed, printed
+    assert "[group 0] mixture: step 5 again: the weights it recorded stand" in printed, printed
+    restarted = (logs / "group1" / "rank-0.log").read_text()
+    assert "[group 1] mixture: weights [3.0, 1.0] from mixture position 0 (step 1)" in restarted, restarted
+    plan = MixturePlan.load(tmp_path / "mixture-group0.json")
+    assert plan.requests == ((CHANGE_AT, 4),)  # asked at step 4, from window 4: position 32, step 4's block
+    counts, _ = plan.window_table(np.arange(2 * SAMPLES // 8))
+    assert counts.tolist() == [[4, 4]] * 4 + [[2, 6]] * 20  # windows of 8: 1/1, then 1/3 from the change on
+    for group in (1, 2):  # healed from group 0: its plan, not their own (group 1 asked at step 0; 2 asked nothing)
+        assert MixturePlan.load(tmp_path / f"mixture-group{group}.json") == plan, group
+    report = audit(tmp_path, Grouping(plan.names, plan.source_of, plan.num_samples))
     assert [(e.epoch, e.finished, e.seen_once, len(e.skipped), len(e.duplicated)) for e in report] == [
         (0, True, SAMPLES, 0, 0),
         (1, True, SAMPLES, 0, 0),
     ], read_logs(logs)
+    for e in report:  # a row per source, as `python -m loader audit RUN_DIR --mixture PLAN` prints it
+        assert [(g.name, g.seen_once, g.skipped, g.duplicated) for g in e.groups] == [
+            (name, int((plan.source_of(np.arange(SAMPLES), e.epoch) == s).sum()), 0, 0)
+            for s, name in enumerate(plan.names)
+        ]
+    assert cli(["audit", str(tmp_path), "--mixture", str(tmp_path / "mixture-group0.json")]) == 0
+    out = capsys.readouterr().out
+    assert "weights changed online at step 4: from position 32 (window 4" in out, out
     generations, every = read_generations(tmp_path)
     first = min(g.number for g in generations if g.attempts == "group0-rank0")
     tried = Counter((r.step, r.counted) for r in every if r.generation == first)
@@ -404,12 +435,18 @@ def test_replica_groups_killed_restarted_and_added_train_every_sample_once_in_th
     by_step: dict[int, list[int]] = {}
     for record in records:
         by_step.setdefault(record.step - 1, []).extend(record.indices.tolist())
-    deal, order = StepDeal(SAMPLES, GLOBAL_BATCH, MICRO_BATCH), Order(SAMPLES, SEED, "global")
+    order = Order(SAMPLES, SEED, "self")  # the loader's under shuffle=True: a Mixture orders itself
     assert sorted(by_step) == list(range(steps))
-    for step, samples in by_step.items():
+    for step, samples in by_step.items():  # each the ramp's block of the uninterrupted run: under the one plan
         block = deal.block(step)
+        assert block.global_batch == (8 if step < 6 else 16)
         uninterrupted = order.for_epoch(block.epoch)(np.arange(block.start, block.start + block.size))
         assert sorted(samples) == sorted(uninterrupted.tolist()), f"step {step}"
+    stream = sorted(int(plan.in_epoch([i], r.epoch)[0]) for r in records for i in r.indices.tolist())
+    assert stream == list(range(2 * SAMPLES))  # every mixture position once, both epochs continuing the stream
+    sources, indices = plan.locate(np.asarray(stream))
+    assert sources.tolist().count(0) == 4 * 4 + 20 * 2  # source a: 4 of 8 per window, then 2
+    permutations_per_source_epoch((sources * 1000 + indices).tolist(), plan.lengths)  # a: 48, b: 32 samples
     names = {g.number: g.attempts for g in generations}
     counted = Counter(names[r.generation] for r in records)  # the processes whose batches count, each incarnation's
     restarted = [n for n, name in sorted(names.items()) if name == "group1-rank0"][1]
