@@ -100,7 +100,7 @@ def parse_args(
     p.add_argument("--micro-batch", type=int, default=2)
     p.add_argument(
         "--ramp",
-        type=_ramp,
+        type=ramp_schedule,
         help="a global batch schedule by optimizer step, STEP:G,...: e.g. 0:24,3:48 (instead of --global-batch)",
     )
     p.add_argument("--lr", type=float, default=0.05, help="SGD learning rate (momentum 0.9, halved every 10 steps)")
@@ -125,7 +125,7 @@ def parse_args(
     return p.parse_args(argv)
 
 
-def _ramp(text: str) -> list[tuple[int, int]]:
+def ramp_schedule(text: str) -> list[tuple[int, int]]:
     """--ramp's STEP:G pairs, e.g. "0:24,3:48" (BatchPolicy checks the schedule itself)."""
     try:
         return [(int(step), int(g)) for step, g in (pair.split(":") for pair in text.split(","))]

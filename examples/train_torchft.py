@@ -44,7 +44,7 @@ from torchft.optim import OptimizerWrapper  # noqa: E402
 from torchft.process_group import ProcessGroupGloo  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling example, also when loaded by path
-from train_elastic import FEATURES, Regression, _ramp  # noqa: E402
+from train_elastic import FEATURES, Regression, ramp_schedule  # noqa: E402
 
 from loader.checkpoint.ledger import Ledger  # noqa: E402
 from loader.integrations.torchft import ManagedLoader  # noqa: E402
@@ -64,7 +64,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--global-batch", type=int, default=8)
     p.add_argument(
         "--ramp",
-        type=_ramp,
+        type=ramp_schedule,
         help="a global batch schedule by Manager step, STEP:G,...: e.g. 0:8,6:16 (instead of --global-batch)",
     )
     p.add_argument("--micro-batch", type=int, default=2)
