@@ -18,8 +18,8 @@ interleaved, a new order each round; each run gives wall seconds (the parent's c
 the child's at its first batch: Linux's monotonic clock is system-wide) and CPU seconds (the process and its
 workers at the first batch), and the split of the wall time (start -> imports done, build, state load, first batch).
 The project's modules are compiled to bytecode first, as `pip install` does: where bytecode is not written
-(PYTHONDONTWRITEBYTECODE, as on this VM) every start would compile `loader` from source again, about 0.6 s here,
-which no installed copy pays.
+(PYTHONDONTWRITEBYTECODE, as on this VM) every start would compile `loader` from source again (`import loader` after
+torch: 63-67 ms of CPU against 16-18 ms from bytecode, torch's own import 1.2-1.4 s), which no installed copy pays.
 """
 
 from __future__ import annotations
@@ -28,13 +28,16 @@ import compileall
 import json
 import os
 import shutil
+import sys
 import tempfile
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from functools import partial
 from pathlib import Path
 
-from benchmarks.config import Config
+from benchmarks.config import QUICK, Config
+from benchmarks.environment import environment
 from benchmarks.first_batch import loader_of
 from benchmarks.memory import in_child
 from benchmarks.progress import say
@@ -232,9 +235,14 @@ def _remote(cfg: Config, directory: Path) -> tuple[list[dict], list[str]]:
     return cases, ["webdataset: no peer measured (Grain, LitData and OLMo-core read their own formats, not tar shards)"]
 
 
-def run(cfg: Config) -> dict:
+def _compile() -> None:
+    """The project to bytecode, as `pip install` leaves it (see the module's docstring)."""
     for package in ("loader", "benchmarks"):
         compileall.compile_dir(Path(__file__).resolve().parent.parent / package, quiet=1)
+
+
+def run(cfg: Config) -> dict:
+    _compile()
     with tempfile.TemporaryDirectory(prefix="loader-bench-cold-") as name:
         local, local_notes = _local(cfg, Path(name))
         remote, remote_notes = _remote(cfg, Path(name))
@@ -243,7 +251,27 @@ def run(cfg: Config) -> dict:
         "batch_size": BATCH,
         "packed": PACKED,
         "cases": cases,
-        "notes": local_notes + remote_notes,
+        "notes": [f"{cfg.cold_reps} rounds after {cfg.warmup} warm-up here (the header's count is the other sections')"]
+        + local_notes
+        + remote_notes,
         "tables": _table(cases),
         "rows": [r for case in cases for r in _rows(case)],
     }
+
+
+def recheck(reps: int, out: Path) -> dict:
+    """The map-style pipeline alone, 0 workers, DataLoader and ours at the three positions, `reps` rounds: more
+    rounds for a row that the section's few leave open, in minutes instead of the section's half hour."""
+    _compile()
+    cfg = replace(QUICK, cold_reps=reps, cold_workers=(0,))
+    spec = {"pipeline": "map", "n": cfg.cold_samples, "torch_shuffle": True, "batch_size": BATCH, "num_workers": 0}
+    with tempfile.TemporaryDirectory(prefix="loader-bench-cold-") as name:
+        case = _case(cfg, Path(name), "map", spec, cfg.cold_samples, {})
+    result = {"environment": environment("cpu"), "config": {"cold_reps": reps, "warmup": cfg.warmup}}
+    result |= {"case": case, "rows": _rows(case)}
+    out.write_text(json.dumps(result, indent=1) + "\n")
+    return result
+
+
+if __name__ == "__main__":  # python -m benchmarks.cold_start REPS OUT.json
+    recheck(int(sys.argv[1]), Path(sys.argv[2]))
