@@ -69,6 +69,12 @@ class Config:
     feature_batches: int
     budget_samples: int
     measure_restart: bool = True
+    # 14. cold start (--sections cold-start): each run a fresh process, so rounds are few
+    cold_workers: tuple[int, ...] = (0, 2, 8)
+    cold_reps: int = 3
+    cold_samples: int = 10**6  # the map-style dataset's length
+    cold_tokens: int = 2**22  # the packed pipeline's token file
+    cold_timeout_s: float = 300.0  # a bound for a hung child, not for a slow one
 
 
 _CPU_MODEL = Model(features=256, hidden=512, depth=2, batch_size=64, steps=400, num_workers=0)  # ~1 s a run
@@ -134,6 +140,7 @@ FULL = replace(
     token_batch_sizes=(8, 32, 128),
     store_steps=10,
     feature_batches=2000,
+    cold_reps=9,
 )
 
 SMOKE = replace(
@@ -167,6 +174,10 @@ SMOKE = replace(
     feature_batches=20,
     budget_samples=2000,
     measure_restart=False,
+    cold_workers=(0,),
+    cold_reps=1,
+    cold_samples=10**4,
+    cold_tokens=2**14,
 )
 
 

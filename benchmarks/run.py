@@ -27,10 +27,10 @@ import torch  # noqa: E402
 
 from benchmarks import (  # noqa: E402
     checkpoint,
+    cold_start,
     features,
     memory,
     packing,
-    peers,
     plots,
     report,
     restart,
@@ -44,6 +44,7 @@ from benchmarks import (  # noqa: E402
 )
 from benchmarks.config import Config, config_for  # noqa: E402
 from benchmarks.environment import environment, output_stem  # noqa: E402
+from benchmarks.peers import section as peers  # noqa: E402
 from benchmarks.progress import say  # noqa: E402
 
 SECTIONS: tuple[tuple[str, str, Callable[[Config], dict]], ...] = (
@@ -89,7 +90,13 @@ PEERS_EXACT = (
     "10. Peers, exactly once alone: samples skipped or duplicated by a resume, by identity (counts only, no timings)",
     peers.run_exact,
 )
-OPT_IN = (PEERS, PEERS_EXACT, SCALE)  # run only when chosen with --sections
+COLD_START = (
+    "cold-start",
+    "14. Cold start after a restart (process start -> first batch, a fresh process each run: ours resumed at the "
+    "start, middle and end of the epoch, and peers resumed, against DataLoader's own cold start)",
+    cold_start.run,
+)
+OPT_IN = (PEERS, PEERS_EXACT, SCALE, COLD_START)  # run only when chosen with --sections
 RESULTS = Path(__file__).resolve().parent / "results"
 
 

@@ -16,9 +16,10 @@ from benchmarks.loaders import ours
 from loader import merge_states
 
 
-def global_state_at(dataset: Dataset, batch_size: int, position: int, shuffle: bool = True) -> dict:
-    """The merged state of a run (shuffled unless told) that committed positions [0, position) of epoch 0."""
-    state = merge_states([ours(dataset, batch_size=batch_size, shuffle=shuffle).state_dict()])
+def global_state_at(dataset: Dataset, batch_size: int, position: int, shuffle: bool = True, **kwargs) -> dict:
+    """The merged state of a run (shuffled unless told; `kwargs`: the loader's other settings, such as
+    shuffle_blocks) that committed positions [0, position) of epoch 0."""
+    state = merge_states([ours(dataset, batch_size=batch_size, shuffle=shuffle, **kwargs).state_dict()])
     state["committed"] = [[0, [0, position]]] if position else []
     return state
 

@@ -30,12 +30,12 @@ from benchmarks.config import Config
 from benchmarks.datasets import FeatureDataset, FeatureStream
 from benchmarks.environment import usable_cpus
 from benchmarks.loaders import CANDIDATES, OURS, OURS_CHECKPOINTING, TORCH, Candidate, batch_len, steps
+from benchmarks.processes import descendants
 from benchmarks.rows import row
 from benchmarks.stream_costs import per_batch
 from benchmarks.timing import compare, compare_each, ratio_of
 
 TORCH_AGAIN = Candidate("DataLoader (again)", DataLoader, False)  # the A/A control on a crowded host
-_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 RATES = {"wall": "samples/s", "cpu": "samples per CPU second"}  # what one pass measures (`timed_pass`)
 OURS_TARGET = ">= 0.99"  # our throughput / DataLoader's, with or without a state_dict() per step
 STREAM_TARGET = ">= 0.98"  # the same on a stream, whose workers snapshot their state with every batch
@@ -76,24 +76,6 @@ def timed_pass(
     still = descendants()  # workers a loader left running (joined ones are in the reaped children's time)
     children_s = _reaped_s() - reaped + sum(still.get(pid, 0.0) - cpu for pid, cpu in children.items())
     return {"wall": samples / (end - start), "cpu": samples / (cpu_end - cpu_start + children_s)}
-
-
-def descendants() -> dict[int, float]:
-    """CPU seconds so far of every process descended from this one, by pid (Linux /proc; empty elsewhere)."""
-    parents, cpu = {}, {}
-    for entry in [e for e in os.listdir("/proc") if e.isdigit()] if os.path.isdir("/proc") else []:
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except (FileNotFoundError, NotADirectoryError, ProcessLookupError):
-            continue  # not a process, or one that just ended
-        parents[int(entry)] = int(fields[1])
-        cpu[int(entry)] = (int(fields[11]) + int(fields[12])) / _TICKS
-    found, frontier = {}, [os.getpid()]
-    while frontier:
-        frontier = [pid for pid, parent in parents.items() if parent in frontier]
-        found.update((pid, cpu[pid]) for pid in frontier)
-    return found
 
 
 def _reaped_s() -> float:

@@ -107,7 +107,7 @@ def ratio_of(result: dict, numerator: str, denominator: str) -> dict:
 
 def compare(candidates: Mapping[str, Measure], baseline: str, reps: int, warmup: int, section: str, unit: str) -> dict:
     """Interleave the candidates; summarise each one and its per-round ratio to the baseline (candidate / baseline)."""
-    return _result(interleave(candidates, reps, warmup, section, unit), baseline, unit)
+    return result_of(interleave(candidates, reps, warmup, section, unit), baseline, unit)
 
 
 def compare_each(
@@ -117,12 +117,13 @@ def compare_each(
     measurement, all from the same interleaved rounds, so their per-round ratios pair up."""
     samples = interleave(candidates, reps, warmup, section, "; ".join(units.values()))
     return {
-        key: _result({name: [one[key] for one in values] for name, values in samples.items()}, baseline, unit)
+        key: result_of({name: [one[key] for one in values] for name, values in samples.items()}, baseline, unit)
         for key, unit in units.items()
     }
 
 
-def _result(samples: dict[str, list[float]], baseline: str, unit: str) -> dict:
+def result_of(samples: dict[str, list[float]], baseline: str, unit: str) -> dict:
+    """Each candidate's summary and its per-round ratio to the baseline, from `interleave`'s samples."""
     result = {
         "unit": unit,
         "baseline": baseline,
