@@ -14,14 +14,15 @@ import copyreg
 import pickle
 import warnings
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence, Sized
 from time import perf_counter
-from typing import Any, NamedTuple, TypeVar
+from typing import TYPE_CHECKING, Any, NamedTuple, NoReturn, TypeVar, cast
 
 import numpy as np
 import torch
 import torch.distributed as dist
 import torch.utils.data
+from numpy.typing import ArrayLike
 from torch._utils import ExceptionWrapper
 from torch.utils.data import DataLoader, IterableDataset, default_collate
 from torch.utils.data._utils import MP_STATUS_CHECK_INTERVAL
@@ -45,6 +46,16 @@ from loader.metrics import DataStallWarning, Monitor, batch_nbytes, stall_messag
 from loader.streams.filtered import count as count_dropped
 from loader.streams.progress import StreamProgress
 from loader.streams.shards import is_sharded
+
+if TYPE_CHECKING:
+    from multiprocessing.context import BaseContext
+
+    from torch.distributed import ProcessGroup
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.utils.data import Dataset, Sampler
+    from torch.utils.data.dataloader import _BaseDataLoaderIter
+
+    from loader.checkpoint.ledger import Ledger
 
 
 class SampleIndex(int):
@@ -77,13 +88,19 @@ class SampleIndex(int):
         return obj
 
 
-def carrying(batch: list[int], epoch: int, seed: int | None, epoch_aware: bool, plan=None) -> list[SampleIndex]:
+def carrying(
+    batch: list[int], epoch: int, seed: int | None, epoch_aware: bool, plan: Any = None
+) -> list[int] | list[SampleIndex]:
     """A batch of `epoch` as SampleIndex ints: with per-sample seeds when `seed` is given, with the epoch when the
     dataset is epoch-aware, with the dataset's `plan` when it has one to carry (a Mixture changed online). Plain
     ints when there is nothing to carry."""
     if seed is None and not epoch_aware and plan is None:
         return batch
-    seeds = [None] * len(batch) if seed is None else sample_seed(seed, epoch, np.asarray(batch, np.int64)).tolist()
+    seeds = (
+        [None] * len(batch)
+        if seed is None
+        else cast(np.ndarray, sample_seed(seed, epoch, np.asarray(batch, np.int64))).tolist()  # an array for an array
+    )
     indices = list(map(SampleIndex, batch, seeds, [epoch if epoch_aware else None] * len(batch)))
     if plan is not None:  # one object for the batch: pickled once with it to a worker
         for index in indices:
@@ -98,7 +115,7 @@ class MixtureChange(NamedTuple):
     step: int | None  # the step (as loader.step counts) whose update first trains a sample under them
 
 
-def check_mixture(dataset, order: Order) -> None:
+def check_mixture(dataset: Any, order: Order) -> None:
     """Refuse an online change of weights (`change_mixture`) where the dataset is not a Mixture, or where loader
     positions are not mixture positions (lanes= spread them)."""
     if not callable(getattr(dataset, "change_weights", None)):
@@ -114,7 +131,9 @@ def check_mixture(dataset, order: Order) -> None:
         )
 
 
-def planned_change(dataset, weights, step: int, epoch: int, position: int, num_samples: int):
+def planned_change(
+    dataset: Any, weights: Sequence[float], step: int, epoch: int, position: int, num_samples: int
+) -> Any:  # a Mixture's plan: loader.sources builds on the loader, not the loader on it
     """A Mixture's plan with `weights` from the first whole window at or after loader `position` of `epoch`, asked
     at `step`; None where the plan already recorded a request at that step or a later one (a step replayed after a
     restart or a failed commit: the recorded weights stand, never recomputed)."""
@@ -140,7 +159,7 @@ class _Carrying:
     def __init__(self, sampler: ResumableSampler, seed: int | None, epoch_aware: bool, carried: Callable | None):
         self.sampler, self.seed, self.epoch_aware, self.carried = sampler, seed, epoch_aware, carried
 
-    def __iter__(self) -> Iterator[list[SampleIndex]]:
+    def __iter__(self) -> Iterator[list[int] | list[SampleIndex]]:
         self.sampler.begin_pass()  # the epoch of the pass about to start, whose batches these are
         epoch = self.sampler.epoch
         for batch in self.sampler:
@@ -155,7 +174,7 @@ class _Planned:
     one: the order is known ahead, so a dataset can fetch what the next batches need (remote shards) before a
     worker asks. The hook must yield the batches unchanged."""
 
-    def __init__(self, batches, planned: Callable, in_flight: int):
+    def __init__(self, batches: _Carrying | ResumableSampler, planned: Callable, in_flight: int):
         self.batches, self.planned, self.in_flight = batches, planned, in_flight
 
     def __iter__(self) -> Iterator:
@@ -170,11 +189,13 @@ class _RankIndices:
     (`loader.sampler.set_epoch(e)`, `len(loader.sampler)` in samples). With batch_size=None torch iterates it too,
     taking one index per delivered item."""
 
-    def __init__(self, batches, loader: ResumableDataLoader):
+    def __init__(self, batches: _Carrying | ResumableSampler | _Planned, loader: ResumableDataLoader):
         # the loader weakly: it holds this as its sampler, and a cycle would leave the loader, and its persistent
         # workers, alive until the garbage collector happened to run. A sampler kept after its loader went answers
         # from the progress alone
-        self._batches, self._sampler, self._loader = batches, loader.resumable_sampler, weakref.ref(loader)
+        sampler = loader.resumable_sampler
+        assert sampler is not None, "a map-style loader's (a stream's has no sampler): made after its sampler"
+        self._batches, self._sampler, self._loader = batches, sampler, weakref.ref(loader)
 
     def set_epoch(self, epoch: int) -> None:
         loader = self._loader()
@@ -194,6 +215,12 @@ class ContinuedPassWarning(UserWarning):
     consumed, so a batch that was only looked at (`next(iter(loader))`) is never trained."""
 
 
+# __init__ makes one of a loader's progress objects, for good: `_stream` for an IterableDataset, else
+# `resumable_sampler`. A path of one kind (past a check of the other, or called for its kind only) asserts its own.
+_MAP_STYLE = "a map-style dataset's loader: __init__ made its sampler"
+_STREAM = "a stream's loader: __init__ made its StreamProgress, whose attach() made the source"
+_EITHER = "__init__ made a stream's progress or a sampler"
+_VERDICTS = "under a filter, each map-style batch comes with its verdicts (Sifted): none without one"
 _NO_INDICES = np.zeros(0, np.int64)  # a stream's batch in the ledger: it counts its step, its records have no index
 _INTERRUPTED = (
     "this iterator was interrupted inside next(): take a new iter(), which serves the interrupted batch again"
@@ -272,7 +299,7 @@ def _init_error(original: type, message: str) -> WorkerInitError:
         return WorkerInitError(message)
 
 
-def _dead_workers(iterator) -> list[int]:
+def _dead_workers(iterator: object) -> list[int]:
     """The pids of a torch iterator's worker processes that died (an in-process iterator has none); a stream's worker
     that ended its stream exits, with status 0, and did not die."""
     return [worker.pid for worker in getattr(iterator, "_workers", ()) if worker.exitcode not in (None, 0)]
@@ -295,16 +322,17 @@ class _WatchedWorkers(_MultiProcessingDataLoaderIter):
     turns the death into its "exited unexpectedly" error, so that is the only place it can surface now; a worker
     that died meanwhile is found as the next wait starts."""
 
-    def _reset(self, loader, first_iter: bool = False) -> None:
+    def _reset(self, loader: DataLoader, first_iter: bool = False) -> None:
         self._unwatch()  # registered by torch's __init__ (first_iter) just before this
         super()._reset(loader, first_iter)
 
-    def _try_get_data(self, timeout: float = MP_STATUS_CHECK_INTERVAL):
+    def _try_get_data(self, timeout: float = MP_STATUS_CHECK_INTERVAL) -> tuple[bool, Any]:
         dead = _dead_workers(self)
         if dead:  # torch's message for it
             raise RuntimeError(f"DataLoader worker (pid(s) {', '.join(map(str, dead))}) exited unexpectedly")
         self._worker_pids_set = True  # first: torch's _shutdown_workers removes them while it is set
-        _set_worker_pids(id(self), tuple(worker.pid for worker in self._workers))
+        workers: list[Any] = self._workers  # torch's private list of its processes, started: each has its pid
+        _set_worker_pids(id(self), tuple(worker.pid for worker in workers))
         try:
             return super()._try_get_data(timeout)
         finally:
@@ -339,7 +367,8 @@ class _Delivery:
     over (and, with persistent workers, would read from the newest one's reset worker iterator). torch's
     iterator attributes (`_workers`, `_num_workers`, ...) are forwarded, for the tools that read them."""
 
-    def __init__(self, inner, loader: ResumableDataLoader, iteration: int):
+    def __init__(self, inner: Any, loader: ResumableDataLoader, iteration: int):
+        # inner: torch's iterator, whose private attributes (torch declares few) are read below; or an empty one
         self._inner, self._loader, self._iteration = inner, loader, iteration
         loader.__dict__["_active"] = weakref.ref(self)  # what `close()` stops
         self._stopped: str | None = None  # why this iterator may not go on, if it may not
@@ -349,7 +378,7 @@ class _Delivery:
         if self._in_process and inner._auto_collation and inner._collate_fn is collate:
             self._read = batch_reader(inner._dataset)
 
-    def _next(self):
+    def _next(self) -> Any:
         """torch's next(): with num_workers=0 and no profiler running, its `_next_data()` and count without the
         `record_function` context torch enters around each batch for the profiler's trace (~10 us a batch, most of
         the loader's own cost at small batches), and through the dataset's batch reader when it has one (no Rows
@@ -369,7 +398,7 @@ class _Delivery:
     def __iter__(self) -> _Delivery:
         return self
 
-    def __getattr__(self, name: str):
+    def __getattr__(self, name: str) -> Any:
         inner = self.__dict__.get("_inner")
         if inner is None:
             raise AttributeError(name)
@@ -407,7 +436,7 @@ class _Delivery:
         if _dead_workers(self._inner) or (error is not None and self._in_workers and _reports_a_death(error)):
             self._stop_workers(_WORKER_DIED)
 
-    def __next__(self):
+    def __next__(self) -> Any:
         loader = self._loader
         self._check_active()
         started = perf_counter()
@@ -422,9 +451,8 @@ class _Delivery:
             raise
         except Exception as error:
             taken = self._slots_taken(received_before)
-            for _ in range(taken):
-                loader._fail(started)
-                started = None  # the wait was the first one's
+            for i in range(taken):
+                loader._fail(None if i else started)  # the wait was the first one's
             self._stop_if_a_worker_died(None if taken else error)  # a batch's own error tells nothing of workers
             raise
         except BaseException:  # KeyboardInterrupt and the like: nothing is counted, a new iter() serves it again
@@ -446,8 +474,9 @@ class _StreamDelivery(_Delivery):
     stream moved past it) and its error raised; `end` marks a worker's end, without a batch. An error torch raises
     itself (a worker that died, a timeout) counts nothing."""
 
-    def __next__(self):
-        loader = self._loader
+    def __next__(self) -> Any:
+        loader, stream = self._loader, self._loader._stream
+        assert stream is not None, "a stream's loader delivers through this"
         self._check_active()
         started = perf_counter()
         while True:
@@ -465,17 +494,17 @@ class _StreamDelivery(_Delivery):
             except BaseException:  # as for map-style: nothing counted, a new iter() serves the batch again
                 self._stopped = _INTERRUPTED
                 raise
-            loader._stream.receive(worker, snapshot)
+            stream.receive(worker, snapshot)
             if not end:
                 break
             loader._dropped_at_end(filtered)
         if raised is not None:
             loader._fail(started)
-            error = _unwrapped(raised.take())
+            failure = _unwrapped(raised.take())
             try:
-                raise error
+                raise failure
             finally:
-                del error  # no cycle (exception -> traceback -> this frame -> exception) keeps the workers alive
+                del failure  # no cycle (exception -> traceback -> this frame -> exception) keeps the workers alive
         loader._deliver(started, batch, records, filtered)  # a stream's samples: counted where made
         return batch
 
@@ -487,12 +516,12 @@ def _unwrapped(error: BaseException | ExceptionWrapper) -> BaseException:
     if not isinstance(error, ExceptionWrapper):
         return error
     try:
-        error.reraise()
+        cast(Callable[[], NoReturn], error.reraise)()  # torch leaves it unannotated: it always raises
     except Exception as err:  # noqa: BLE001 - reraise raises the worker's exception type
         return err.with_traceback(None)
 
 
-def _check_filter(keep, filtered: str, batch_size: int | None, dataset) -> None:
+def _check_filter(keep: object, filtered: str, batch_size: int | None, dataset: object) -> None:
     """filter= and filtered= as `loader.core.filtering` can apply them."""
     if filtered not in (REMOVED, MASKED):
         raise ValueError(
@@ -515,7 +544,7 @@ def _check_filter(keep, filtered: str, batch_size: int | None, dataset) -> None:
         )
 
 
-def _as_is(data):
+def _as_is(data: Any) -> Any:
     """torch's collate_fn for a stream: the source already made the batch."""
     return data
 
@@ -532,7 +561,12 @@ def _default_rank_and_world(rank: int | None, world_size: int | None) -> tuple[i
 
 
 def _order_for(
-    num_samples: int, shuffle: bool, seed: int, shuffle_blocks, lanes: Lanes | None, orders_itself: bool = False
+    num_samples: int,
+    shuffle: bool,
+    seed: int,
+    shuffle_blocks: int | Sequence[int] | None,
+    lanes: Lanes | None,
+    orders_itself: bool = False,
 ) -> Order:
     """The loader's order; for a dataset that orders itself (a Mixture) under shuffle=True, the identity of mode
     "self": each epoch is the dataset's own (`continue_epochs`), and a loader position is the dataset's position."""
@@ -563,7 +597,9 @@ def _lanes_for(lanes: int | None, lane_chunk: int | None, batch_size: int) -> La
     return Lanes(lanes, batch_size if lane_chunk is None else lane_chunk)
 
 
-def _policy_grad_accum(policy: BatchPolicy, batch_size: int | None, grad_accum: int, world_size: int, dataset) -> int:
+def _policy_grad_accum(
+    policy: BatchPolicy, batch_size: int | None, grad_accum: int, world_size: int, dataset: object
+) -> int:
     """K at step 0 under `policy`, after refusing what it cannot serve: a policy deals each step's samples by its
     global batch, at every step of its schedule and the world size the job runs at (checked now, for every step)."""
     if not isinstance(policy, BatchPolicy):
@@ -600,7 +636,7 @@ T_co = TypeVar("T_co", covariant=True)
 _DATAPIPES = getattr(torch.utils.data, "IterDataPipe", ())  # () where a torch no longer ships DataPipes
 
 
-def _refuse_datapipes(dataset) -> None:
+def _refuse_datapipes(dataset: object) -> None:
     """torch shards a DataPipe graph per worker (`sharding_filter()`) and seeds its shuffles alike in every worker
     only when it iterates the DataPipe itself. The loader's workers iterate its own source, so that would never run,
     and a graph's position is no state the loader could save: refused rather than served twice over."""
@@ -637,21 +673,26 @@ class ResumableDataLoader(DataLoader[T_co]):
     then `SampleIndex` ints carrying the epoch of their batch (`.epoch`), in whichever worker computes it.
     """
 
+    ledger: Ledger | None
+    resumable_sampler: ResumableSampler | None  # a map-style dataset's; a stream's progress is its StreamProgress
+    _stream: StreamProgress | None
+    _filter: tuple[Callable[[Any, Any], bool], str] | None
+
     def __init__(
         self,
-        dataset,
+        dataset: Dataset[T_co],
         batch_size: int | None = 1,
         shuffle: bool | None = None,
-        sampler=None,
-        batch_sampler=None,
+        sampler: Sampler | Iterable | None = None,
+        batch_sampler: Sampler[list] | Iterable[list] | None = None,
         num_workers: int = 0,
-        collate_fn=None,
+        collate_fn: Callable[[list[Any]], Any] | None = None,
         pin_memory: bool = False,
         drop_last: bool = False,
         timeout: float = 0,
-        worker_init_fn=None,
-        multiprocessing_context=None,
-        generator=None,
+        worker_init_fn: Callable[[int], None] | None = None,
+        multiprocessing_context: str | BaseContext | None = None,
+        generator: torch.Generator | None = None,
         *,
         prefetch_factor: int | None = None,
         persistent_workers: bool = False,
@@ -665,12 +706,12 @@ class ResumableDataLoader(DataLoader[T_co]):
         sample_seeds: bool = False,
         lanes: int | None = None,
         lane_chunk: int | None = None,
-        dp_mesh=None,
-        dp_group=None,
+        dp_mesh: DeviceMesh | None = None,
+        dp_group: ProcessGroup | None = None,
         batch_policy: BatchPolicy | None = None,
-        filter: Callable[[int, Any], bool] | None = None,
+        filter: Callable[[Any, Any], bool] | None = None,  # of (index, sample); of (None, record) for a stream
         filtered: str = REMOVED,
-    ):
+    ) -> None:
         if sampler is not None or batch_sampler is not None:
             raise ValueError(
                 "ResumableDataLoader owns the order so that it can resume it: pass shuffle=, seed= and "
@@ -698,7 +739,7 @@ class ResumableDataLoader(DataLoader[T_co]):
         # yields the same number of samples, and the epoch's last R mod (world_size * grad_accum) are dropped by
         # policy (recorded), as drop_last drops them of batches (else DDP would wait on a rank's extra backward)
         layout = Layout(world_size, grad_accum, batch_size or 1, bool(drop_last) or batch_size is None)
-        common = dict(
+        common: dict[str, Any] = dict(
             num_workers=num_workers,
             collate_fn=collate_fn,
             pin_memory=pin_memory,
@@ -742,13 +783,14 @@ class ResumableDataLoader(DataLoader[T_co]):
             common["collate_fn"] = collate  # default_collate's batches, without stacking a loader.core.rows.Rows again
         self._shuffle_blocks, self._lanes = shuffle_blocks, _lanes_for(lanes, lane_chunk, batch_size or 1)
         orders_itself = bool(shuffle) and callable(getattr(dataset, "continue_epochs", None))
-        order = _order_for(len(dataset), bool(shuffle), seed, shuffle_blocks, self._lanes, orders_itself)
+        num_samples = len(cast(Sized, dataset))  # a map-style dataset's (torch's Dataset declares no __len__)
+        order = _order_for(num_samples, bool(shuffle), seed, shuffle_blocks, self._lanes, orders_itself)
         if orders_itself:
-            dataset.continue_epochs()  # before the epoch-awareness is read: its epochs take the loader's
+            cast(Any, dataset).continue_epochs()  # before the epoch-awareness is read: its epochs take the loader's
         schedule = None if batch_policy is None else batch_policy.schedule
         amended = (
             None
-            if batch_policy is None or batch_policy.amends is None
+            if batch_policy is None or batch_policy.amends is None or batch_policy.change_at is None  # None together
             else (batch_policy.amends, batch_policy.change_at)
         )
         self.resumable_sampler = ResumableSampler(order, layout, rank, schedule, amended)
@@ -761,7 +803,7 @@ class ResumableDataLoader(DataLoader[T_co]):
         )
         self._carries = self._carry != (None, False, None)  # seed 0, the default, is a seed too
         indices = _Carrying(self.resumable_sampler, *self._carry) if self._carries else self.resumable_sampler
-        dispatched = indices
+        dispatched: _Carrying | ResumableSampler | _Planned = indices
         if callable(planned := getattr(dataset, "planned", None)):
             in_flight = num_workers * (2 if prefetch_factor is None else prefetch_factor) if num_workers else 1
             dispatched = _Planned(indices, planned, in_flight)
@@ -789,20 +831,23 @@ class ResumableDataLoader(DataLoader[T_co]):
         if (rank, world_size) == (self._rank, self._world_size):
             return
         progress = self._stream or self.resumable_sampler
+        assert progress is not None, _EITHER
         if progress.delivered_any:
             raise RuntimeError(
                 f"this ResumableDataLoader delivered batches as rank {self._rank} of world_size {self._world_size} "
                 f"before torch.distributed was initialised as rank {rank} of {world_size}: build the loader after "
                 f"init_process_group, or pass rank= and world_size= explicitly"
             )
-        layout = self.resumable_sampler.layout if self._stream is None else None
+        layout = self.resumable_sampler.layout if self.resumable_sampler is not None else None
         if self.batch_policy is not None:
             self.batch_policy.check_world_size(world_size)
         if layout is not None:
+            assert self.resumable_sampler is not None, _MAP_STYLE
             self.resumable_sampler.relayout(
                 Layout(world_size, layout.grad_accum, layout.batch_size, layout.drop_last), rank
             )
         else:
+            assert self._stream is not None, _EITHER
             self._stream.world_size, self._stream.rank = world_size, rank
         self._rank, self._world_size = rank, world_size
 
@@ -816,11 +861,12 @@ class ResumableDataLoader(DataLoader[T_co]):
         self._resolve_rank_and_world()
         return self._world_size
 
-    def __iter__(self) -> Iterator[Any]:
+    def __iter__(self) -> Iterator[Any]:  # type: ignore[override]  # torch names its private iterator class
         self._resolve_rank_and_world()
         if callable(before_iter := getattr(self.dataset, "before_iter", None)):
             before_iter(self.num_workers)  # a dataset refuses what its readers cannot do, before anything starts
         progress = self._stream or self.resumable_sampler
+        assert progress is not None, _EITHER
         if self._delivered_by_iterator and not progress.ended:
             warnings.warn(
                 f"iter() continues epoch {self.epoch} of this ResumableDataLoader: the {self._delivered_by_iterator} "
@@ -836,6 +882,7 @@ class ResumableDataLoader(DataLoader[T_co]):
             self._drop_stale_workers()
             return self._stream_iter()
         sampler = self.resumable_sampler
+        assert sampler is not None, _MAP_STYLE
         sampler.begin_pass()
         self._drop_stale_workers(stale=self._follow_length(sampler))
         self.monitor.begin(sampler.view().plan, sampler.rank, sampler.handed_out)
@@ -848,12 +895,12 @@ class ResumableDataLoader(DataLoader[T_co]):
         they are `stale`: the dataset changed length (each holds its copy from when it started, where the new
         indices would fail), or a stream's pass starts from other snapshots. Nothing is lost: the new pass
         continues after the last delivered batch."""
-        iterator = self._iterator
+        iterator: Any = self._iterator  # torch's private one, whose _shutdown_workers only its subclasses declare
         if iterator is not None and (stale or _dead_workers(iterator)):
             iterator._shutdown_workers()
             self._iterator = None
 
-    def _torch_iter(self, anew: Callable[[], None] = lambda: None):
+    def _torch_iter(self, anew: Callable[[], None] = lambda: None) -> _BaseDataLoaderIter:
         """torch's iterator. A worker that died as it was made fails it: persistent workers are reset by it, which
         waits for each of them (one may have died since `_drop_stale_workers` looked, its death not yet visible
         then), and torch watches new workers from their start. New workers are started instead, after `anew()` (a
@@ -873,7 +920,7 @@ class ResumableDataLoader(DataLoader[T_co]):
         Returns whether the length changed."""
         if not sampler.at_epoch_start:
             return False
-        old, new = sampler.order.num_samples, len(self.dataset)
+        old, new = sampler.order.num_samples, len(cast(Sized, self.dataset))
         if new == old:
             return False
         if self._shuffle_blocks is not None and not is_int(self._shuffle_blocks):
@@ -899,7 +946,8 @@ class ResumableDataLoader(DataLoader[T_co]):
         the dataset changed length since the epoch was last read, a copy dealing the new length (one len(dataset) per
         call, as torch's len(); none while a pass is under way)."""
         sampler = self.resumable_sampler
-        if not (sampler.ended or sampler.at_epoch_start) or len(self.dataset) == sampler.order.num_samples:
+        assert sampler is not None, _MAP_STYLE
+        if not (sampler.ended or sampler.at_epoch_start) or len(cast(Sized, self.dataset)) == sampler.order.num_samples:
             return sampler
         ahead = sampler.next_pass()
         self._follow_length(ahead)
@@ -913,16 +961,18 @@ class ResumableDataLoader(DataLoader[T_co]):
                 "record instead"
             )
         stream = self._stream
+        assert stream is not None and stream.source is not None, _STREAM
+        source = stream.source
         if stream.exhausted and not stream.ended:  # set_epoch() named the epoch whose stream is over: empty pass
             return _StreamDelivery(iter(()), self, self._iterations)
         plan = stream.begin_pass(workers_standing=self._iterator is not None)
         self._drop_stale_workers(stale=plan is not None)  # persistent workers stand elsewhere: start anew
-        stream.source.plan = plan
+        source.plan = plan
         self.monitor.begin(None)
 
         def anew() -> None:  # persistent workers that were to go on as they stood died: new ones start from a plan
             nonlocal plan
-            plan = stream.source.plan = stream.begin_pass(workers_standing=False)
+            plan = source.plan = stream.begin_pass(workers_standing=False)
 
         inner = self._torch_iter(anew)
         if inner._IterableDataset_len_called is not None:  # torch warns past len(dataset) items; each worker's end
@@ -930,7 +980,7 @@ class ResumableDataLoader(DataLoader[T_co]):
         stream.started(inner, plan)
         return _StreamDelivery(inner, self, self._iterations)
 
-    def _get_iterator(self):
+    def _get_iterator(self) -> _BaseDataLoaderIter:
         """torch's iterator, its workers seeded by `worker_seed` unless a `generator=` was given (torch would draw
         their seed from this process's generator, which may differ between the peers of a data-parallel rank); for
         a stream, over the stream's source, which makes the batches (with their states)."""
@@ -938,16 +988,22 @@ class ResumableDataLoader(DataLoader[T_co]):
         if self.generator is None:
             sampler = self.resumable_sampler  # the micro-batch the pass starts at, on the rank dealt (which a
             # loader.integrations.torchft step sets on the sampler alone):
-            start = self._stream.delivered if sampler is None else len(sampler) - sampler.batches_left
-            seed = worker_seed(self.seed, self.epoch, self._rank if sampler is None else sampler.rank, start)
+            if sampler is None:
+                assert self._stream is not None, _EITHER
+                start, rank = self._stream.delivered, self._rank
+            else:
+                start, rank = len(sampler) - sampler.batches_left, sampler.rank
+            seed = worker_seed(self.seed, self.epoch, rank, start)
             view.__dict__["generator"] = torch.Generator().manual_seed(seed)
         if self._stream is not None:
+            source = self._stream.source
+            assert source is not None, _STREAM
             view.__dict__.update(
-                dataset=self._stream.source,
+                dataset=source,
                 batch_sampler=None,
                 collate_fn=_as_is,
                 drop_last=False,
-                worker_init_fn=self._stream.source.init_worker,
+                worker_init_fn=source.init_worker,
             )
         else:
             view.__dict__.update(self._read_as())
@@ -974,7 +1030,7 @@ class ResumableDataLoader(DataLoader[T_co]):
         self._delivered_by_iterator = 0
         self.monitor.new_pass()
 
-    def _deliver(self, started: float, batch, records: int = 0, runs: np.ndarray | None = None) -> None:
+    def _deliver(self, started: float, batch: Any, records: int = 0, runs: np.ndarray | None = None) -> None:
         """`batch` was handed to the loop; a stream's `records` of its stream, and the `runs` of those its filter
         dropped before them (`loader.streams.filtered`)."""
         self.__dict__["_delivered_by_iterator"] += 1  # not through DataLoader.__setattr__: Python, 0.3 us a batch
@@ -987,6 +1043,7 @@ class ResumableDataLoader(DataLoader[T_co]):
                 named = None if runs is None else runs.ravel()
                 self.ledger.record(self.epoch, _NO_INDICES, self.update_complete, named)
         else:
+            assert self.resumable_sampler is not None, _MAP_STYLE
             self.resumable_sampler.deliver()
             if self._world_size > 1:
                 self._publish_update()
@@ -1000,7 +1057,8 @@ class ResumableDataLoader(DataLoader[T_co]):
         if monitor.count_bytes:
             monitor.bytes += batch_nbytes(batch)
         if self._stream is None:  # a map-style batch: its members the filter dropped, from the verdicts
-            filtered = 0 if self._filter is None else len(self._kept) - int(self._kept.sum())
+            assert (self._filter is None) == (self._kept is None), _VERDICTS
+            filtered = 0 if self._kept is None else len(self._kept) - int(self._kept.sum())
         if monitor.handed(started, perf_counter(), records, filtered):
             self._stalled()
         self._follow_ramp()
@@ -1018,6 +1076,7 @@ class ResumableDataLoader(DataLoader[T_co]):
     def _record_tails(self, step: int | None) -> None:
         """Name in the ledger the records dropped after workers' last batches (see `_dropped_at_end`), for `step`
         (None: the step under way)."""
+        assert self.ledger is not None, "its callers check that a ledger is attached"
         for epoch, runs in self._tails:
             self.ledger.record_filtered(epoch, runs, step)
         self._tails.clear()
@@ -1029,6 +1088,7 @@ class ResumableDataLoader(DataLoader[T_co]):
 
     def _publish_update(self) -> None:
         """Tell the other ranks when this rank completed an optimizer update (see `loader.checkpoint.lockstep`)."""
+        assert self.resumable_sampler is not None, _MAP_STYLE
         if self.resumable_sampler.update_complete:
             self._lockstep.completed_update(self._rank, self.resumable_sampler.progress_id, self._world_size)
 
@@ -1040,7 +1100,9 @@ class ResumableDataLoader(DataLoader[T_co]):
                 self._record_tails(None)
                 self.ledger.record_failed(self.epoch, _NO_INDICES, self.update_complete)
         else:
+            assert self.resumable_sampler is not None, _MAP_STYLE
             failed = self.resumable_sampler.next_indices()
+            assert failed is not None, "the failed batch was dispatched: its indices are the next ones"
             samples = len(failed)
             self.resumable_sampler.fail()
             if self._world_size > 1:
@@ -1083,7 +1145,7 @@ class ResumableDataLoader(DataLoader[T_co]):
         if monitor.streak.steps == 1:
             monitor.streak_source = self._source_metrics()
         if monitor.warns():
-            shuffle = "stream" if self._stream is not None else self.resumable_sampler.order.shuffle
+            shuffle = "stream" if self.resumable_sampler is None else self.resumable_sampler.order.shuffle
             message = stall_message(
                 monitor.streak, self._rank, self.num_workers, shuffle, monitor.streak_source, self._source_metrics()
             )
@@ -1108,7 +1170,9 @@ class ResumableDataLoader(DataLoader[T_co]):
     def _end_pass(self) -> None:
         stream = self._stream
         partial = stream is not None and not stream.ended and stream.delivered % self.grad_accum
-        (stream or self.resumable_sampler).end_pass()
+        progress = stream or self.resumable_sampler
+        assert progress is not None, _EITHER
+        progress.end_pass()
         if partial and self.ledger is not None:  # the stream's end completed its last, short update: a step
             self.ledger.record(self.epoch, _NO_INDICES, True)
         self._settle()
@@ -1119,6 +1183,7 @@ class ResumableDataLoader(DataLoader[T_co]):
         otherwise end the pass as if the share were done, and the next pass would start the next epoch, skipping
         the rest of this one. Refused instead; a new iter() continues after the last delivered batch."""
         sampler = self.resumable_sampler
+        assert sampler is not None, _MAP_STYLE
         if not sampler.exhausted:
             left = sampler.view().plan.batches_per_rank - sampler.handed_out
             raise RuntimeError(
@@ -1134,6 +1199,7 @@ class ResumableDataLoader(DataLoader[T_co]):
     def _record_end(self) -> None:
         """Tell the ledger when this rank's share of the epoch is all handed out: the audit learns the epoch's end
         from the loader, in every flow, without a call of the training loop's."""
+        assert self.resumable_sampler is not None and self.ledger is not None, "its callers: map-style, with a ledger"
         if self.resumable_sampler.exhausted:
             self.ledger.record_end(self)
 
@@ -1143,10 +1209,11 @@ class ResumableDataLoader(DataLoader[T_co]):
         if self._stream is not None:
             raise TypeError("an IterableDataset cannot be peeked without consuming it")
         sampler = self.resumable_sampler
-        ids = sampler.next_indices()
-        if ids is None:
+        assert sampler is not None, _MAP_STYLE
+        indices = sampler.next_indices()
+        if indices is None:
             raise StopIteration("the next pass is empty: this rank's share of the epoch is delivered")
-        ids = ids.tolist()
+        ids = indices.tolist()
         if self._carries:  # as a pass dispatches them: next_indices is of the next epoch past an exhausted one
             seed, epoch_aware, carried = self._carry
             ids = carrying(ids, sampler.epoch + sampler.exhausted, seed, epoch_aware, carried and carried())
@@ -1172,21 +1239,28 @@ class ResumableDataLoader(DataLoader[T_co]):
 
     @property
     def epoch(self) -> int:
-        return (self._stream or self.resumable_sampler).epoch
+        progress = self._stream or self.resumable_sampler
+        assert progress is not None, _EITHER
+        return progress.epoch
 
     def set_epoch(self, epoch: int) -> None:
         """Same epoch: no change (safe to call after a resume). The next epoch after an exhausted pass: the natural
         advance. Another epoch: start it from its beginning (an AbandonedEpochWarning when that leaves the current
         one part way). A change supersedes the active iterator."""
         self._settle()
-        if (self._stream or self.resumable_sampler).set_epoch(epoch):
+        progress = self._stream or self.resumable_sampler
+        assert progress is not None, _EITHER
+        if progress.set_epoch(epoch):
             self._supersede()
             self.monitor.forget_step()
 
     @property
     def exhausted(self) -> bool:
         """True when this rank has delivered its whole share of the current epoch: a new pass starts the next."""
-        return self._stream.finished if self._stream is not None else self.resumable_sampler.exhausted
+        if self._stream is not None:
+            return self._stream.finished
+        assert self.resumable_sampler is not None, _MAP_STYLE
+        return self.resumable_sampler.exhausted
 
     def finished(self, epochs: int) -> bool:
         """True when this rank has trained epochs 0 .. `epochs` - 1: the loop of a run of `epochs` epochs stops
@@ -1202,6 +1276,7 @@ class ResumableDataLoader(DataLoader[T_co]):
         epoch's final, shorter update): step the optimizer, then checkpoint."""
         if self._stream is not None:
             return self._stream.delivered > 0 and self._stream.completed == self._stream.delivered
+        assert self.resumable_sampler is not None, _MAP_STYLE
         return self.resumable_sampler.update_complete
 
     @property
@@ -1211,6 +1286,7 @@ class ResumableDataLoader(DataLoader[T_co]):
         if self.batch_policy is None:
             return self._grad_accum
         self._resolve_rank_and_world()
+        assert self.resumable_sampler is not None, "a batch_policy is a map-style loader's (refused for a stream)"
         return self.resumable_sampler.grad_accum
 
     @property
@@ -1228,7 +1304,7 @@ class ResumableDataLoader(DataLoader[T_co]):
             raise ValueError(f"step must be a non-negative int (the optimizer steps completed), got {value!r}")
         self.__dict__.update(_step_base=int(value), _updates=0)
 
-    def change_mixture(self, weights) -> MixtureChange | None:
+    def change_mixture(self, weights: Sequence[float]) -> MixtureChange | None:
         """Change a Mixture's weights from the training loop: call it on every rank, with the same weights (the
         controller's inputs all-reduced), after an update (`update_complete`). The change applies from the first
         whole window of the mixture after every position any rank was dealt up to `prefetched` micro-batches past
@@ -1247,6 +1323,7 @@ class ResumableDataLoader(DataLoader[T_co]):
                 f"a {type(self.dataset).__name__}"
             )
         step, sampler = self.step, self.resumable_sampler
+        assert sampler is not None, _MAP_STYLE
         check_mixture(self.dataset, sampler.order)
         if step is None:
             raise ValueError(
@@ -1272,7 +1349,7 @@ class ResumableDataLoader(DataLoader[T_co]):
                 f"different num_workers or prefetch_factor): pass every rank the same weights (all-reduce "
                 f"the controller's inputs)"
             )
-        self.dataset.use_plan(plan)
+        cast(Any, self.dataset).use_plan(plan)  # a Mixture's (check_mixture above)
         at = window * plan.window
         local = at - epoch * sampler.order.num_samples if plan.epochs_continue else at
         held = sampler.update_holding(local) if local < sampler.order.num_samples else None
@@ -1284,8 +1361,9 @@ class ResumableDataLoader(DataLoader[T_co]):
         training loop saw (under a filter, the kept ones; with filtered='masked', every member)."""
         if self._stream is not None:
             raise TypeError("an IterableDataset has no sample indices; use a map-style dataset for sample identity")
+        assert self.resumable_sampler is not None, _MAP_STYLE
         ids = self.resumable_sampler.last_indices()
-        if self._kept is None or self._filter[1] == MASKED:
+        if self._kept is None or self._filter is None or self._filter[1] == MASKED:  # verdicts only with a filter
             return ids
         return ids[self._kept]
 
@@ -1298,7 +1376,7 @@ class ResumableDataLoader(DataLoader[T_co]):
         """Per member of the batch just delivered, in order, whether the filter kept it: with filtered='masked'
         the rows to train on (zero the loss of the others); otherwise every member was kept."""
         ids = self.last_indices()
-        if self._kept is None or self._filter[1] == REMOVED:
+        if self._kept is None or self._filter is None or self._filter[1] == REMOVED:  # verdicts only with a filter
             return np.ones(len(ids), dtype=bool)
         return self._kept.copy()
 
@@ -1310,6 +1388,7 @@ class ResumableDataLoader(DataLoader[T_co]):
                 "(metrics()['filtered'], ['total/filtered']) and named by shard and record in a ledger opened with "
                 "Ledger.open_stream (python -m loader audit lists them)"
             )
+        assert self.resumable_sampler is not None, _MAP_STYLE
         ids = self.resumable_sampler.last_indices()
         if self._kept is None:
             return ids, ids[:0]
@@ -1344,7 +1423,7 @@ class ResumableDataLoader(DataLoader[T_co]):
     def __enter__(self) -> ResumableDataLoader:
         return self
 
-    def __exit__(self, *exc_info) -> None:
+    def __exit__(self, *exc_info: object) -> None:
         self.close()
 
     # -- state -----------------------------------------------------------------------------------------------------
@@ -1357,11 +1436,15 @@ class ResumableDataLoader(DataLoader[T_co]):
         Under torch.distributed it also checks that the ranks are in lockstep, so that this state may stand for
         every rank (see `loader.checkpoint.lockstep`); a state taken otherwise is marked and warned about.
         `check_lockstep=False` is for callers that gather every rank's state anyway."""
-        state = (self._stream or self.resumable_sampler).state_dict()  # no rank resolution: before the first
-        # iter() nothing was delivered, and a state without progress means the same under any layout
-        if self._tails and self.ledger is not None and self._stream.settled:  # this state holds their workers'
-            self._record_tails(self.ledger.step)  # ends: it consumes them, after the step it stands for
+        stream = self._stream
+        progress = stream or self.resumable_sampler
+        assert progress is not None, _EITHER
+        state = progress.state_dict()  # no rank resolution: before the first iter() nothing was delivered, and a
+        # state without progress means the same under any layout
+        if self._tails and self.ledger is not None and stream is not None and stream.settled:  # this state holds
+            self._record_tails(self.ledger.step)  # their workers' ends: it consumes them, after the step it stands for
         if check_lockstep and self._stream is None and self._world_size > 1:
+            assert self.resumable_sampler is not None, _MAP_STYLE
             mark = self._lockstep.check(self._rank, self._world_size, self.resumable_sampler.progress_id)
             if mark is not None:
                 warn_out_of_step(self._rank, mark)
@@ -1369,7 +1452,12 @@ class ResumableDataLoader(DataLoader[T_co]):
         return state
 
     def skip(
-        self, *, updates: int | range | None = None, positions=None, indices=None, epoch: int | None = None
+        self,
+        *,
+        updates: int | range | None = None,
+        positions: range | ArrayLike | None = None,
+        indices: range | ArrayLike | None = None,
+        epoch: int | None = None,
     ) -> np.ndarray:
         """Skip data deterministically, e.g. around a loss spike after a rewind to a checkpoint: `updates=n` the
         next n optimizer updates (`range(a, b)`: updates a..b-1 counted from the next one, 0), `positions=` (a
@@ -1384,17 +1472,20 @@ class ResumableDataLoader(DataLoader[T_co]):
             raise TypeError("skip() needs sample positions, which an IterableDataset does not have")
         self._resolve_rank_and_world()  # updates count global batches of the world size the job runs at
         self._settle()
+        assert self.resumable_sampler is not None, _MAP_STYLE
         spans = self.resumable_sampler.skip(epoch, positions, updates, indices)
         self._supersede()
         return spans
 
-    def load_state_dict(self, state) -> None:
+    def load_state_dict(self, state: dict | list | tuple) -> None:
         """A merged state (see `merge_states`), the list of all ranks' states, or one rank's state (standing for
         every rank in lockstep), saved at any world size. It supersedes the active iterator.
 
         Validated in full first: a rejected state raises StateError and leaves the loader unchanged."""
         self._settle()
-        (self._stream or self.resumable_sampler).load_state_dict(state)
+        progress = self._stream or self.resumable_sampler
+        assert progress is not None, _EITHER
+        progress.load_state_dict(state)
         self._tails.clear()  # of the progress the loaded state replaces: its stream names them again if it reads them
         self.__dict__.update(_step_base=None, _updates=0)  # the state holds no step: `resume` sets it
         self._supersede()

@@ -223,6 +223,25 @@ def test_a_peer_without_online_changes_resets_a_group_that_asked_alone_and_a_pla
         managed(torch.utils.data.TensorDataset(torch.arange(N))).load_state_dict(peer.state_dict())
 
 
+class CountedStream(torch.utils.data.IterableDataset):
+    """A stream with a length, which StepDeal would take as a number of positions."""
+
+    def __iter__(self):
+        return iter(range(8))
+
+    def __len__(self) -> int:
+        return 8
+
+
+def test_a_stream_is_refused_where_the_managed_loader_is_built():
+    """ManagedLoader deals positions of a map-style dataset: a stream was built, then failed at its first step or
+    state with an AttributeError of the loader's missing sampler."""
+    from loader.integrations.torchft import ManagedLoader
+
+    with pytest.raises(TypeError, match=r"an IterableDataset \(CountedStream\) does not have: give it a map-style"):
+        ManagedLoader(ManagerSteps(), CountedStream(), global_batch=4, batch_size=2, group_rank=0, group_size=1)
+
+
 def test_a_step_counts_by_its_committed_attempt_with_the_largest_key(tmp_path):
     """The ledger of processes that never restart as a whole: a step trained by an attempt whose commit failed
     does not count, any process's verdict (a healing one's too) commits an attempt, and of two committed attempts

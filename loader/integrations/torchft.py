@@ -18,10 +18,10 @@ from __future__ import annotations
 
 import bisect
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence, Sized
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple, cast
 
 import numpy as np
 
@@ -32,22 +32,23 @@ from loader.core.partition import EpochPlan, Layout, samples_of_updates, updates
 from loader.core.state import Progress, StateError, check_fingerprint, schedule_from, short
 from loader.dataloader import MixtureChange, ResumableDataLoader, check_mixture, planned_change
 
+if TYPE_CHECKING:
+    from torch.utils.data import Dataset
+
 FORMAT = "loader.torchft"
 VERSION = 2  # 2: global_batch may be a schedule, and mixture_plan carries a Mixture's online changes
 READS = (1, VERSION)
 STATE_KEY = "loader"  # the key of the loader's state among the Manager's state_dict callbacks
 
 
-class Block(NamedTuple):
-    """The positions [start, start + size) of the epoch's order that a step trains, the epoch's step `index`, the
-    step's `global_batch` (size is less for the epoch's short last step) and whether it is the epoch's `last`."""
-
-    epoch: int
-    index: int
-    start: int
-    size: int
-    global_batch: int
-    last: bool
+# The functional form, where mypy takes a field named `index` (in the class form it refuses it, as tuple's own
+# index() method): the same class.
+Block = NamedTuple(  # noqa: UP014
+    "Block", [("epoch", int), ("index", int), ("start", int), ("size", int), ("global_batch", int), ("last", bool)]
+)
+Block.__doc__ = """The positions [start, start + size) of the epoch's order that a step trains, the epoch's step
+`index`, the step's `global_batch` (size is less for the epoch's short last step) and whether it is the epoch's
+`last`."""
 
 
 @dataclass(frozen=True)
@@ -156,7 +157,7 @@ class StepDeal:
         ).to_dict()
 
 
-def _private(manager, name: str) -> Any:
+def _private(manager: Any, name: str) -> Any:
     """What torchft 0.2 keeps private: the quorum's future (to tell the step's quorum from the last step's) and,
     once it is done, its id (which every replica group of it shares)."""
     try:
@@ -180,16 +181,16 @@ class ManagedLoader:
 
     def __init__(
         self,
-        manager,
-        dataset,
+        manager: Any,  # a torchft Manager, which this module leaves the user's script to import
+        dataset: Dataset[Any],
         *,
         global_batch: int,
         batch_size: int,
         group_rank: int | None = None,
         group_size: int | None = None,
         drop_last: bool = False,
-        **loader_args,
-    ):
+        **loader_args: Any,
+    ) -> None:
         for name in ("rank", "world_size", "grad_accum", "dp_mesh", "dp_group"):
             if name in loader_args:
                 raise ValueError(f"{name}= is the quorum's to decide under torchft: give group_rank= and group_size=")
@@ -201,9 +202,15 @@ class ManagedLoader:
         self.loader = ResumableDataLoader(
             dataset, batch_size=batch_size, drop_last=False, rank=0, world_size=1, **loader_args
         )
-        self.deal = StepDeal(len(dataset), global_batch, batch_size, drop_last)
+        if self.loader.resumable_sampler is None:
+            raise TypeError(
+                "ManagedLoader deals each step a block of a map-style dataset's positions, which an IterableDataset "
+                f"({type(dataset).__name__}) does not have: give it a map-style dataset"
+            )
+        self._sampler = self.loader.resumable_sampler  # the loader's, for good
+        self.deal = StepDeal(len(cast(Sized, dataset)), global_batch, batch_size, drop_last)
         mixture = callable(getattr(self.loader.dataset, "use_plan", None))
-        self._built_plan = self.loader.dataset.plan if mixture else None  # before any online change
+        self._built_plan = cast(Any, self.loader.dataset).plan if mixture else None  # a Mixture's, before any change
         self.ledger: Ledger | None = None  # Ledger.open_attempts(...): the batches of the steps that commit
         self.participating = False  # whether this rank's batches of the current step count
         self._dealt: tuple | None = None  # (quorum future, step, attempt key, block, ranks) of the last deal
@@ -240,8 +247,8 @@ class ManagedLoader:
         block = self.deal.block(step)
         tries = self._tries[2] if self._tries[:2] == (step, quorum_id) else 0  # a step's tries are consecutive
         key, self._tries = (quorum_id, tries), (step, quorum_id, tries + 1)
-        self.loader.load_state_dict(self.deal.progress(self.loader.resumable_sampler.order.fingerprint(), block))
-        self.loader.resumable_sampler.relayout(self.deal.layout(block, ranks), dp_rank)
+        self.loader.load_state_dict(self.deal.progress(self._sampler.order.fingerprint(), block))
+        self._sampler.relayout(self.deal.layout(block, ranks), dp_rank)
         self._dealt = future, step, key, block, ranks
         self.loader.ledger = self.ledger if self.participating else None  # a non-participant's batches never count
         if self.ledger is not None:
@@ -283,7 +290,7 @@ class ManagedLoader:
         """The epoch of the Manager's current step."""
         return self.deal.block(self.manager.current_step()).epoch
 
-    def change_mixture(self, weights) -> MixtureChange | None:
+    def change_mixture(self, weights: Sequence[float]) -> MixtureChange | None:
         """Change a Mixture's weights from the training loop (`ResumableDataLoader.change_mixture` under torchft):
         call it on every rank of every replica group with the same weights (the controller's inputs all-reduced
         through the Manager) after `optimizer.step()` and before the next step's `zero_grad()`, which starts the
@@ -293,14 +300,14 @@ class ManagedLoader:
         again after a failed commit) is ignored: the recorded weights stand (returns None then). A healing group
         takes the peers' plan whole, whatever it asked itself. Returns where the change applies: its mixture
         position, and the step whose block first holds a sample under the new weights (None past this epoch)."""
-        order = self.loader.resumable_sampler.order
+        order = self._sampler.order
         check_mixture(self.loader.dataset, order)
         step = self.manager.current_step()
         block = self.deal.block(step)
         plan = planned_change(self.loader.dataset, weights, step, block.epoch, block.start, order.num_samples)
         if plan is None:
             return None
-        self.loader.dataset.use_plan(plan)
+        cast(Any, self.loader.dataset).use_plan(plan)  # a Mixture's (check_mixture above)
         at = plan.requests[-1][1] * plan.window
         local = at - block.epoch * order.num_samples if plan.epochs_continue else at
         if local >= order.num_samples:
@@ -312,22 +319,22 @@ class ManagedLoader:
 
     def state_dict(self) -> dict:
         """`step_state`, with a Mixture's plan once it changed online (`change_mixture`): a few hundred bytes."""
-        return {**step_state(self.loader.resumable_sampler.order.fingerprint(), self.deal), **plan_record(self.loader)}
+        return {**step_state(self._sampler.order.fingerprint(), self.deal), **plan_record(self.loader)}
 
     def load_state_dict(self, state: dict) -> None:
         """A peer's state (torchft's heal) or a checkpoint's: checked; the step is the Manager's. A Mixture takes
         the peer's plan: with its online changes, or the plan as built when the peer recorded none (changes this
         group asked for alone, e.g. at step 0 before it healed, never stand)."""
-        check_step_state(state, self.loader.resumable_sampler.order.fingerprint(), self.deal)
+        check_step_state(state, self._sampler.order.fingerprint(), self.deal)
         plan = recorded_plan(state, self.loader, _WHERE, self._built_plan) or self._built_plan
         if plan is not None:
-            self.loader.dataset.use_plan(plan)
+            cast(Any, self.loader.dataset).use_plan(plan)  # a Mixture's: a plan is recorded or built for one only
 
 
 _WHERE = "the loader state (from torchft's heal or a checkpoint)"
 
 
-def _plain(value):
+def _plain(value: Any) -> Any:
     """A global batch as JSON holds it: an int, or a schedule as [[first step, G], ...] (tuples as lists)."""
     if isinstance(value, (list, tuple)):
         return [list(pair) if isinstance(pair, (list, tuple)) else pair for pair in value]
@@ -346,7 +353,7 @@ def step_state(fingerprint: dict, deal: StepDeal) -> dict:
     }
 
 
-def check_step_state(state, fingerprint: dict, deal: StepDeal) -> None:
+def check_step_state(state: object, fingerprint: dict, deal: StepDeal) -> None:
     """Refuse, naming the field, a state that would deal other data or other steps than this replica group."""
     where = _WHERE
     if not isinstance(state, dict) or state.get("format") != FORMAT:
