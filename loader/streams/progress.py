@@ -226,11 +226,14 @@ class StreamProgress:
         """The snapshots as a state holds them. Each one's checksum is computed once, kept in `checks` (per worker,
         the snapshot it is of and the checksum): a worker that delivered nothing since the last state, or the origin
         of a pass, keeps its snapshot."""
-        serialised = []
-        for worker, snapshot in enumerate(snapshots):
-            if snapshot is not None and checks[worker][0] is not snapshot:
-                checks[worker] = (snapshot, snapshot_check(snapshot))
-            serialised.append(snapshot_dict(snapshot, checks[worker][1]))
+        serialised = list(snapshots)
+        for worker, snapshot in enumerate(serialised):
+            if snapshot is not None:
+                seen, check = checks[worker]
+                if seen is not snapshot:
+                    check = snapshot_check(snapshot)
+                    checks[worker] = (snapshot, check)
+                serialised[worker] = snapshot_dict(snapshot, check)
         return serialised
 
     def _origins(self) -> tuple:

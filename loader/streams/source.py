@@ -234,13 +234,13 @@ def check_loadable(dataset, mine: RankStream) -> None:
         set_rng_state(rng)
 
 
-_ATOMS = (int, float, str, bool, type(None))
+_ATOMS = frozenset((int, float, str, bool, type(None)))
 
 
 def _frozen(state):
     """A copy the dataset can no longer change: its state_dict may return objects it goes on mutating. A flat dict
     of numbers and strings (the usual state) is copied shallowly, 10x faster than deepcopy."""
-    if type(state) is dict and all(type(v) in _ATOMS for v in state.values()):
+    if type(state) is dict and _ATOMS.issuperset(map(type, state.values())):
         return dict(state)
     return copy.deepcopy(state)
 

@@ -132,10 +132,10 @@ def checksum(*progress) -> int:
 
 
 def snapshot_check(snapshot: tuple) -> int:
-    """`checksum(batches, ended, shard)` of a snapshot, its shard as a list, formatted straight into bytes (`%r` is
-    repr for these types): taken when a state is, not with every batch, and twice as fast as a tuple's repr."""
-    shard = snapshot[SHARD]
-    return zlib.crc32(b"(%r, %r, %r)" % (snapshot[BATCHES], snapshot[ENDED], None if shard is None else list(shard)))
+    """`checksum(batches, ended, shard)` of a snapshot, its shard as a list: the repr of that tuple formatted
+    directly (the same text, a third faster), as it is taken with every state."""
+    batches, ended, _, _, shard, _ = snapshot
+    return zlib.crc32(f"({batches!r}, {ended!r}, {None if shard is None else list(shard)!r})".encode())
 
 
 def _check_snapshot(value: dict, where: str, rank: int) -> None:
@@ -493,10 +493,10 @@ class RankStream:
 
 
 def _rank_check(epoch: int, batches: int, exhausted: bool, ended: bool, next_worker: int, shards: Shards | None) -> int:
-    """`checksum(epoch, batches, exhausted, ended, next_worker, the shards' check)`, formatted straight into bytes
-    (as `snapshot_check`): taken with every state."""
-    progress = (epoch, batches, exhausted, ended, next_worker, None if shards is None else shards.check)
-    return zlib.crc32(b"(%r, %r, %r, %r, %r, %r)" % progress)
+    """`checksum(epoch, batches, exhausted, ended, next_worker, the shards' check)`, formatted directly (as
+    `snapshot_check`): taken with every state."""
+    of_shards = None if shards is None else shards.check
+    return zlib.crc32(f"({epoch!r}, {batches!r}, {exhausted!r}, {ended!r}, {next_worker!r}, {of_shards!r})".encode())
 
 
 def _check_rank(
