@@ -30,7 +30,7 @@ from benchmarks.datasets import FeatureStream, _Rows
 from benchmarks.loaders import ours
 
 _SNAPSHOT, _CHECK = stream_source._Batches.snapshot, rng.RngWatch.state
-_CONSTANT = {"batches": 0, "ended": False, "dataset": None, "iterator": {"i": 0}, "shard": None, "rng": ""}
+_CONSTANT = (0, False, None, {"i": 0}, None, "")  # a snapshot (see loader.streams.state.BATCHES)
 
 
 class _DrawingRows(_Rows):

@@ -28,7 +28,7 @@ import tests.streams as tests_streams
 from loader import ResumableDataLoader, StateError, merge_states
 from loader.sources.sharded import FileShards
 from loader.streams.rng import rng_state
-from loader.streams.state import checksum, rank_streams, regathered
+from loader.streams.state import checksum, rank_streams, regathered, snapshot_check, snapshot_of
 from tests.streams import FORK, IteratorState, Plain, ids
 
 pytestmark = pytest.mark.filterwarnings("ignore:Generating overly large repr")  # states carry random states (10 KB)
@@ -272,6 +272,20 @@ def test_the_real_states_resume_exactly(cases):
             dl.load_state_dict(case.state)
         served, claimed = case.served(loaders), case.claimed(case.state)
         assert claimed and served and sorted(served + claimed) == case.records(), name
+
+
+def test_the_checks_of_the_real_states_are_crcs_of_the_reprs_of_their_progress(cases):
+    """The checks are formatted straight into bytes when a state is taken: they must stay what 0.1.0 wrote (and what
+    the docs say), a CRC-32 of the repr of the progress tuple, or the states it saved would be refused."""
+    for name, case in cases.items():
+        for r in rank_streams(case.state):
+            shards = None if r.shards is None else checksum(r.shards.serialised)
+            state = r.to_dict()
+            assert state["check"] == checksum(r.epoch, r.batches, r.exhausted, r.ended, r.next_worker, shards), name
+            for snapshot in state["workers"] + state["origins"]:
+                if snapshot is not None:
+                    progress = (snapshot["batches"], snapshot["ended"], snapshot["shard"])
+                    assert snapshot["check"] == checksum(*progress) == snapshot_check(snapshot_of(snapshot)), name
 
 
 def test_a_field_that_may_be_one_of_two_types_names_both_when_it_is_neither():

@@ -295,6 +295,25 @@ def test_a_state_does_not_change_as_the_loader_goes_on(setup):
     assert state == frozen and dl.state_dict() != frozen
 
 
+@pytest.mark.parametrize("setup", ["main process", "2 workers"])
+def test_editing_a_state_taken_changes_nothing_the_loader_holds(setup):
+    """A state taken after k batches stays the loader's progress at k whatever is done to it afterwards: edited
+    snapshots change neither the next state nor where a new iter() goes on (the loader once handed out the very
+    snapshots it resumes from, so such an edit moved its workers, here past the rest of the pass)."""
+    dl = make(IteratorState, setup)
+    it = iter(dl)
+    seen = [next(it) for _ in range(3)]  # with workers, taken between batches: each has prefetched more
+    state = dl.state_dict()
+    taken = copy.deepcopy(state)
+    for snapshot in state["workers"]:
+        snapshot.update(batches=0, ended=True, shard=[0, 0], check=0)
+    assert dl.state_dict() == taken
+    del it
+    with pytest.warns(ContinuedPassWarning):  # a new iter() in the middle of the pass goes on after batch 3
+        rest = list(dl)
+    assert_each_once(23, seen + rest)
+
+
 class CountingIter(IteratorState):
     """Counts its __iter__ calls in its own (per worker) copy, and reports the count in its state."""
 

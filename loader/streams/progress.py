@@ -23,18 +23,21 @@ from loader.streams.rng import UNCHANGED
 from loader.streams.shards import ShardProgress, is_sharded, shard_digest
 from loader.streams.source import Plan, StreamSource, check_loadable, is_stateful, standing
 from loader.streams.state import (
+    RNG,
     RankStream,
     Shards,
     check_identity,
     check_payloads,
     rank_streams,
     regathered,
+    snapshot_check,
+    snapshot_dict,
+    snapshot_of,
     stream_identity,
     stream_state,
-    worker_snapshot,
 )
 
-_ENDED_ELSEWHERE = worker_snapshot(0, True, None, None, [0, 0], None)
+_ENDED_ELSEWHERE = (0, True, None, None, (0, 0), None)  # a snapshot (see `loader.streams.state.BATCHES`)
 
 
 class StreamProgress:
@@ -57,6 +60,8 @@ class StreamProgress:
             names = list(dataset.shards())
             self.shards = Shards(len(names), shard_digest(names), seed, bool(shuffle), ShardProgress(len(names)))
         self.source: StreamSource | None = None
+        self._checks = [(None, None)] * self.workers  # per worker: a snapshot and its checksum (`_serialised`)
+        self._origin_checks = [(None, None)] * self.workers
         self._pass_id, self._rotation = 0, 0
         self._reusable = False  # persistent workers ended their pass cleanly, unrotated: they may go on as they are
         self._origins_live = False  # the main process's dataset stands at the origin (it ran the pass that ended)
@@ -86,7 +91,7 @@ class StreamProgress:
         origins: tuple,
         *,
         delivered: int = 0,
-        latest: Sequence[dict | None] | None = None,
+        latest: Sequence[tuple | None] | None = None,
         next_worker: int = 0,
         base_seed: int | None = None,
         exhausted: bool = False,
@@ -150,13 +155,13 @@ class StreamProgress:
             if not self.delivered:
                 self._commit()
 
-    def receive(self, worker: int, snapshot: dict) -> None:
+    def receive(self, worker: int, snapshot: tuple) -> None:
         """A worker's snapshot came in (with a batch to deliver or fail, or its end): it stands there now. Its random
         state is sent only when it changed since the worker's previous snapshot, which came in just before."""
-        if snapshot["rng"] == UNCHANGED:
+        if snapshot[RNG] == UNCHANGED:
             previous = self.latest[worker]
             assert previous is not None, "sent only after the worker's previous snapshot, which came in before"
-            snapshot["rng"] = previous["rng"]
+            snapshot = snapshot[:RNG] + (previous[RNG],)
         self.latest[worker] = snapshot
         self.next_worker = (worker + 1) % self.workers
 
@@ -218,11 +223,27 @@ class StreamProgress:
             self.num_workers,
             self.base_seed,
             next_worker,
-            self._origins(),
-            latest,
+            self._serialised(self._origins(), self._origin_checks),
+            self._serialised(latest, self._checks),
             self.shards,
             self.identity,
         )
+
+    @staticmethod
+    def _serialised(snapshots: Sequence[tuple | None], checks: list) -> list:
+        """The snapshots as a state holds them. Each one's checksum is computed once, kept in `checks` (per worker,
+        the snapshot it is of and the checksum): a worker that delivered nothing since the last state, or the origin
+        of a pass, keeps its snapshot."""
+        serialised: list[dict | None] = []
+        for worker, snapshot in enumerate(snapshots):
+            check = None
+            if snapshot is not None:
+                seen, check = checks[worker]
+                if seen is not snapshot:
+                    check = snapshot_check(snapshot)
+                    checks[worker] = (snapshot, check)
+            serialised.append(snapshot_dict(snapshot, check))
+        return serialised
 
     def _origins(self) -> tuple:
         """The origins a state holds. Before the loader's first pass at num_workers=0, the pass begins where the
@@ -303,9 +324,9 @@ class StreamProgress:
         self._reusable = self._origins_live = self._unread = False
         self._start(
             mine.epoch,
-            mine.origins,
+            tuple(map(snapshot_of, mine.origins)),
             delivered=mine.batches,
-            latest=mine.workers,
+            latest=list(map(snapshot_of, mine.workers)),
             next_worker=mine.next_worker,
             base_seed=mine.base_seed,
             exhausted=mine.exhausted,
@@ -319,7 +340,7 @@ class StreamProgress:
         self._rebase(Shards(self.shards.count, self.shards.digest, self.shards.seed, self.shards.shuffle, progress))
         self._reusable = self._origins_live = self._unread = False
         consumed = epoch < progress.epoch  # every record of the epoch read: the pass ends without a batch
-        ends = (dict(_ENDED_ELSEWHERE),) * self.workers if consumed else None
+        ends = (_ENDED_ELSEWHERE,) * self.workers if consumed else None
         self._start(epoch, (None,) * self.workers, latest=ends, exhausted=consumed, ended=over)
 
     def _rebase(self, shards: Shards) -> None:

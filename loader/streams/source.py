@@ -28,7 +28,7 @@ from loader.core.state import StateError
 from loader.streams.filtered import SHARDED, Runs
 from loader.streams.rng import RngWatch, rng_state, seed_like_torch, set_rng_state
 from loader.streams.shards import ShardDeal
-from loader.streams.state import RankStream, worker_snapshot
+from loader.streams.state import BATCHES, DATASET, ENDED, ITERATOR, RNG, SHARD, RankStream, snapshot_of
 
 
 def is_stateful(obj: object) -> bool:
@@ -117,23 +117,23 @@ class StreamSource(IterableDataset):
 
     # -- opening a worker's pass at a snapshot ------------------------------------------------------------------
 
-    def _open(self, epoch: int, pass_id: int, origin: dict | None, latest: dict | None) -> _Batches:
+    def _open(self, epoch: int, pass_id: int, origin: tuple | None, latest: tuple | None) -> _Batches:
         if self.deal is not None:
             batches = self._open_shards(epoch, pass_id, origin, latest)
         elif _holds_states(latest):
             iterator = _resumed(self.dataset, latest, self._worker, iter)
             _set_rng(latest)
-            batches = _Batches(self, pass_id, iterator, iterator, latest["batches"])
+            batches = _Batches(self, pass_id, iterator, iterator, latest[BATCHES])
         else:
             batches = self._open_at_origin(pass_id, origin)
             if latest is not None:
-                batches.replay(latest["batches"])  # a stream without state: its worker reads up to there again
-        if latest is not None and latest["ended"]:
+                batches.replay(latest[BATCHES])  # a stream without state: its worker reads up to there again
+        if latest is not None and latest[ENDED]:
             batches.finished = True
         self._live = batches if get_worker_info() is None else None
         return batches
 
-    def _open_at_origin(self, pass_id: int, origin: dict | None) -> _Batches:
+    def _open_at_origin(self, pass_id: int, origin: tuple | None) -> _Batches:
         """The pass as it began: the dataset as the previous pass left it (a dataset that is its own iterator gets
         that pass's iterator state, loaded after an __iter__, as StatefulDataLoader does), the random state of then,
         and a new __iter__ (which may reset the dataset, or draw)."""
@@ -143,13 +143,13 @@ class StreamSource(IterableDataset):
         iterator = iter(self.dataset)
         return _Batches(self, pass_id, iterator, iterator, 0)
 
-    def _open_shards(self, epoch: int, pass_id: int, origin: dict | None, latest: dict | None) -> _Batches:
+    def _open_shards(self, epoch: int, pass_id: int, origin: tuple | None, latest: tuple | None) -> _Batches:
         assert self.deal is not None, "opened for a sharded stream only"
         tasks = self.deal.tasks(epoch, self.rank, self._worker)
         if latest is not None:
             _set_rng(latest)
-            task, offset = latest["shard"]
-            batches = latest["batches"]
+            task, offset = latest[SHARD]
+            batches = latest[BATCHES]
         else:
             _set_rng(origin)
             task, offset, batches = 0, tasks[0][1] if tasks else 0, 0
@@ -157,37 +157,37 @@ class StreamSource(IterableDataset):
         return _Batches(self, pass_id, reader, None, batches, reader)
 
 
-def _holds_states(value: dict | None) -> TypeGuard[dict]:
+def _holds_states(value: tuple | None) -> TypeGuard[tuple]:
     """A snapshot holds the stream's own states (its dataset's, its iterator's)."""
-    return value is not None and (value["dataset"] is not None or value["iterator"] is not None)
+    return value is not None and (value[DATASET] is not None or value[ITERATOR] is not None)
 
 
-def _resumed(dataset: Any, latest: dict, worker: int, opened: Callable) -> Iterator:
+def _resumed(dataset: Any, latest: tuple, worker: int, opened: Callable) -> Iterator:
     """The dataset's iterator where a worker's snapshot left it (StatefulDataLoader's protocol): the dataset's state
     loaded before its __iter__ (`opened`), the iterator's after."""
-    if latest["dataset"] is not None:
-        dataset.load_state_dict(copy.deepcopy(latest["dataset"]))
+    if latest[DATASET] is not None:
+        dataset.load_state_dict(copy.deepcopy(latest[DATASET]))
     iterator = opened(dataset)
-    if latest["iterator"] is not None:
+    if latest[ITERATOR] is not None:
         if not is_stateful(iterator):  # not told apart on load unless __iter__ is a generator function
             raise StateError(
                 f"the state holds an iterator state for worker {worker}, but the iterator "
                 f"{type(dataset).__name__}.__iter__ returns ({type(iterator).__name__}) has no load_state_dict: "
                 f"load a state saved by this stream"
             )
-        iterator.load_state_dict(copy.deepcopy(latest["iterator"]))
+        iterator.load_state_dict(copy.deepcopy(latest[ITERATOR]))
     return iterator
 
 
-def _restored(dataset: Any, origin: dict, worker: int, opened: Callable) -> None:
+def _restored(dataset: Any, origin: tuple, worker: int, opened: Callable) -> None:
     """The dataset as the previous pass left it: its state, and for a dataset that is its own iterator that pass's
     iterator state, loaded after an __iter__ (`opened`), as StatefulDataLoader does."""
-    if origin["dataset"] is not None:
-        dataset.load_state_dict(copy.deepcopy(origin["dataset"]))
-    if origin["iterator"] is not None:
+    if origin[DATASET] is not None:
+        dataset.load_state_dict(copy.deepcopy(origin[DATASET]))
+    if origin[ITERATOR] is not None:
         previous = opened(dataset)
         if previous is dataset:
-            previous.load_state_dict(copy.deepcopy(origin["iterator"]))
+            previous.load_state_dict(copy.deepcopy(origin[ITERATOR]))
 
 
 class _NotHere(Exception):
@@ -210,7 +210,7 @@ def check_loadable(dataset: Any, mine: RankStream) -> None:
     rng = rng_state()
     try:
         for name, snapshots, load in (("origins", mine.origins, _restored), ("workers", mine.workers, _resumed)):
-            for worker, value in enumerate(snapshots):
+            for worker, value in enumerate(map(snapshot_of, snapshots)):
                 if not _holds_states(value):
                     continue
                 try:
@@ -226,9 +226,9 @@ def check_loadable(dataset: Any, mine: RankStream) -> None:
                 except Exception as err:  # noqa: BLE001 - whatever the user's load_state_dict raises
                     field = (
                         "iterator"
-                        if value["dataset"] is None
+                        if value[DATASET] is None
                         else "dataset"
-                        if value["iterator"] is None
+                        if value[ITERATOR] is None
                         else ("dataset or .iterator")
                     )
                     raise StateError(
@@ -240,30 +240,30 @@ def check_loadable(dataset: Any, mine: RankStream) -> None:
         set_rng_state(rng)
 
 
-_ATOMS = (int, float, str, bool, type(None))
+_ATOMS = frozenset((int, float, str, bool, type(None)))
 
 
 def _frozen(state: Any) -> Any:
     """A copy the dataset can no longer change: its state_dict may return objects it goes on mutating. A flat dict
     of numbers and strings (the usual state) is copied shallowly, 10x faster than deepcopy."""
-    if type(state) is dict and all(type(v) in _ATOMS for v in state.values()):
+    if type(state) is dict and _ATOMS.issuperset(map(type, state.values())):
         return dict(state)
     return copy.deepcopy(state)
 
 
-def standing(dataset: Any) -> dict | None:
+def standing(dataset: Any) -> tuple | None:
     """The snapshot of a main-process dataset before any pass of the loader: its own state, as it stands (a dataset's
     state is loaded before its __iter__, so it can be taken now). None for a dataset without state, and for one that
     is its own iterator (it defines __next__): its state is an iterator's, loaded after an __iter__, and exists only
     once an __iter__ ran."""
     if not is_stateful(dataset) or callable(getattr(type(dataset), "__next__", None)):
         return None
-    return worker_snapshot(0, False, _frozen(dataset.state_dict()), None, None, None)
+    return (0, False, _frozen(dataset.state_dict()), None, None, None)
 
 
-def _set_rng(snapshot: dict | None) -> None:
-    if snapshot is not None and snapshot["rng"] is not None:
-        set_rng_state(snapshot["rng"])
+def _set_rng(snapshot: tuple | None) -> None:
+    if snapshot is not None and snapshot[RNG] is not None:
+        set_rng_state(snapshot[RNG])
 
 
 class _ShardReader:
@@ -332,21 +332,21 @@ class _Batches:
         self._keeps_iterator = reader is None and is_stateful(iterator)
         self._rng = RngWatch() if get_worker_info() is not None else None  # the main process's are the training's
 
-    def snapshot(self, ended: bool) -> dict:
-        """The worker's state now: what a new worker needs to go on from here."""
+    def snapshot(self, ended: bool) -> tuple:
+        """The worker's state now: what a new worker needs to go on from here (see `loader.streams.state.BATCHES`)."""
         reader = self.reader
-        return worker_snapshot(
+        return (
             self.count,
             ended,
             _frozen(self.source.dataset.state_dict()) if self._keeps_dataset else None,
             _frozen(self.iterator.state_dict()) if self._keeps_iterator else None,
-            None if reader is None else [reader.task, reader.offset],
+            None if reader is None else (reader.task, reader.offset),
             None if self._rng is None else self._rng.state(),
         )
 
-    def resumes(self, pass_id: int, latest: dict | None) -> bool:
+    def resumes(self, pass_id: int, latest: tuple | None) -> bool:
         """Whether this live iterator (main process) stands exactly where `latest` does, so it can just go on."""
-        return self.clean and pass_id == self.pass_id and self.count == (0 if latest is None else latest["batches"])
+        return self.clean and pass_id == self.pass_id and self.count == (0 if latest is None else latest[BATCHES])
 
     def __iter__(self) -> _Batches:
         return self
