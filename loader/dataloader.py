@@ -1337,7 +1337,7 @@ class ResumableDataLoader(DataLoader[T_co]):
                 "micro-batch (loader.update_complete)"
             )
         prefetched = self.num_workers * (self.prefetch_factor or 2)
-        position, updates = sampler.undealt(prefetched)
+        position = sampler.undealt(prefetched)
         epoch = sampler.epoch
         plan = planned_change(self.dataset, weights, step, epoch, position, sampler.order.num_samples)
         if plan is None:

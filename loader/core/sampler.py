@@ -256,11 +256,11 @@ class ResumableSampler:
             return self._after_committed
         return self.view().plan.completed(self._position) == self._position
 
-    def undealt(self, ahead: int) -> tuple[int, int]:
-        """(position, updates): the first position of the current epoch after every position committed, or dealt to
-        any rank in micro-batches before its cursor + `ahead` (those the workers may have prefetched), rounded up to
-        the next whole update; and how many updates of this pass come before that update. The same on every rank
-        in lockstep at an update boundary, computed without communication; the epoch's length when none is left."""
+    def undealt(self, ahead: int) -> int:
+        """The first position of the current epoch after every position committed, or dealt to any rank in
+        micro-batches before its cursor + `ahead` (those the workers may have prefetched), rounded up to the next
+        whole update. The same on every rank in lockstep at an update boundary, computed without communication; the
+        epoch's length when none is left."""
         view, k = self.view(), self.layout.grad_accum
         first = -(-(self._position + ahead) // k) * k  # the first micro-batch of the first update dealt to no one
         if first >= view.plan.batches_per_rank:
@@ -271,7 +271,7 @@ class ResumableSampler:
         committed = (
             whole(self.order.num_samples) if self._epoch < self._base.epoch else self._base.committed_in(self._epoch)
         )
-        return max(position, int(committed[-1, 1]) if len(committed) else 0), first // k
+        return max(position, int(committed[-1, 1]) if len(committed) else 0)
 
     def update_holding(self, position: int) -> int | None:
         """The update of this pass (counted from its first) that holds the first remaining position >= `position`,
