@@ -223,6 +223,27 @@ def test_a_peer_without_online_changes_resets_a_group_that_asked_alone_and_a_pla
         managed(torch.utils.data.TensorDataset(torch.arange(N))).load_state_dict(peer.state_dict())
 
 
+def test_a_peer_over_other_data_of_the_same_length_is_refused_and_a_state_without_the_datasets_fingerprint_read():
+    """The order's fingerprint says only the length and seed: a group built over other sources or weights of the
+    same length would take the peer's steps and train other samples. Each ManagedLoader state carries the
+    dataset's own fingerprint; one written before it did (no "dataset") is read as it was."""
+    from loader.integrations.torchft import ManagedLoader
+    from loader.sources import Mixture
+    from tests.test_mixture_online import WINDOW, N, sources
+
+    def managed(weights):
+        mix = Mixture(sources(), weights, N, seed=5, window=WINDOW)
+        return ManagedLoader(ManagerSteps(), mix, global_batch=12, batch_size=2, group_rank=0, group_size=1)
+
+    peer, other = managed([0.5, 0.2, 0.3]), managed([0.2, 0.5, 0.3])
+    state = json.loads(json.dumps(peer.state_dict()))
+    assert isinstance(state["dataset"], str)
+    managed([0.5, 0.2, 0.3]).load_state_dict(state)  # the same data: taken
+    with pytest.raises(StateError, match="Mixture's sources, weights or schedule changed"):
+        other.load_state_dict(state)
+    other.load_state_dict({k: v for k, v in state.items() if k != "dataset"})  # the earlier layout: not checked
+
+
 class CountedStream(torch.utils.data.IterableDataset):
     """A stream with a length, which StepDeal would take as a number of positions."""
 

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple, cast
 import numpy as np
 
 from loader.checkpoint.ledger import Ledger
-from loader.checkpoint.save import plan_record, recorded_plan
+from loader.checkpoint.save import check_dataset, dataset_fingerprint, plan_record, recorded_plan
 from loader.core.checks import check_positive_int, check_rank
 from loader.core.partition import EpochPlan, Layout, samples_of_updates, updates_of_samples
 from loader.core.state import Progress, StateError, check_fingerprint, schedule_from, short
@@ -318,8 +318,10 @@ class ManagedLoader:
     # -- the state torchft transfers -------------------------------------------------------------------------------
 
     def state_dict(self) -> dict:
-        """`step_state`, with a Mixture's plan once it changed online (`change_mixture`): a few hundred bytes."""
-        return {**step_state(self._sampler.order.fingerprint(), self.deal), **plan_record(self.loader)}
+        """`step_state`, the dataset's own fingerprint (its files, a Mixture's sources and plan: the order's says only
+        its length and seed) and a Mixture's plan once it changed online (`change_mixture`): a few hundred bytes."""
+        state = step_state(self._sampler.order.fingerprint(), self.deal)
+        return {**state, "dataset": dataset_fingerprint(self.loader), **plan_record(self.loader)}
 
     def load_state_dict(self, state: dict) -> None:
         """A peer's state (torchft's heal) or a checkpoint's: checked; the step is the Manager's. A Mixture takes
@@ -327,6 +329,7 @@ class ManagedLoader:
         group asked for alone, e.g. at step 0 before it healed, never stand)."""
         check_step_state(state, self._sampler.order.fingerprint(), self.deal)
         plan = recorded_plan(state, self.loader, _WHERE, self._built_plan) or self._built_plan
+        check_dataset(state.get("dataset"), self.loader, _WHERE, plan)  # absent before this release: not checked
         if plan is not None:
             cast(Any, self.loader.dataset).use_plan(plan)  # a Mixture's: a plan is recorded or built for one only
 
