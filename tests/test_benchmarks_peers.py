@@ -15,6 +15,12 @@ from benchmarks.peers.samples import SEQ_LEN
 from benchmarks.peers.section import exactly_once_table
 from benchmarks.peers.systems import SYSTEMS
 
+APART = (
+    "is not importable: a peer the benchmarks compare against, not a dependency; its pins conflict with the "
+    "constraints, so it is installed apart (pip install --target DIR --no-deps, benchmarks/README.md, Peers) "
+    "and found with PYTHONPATH=DIR"
+)
+
 REPO = Path(__file__).resolve().parent.parent
 
 
@@ -74,7 +80,7 @@ def test_a_count_based_resume_drops_the_tail_by_design_and_loses_what_unequal_ra
 def test_olmo_core_resumes_at_tokens_over_the_new_global_batch():
     # 5 updates of 48 = 240 samples; at 96 it resumes at batch 240 // 96 = 2, sample 192: 48 served twice; its tail
     # is the order cut to whole global batches of the batch it runs at (1000 mod 96 = 40)
-    pytest.importorskip("olmo_core", reason="ai2-olmo-core: installed with --target, see benchmarks/README.md")
+    pytest.importorskip("olmo_core", reason=f"ai2-olmo-core {APART}")
     from benchmarks.peers import olmo
 
     assert _counts(olmo, 1000, ELASTIC_FAULTS) == {
@@ -203,7 +209,7 @@ def test_grain_refuses_a_filter_and_packing_and_mixes_in_lockstep_only():
 
 @pytest.mark.slow  # a gloo group of rank processes per launch
 def test_litdata_refuses_a_mixture_at_another_world_size():
-    pytest.importorskip("litdata", reason="litdata: installed with --target, see benchmarks/README.md")
+    pytest.importorskip("litdata", reason=f"litdata {APART}")
     results = _case_counts("mixture", "lit")
     refusal = "support resume only when world_size, num_workers, and batch_size match the checkpoint"
     assert refusal in results["4→3"]["cannot_resume"] and refusal in results["4→3 uneven"]["cannot_resume"]
