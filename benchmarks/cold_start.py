@@ -24,11 +24,11 @@ torch: 63-67 ms of CPU against 16-18 ms from bytecode, torch's own import 1.2-1.
 
 from __future__ import annotations
 
+import argparse
 import compileall
 import json
 import os
 import shutil
-import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -36,7 +36,7 @@ from dataclasses import replace
 from functools import partial
 from pathlib import Path
 
-from benchmarks.config import QUICK, Config
+from benchmarks.config import FULL, QUICK, Config
 from benchmarks.environment import environment
 from benchmarks.first_batch import loader_of
 from benchmarks.memory import in_child
@@ -52,6 +52,7 @@ PACKED = {"seq_len": 512, "rows": 64, "fill": 0.99, "eos": 0}
 PARTS = ("start -> imports", "build", "state load", "first batch")  # the wall time's split
 PEERS = {"map": ("grain_index", "lit"), "packed": ("olmo",)}
 CLOCKS = {"wall": "s", "cpu": "CPU s"}
+RECHECKED = ("map", "webdataset-cold", "webdataset-warm")  # what `recheck` runs alone
 EVERY_POSITION = ("map",)  # ours at every position with every worker count; elsewhere with 0 workers (the middle
 # with more): each run is a fresh process of seconds on a 2-core VM
 
@@ -188,7 +189,7 @@ def _local(cfg: Config, directory: Path) -> tuple[list[dict], list[str]]:
     return cases, notes
 
 
-def _remote(cfg: Config, directory: Path) -> tuple[list[dict], list[str]]:
+def _remote(cfg: Config, directory: Path, warmths: tuple[str, ...] = ("warm", "cold")) -> tuple[list[dict], list[str]]:
     """The WebDataset pipeline through the node cache, warm and cold, every worker count (moto's S3 server)."""
     from benchmarks.wds import KEYS, write_shards
     from benchmarks.wds_remote import _missing
@@ -211,7 +212,7 @@ def _remote(cfg: Config, directory: Path) -> tuple[list[dict], list[str]]:
         prepare_indexes(urls, storage_options=options)  # next to the shards: what a cold node reads
         # every copy fits (a warm cache holds them all), and what the most workers keep open besides
         limit = (len(local) + 2 * max(cfg.cold_workers) + 4) * (max(map(os.path.getsize, local)) + 8192)
-        for warmth in ("warm", "cold"):
+        for warmth in warmths:
             cache = directory / f"cache-{warmth}"
             spec = {
                 "pipeline": "webdataset",
@@ -259,19 +260,30 @@ def run(cfg: Config) -> dict:
     }
 
 
-def recheck(reps: int, out: Path) -> dict:
-    """The map-style pipeline alone, 0 workers, DataLoader and ours at the three positions, `reps` rounds: more
-    rounds for a row that the section's few leave open, in minutes instead of the section's half hour."""
+def recheck(reps: int, out: Path, pipeline: str = "map", workers: tuple[int, ...] = (0,)) -> dict:
+    """One pipeline alone, DataLoader and ours (at the three positions with 0 workers, the middle with more),
+    `reps` rounds: more rounds for a row that the section's few leave open, in minutes instead of the section's
+    half hour. `pipeline`: map (quick mode's sizes, the same as full mode's), or webdataset-cold / webdataset-warm
+    (full mode's shards)."""
     _compile()
-    cfg = replace(QUICK, cold_reps=reps, cold_workers=(0,))
-    spec = {"pipeline": "map", "n": cfg.cold_samples, "torch_shuffle": True, "batch_size": BATCH, "num_workers": 0}
+    cfg = replace(QUICK if pipeline == "map" else FULL, cold_reps=reps, cold_workers=workers)
     with tempfile.TemporaryDirectory(prefix="loader-bench-cold-") as name:
-        case = _case(cfg, Path(name), "map", spec, cfg.cold_samples, {})
-    result = {"environment": environment("cpu"), "config": {"cold_reps": reps, "warmup": cfg.warmup}}
-    result |= {"case": case, "rows": _rows(case)}
+        if pipeline == "map":
+            spec = {"pipeline": "map", "n": cfg.cold_samples, "torch_shuffle": True, "batch_size": BATCH}
+            cases = [_case(cfg, Path(name), "map", {**spec, "num_workers": w}, cfg.cold_samples, {}) for w in workers]
+        else:
+            cases, _ = _remote(cfg, Path(name), warmths=(pipeline.removeprefix("webdataset-"),))
+    result = {"environment": environment("cpu"), "config": {"cold_reps": reps, "warmup": cfg.warmup, "mode": cfg.mode}}
+    result |= {"cases": cases, "tables": _table(cases), "rows": [r for case in cases for r in _rows(case)]}
     out.write_text(json.dumps(result, indent=1) + "\n")
     return result
 
 
-if __name__ == "__main__":  # python -m benchmarks.cold_start REPS OUT.json
-    recheck(int(sys.argv[1]), Path(sys.argv[2]))
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=recheck.__doc__)
+    parser.add_argument("reps", type=int, help="rounds after the warm-up")
+    parser.add_argument("out", type=Path, help="the JSON result")
+    parser.add_argument("--pipeline", default="map", choices=RECHECKED)
+    parser.add_argument("--workers", type=int, nargs="+", default=[0], help="num_workers, each a case")
+    args = parser.parse_args()
+    recheck(args.reps, args.out, args.pipeline, tuple(args.workers))

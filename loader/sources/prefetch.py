@@ -91,13 +91,19 @@ class Prefetcher:
 
     def follow(self, batches: Iterable[T], in_flight: int) -> Iterator[T]:
         """``batches`` unchanged, with the shards of the ``in_flight`` last ones and of the next ``depth`` shards'
-        worth kept in the cache by a thread that lives as long as this iteration."""
+        worth kept in the cache by a thread that lives as long as this iteration.
+
+        Nothing is read ahead until the loader delivered a batch (it asks for one past those in flight): a download
+        past the batches in flight would share the store's bandwidth and the node's CPUs with the one the first
+        batch waits on, a restart's cold cache (section 14 of the benchmarks), and gains nothing before anyone
+        consumes a batch."""
         plan = _Plan()
         threading.Thread(target=self._run, args=(plan,), name="loader-prefetch", daemon=True).start()
         dispatched: deque[list[int]] = deque()
         ahead: deque[tuple[T, list[int]]] = deque()
         current, upcoming = _Counts(), _Counts()
         source, exhausted = iter(batches), False
+        reading_ahead = False  # past the batches in flight: only once one was delivered (see the docstring)
         try:
             while True:
                 changed = False
@@ -115,10 +121,12 @@ class Prefetcher:
                 batch, shards = ahead.popleft()
                 changed |= upcoming.remove(shards) | current.add(shards)
                 dispatched.append(shards)
-                if len(dispatched) > in_flight:
-                    changed |= current.remove(dispatched.popleft())
+                if len(dispatched) > in_flight:  # the loader asks past those in flight once it delivered one
+                    changed |= current.remove(dispatched.popleft()) | (not reading_ahead)
+                    reading_ahead = True
                 if changed:
-                    plan.set(tuple(current) + tuple(s for s in upcoming if s not in current))
+                    later = tuple(s for s in upcoming if s not in current) if reading_ahead else ()
+                    plan.set(tuple(current) + later)
                 yield batch
         finally:
             plan.stop()
