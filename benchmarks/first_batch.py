@@ -1,7 +1,9 @@
 """One cold start of section 14: `python -m benchmarks.first_batch SPEC.json` starts, imports what one pipeline
 needs, builds its loader, reads and loads its state file, takes the first batch, and prints one JSON line: the
 `time.monotonic()` (a system-wide clock on Linux, so the parent's clock before it started the process is comparable)
-at which each of those ended, and the CPU seconds of this process and its workers at the first batch.
+at which each of those ended, and the CPU seconds of this process and its workers at the first batch (both taken
+while the loader's iterator lives: dropping it joins its workers, no part of a first batch, and reaped workers'
+CPU seconds are no longer a descendant's).
 
 Only the standard library is imported at module level: every import a pipeline needs happens inside it and is
 timed, as a restarted job pays it. A spec (written by `benchmarks.cold_start`): `system` (torch, ours, or a peer
@@ -15,7 +17,7 @@ from __future__ import annotations
 import json
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -55,7 +57,7 @@ def read_state(path: str) -> Any:
     return state["bytes"].encode() if isinstance(state, dict) and set(state) == {"bytes"} else state
 
 
-def _torch(spec: dict, stamp: Stamp) -> Any:
+def _torch(spec: dict, stamp: Stamp) -> Iterator:
     """torch's DataLoader starting the epoch: the cold start every other is read against (it has no resume)."""
     from torch.utils.data import DataLoader
 
@@ -65,7 +67,7 @@ def _torch(spec: dict, stamp: Stamp) -> Any:
     )
     stamp("built")
     stamp("loaded")
-    return next(iter(dl))
+    return iter(dl)
 
 
 def loader_of(spec: dict) -> Any:
@@ -86,7 +88,7 @@ def loader_of(spec: dict) -> Any:
     )
 
 
-def _ours(spec: dict, stamp: Stamp) -> Any:
+def _ours(spec: dict, stamp: Stamp) -> Iterator:
     import loader  # noqa: F401  (imported first, so that its import is not counted as construction)
 
     stamp("imported")
@@ -94,17 +96,17 @@ def _ours(spec: dict, stamp: Stamp) -> Any:
     stamp("built")
     dl.load_state_dict(read_state(spec["state"]))
     stamp("loaded")
-    return next(iter(dl))
+    return iter(dl)
 
 
-def _peer(spec: dict, stamp: Stamp) -> Any:
-    """A peer's resume through its adapter's `first_batch` (build, load, first batch: not split)."""
+def _peer(spec: dict, stamp: Stamp) -> Iterator:
+    """A peer's resume through its adapter's `first_batch` (build, load, first batch: not split; num_workers=0)."""
     import importlib
 
     peer = importlib.import_module(f"benchmarks.peers.{spec['system']}").PEER
     stamp("imported")
     state = read_state(spec["state"])
-    return peer.first_batch(spec["n"], Path(spec["data"]), spec["batch_size"], state)
+    return iter([peer.first_batch(spec["n"], Path(spec["data"]), spec["batch_size"], state)])
 
 
 def main(spec_path: str) -> dict:
@@ -115,8 +117,9 @@ def main(spec_path: str) -> dict:
         stamps[what] = time.monotonic()
 
     run = {"torch": _torch, "ours": _ours}.get(spec["system"], _peer)
-    run(spec, stamp)
-    stamp("first")
+    batches = run(spec, stamp)
+    next(batches)
+    stamp("first")  # and the CPU seconds, while the iterator and its workers live: dropping it joins them
     return {"stamps": stamps, "cpu_s": time.process_time() + sum(descendants().values())}
 
 
