@@ -181,7 +181,7 @@ def test_a_cache_full_of_pinned_files_names_the_minimum(tmp_path):
         cache.fetch("c", 10_000, writer("c", 10_000))
     for fd in pins:
         os.close(fd)
-    assert cache.fetch("c", 10_000, writer("c", 10_000)).fetched
+    assert cache.fetch("c", 10_000, writer("c", 10_000)).fresh
 
 
 def test_plans_of_dead_processes_are_dropped(tmp_path):
@@ -233,7 +233,7 @@ def test_a_reader_releases_its_own_pins_before_waiting_for_room(tmp_path):
         released.append(True)
 
     got = cache.fetch("c", 10_000, writer("c", 10_000), pin=True, release=release)
-    assert released == [True] and got.fetched
+    assert released == [True] and got.fresh
     with open(got.path, "rb") as f:
         assert f.read() == content("c", 10_000)
     os.close(got.fd)
@@ -248,6 +248,19 @@ def test_a_wait_for_room_that_nothing_can_end_fails_at_once_naming_the_minimum(t
         cache.fetch("big", 17_000, writer("big", 17_000))  # 5 blocks, a checksum and the counters: 7 blocks
 
 
+def test_a_copy_made_since_the_cache_was_opened_is_fresh_in_every_process_of_the_run(tmp_path):
+    """Fresh: the process that made it checked the server's version then, so its readers need not ask again
+    (RemoteShards.open_copy); a copy made before a cache was opened (a restart's) is not."""
+    cache = ShardCache(tmp_path / "c", 100_000)
+    cache.opened_ns -= 10**9  # opened a second ago: a file's time is a clock tick coarse
+    worker = pickle.loads(pickle.dumps(cache))  # as a DataLoader worker gets it: opened with its loader's cache
+    assert cache.fetch("a", 10_000, writer("a", 10_000)).fresh  # made here
+    assert worker.fetch("a", 10_000, writer("a", 10_000)).fresh  # made by another process of the run
+    restarted = ShardCache(tmp_path / "c", 100_000)
+    assert not restarted.fetch("a", 10_000, writer("a", 10_000)).fresh
+    assert cache.stats()["downloads"] == 1
+
+
 def test_a_copy_whose_bytes_changed_on_disk_fails_its_check_in_another_process(tmp_path):
     cache = ShardCache(tmp_path / "c", 100_000)
     got = cache.fetch("a", 30_000, writer("a", 30_000), pin=True)
@@ -260,6 +273,6 @@ def test_a_copy_whose_bytes_changed_on_disk_fails_its_check_in_another_process(t
     os.close(got.fd)
     other.discard("a")
     again = other.fetch("a", 30_000, writer("a", 30_000), pin=True)
-    assert again.fetched and other.verify("a", again.fd)
+    assert again.fresh and other.verify("a", again.fd)
     os.close(again.fd)
     assert cache.stats() == {"downloads": 2, "downloaded_bytes": 60_000, "damaged_copies": 1, "cache_misses": 2}

@@ -11,6 +11,7 @@ import logging
 import os
 import pickle
 import threading
+import time
 from types import SimpleNamespace
 from urllib.parse import urlparse
 
@@ -298,19 +299,26 @@ def test_the_index_reads_headers_only_and_can_be_stored_next_to_the_shards(s3, t
 
 
 def test_a_shard_changed_on_the_server_is_refused_even_with_an_old_copy_cached(s3, shard_dir, tmp_path):
+    """A copy made in this run (its cache opened before it) was checked against the server when it was made: the
+    run's workers read it as indexed. One made before a restart is checked again (a HEAD request), and a shard
+    never downloaded is checked before its copy is made: a changed shard is refused there, naming its URL."""
     pattern = new_bucket(s3, "changing", shard_dir)
     source = remote_source(s3, tmp_path, pattern, keys=("cls", "txt"), decode=())
+    source._remote.cache.opened_ns -= 10**9  # opened a second ago: a file's time is a clock tick coarse
     original = source[0]  # shard 0 is downloaded and cached
     for shard in ("train-000000.tar", "train-000001.tar"):  # same size and tar headers, one byte of a member
         data = bytearray(s3.fs.cat_file(f"changing/{shard}"))
         at = data.index(b"sample ")
         data[at] = ord("S")
         s3.fs.pipe_file(f"changing/{shard}", bytes(data))
-    worker = pickle.loads(pickle.dumps(source))  # a worker opening shard 0 now; its old copy is in the cache
-    with pytest.raises(StaleIndexError, match="s3://changing/train-000000.tar changed on the server"):
-        worker[0]
+    worker = pickle.loads(pickle.dumps(source))  # a worker opening shard 0 now; the run's copy is in the cache
+    assert worker[0] == original and "damaged_copies" not in worker.cache_stats()  # the indexed version's bytes
     with pytest.raises(StaleIndexError, match="s3://changing/train-000001.tar changed on the server"):
         worker[PER_SHARD]  # never downloaded: refused before its copy is made
+    restarted = pickle.loads(pickle.dumps(source))
+    restarted._remote.cache.opened_ns = time.time_ns()  # as a restart's cache, opened after the copy was made
+    with pytest.raises(StaleIndexError, match="s3://changing/train-000000.tar changed on the server"):
+        restarted[0]
     fresh = remote_source(s3, tmp_path, pattern, keys=("cls", "txt"), decode=())  # indexes the new versions
     assert fresh[0] == (original[0], "Sample 0") and original[1] == "sample 0"
 

@@ -19,7 +19,10 @@ Every copy has a checksum (CRC-32 of its bytes, taken from the finished download
 ``sums/<name>``, counted and evicted with it. A process opening a copy it did not download checks it once
 (``verify``: one read of the copy, about 0.5 s of CPU per GB), so a copy whose bytes rot on disk is discarded and
 downloaded again, never served; checking on every sample would cost that per sample. A copy without a checksum
-(made by an older version) is downloaded again.
+(made by an older version) is downloaded again. A copy is *fresh* (``Fetched.fresh``) when its checksum was
+recorded since the cache was opened (in this process, or in the one that started its workers): a process of the
+node downloaded it during this run, checking the server's version before and after, so its readers need not ask
+the server again (``RemoteShards.open_copy``).
 
 Why not a library's cache: fsspec's ``filecache``/``simplecache``/``blockcache`` have no size limit (only an
 expiry time), no lock between processes (two workers download one file twice, both writing the final name) and
@@ -59,6 +62,7 @@ _UNITS = {
 }
 _SIZE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*")
 _POLL_S = (0.005, 0.2)  # first and longest pause between looks while waiting for another process
+_DOWNLOAD_POLL_S = 0.02  # the longest while another process downloads the file: its readers start this soon after
 RELEASE_AFTER_S = 0.5  # a reader short of room drops its own pins after this long without progress: sooner, the
 # copies it still reads would be evicted (and downloaded again) for room a prefetch about to start would have made
 COPY, INDEX, PARTIAL, SUM, OTHER = "copy", "index", "partial", "sum", "other"
@@ -186,11 +190,12 @@ class _Room(NamedTuple):
 
 
 class Fetched(NamedTuple):
-    """A complete copy: its path, a descriptor pinning it (None unless asked for) and whether this call fetched it."""
+    """A complete copy: its path, a descriptor pinning it (None unless asked for) and whether it is fresh: made
+    since the cache was opened (by this call or another process of the node), so checked when it was made."""
 
     path: str
     fd: int | None
-    fetched: bool
+    fresh: bool
 
 
 class ShardCache:
@@ -211,11 +216,18 @@ class ShardCache:
         self._plan_pid = -1
         self._verified: dict[str, tuple] = {}  # copies this process downloaded or checked: name -> their stat
         self._verified_pid = os.getpid()
+        self.opened_ns = time.time_ns()  # copies whose checksum is newer are fresh (see the module docstring)
         with self._locked():
             self.count()  # the counters' file exists before any download needs its room
 
     def __getstate__(self) -> dict:
-        return {"directory": self.directory, "limit": self.limit, "wait_s": self.wait_s, "_block": self._block}
+        return {  # a spawned worker's cache is opened when its loader's was
+            "directory": self.directory,
+            "limit": self.limit,
+            "wait_s": self.wait_s,
+            "_block": self._block,
+            "opened_ns": self.opened_ns,
+        }
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state, _plan_fd=None, _plan_pid=-1, _verified={}, _verified_pid=os.getpid())
@@ -429,9 +441,10 @@ class ShardCache:
                 if os.path.exists(path):
                     if rank is None:
                         self.count(**{"cache_misses" if missed else "cache_hits": 1})
-                    return Fetched(path, self._pin(path) if pin else None, False)
+                    return Fetched(path, self._pin(path) if pin else None, self._fresh(name))
                 missed = True
-                if self._held(partial):
+                downloading = self._held(partial)
+                if downloading:
                     progress = os.stat(partial).st_size  # another process is downloading it: wait while it grows
                     stalled = TimeoutError(
                         f"waited {self.wait_s:.0f} s for another process's download of {name} to progress"
@@ -455,7 +468,7 @@ class ShardCache:
             elif time.monotonic() > deadline:
                 raise stalled
             time.sleep(pause)
-            pause = min(2 * pause, _POLL_S[1])
+            pause = min(2 * pause, _DOWNLOAD_POLL_S if downloading else _POLL_S[1])
         try:
             try:
                 fill(partial)
@@ -521,6 +534,14 @@ class ShardCache:
         if self._verified_pid != os.getpid():
             self._verified, self._verified_pid = {}, os.getpid()
         return self._verified
+
+    def _fresh(self, name: str) -> bool:
+        """Whether the copy's checksum was recorded since this cache was opened (see the module docstring): a
+        clock's tick either way reads as not fresh, which only asks the server once more."""
+        try:
+            return os.stat(self._sum_path(name)).st_mtime_ns >= self.opened_ns
+        except FileNotFoundError:
+            return False
 
     def verify(self, name: str, fd: int) -> bool:
         """Whether the copy open at ``fd`` still has the checksum taken when it was downloaded. Read once per

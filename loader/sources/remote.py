@@ -4,7 +4,8 @@ A remote shard is pinned to the version it was indexed at: its size, its modific
 the server gives (ETag, GCS generation; Last-Modified when there is nothing else). The index records them (in
 the fields that hold a local shard's size, mtime and identity), and every use checks them again: building the
 index (before and after its ranged reads), downloading a copy (before and after the transfer, then every tar
-header of the copy against the index) and opening a copy made earlier (a HEAD request). A shard changed on the
+header of the copy against the index) and opening a copy made before the node's cache was opened (a HEAD
+request; a copy made since was checked by the download that made it, moments before). A shard changed on the
 server is refused with ``StaleIndexError`` naming its URL, also when an older copy is still in the cache: copies
 are named by URL and version, so another version is never taken for this one.
 
@@ -441,19 +442,21 @@ class RemoteShards:
         """A descriptor (pinned against eviction) and path of a verified copy of this version; ``release`` drops
         the caller's open copies when the cache has no room for this one without their space.
 
-        A copy made earlier is used only while the server still has this version (one HEAD request), while its
-        size, mtime, first block and a spread of member headers read back as indexed, and while its bytes have
-        the checksum taken at its download (read once per process: ``ShardCache.verify``); otherwise it is
-        discarded (``damaged_copies`` in the cache's stats) and fetched again.
+        A copy made before the cache was opened is used only while the server still has this version (one HEAD
+        request; one made since, ``Fetched.fresh``, was checked against the server by its download, during this
+        run: a worker asking again would pay a session of its own before its first batch, 1 s here), and every
+        copy only while its size, mtime, first block and a spread of member headers read back as indexed, and while
+        its bytes have the checksum taken at its download (read once per process: ``ShardCache.verify``);
+        otherwise it is discarded (``damaged_copies`` in the cache's stats) and fetched again.
         """
         name, fill = shard.copy_name(), lambda dest: self.download(shard, index, dest)
         assert self.cache is not None, NO_CACHE
         for _ in range(2):
             copy = self.cache.fetch(name, shard.size, fill, pin=True, release=release)
             assert copy is not None and copy.fd is not None, "a reader's fetch waits for its copy, pinned"
-            path, fd, fetched = copy.path, copy.fd, copy.fetched
+            path, fd, fresh = copy.path, copy.fd, copy.fresh
             try:
-                if not fetched:
+                if not fresh:  # made before the cache was opened: the server may have another version since
                     self.check_current(shard)
                 if describes_file(index, fd) and self.cache.verify(name, fd):
                     return fd, path
