@@ -65,11 +65,19 @@ def positions(n: int, batch: int) -> dict[str, int]:
 
 def cold_start(spec_path: Path, timeout_s: float, before: Callable[[], None] | None = None) -> dict[str, float]:
     """One fresh process to its first batch: wall and CPU seconds and the wall time's parts (`PARTS`); `before`
-    runs first, untimed (emptying a cache)."""
-    if before is not None:
-        before()
-    start = time.monotonic()
-    out = in_child("benchmarks.first_batch", [str(spec_path)], timeout_s)
+    runs first, untimed (emptying a cache). A child that fails is run once more, said (OLMo-core's aborted once in
+    hundreds at its interpreter's exit: "terminate called without an active exception"); a second failure raises."""
+    for attempt in (1, 2):
+        if before is not None:
+            before()
+        start = time.monotonic()
+        try:
+            out = in_child("benchmarks.first_batch", [str(spec_path)], timeout_s)
+            break
+        except RuntimeError as exn:
+            if attempt == 2:
+                raise
+            say("cold-start", f"{spec_path.name} failed, run again: {str(exn)[-300:]}")
     if "timed_out_s" in out:
         raise RuntimeError(f"{spec_path.name}: no first batch within {timeout_s:.0f} s")
     s = out["stamps"]
