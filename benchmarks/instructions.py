@@ -151,8 +151,9 @@ def main() -> None:
             if r["target"] is None
             else f"  target {r['target']}: " + {True: "met", False: "MISSED"}.get(r["met"], "not resolved")
         )
-        spread = "" if r["min"] == r["max"] else f" ({number(r['min'])} - {number(r['max'])})"
-        print(f"  {r['what']:60s} {number(r['median'])}{spread}{met}")
+        shown = (lambda v: f"{v:.4f}") if r["unit"] == "x" else number  # a ratio to 0.1 %
+        spread = "" if r["min"] == r["max"] else f" ({shown(r['min'])} - {shown(r['max'])})"
+        print(f"  {r['what']:60s} {shown(r['median'])}{spread}{met}")
     base = summary(values[TORCH.name])["median"]
     for c in MEASURED[1:]:
         extra = summary(values[c.name])["median"] - base
