@@ -848,7 +848,7 @@ class ResumableDataLoader(DataLoader[T_co]):
             )
         else:
             assert self._stream is not None, _EITHER
-            self._stream.world_size, self._stream.rank = world_size, rank
+            self._stream.place(world_size, rank)
         self._rank, self._world_size = rank, world_size
 
     @property
@@ -1436,16 +1436,19 @@ class ResumableDataLoader(DataLoader[T_co]):
         Under torch.distributed it also checks that the ranks are in lockstep, so that this state may stand for
         every rank (see `loader.checkpoint.lockstep`); a state taken otherwise is marked and warned about.
         `check_lockstep=False` is for callers that gather every rank's state anyway."""
+        # no rank resolution: before the first iter() nothing was delivered, and a state without progress means
+        # the same under any layout
         stream = self._stream
-        progress = stream or self.resumable_sampler
-        assert progress is not None, _EITHER
-        state = progress.state_dict()  # no rank resolution: before the first iter() nothing was delivered, and a
-        # state without progress means the same under any layout
-        if self._tails and self.ledger is not None and stream is not None and stream.settled:  # this state holds
-            self._record_tails(self.ledger.step)  # their workers' ends: it consumes them, after the step it stands for
-        if check_lockstep and self._stream is None and self._world_size > 1:
-            assert self.resumable_sampler is not None, _MAP_STYLE
-            mark = self._lockstep.check(self._rank, self._world_size, self.resumable_sampler.progress_id)
+        if stream is not None:  # a stream's state is its rank's alone: no lockstep to check
+            state = stream.state_dict()
+            if self._tails and self.ledger is not None and stream.settled:  # this state holds their workers' ends:
+                self._record_tails(self.ledger.step)  # it consumes them, after the step it stands for
+            return state
+        sampler = self.resumable_sampler
+        assert sampler is not None, _EITHER
+        state = sampler.state_dict()
+        if check_lockstep and self._world_size > 1:
+            mark = self._lockstep.check(self._rank, self._world_size, sampler.progress_id)
             if mark is not None:
                 warn_out_of_step(self._rank, mark)
                 state = {**state, "lockstep": mark}

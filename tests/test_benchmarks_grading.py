@@ -5,6 +5,7 @@ the clock is a counter here, and the processes are only found, not measured."""
 import subprocess
 import sys
 import types
+from pathlib import Path
 
 import pytest
 
@@ -98,3 +99,33 @@ def test_the_table_says_not_resolved_with_the_quartiles():
 )
 def test_a_peers_throughput_cell_is_a_number_only_where_the_rounds_resolve_parity(ratios, cell):
     assert _ratio(summary(ratios)) == cell
+
+
+def test_the_instruction_counts_are_read_per_candidate_and_round_and_graded_as_a_speed(tmp_path):
+    """benchmarks.instructions without valgrind: callgrind's dumps (one before each mark) read back in order, each
+    measured run's dump given to its candidate per batch, and DataLoader's count over ours read against 0.98."""
+    from benchmarks.instructions import MEASURED, per_batch, rows, totals
+
+    for k, total in enumerate([7, 100, 9, 200, 9, 204], start=1):
+        (tmp_path / f"out.{k}").write_text(f"events: Ir\nsummary: {total}\ntotals: {total}\n")
+    (tmp_path / "out.7").write_text("events: Ir\nsummary: 5\n")  # at exit, after the last mark
+    dumps = totals(tmp_path)
+    assert dumps == [7, 100, 9, 200, 9, 204, 5]
+    values = per_batch(dumps, 6, MEASURED, batches=2)
+    assert values == {"DataLoader": [50.0], "ResumableDataLoader": [100.0], "ResumableDataLoader+state_dict": [102.0]}
+    graded = {r["what"]: r for r in rows(values)}
+    checkpointing = graded["ResumableDataLoader+state_dict / DataLoader (instructions)"]
+    assert checkpointing["median"] == pytest.approx(50 / 102) and checkpointing["met"] is False
+    with pytest.raises(RuntimeError, match="another caller of zlib.adler32"):
+        per_batch(dumps[:4], 6, MEASURED, batches=2)
+
+
+def test_the_instruction_count_without_valgrind_says_so_and_exits_cleanly(tmp_path):
+    done = subprocess.run(
+        [sys.executable, "-m", "benchmarks.instructions"],
+        env={"PATH": str(tmp_path), "PYTHONPATH": str(Path(__file__).resolve().parent.parent)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0 and "valgrind is not on PATH: nothing measured" in done.stdout, done.stderr

@@ -24,17 +24,16 @@ from loader.streams.shards import ShardProgress, is_sharded, shard_digest
 from loader.streams.source import Plan, StreamSource, check_loadable, is_stateful, standing
 from loader.streams.state import (
     RNG,
+    PassState,
     RankStream,
     Shards,
     check_identity,
     check_payloads,
     rank_streams,
     regathered,
-    snapshot_check,
     snapshot_dict,
     snapshot_of,
     stream_identity,
-    stream_state,
 )
 
 _ENDED_ELSEWHERE = (0, True, None, None, (0, 0), None)  # a snapshot (see `loader.streams.state.BATCHES`)
@@ -60,13 +59,15 @@ class StreamProgress:
             names = list(dataset.shards())
             self.shards = Shards(len(names), shard_digest(names), seed, bool(shuffle), ShardProgress(len(names)))
         self.source: StreamSource | None = None
-        self._checks = [(None, None)] * self.workers  # per worker: a snapshot and its checksum (`_serialised`)
-        self._origin_checks = [(None, None)] * self.workers
+        self._pass_state: PassState | None = None  # a state's fields that stay while a pass runs; None: to build
+        # again, after one of them changed (`_start`, `started`, `_rebase`, `place`)
+        self._seen: list[tuple | None] = [None] * self.workers  # per worker, the snapshot last serialised and its
+        self._checks: list[int | None] = [None] * self.workers  # check (see `_serialised`)
         self._pass_id, self._rotation = 0, 0
         self._reusable = False  # persistent workers ended their pass cleanly, unrotated: they may go on as they are
         self._origins_live = False  # the main process's dataset stands at the origin (it ran the pass that ended)
         self._running = False  # a torch iterator runs the current pass (an empty pass after set_epoch() has none)
-        self._unread = True  # no pass of this loader read the dataset, and no state was loaded: see `_origins`
+        self._unread = True  # no pass of this loader read the dataset, and no state was loaded: see `_standing_origin`
         self._start(0, (None,) * self.workers)
 
     def attach(
@@ -99,12 +100,22 @@ class StreamProgress:
     ) -> None:
         self.epoch, self.delivered, self.exhausted, self.ended = epoch, delivered, exhausted, ended
         self.origins, self.base_seed, self.next_worker = origins, base_seed, next_worker
+        self._pass_state = None
         self.latest = list(latest or (None,) * self.workers)
         self._pass_id, self._running = self._pass_id + 1, False
         self._commit()
 
     def _commit(self) -> None:
         self._committed = (self.delivered, tuple(self.latest), self.next_worker)
+
+    def place(self, world_size: int, rank: int) -> None:
+        """The rank this stream is read as, resolved at the first iter() (nothing was delivered before): a sharded
+        stream's shards are dealt to it again (dealt at another world size, every rank read all of them)."""
+        self.world_size, self.rank, self._pass_state = world_size, rank, None
+        if self.source is not None:
+            self.source.rank = rank
+            if self.shards is not None:
+                self._rebase(self.shards)
 
     @cached_property
     def identity(self) -> dict:
@@ -148,7 +159,7 @@ class StreamProgress:
             return
         self._rotation = plan.rotation
         if self.num_workers and plan.base_seed is None:
-            self.base_seed = torch_iterator._base_seed
+            self.base_seed, self._pass_state = torch_iterator._base_seed, None
         assert self.source is not None, "attach() made the dataset that torch iterates"
         if not self.num_workers and self.latest[0] is None and self.source._live is not None:
             self.latest[0] = self.source._live.snapshot(ended=False)
@@ -213,47 +224,51 @@ class StreamProgress:
 
     def state_dict(self) -> dict:
         delivered, latest, next_worker = self._committed
-        return stream_state(
+        passing = self._pass_state or self._new_pass_state()
+        return passing.state(delivered, self.exhausted, self.ended, next_worker, self._serialised(latest))
+
+    def _new_pass_state(self) -> PassState:
+        """The state's fields that stay while the pass runs, kept until one of them changes; not while the pass's
+        origin is the dataset as it stands (see `_standing_origin`), which can move before the pass."""
+        standing_now = self._standing_origin()
+        origins = (standing(self.dataset),) if standing_now else self.origins
+        passing = PassState(
             self.world_size,
             self.rank,
             self.epoch,
-            delivered,
-            self.exhausted,
-            self.ended,
             self.num_workers,
             self.base_seed,
-            next_worker,
-            self._serialised(self._origins(), self._origin_checks),
-            self._serialised(latest, self._checks),
+            [None if o is None else snapshot_dict(o) for o in origins],
             self.shards,
             self.identity,
         )
+        if not standing_now:
+            self._pass_state = passing
+        return passing
 
-    @staticmethod
-    def _serialised(snapshots: Sequence[tuple | None], checks: list) -> list:
-        """The snapshots as a state holds them. Each one's checksum is computed once, kept in `checks` (per worker,
-        the snapshot it is of and the checksum): a worker that delivered nothing since the last state, or the origin
-        of a pass, keeps its snapshot."""
+    def _serialised(self, snapshots: Sequence[tuple | None]) -> list:
+        """The snapshots as a state holds them, new dicts. Each one's check is computed once: a worker that
+        delivered nothing since the last state keeps its snapshot, and its check."""
+        seen, checks = self._seen, self._checks
         serialised: list[dict | None] = []
         for worker, snapshot in enumerate(snapshots):
-            check = None
-            if snapshot is not None:
-                seen, check = checks[worker]
-                if seen is not snapshot:
-                    check = snapshot_check(snapshot)
-                    checks[worker] = (snapshot, check)
-            serialised.append(snapshot_dict(snapshot, check))
+            if snapshot is None:
+                serialised.append(None)
+            elif snapshot is seen[worker]:
+                serialised.append(snapshot_dict(snapshot, checks[worker]))
+            else:
+                value = snapshot_dict(snapshot)
+                seen[worker], checks[worker] = snapshot, value["check"]
+                serialised.append(value)
         return serialised
 
-    def _origins(self) -> tuple:
-        """The origins a state holds. Before the loader's first pass at num_workers=0, the pass begins where the
-        main process's dataset stands now: its state, so that a resume rewinds the object if it moved on since (as
-        StatefulDataLoader's does). Not after a pass left it part way (set_epoch() to another epoch): its state
-        then says where that pass stood, which the next pass does not resume; nor with workers, each of which
-        starts from a copy of the main process's dataset, which the loader never moves."""
-        if self._unread and not self.num_workers and self.shards is None and self.origins[0] is None:
-            return (standing(self.dataset),)
-        return self.origins
+    def _standing_origin(self) -> bool:
+        """Whether a state's origin is the dataset as it stands now: before the loader's first pass at
+        num_workers=0, the pass begins where the main process's dataset stands, so that a resume rewinds the object
+        if it moved on since (as StatefulDataLoader's does). Not after a pass left it part way (set_epoch() to
+        another epoch): its state then says where that pass stood, which the next pass does not resume; nor with
+        workers, each of which starts from a copy of the main process's dataset, which the loader never moves."""
+        return self._unread and not self.num_workers and self.shards is None and self.origins[0] is None
 
     def check(self, state: Any) -> None:
         """Validate `state` in full, as load_state_dict does, changing nothing: on a fresh keeper of this
@@ -344,6 +359,6 @@ class StreamProgress:
         self._start(epoch, (None,) * self.workers, latest=ends, exhausted=consumed, ended=over)
 
     def _rebase(self, shards: Shards) -> None:
-        self.shards = shards
+        self.shards, self._pass_state = shards, None
         assert self.source is not None, "attach() made the source the shards are dealt to"
         self.source.deal = shards.deal(self.world_size, self.workers)

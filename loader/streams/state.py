@@ -19,7 +19,7 @@ import base64
 import binascii
 import inspect
 import zlib
-from collections.abc import Collection, Sequence
+from collections.abc import Collection
 from dataclasses import dataclass, replace
 from functools import cached_property
 from typing import Any
@@ -93,21 +93,41 @@ def _check_rng(text: object, where: str) -> None:
 BATCHES, ENDED, DATASET, ITERATOR, SHARD, RNG = range(6)
 
 
-def snapshot_dict(snapshot: tuple | None, check: int | None) -> dict | None:
-    """A snapshot as a state holds it, with `check`, its `snapshot_check`: a new dict each time, so that editing a
-    state taken changes nothing the loader holds."""
-    if snapshot is None:
-        return None
+# A check taken with every state is `checksum`'s CRC continued over the parts of its text: the repr of the count
+# that moves with every batch is formatted, the parts that stay (the rest of a rank's progress, a snapshot's end)
+# are formatted once per pass (`PassState`) or are constants (`_SNAPSHOT_ENDS`): the same CRC of the same text,
+# half the instructions of formatting it whole.
+_OPEN = zlib.crc32(b"(")
+_SNAPSHOT_ENDS = {ended: f", {ended!r}, None)".encode() for ended in (False, True)}  # of a plain stream's snapshot
+
+
+def snapshot_dict(snapshot: tuple, check: int | None = None) -> dict:
+    """A snapshot as a state holds it, a new dict each time, so that editing a state taken changes nothing the
+    loader holds; with its check, `checksum(batches, ended, shard)` (its shard as a list), computed here unless
+    given (the check of this snapshot computed before)."""
     batches, ended, dataset, iterator, shard, rng = snapshot
+    if shard is not None:
+        shard = list(shard)
+    if check is None:
+        end = _SNAPSHOT_ENDS[ended] if shard is None else f", {ended!r}, {shard!r})".encode()
+        check = zlib.crc32(repr(batches).encode() + end, _OPEN)
     return {
         "batches": batches,
         "ended": ended,
         "dataset": dataset,
         "iterator": iterator,
-        "shard": None if shard is None else list(shard),
+        "shard": shard,
         "rng": rng,
         "check": check,
     }
+
+
+def _copied(snapshot: dict) -> dict:
+    """A snapshot's serialised form as a new dict (a C-level copy), its shard a new list."""
+    copy = snapshot.copy()
+    if copy["shard"] is not None:
+        copy["shard"] = list(copy["shard"])
+    return copy
 
 
 def snapshot_of(value: dict | None) -> tuple | None:
@@ -132,13 +152,6 @@ def checksum(*progress: object) -> int:
     silently drop or repeat records; with it, such a state is refused. It guards against corruption and careless
     edits, not against someone who recomputes it."""
     return zlib.crc32(repr(progress).encode())
-
-
-def snapshot_check(snapshot: tuple) -> int:
-    """`checksum(batches, ended, shard)` of a snapshot, its shard as a list: the repr of that tuple formatted
-    directly (the same text, a third faster), as it is taken with every state."""
-    batches, ended, _, _, shard, _ = snapshot
-    return zlib.crc32(f"({batches!r}, {ended!r}, {None if shard is None else list(shard)!r})".encode())
 
 
 def _check_snapshot(value: dict, where: str, rank: int) -> None:
@@ -376,21 +389,17 @@ class RankStream:
     stream: dict | None
 
     def to_dict(self) -> dict:
-        return stream_state(
+        fixed = PassState(
             self.world_size,
             self.rank,
             self.epoch,
-            self.batches,
-            self.exhausted,
-            self.ended,
             self.num_workers,
             self.base_seed,
-            self.next_worker,
             list(self.origins),
-            list(self.workers),
             self.shards,
             self.stream,
         )
+        return fixed.state(self.batches, self.exhausted, self.ended, self.next_worker, list(self.workers))
 
     @classmethod
     def from_dict(cls, state: Any, where: str = "state") -> RankStream:
@@ -497,10 +506,9 @@ class RankStream:
 
 
 def _rank_check(epoch: int, batches: int, exhausted: bool, ended: bool, next_worker: int, shards: Shards | None) -> int:
-    """`checksum(epoch, batches, exhausted, ended, next_worker, the shards' check)`, formatted directly (as
-    `snapshot_check`): taken with every state."""
-    of_shards = None if shards is None else shards.check
-    return zlib.crc32(f"({epoch!r}, {batches!r}, {exhausted!r}, {ended!r}, {next_worker!r}, {of_shards!r})".encode())
+    """`checksum(epoch, batches, exhausted, ended, next_worker, the shards' check)` (`PassState` continues it with
+    every state)."""
+    return checksum(epoch, batches, exhausted, ended, next_worker, None if shards is None else shards.check)
 
 
 def _check_rank(
@@ -530,42 +538,65 @@ def _check_rank(
     )
 
 
-def stream_state(
-    world_size: int,
-    rank: int,
-    epoch: int,
-    batches: int,
-    exhausted: bool,
-    ended: bool,
-    num_workers: int,
-    base_seed: int | None,
-    next_worker: int,
-    origins: Sequence[tuple | None],
-    workers: Sequence[tuple | None],
-    shards: Shards | None,
-    stream: dict | None,
-) -> dict:
-    """A rank's stream state in its serialised form, built directly: the loader makes one per state_dict() call,
-    i.e. per step. `origins` and `workers`: the snapshots in their serialised form (`snapshot_dict`)."""
-    return {
-        "format": FORMAT,
-        "version": VERSION,
-        "kind": "stream",
-        "world_size": world_size,
-        "rank": rank,
-        "epoch": epoch,
-        "batches": batches,
-        "exhausted": exhausted,
-        "ended": ended,
-        "num_workers": num_workers,
-        "base_seed": base_seed,
-        "next_worker": next_worker,
-        "origins": origins,
-        "workers": workers,
-        "shards": None if shards is None else shards.serialised,
-        "stream": stream,
-        "check": _rank_check(epoch, batches, exhausted, ended, next_worker, shards),
-    }
+class PassState:
+    """What a rank's stream state holds that stays while a pass runs (its layout, epoch, base seed, origins, shards
+    and identity), built once per pass, and the state of its progress (`state`), built per state_dict() call, i.e.
+    per step: a copy of those fields (one C call: a 17-key dict built field by field costs twice its instructions)
+    with the progress set, and its check's CRC continued from the epoch's (see `_SNAPSHOT_ENDS`). `origins`: the
+    snapshots in their serialised form (`snapshot_dict`), kept here and copied into each state."""
+
+    def __init__(
+        self,
+        world_size: int,
+        rank: int,
+        epoch: int,
+        num_workers: int,
+        base_seed: int | None,
+        origins: list[dict | None],
+        shards: Shards | None,
+        stream: dict | None,
+    ) -> None:
+        self.fixed: dict[str, Any] = {
+            "format": FORMAT,
+            "version": VERSION,
+            "kind": "stream",
+            "world_size": world_size,
+            "rank": rank,
+            "epoch": epoch,
+            "batches": None,
+            "exhausted": None,
+            "ended": None,
+            "num_workers": num_workers,
+            "base_seed": base_seed,
+            "next_worker": None,
+            "origins": origins,
+            "workers": None,
+            "shards": None if shards is None else shards.serialised,
+            "stream": stream,
+            "check": None,
+        }
+        self._start = zlib.crc32(f"({epoch!r}, ".encode())
+        self._of_shards = None if shards is None else shards.check
+        self._ends: dict[tuple, bytes] = {}  # the check's text after `batches`, per (exhausted, ended, next worker)
+        self._origins_held = any(o is not None for o in origins)
+
+    def state(self, batches: int, exhausted: bool, ended: bool, next_worker: int, workers: list[dict | None]) -> dict:
+        """The state at this progress, a new dict, its origins copied, so that editing a state taken changes
+        nothing the loader holds. `workers`: the snapshots in their serialised form, new ones."""
+        state = self.fixed.copy()
+        state["batches"] = batches
+        state["exhausted"] = exhausted
+        state["ended"] = ended
+        state["next_worker"] = next_worker
+        origins = state["origins"]
+        state["origins"] = [None if o is None else _copied(o) for o in origins] if self._origins_held else [*origins]
+        state["workers"] = workers
+        key = (exhausted, ended, next_worker)
+        end = self._ends.get(key)
+        if end is None:
+            end = self._ends[key] = f", {exhausted!r}, {ended!r}, {next_worker!r}, {self._of_shards!r})".encode()
+        state["check"] = zlib.crc32(repr(batches).encode() + end, self._start)
+        return state
 
 
 def merge_stream_states(states: list[dict]) -> dict:
