@@ -36,7 +36,7 @@ from dataclasses import replace
 from functools import partial
 from pathlib import Path
 
-from benchmarks.config import FULL, QUICK, Config
+from benchmarks.config import FULL, Config
 from benchmarks.environment import environment
 from benchmarks.first_batch import loader_of
 from benchmarks.memory import in_child
@@ -46,13 +46,14 @@ from benchmarks.states import global_state_at
 from benchmarks.timing import interleave, result_of, summary
 
 BASELINE = "DataLoader"
+CONTROL = "DataLoader again"  # an A/A candidate (`Config.cold_control`)
 TARGET = "<= 1.1"  # ours / DataLoader's cold start, at every position (issue 32)
 BATCH = 64
 PACKED = {"seq_len": 512, "rows": 64, "fill": 0.99, "eos": 0}
 PARTS = ("start -> imports", "build", "state load", "first batch")  # the wall time's split
 PEERS = {"map": ("grain_index", "lit"), "packed": ("olmo",)}
 CLOCKS = {"wall": "s", "cpu": "CPU s"}
-RECHECKED = ("map", "webdataset-cold", "webdataset-warm")  # what `recheck` runs alone
+RECHECKED = ("map", "packed", "webdataset-cold", "webdataset-warm")  # what `recheck` runs alone
 EVERY_POSITION = ("map",)  # ours at every position with every worker count; elsewhere with 0 workers (the middle
 # with more): each run is a fresh process of seconds on a 2-core VM
 
@@ -134,6 +135,8 @@ def _case(cfg: Config, directory: Path, label: str, spec: dict, n: int, peers: d
         specs[f"ours at {where}"] = _write(directory, f"{tag}-ours-{where}", ours, _ours_state(ours, position))
     if workers == 0:
         specs |= peers
+    if cfg.cold_control:
+        specs[CONTROL] = specs[BASELINE]
     candidates = {name: partial(cold_start, path, cfg.cold_timeout_s, before) for name, path in specs.items()}
     load = os.getloadavg()[0]
     samples = interleave(candidates, cfg.cold_reps, cfg.warmup, f"cold start {label} workers={workers}", "s")
@@ -176,24 +179,27 @@ def _table(cases: list[dict]) -> list[str]:
     return lines
 
 
-def _local(cfg: Config, directory: Path) -> tuple[list[dict], list[str]]:
-    """The map-style and packed pipelines, every worker count."""
+def _local(
+    cfg: Config, directory: Path, pipelines: tuple[str, ...] = ("map", "packed"), peers: bool = True
+) -> tuple[list[dict], list[str]]:
+    """The map-style and packed pipelines, every worker count; `peers=False`: ours and DataLoader only."""
     from benchmarks.packing import write_documents
 
     tokens = directory / "documents.bin"
-    write_documents(tokens, cfg.cold_tokens, PACKED["seq_len"])
+    if "packed" in pipelines:
+        write_documents(tokens, cfg.cold_tokens, PACKED["seq_len"])
     specs = {
         "map": {"pipeline": "map", "n": cfg.cold_samples, "torch_shuffle": True},
         "packed": {"pipeline": "packed", "data": str(tokens), "torch_shuffle": True, **PACKED},
     }
     cases, notes = [], []
-    for label, spec in specs.items():
-        spec = {**spec, "batch_size": BATCH, "num_workers": 0}
+    for label in pipelines:
+        spec = {**specs[label], "batch_size": BATCH, "num_workers": 0}
         n = len(loader_of(spec).dataset)
-        peers, missing = _peer_specs(cfg, directory, label, n, spec)
+        resumed, missing = _peer_specs(cfg, directory, label, n, spec) if peers else ({}, [])
         notes += missing
-        say("cold-start", f"{label}: N={count(n)}, peers {', '.join(peers) or 'none'}")
-        cases += [_case(cfg, directory, label, {**spec, "num_workers": w}, n, peers) for w in cfg.cold_workers]
+        say("cold-start", f"{label}: N={count(n)}, peers {', '.join(resumed) or 'none'}")
+        cases += [_case(cfg, directory, label, {**spec, "num_workers": w}, n, resumed) for w in cfg.cold_workers]
     return cases, notes
 
 
@@ -268,19 +274,21 @@ def run(cfg: Config) -> dict:
     }
 
 
-def recheck(reps: int, out: Path, pipeline: str = "map", workers: tuple[int, ...] = (0,)) -> dict:
-    """One pipeline alone, DataLoader and ours (at the three positions with 0 workers, the middle with more),
-    `reps` rounds: more rounds for a row that the section's few leave open, in minutes instead of the section's
-    half hour. `pipeline`: map (quick mode's sizes, the same as full mode's), or webdataset-cold / webdataset-warm
-    (full mode's shards)."""
+def recheck(
+    reps: int, out: Path, pipeline: str = "map", workers: tuple[int, ...] = (0,), control: bool = False
+) -> dict:
+    """One pipeline alone, DataLoader and ours (at the three positions with 0 workers or map-style, the middle
+    otherwise), `reps` rounds: more rounds for a row that the section's few leave open, in minutes instead of the
+    section's half hour. `pipeline`: map or packed, or webdataset-cold / webdataset-warm, at full mode's sizes.
+    `control`: DataLoader against itself as well, the spread of a ratio of equals here (more rounds narrow the
+    median's uncertainty, not the rounds' quartiles that "not resolved" reads)."""
     _compile()
-    cfg = replace(QUICK if pipeline == "map" else FULL, cold_reps=reps, cold_workers=workers)
+    cfg = replace(FULL, cold_reps=reps, cold_workers=workers, cold_control=control)
     with tempfile.TemporaryDirectory(prefix="loader-bench-cold-") as name:
-        if pipeline == "map":
-            spec = {"pipeline": "map", "n": cfg.cold_samples, "torch_shuffle": True, "batch_size": BATCH}
-            cases = [_case(cfg, Path(name), "map", {**spec, "num_workers": w}, cfg.cold_samples, {}) for w in workers]
-        else:
+        if pipeline.startswith("webdataset-"):
             cases, _ = _remote(cfg, Path(name), warmths=(pipeline.removeprefix("webdataset-"),))
+        else:
+            cases, _ = _local(cfg, Path(name), (pipeline,), peers=False)
     result = {"environment": environment("cpu"), "config": {"cold_reps": reps, "warmup": cfg.warmup, "mode": cfg.mode}}
     result |= {"cases": cases, "tables": _table(cases), "rows": [r for case in cases for r in _rows(case)]}
     out.write_text(json.dumps(result, indent=1) + "\n")
@@ -293,5 +301,6 @@ if __name__ == "__main__":
     parser.add_argument("out", type=Path, help="the JSON result")
     parser.add_argument("--pipeline", default="map", choices=RECHECKED)
     parser.add_argument("--workers", type=int, nargs="+", default=[0], help="num_workers, each a case")
+    parser.add_argument("--control", action="store_true", help="DataLoader against itself as well (A/A)")
     args = parser.parse_args()
-    recheck(args.reps, args.out, args.pipeline, tuple(args.workers))
+    recheck(args.reps, args.out, args.pipeline, tuple(args.workers), args.control)

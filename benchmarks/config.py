@@ -75,6 +75,7 @@ class Config:
     cold_samples: int = 10**6  # the map-style dataset's length
     cold_tokens: int = 2**22  # the packed pipeline's token file
     cold_timeout_s: float = 300.0  # a bound for a hung child, not for a slow one
+    cold_control: bool = False  # DataLoader against itself too: the spread this machine gives a ratio of equals
 
 
 _CPU_MODEL = Model(features=256, hidden=512, depth=2, batch_size=64, steps=400, num_workers=0)  # ~1 s a run
