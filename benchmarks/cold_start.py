@@ -124,8 +124,9 @@ def _peer_specs(cfg: Config, directory: Path, pipeline: str, n: int, spec: dict)
     return specs, notes
 
 
-def _case(cfg: Config, directory: Path, label: str, spec: dict, n: int, peers: dict, before=None) -> dict:
-    """Every candidate of one pipeline at one worker count, interleaved."""
+def candidate_specs(directory: Path, label: str, spec: dict, n: int) -> dict[str, Path]:
+    """The spec files of DataLoader and ours (at every position with 0 workers or map-style, the middle
+    otherwise) for one pipeline at one worker count."""
     workers = spec["num_workers"]
     tag = f"{label}-w{workers}"
     specs = {BASELINE: _write(directory, f"{tag}-torch", {**spec, "system": "torch"})}
@@ -133,6 +134,13 @@ def _case(cfg: Config, directory: Path, label: str, spec: dict, n: int, peers: d
     for where, position in positions(n, BATCH).items() if every else [("middle", positions(n, BATCH)["middle"])]:
         ours = {**spec, "system": "ours"}
         specs[f"ours at {where}"] = _write(directory, f"{tag}-ours-{where}", ours, _ours_state(ours, position))
+    return specs
+
+
+def _case(cfg: Config, directory: Path, label: str, spec: dict, n: int, peers: dict, before=None) -> dict:
+    """Every candidate of one pipeline at one worker count, interleaved."""
+    workers = spec["num_workers"]
+    specs = candidate_specs(directory, label, spec, n)
     if workers == 0:
         specs |= peers
     if cfg.cold_control:
@@ -179,10 +187,8 @@ def _table(cases: list[dict]) -> list[str]:
     return lines
 
 
-def _local(
-    cfg: Config, directory: Path, pipelines: tuple[str, ...] = ("map", "packed"), peers: bool = True
-) -> tuple[list[dict], list[str]]:
-    """The map-style and packed pipelines, every worker count; `peers=False`: ours and DataLoader only."""
+def local_specs(cfg: Config, directory: Path, pipelines: tuple[str, ...]) -> dict[str, dict]:
+    """The map-style and packed pipelines' specs at 0 workers (the packed one's token file written)."""
     from benchmarks.packing import write_documents
 
     tokens = directory / "documents.bin"
@@ -192,9 +198,15 @@ def _local(
         "map": {"pipeline": "map", "n": cfg.cold_samples, "torch_shuffle": True},
         "packed": {"pipeline": "packed", "data": str(tokens), "torch_shuffle": True, **PACKED},
     }
+    return {label: {**specs[label], "batch_size": BATCH, "num_workers": 0} for label in pipelines}
+
+
+def _local(
+    cfg: Config, directory: Path, pipelines: tuple[str, ...] = ("map", "packed"), peers: bool = True
+) -> tuple[list[dict], list[str]]:
+    """The map-style and packed pipelines, every worker count; `peers=False`: ours and DataLoader only."""
     cases, notes = [], []
-    for label in pipelines:
-        spec = {**specs[label], "batch_size": BATCH, "num_workers": 0}
+    for label, spec in local_specs(cfg, directory, pipelines).items():
         n = len(loader_of(spec).dataset)
         resumed, missing = _peer_specs(cfg, directory, label, n, spec) if peers else ({}, [])
         notes += missing

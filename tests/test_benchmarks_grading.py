@@ -120,9 +120,10 @@ def test_the_instruction_counts_are_read_per_candidate_and_round_and_graded_as_a
         per_batch(dumps[:4], 6, MEASURED, batches=2)
 
 
-def test_the_instruction_count_without_valgrind_says_so_and_exits_cleanly(tmp_path):
+@pytest.mark.parametrize("module", ["benchmarks.instructions", "benchmarks.cold_start_instructions"])
+def test_the_instruction_count_without_valgrind_says_so_and_exits_cleanly(tmp_path, module):
     done = subprocess.run(
-        [sys.executable, "-m", "benchmarks.instructions"],
+        [sys.executable, "-m", module],
         env={"PATH": str(tmp_path), "PYTHONPATH": str(Path(__file__).resolve().parent.parent)},
         capture_output=True,
         text=True,

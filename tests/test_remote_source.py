@@ -466,11 +466,11 @@ def test_a_full_cache_disk_is_reported_as_such_and_not_retried(s3, tmp_path, cap
 def test_a_server_that_never_answers_is_given_up_at_the_deadline(s3, shard_dir, tmp_path, monkeypatch):
     """No answer reaches the client: botocore's read_timeout (60 s) times its attempts times s3fs's retries made it
     about 75 min; every attempt is cut at the deadline (2 s here, 300 s by default), and the error says so."""
-    monkeypatch.setattr(remote_module, "RETRY_DEADLINE_S", 2.0)
     port = urlparse(s3.options["endpoint_url"]).port
     with cutting_proxy(port) as proxy:
         source = remote_source(s3, tmp_path, storage_options=s3_options(proxy.url))
-        proxy.hold()
+        monkeypatch.setattr(remote_module, "RETRY_DEADLINE_S", 2.0)  # after the build: a loaded machine's build
+        proxy.hold()  # took 2 s (its look-ups' first connections) and failed here
         outcome = []
         reader = threading.Thread(target=lambda: outcome.append(_raised(lambda: source[0])), daemon=True)
         reader.start()
